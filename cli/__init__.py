@@ -1,0 +1,1 @@
+"""Command-line front ends: thin shells over collectors, diagnostics, generation and recovery."""

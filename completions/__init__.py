@@ -1,0 +1,1 @@
+"""Generated shell completion scripts for the three commands (bash, zsh, fish)."""

@@ -1,0 +1,1 @@
+"""Generation certificates: incarnations, rules, ledger backends, state manifests, ownership."""

@@ -1,0 +1,1 @@
+"""Plugin registry (entry points) and the built-in outputs."""

@@ -1,0 +1,1 @@
+"""Recovery: the in-job runtime, operator actions, runbooks."""
