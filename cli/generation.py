@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from gpuguard.cli import generation_bench
 from gpuguard.cli._app import entry, make_app
 
 app = make_app(
     "gpu-generation",
     "Generation certificates: membership (incarnations) + commit frontier + state digest + ownership, certified together.",
 )
+
+generation_bench.register(app=app)
 
 main = entry(app, "gpu-generation")
 
