@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from gpuguard.cli import doctor_contract, doctor_job, doctor_logs, doctor_node
+from gpuguard.cli import doctor_contract, doctor_job, doctor_logs, doctor_node, doctor_torchrun
 from gpuguard.cli._app import entry, make_app
 
 app = make_app(
@@ -24,7 +24,7 @@ app.add_typer(diagnose_app, name="diagnose")
 app.add_typer(watch_app, name="watch")
 app.add_typer(plan_app, name="plan")
 
-for _module in (doctor_node, doctor_logs, doctor_job, doctor_contract):
+for _module in (doctor_node, doctor_logs, doctor_job, doctor_contract, doctor_torchrun):
     _module.register(app=app, diagnose=diagnose_app, watch=watch_app, plan=plan_app)
 
 main = entry(app, "gpu-doctor")
