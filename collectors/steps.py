@@ -1,0 +1,219 @@
+"""Read per-rank step records: the StepLog streams under `<job-dir>/ranks/`, or ordinary training logs.
+
+Tolerant by design: the writer may be mid-write (torn last line), two writers may have shared a file
+(interleaved lines), the wall clock may jump, segments may rotate away while we read, a rank may not
+have written anything yet. Nothing here raises on bad content: bad lines are counted and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+from gpuguard.diagnostics.jobmodel import (
+    BETWEEN, CLOSED, COLLECTIVE, COMPUTING, STARTING, Phase, ProcessState, RankSeries, StepSample,
+)
+from gpuguard.recovery.steplog import RANKS_DIR, SUFFIX
+
+_NAME = re.compile(r"^(\d{1,7})\.([A-Za-z0-9_-]{1,64})\.(\d{6,})" + re.escape(SUFFIX) + r"$")
+CLOCK_JUMP_S = 1.0  # wall vs monotonic disagreement that counts as a clock jump
+MAX_STEPS = 4096  # most recent step samples kept per rank
+MAX_ERRORS = 8
+
+
+@dataclass(frozen=True)
+class JobRecords:
+    """What `read_job` found: one series per rank (its newest incarnation) plus what it skipped."""
+
+    job_dir: str
+    ranks: dict[int, RankSeries]
+    skipped_files: tuple[str, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+def _f(tok: str) -> float:
+    v = float(tok)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError("not finite")
+    return v
+
+
+def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
+                max_steps: int = MAX_STEPS) -> RankSeries:
+    """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises."""
+    header: dict = {}
+    steps: list[StepSample] = []
+    phase = Phase(STARTING)
+    errors: list[str] = []
+    bad = jumps = 0
+    last_wall = last_mono = 0.0
+    prev_wall = prev_mono = None
+    prev_end_mono: float | None = None
+    for line in lines:
+        if not line:
+            continue
+        kind = line[0]
+        try:
+            if kind == "H":
+                h = json.loads(line[2:])
+                if not isinstance(h, dict):
+                    raise ValueError("header is not an object")
+                if not header:
+                    header = h
+                w, m = _f(str(h.get("wall", 0))), _f(str(h.get("mono", 0)))
+                if phase.kind == STARTING:
+                    phase = Phase(STARTING, since_wall=w, since_mono=m)
+            else:
+                t = line[2:].split(" ")
+                if kind == "S":
+                    if len(t) != 3:
+                        raise ValueError
+                    step, w, m = int(t[0]), _f(t[1]), _f(t[2])
+                    phase = Phase(COMPUTING, step=step, since_wall=w, since_mono=m)
+                elif kind == "C":
+                    if len(t) != 6:
+                        raise ValueError
+                    seq, step, w, m, nb = int(t[0]), int(t[1]), _f(t[2]), _f(t[3]), int(t[4])
+                    phase = Phase(COLLECTIVE, step=step, seq=seq, op=t[5], nbytes=nb, since_wall=w, since_mono=m)
+                elif kind == "X":
+                    if len(t) != 4:
+                        raise ValueError
+                    seq, w, m = int(t[0]), _f(t[1]), _f(t[2])
+                    _f(t[3])
+                    phase = Phase(COMPUTING, step=phase.step, since_wall=w, since_mono=m)
+                elif kind == "E":
+                    if len(t) != 6:
+                        raise ValueError
+                    step, w, m, comp, wait, nb = int(t[0]), _f(t[1]), _f(t[2]), _f(t[3]), _f(t[4]), int(t[5])
+                    if comp < 0 or wait < 0:
+                        raise ValueError
+                    interval = (m - prev_end_mono) if prev_end_mono is not None and m > prev_end_mono else None
+                    steps.append(StepSample(step, w, m, comp, wait, nb, interval))
+                    if len(steps) > 2 * max_steps:
+                        del steps[: len(steps) - max_steps]
+                    prev_end_mono = m
+                    phase = Phase(BETWEEN, step=step, since_wall=w, since_mono=m)
+                elif kind == "B":
+                    if len(t) != 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                elif kind == "F":
+                    if len(t) < 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                    errors.append(" ".join(t[2:]))
+                    del errors[:-MAX_ERRORS]
+                elif kind == "Z":
+                    if len(t) != 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                    phase = Phase(CLOSED, step=phase.step, since_wall=w, since_mono=m)
+                else:
+                    raise ValueError
+                if prev_wall is not None and abs((w - prev_wall) - (m - prev_mono)) > CLOCK_JUMP_S:
+                    jumps += 1
+                prev_wall, prev_mono = w, m
+                last_wall, last_mono = w, m
+        except (ValueError, IndexError, TypeError, OverflowError):
+            bad += 1
+    pid = header.get("pid")
+    return RankSeries(
+        rank=rank,
+        incarnation=incarnation,
+        generation=int(header.get("generation", 0)) if isinstance(header.get("generation", 0), int) else 0,
+        pid=pid if isinstance(pid, int) and pid > 0 else None,
+        host=str(header.get("host", "")),
+        start_wall=float(header.get("wall", 0) or 0) if isinstance(header.get("wall", 0), (int, float)) else 0.0,
+        start_mono=float(header.get("mono", 0) or 0) if isinstance(header.get("mono", 0), (int, float)) else 0.0,
+        steps=tuple(steps[-max_steps:]),
+        phase=phase,
+        last_wall=last_wall or (phase.since_wall if phase.kind == STARTING else 0.0),
+        last_mono=last_mono or (phase.since_mono if phase.kind == STARTING else 0.0),
+        errors=tuple(errors),
+        bad_lines=bad,
+        clock_jumps=jumps,
+    )
+
+
+def _complete_lines(data: bytes) -> list[str]:
+    """Whole lines only: a torn last record (no newline yet) is not a record."""
+    end = data.rfind(b"\n")
+    if end < 0:
+        return []
+    return data[:end].decode("utf-8", "replace").split("\n")
+
+
+def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
+    """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
+    root = Path(job_dir) / RANKS_DIR
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    skipped: list[str] = []
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return JobRecords(str(job_dir), {}, ())
+    for name in names:
+        m = _NAME.match(name)
+        if not m:
+            if name.endswith(SUFFIX):
+                skipped.append(name)
+            continue
+        groups.setdefault((int(m.group(1)), m.group(2)), []).append((int(m.group(3)), name))
+    per_rank: dict[int, list[RankSeries]] = {}
+    for (rank, inc), segs in groups.items():
+        lines: list[str] = []
+        files = []
+        for _, name in sorted(segs):
+            try:
+                with open(root / name, "rb") as fh:
+                    data = fh.read()
+            except OSError:  # rotated away while we listed
+                continue
+            lines.extend(_complete_lines(data))
+            files.append(name)
+        if not files:
+            continue
+        series = parse_lines(lines, rank=rank, incarnation=inc, max_steps=max_steps)
+        per_rank.setdefault(rank, []).append(replace(series, files=tuple(files)))
+    ranks: dict[int, RankSeries] = {}
+    for rank, all_series in per_rank.items():
+        newest = max(all_series, key=lambda s: (s.generation, s.start_wall, s.last_wall, s.incarnation))
+        ranks[rank] = replace(newest, incarnations_seen=len(all_series))
+    return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)))
+
+
+def probe_process(pid: int | None, start_wall: float = 0.0) -> ProcessState:
+    """The OS view of a rank's process (psutil; no torch). A reused pid counts as gone."""
+    if pid is None:
+        return ProcessState("unknown", "no pid in the record header")
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        created = proc.create_time()
+        if start_wall and created > start_wall + 2.0:
+            return ProcessState("gone", f"pid {pid} now belongs to a newer process")
+        status = proc.status()
+    except psutil.NoSuchProcess:
+        return ProcessState("gone", f"pid {pid} does not exist")
+    except psutil.AccessDenied:
+        return ProcessState("unknown", f"pid {pid}: access denied")
+    mapping = {
+        psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "stopped",
+        psutil.STATUS_ZOMBIE: "zombie", psutil.STATUS_DEAD: "gone",
+        psutil.STATUS_DISK_SLEEP: "disk-sleep", psutil.STATUS_RUNNING: "running",
+    }
+    return ProcessState(mapping.get(status, "sleeping"), f"pid {pid} status {status}")
+
+
+def local_host() -> str:
+    import socket
+
+    return socket.gethostname()

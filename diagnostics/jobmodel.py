@@ -1,0 +1,124 @@
+"""The records the dead-vs-slow vote reads: per-rank step series, phase, process state.
+
+Pure data (frozen dataclasses, no I/O): collectors fill them from step logs, the process table and
+other doctors' findings; the vote and the simulator consume them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# phase kinds
+COMPUTING = "computing"  # inside a step, not in a collective: the rank's own work
+COLLECTIVE = "collective"  # waiting in collective N: blocked on the slowest peer
+BETWEEN = "between"  # after end_step, before the next begin_step (data loading, logging)
+STARTING = "starting"  # header written, no step yet
+CLOSED = "closed"  # the rank closed its log cleanly
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One finished step of one rank: its own compute time separated from its collective wait."""
+
+    step: int
+    end_wall: float
+    end_mono: float
+    compute_s: float
+    wait_s: float
+    nbytes: int = 0
+    interval_s: float | None = None  # time since the previous step's end (the rank's step period)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.wait_s
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What the rank was doing at its last record, and since when."""
+
+    kind: str
+    step: int = -1
+    seq: int = -1
+    op: str = ""
+    nbytes: int = 0
+    since_wall: float = 0.0
+    since_mono: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankSeries:
+    """Everything one rank's (current) incarnation wrote."""
+
+    rank: int
+    incarnation: str
+    generation: int = 0
+    pid: int | None = None
+    host: str = ""
+    start_wall: float = 0.0
+    start_mono: float = 0.0
+    steps: tuple[StepSample, ...] = ()
+    phase: Phase = Phase(STARTING)
+    last_wall: float = 0.0  # last record of any kind (heartbeat included)
+    last_mono: float = 0.0
+    errors: tuple[str, ...] = ()
+    bad_lines: int = 0
+    clock_jumps: int = 0
+    incarnations_seen: int = 1
+    files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The rank's process as the OS sees it (psutil), or `unknown` when it cannot be seen."""
+
+    state: str  # running | sleeping | stopped | zombie | disk-sleep | gone | unknown
+    detail: str = ""
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class HardwareEvidence:
+    """A node doctor's finding about the GPU a rank runs on (input, not computed here)."""
+
+    rank: int
+    kind: str  # xid | gpu-lost | recovery-action | ecc
+    fatal: bool
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class CommError:
+    """A communication error from some log, naming the rank that saw it and, if known, its peer."""
+
+    rank: int | None
+    peer: int | None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class RankObservation:
+    """The vote's input for one rank at one check: features, not raw history (fast at 10,000 ranks)."""
+
+    rank: int
+    alive: ProcessState = ProcessState("unknown")
+    has_records: bool = True
+    phase: str = STARTING
+    phase_step: int = -1
+    phase_seq: int = -1
+    phase_age_s: float = 0.0  # how long it has been in its current phase
+    progress_age_s: float = 0.0  # since its last record of any kind
+    n_steps: int = 0
+    period_p50_s: float = 0.0  # own step period quantiles (learned)
+    period_p99_s: float = 0.0
+    period_p999_s: float = 0.0
+    compute_p50_s: float = 0.0  # own compute quantiles
+    compute_p999_s: float = 0.0
+    recent_compute_s: float = 0.0  # median own compute over the recent window
+    recent_period_s: float = 0.0
+    nbytes: int = 0  # bytes of the collective it is in (or of its last step)
+    closed: bool = False
+    errors: tuple[str, ...] = ()
+    hardware: tuple[HardwareEvidence, ...] = ()
+    comm_errors: tuple[CommError, ...] = ()
+    notes: tuple[str, ...] = field(default=())

@@ -1,0 +1,191 @@
+"""Per-rank step records: what a rank is doing right now, cheaply, for an outside reader.
+
+Why this exists: in a synchronous job one hung rank stops every other rank at the next collective, and
+one slow rank makes everyone's wall step slow. The only way an outside observer can name the rank that
+never *arrived* (or the straggler by its *own* compute time) is if every rank says, as it goes, which
+phase it is in: computing step S since t, or waiting in collective N since t.
+
+The writer is standard-library only (training processes import it; no torch, no yaml) and costs a few
+microseconds per call: each call formats one short text line and hands it to the kernel with a single
+``os.write`` on an ``O_APPEND`` descriptor, so a reader in another process sees it at once and a torn
+write can only ever be the *last* line (readers drop a line without its newline).
+
+Layout: ``<job-dir>/ranks/<rank>.<incarnation>.<segment>.steplog``. Every segment starts with a header
+line (rank, incarnation, generation, pid, host, wall and monotonic start) so that it stands alone after
+rotation; when a segment passes ``max_bytes`` the writer opens the next one and deletes segments older
+than ``keep``. Record lines (times: wall clock and CLOCK_MONOTONIC, seconds, µs resolution)::
+
+    H {json header}
+    S <step> <wall> <mono>                          begin step  -> phase: computing step
+    C <seq> <step> <wall> <mono> <nbytes> <op>      enter collective -> phase: waiting in collective
+    X <seq> <wall> <mono> <wait_s>                  exit collective  -> phase: computing
+    E <step> <wall> <mono> <compute_s> <wait_s> <nbytes>   end step (own compute vs wait split)
+    B <wall> <mono>                                 heartbeat
+    F <wall> <mono> <message>                       an error the rank saw (e.g. a collective failed)
+    Z <wall> <mono>                                 clean close
+
+Wall time answers "when"; monotonic time makes durations and ages immune to wall-clock jumps (the
+reader uses it whenever it runs on the writer's host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+
+FORMAT_VERSION = 1
+SUFFIX = ".steplog"
+RANKS_DIR = "ranks"
+DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB per segment: ~20,000 records
+DEFAULT_KEEP = 3  # segments kept per incarnation (bounded size: keep × max_bytes)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def safe_incarnation(incarnation_id: str) -> str:
+    """The incarnation id as it appears in a file name ('.' separates fields, '/' separates dirs)."""
+    return _UNSAFE.sub("-", str(incarnation_id))[:64] or "x"
+
+
+def segment_name(rank: int, incarnation_id: str, segment: int) -> str:
+    return f"{int(rank)}.{safe_incarnation(incarnation_id)}.{segment:06d}{SUFFIX}"
+
+
+class StepLog:
+    """Append-only, rotated step/phase/heartbeat records of one rank incarnation.
+
+    Thread-safe (a heartbeat thread may share it). Methods never raise on I/O errors after
+    construction: a full disk must not kill a training step; `errors` counts the lost writes.
+    """
+
+    def __init__(self, job_dir: str | os.PathLike[str], rank: int, incarnation_id: str,
+                 generation: int = 0, *, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP) -> None:
+        self.dir = os.path.join(os.fspath(job_dir), RANKS_DIR)
+        os.makedirs(self.dir, exist_ok=True)
+        self.rank = int(rank)
+        self.incarnation = safe_incarnation(incarnation_id)
+        self.generation = int(generation)
+        self.max_bytes = max(4096, int(max_bytes))
+        self.keep = max(1, int(keep))
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._segment = -1
+        self._fd = -1
+        self._size = 0
+        # per-step accounting (monotonic seconds)
+        self._step = -1
+        self._step_t0 = 0.0
+        self._coll_t0 = 0.0
+        self._coll_seq = -1
+        self._wait = 0.0
+        self._nbytes = 0
+        self._open_next()
+
+    # -- file handling -------------------------------------------------------------------------
+    def _path(self, segment: int) -> str:
+        return os.path.join(self.dir, segment_name(self.rank, self.incarnation, segment))
+
+    def _open_next(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._segment += 1
+        path = self._path(self._segment)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
+        header = {
+            "v": FORMAT_VERSION, "rank": self.rank, "incarnation": self.incarnation,
+            "generation": self.generation, "pid": self.pid, "host": self.host,
+            "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
+        }
+        self._raw(("H " + json.dumps(header, separators=(",", ":")) + "\n").encode())
+        old = self._segment - self.keep
+        if old >= 0:
+            try:
+                os.unlink(self._path(old))
+            except OSError:
+                pass
+
+    def _raw(self, data: bytes) -> None:
+        try:
+            os.write(self._fd, data)
+            self._size += len(data)
+        except OSError:
+            self.errors += 1
+
+    def _write(self, line: str) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return
+            if self._size >= self.max_bytes:
+                try:
+                    self._open_next()
+                except OSError:
+                    self.errors += 1
+                    return
+            self._raw(line.encode())
+
+    # -- the API ---------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Phase: computing step `step` since now."""
+        w, m = time.time(), time.monotonic()
+        self._step, self._step_t0, self._wait, self._nbytes = int(step), m, 0.0, 0
+        self._write(f"S {int(step)} {w:.6f} {m:.6f}\n")
+
+    def enter_collective(self, seq: int, op: str = "all_reduce", nbytes: int = 0) -> None:
+        """Phase: waiting in collective `seq` since now (the compute before it is this rank's own)."""
+        w, m = time.time(), time.monotonic()
+        self._coll_t0, self._coll_seq = m, int(seq)
+        self._nbytes += max(0, int(nbytes))
+        op = _UNSAFE.sub("_", str(op))[:32] or "op"
+        self._write(f"C {int(seq)} {self._step} {w:.6f} {m:.6f} {max(0, int(nbytes))} {op}\n")
+
+    def exit_collective(self, seq: int) -> None:
+        """Phase: computing again; the time since `enter_collective` counts as wait."""
+        w, m = time.time(), time.monotonic()
+        waited = m - self._coll_t0 if self._coll_seq == int(seq) else 0.0
+        self._wait += waited
+        self._coll_seq = -1
+        self._write(f"X {int(seq)} {w:.6f} {m:.6f} {waited:.6f}\n")
+
+    def end_step(self, step: int) -> None:
+        """Step end: wall time and the split of the step into own compute and collective wait."""
+        w, m = time.time(), time.monotonic()
+        total = m - self._step_t0 if self._step == int(step) else 0.0
+        compute = max(0.0, total - self._wait)
+        self._write(f"E {int(step)} {w:.6f} {m:.6f} {compute:.6f} {self._wait:.6f} {self._nbytes}\n")
+
+    def heartbeat(self) -> None:
+        """Alive, without a phase change (call from a side thread or a long section)."""
+        self._write(f"B {time.time():.6f} {time.monotonic():.6f}\n")
+
+    def error(self, message: str) -> None:
+        """Record an error this rank saw (a failed collective names its peer): evidence for the vote."""
+        text = " ".join(str(message).split())[:400]
+        self._write(f"F {time.time():.6f} {time.monotonic():.6f} {text}\n")
+
+    def close(self) -> None:
+        """Clean exit: the reader tells a finished rank from a dead one by this record."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            self._raw(f"Z {time.time():.6f} {time.monotonic():.6f}\n".encode())
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
+    def __enter__(self) -> "StepLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
