@@ -1,0 +1,341 @@
+"""The job directory layout: one place that knows where every part of a job lives.
+
+The runtime (inside training processes), `gpu-recover`, `gpu-doctor` and `gpu-generation` all
+read and write the same `<job-dir>`; they import these helpers instead of hard-coding paths, so
+the layout can change in one place. Small JSON records are written atomically (temp file +
+fsync + rename) because a worker may be SIGKILLed mid-write and a reader must never see half a
+record. Stdlib only: `gpu-doctor` imports this and must stay torch-free.
+
+Layout::
+
+    <job-dir>/job.json                        job id (gpu-generation init, or the runtime's first start)
+    <job-dir>/ledger/ + key                   generation ledger and signing key (generation/)
+    <job-dir>/ranks/                          per-rank step records (recovery/steplog.py)
+    <job-dir>/incarnations/<id>.json          one per worker process (this module)
+    <job-dir>/snapshots/step-<S>/             DCP snapshot + manifest.json (recovery/snapshot.py)
+    <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
+    <job-dir>/coord/                          activation protocol files (if any)
+    <job-dir>/traces/<rank>.<incarnation>.json collective traces
+    <job-dir>/audit.log                       operator actions, JSON lines (recovery/audit.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from gpuguard.errors import DataError, NoInputError, from_os_error
+
+JOB_JSON = "job.json"
+JOB_SCHEMA = "gpuguard.job-dir/1"
+INCARNATION_SCHEMA = "gpuguard.incarnation/1"
+_STEP_DIR = re.compile(r"^step-(\d{1,15})$")
+
+
+# ---------------------------------------------------------------- paths
+
+def job_json_path(job_dir: str | Path) -> Path:
+    return Path(job_dir) / JOB_JSON
+
+
+def ledger_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "ledger"
+
+
+def ranks_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "ranks"
+
+
+def incarnations_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "incarnations"
+
+
+def incarnation_path(job_dir: str | Path, incarnation_id: str) -> Path:
+    _check_name(incarnation_id, "incarnation id")
+    return incarnations_dir(job_dir) / f"{incarnation_id}.json"
+
+
+def snapshots_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "snapshots"
+
+
+def snapshot_dir(job_dir: str | Path, step: int) -> Path:
+    return snapshots_dir(job_dir) / step_dir_name(step)
+
+
+def checkpoints_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "checkpoints"
+
+
+def checkpoint_dir(job_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(job_dir) / step_dir_name(step)
+
+
+def coord_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "coord"
+
+
+def traces_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "traces"
+
+
+def trace_path(job_dir: str | Path, rank: int, incarnation_id: str) -> Path:
+    _check_name(incarnation_id, "incarnation id")
+    return traces_dir(job_dir) / f"{int(rank)}.{incarnation_id}.json"
+
+
+def audit_log_path(job_dir: str | Path) -> Path:
+    return Path(job_dir) / "audit.log"
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """`step-42` -> 42; anything else (temp dirs, stray files) -> None."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(parent: str | Path) -> list[tuple[int, Path]]:
+    """The `step-<S>` folders under `parent`, oldest first (missing parent -> empty)."""
+    parent = Path(parent)
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise from_os_error(exc, str(parent)) from exc
+    found = []
+    for entry in entries:
+        step = parse_step_dir(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            found.append((step, Path(entry.path)))
+    return sorted(found)
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise DataError(f"invalid {what}: {name!r}")
+
+
+# ---------------------------------------------------------------- atomic JSON
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename durable (best effort: some filesystems refuse directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: str | Path, doc: Mapping[str, Any], mode: int = 0o644) -> None:
+    atomic_write_bytes(path, (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode(), mode)
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object from `path`: NoInputError if missing, DataError if malformed."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise NoInputError(f"{path}: no such file") from exc
+    except OSError as exc:
+        raise from_os_error(exc, str(path)) from exc
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: malformed JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return doc
+
+
+# ---------------------------------------------------------------- job.json
+
+@dataclass(frozen=True)
+class JobInfo:
+    """`job.json`: the job's identity, fixed at its first start."""
+
+    job_id: str
+    created: float
+    created_by: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": JOB_SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "JobInfo":
+        try:
+            job_id = doc["job_id"]
+            if not isinstance(job_id, str) or not job_id:
+                raise TypeError("job_id must be a non-empty string")
+            return cls(job_id=job_id, created=float(doc.get("created", 0.0)),
+                       created_by=str(doc.get("created_by", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"job.json: {exc}") from exc
+
+
+def read_job(job_dir: str | Path) -> JobInfo | None:
+    """The job's identity, or None if the job directory has not been initialised."""
+    try:
+        return JobInfo.from_dict(read_json(job_json_path(job_dir)))
+    except NoInputError:
+        return None
+
+
+def ensure_job(job_dir: str | Path, job_id: str | None = None, created_by: str = "runtime") -> JobInfo:
+    """Create `job.json` once (race-safe between ranks: the first writer wins); return it."""
+    job_dir = Path(job_dir)
+    existing = read_job(job_dir)
+    if existing is not None:
+        return existing
+    job_dir.mkdir(parents=True, exist_ok=True)
+    info = JobInfo(job_id=job_id or job_dir.resolve().name, created=time.time(),
+                   created_by=f"{created_by}@{socket.gethostname()}:{os.getpid()}")
+    data = (json.dumps(info.to_dict(), sort_keys=True, indent=1) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(prefix=".job.json.", suffix=".tmp", dir=job_dir)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, job_json_path(job_dir))  # atomic create-if-absent
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+    fsync_dir(job_dir)
+    found = read_job(job_dir)
+    if found is None:  # pragma: no cover - deleted under our feet
+        raise DataError(f"{job_json_path(job_dir)}: vanished while being created")
+    return found
+
+
+# ---------------------------------------------------------------- incarnations
+
+@dataclass(frozen=True)
+class IncarnationRecord:
+    """What a worker process writes when it starts: enough for `gpu-recover abort` to find it by
+    PID (checked against the process create time, so a reused PID is never signalled)."""
+
+    incarnation: Mapping[str, Any]      # generation.records.Incarnation.to_dict()
+    rank: int
+    local_rank: int
+    world_size: int
+    generation: int | None              # None until activation certified one
+    agent_pid: int
+    run_id: str
+    master_addr: str
+    master_port: int
+    restart_count: int
+    attempt: str = ""                   # the rendezvous attempt token this process joined under
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def incarnation_id(self) -> str:
+        return str(self.incarnation["id"])
+
+    @property
+    def pid(self) -> int:
+        return int(self.incarnation["pid"])
+
+    @property
+    def start_time(self) -> float:
+        return float(self.incarnation["start_time"])
+
+    @property
+    def host(self) -> str:
+        return str(self.incarnation.get("host", ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["incarnation"] = dict(self.incarnation)
+        doc["extra"] = dict(self.extra)
+        return {"schema": INCARNATION_SCHEMA, **doc}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "IncarnationRecord":
+        try:
+            inc = doc["incarnation"]
+            if not isinstance(inc, dict) or "id" not in inc or "pid" not in inc or "start_time" not in inc:
+                raise TypeError("incarnation must carry id, pid and start_time")
+            gen = doc.get("generation")
+            return cls(
+                incarnation=dict(inc), rank=int(doc["rank"]), local_rank=int(doc["local_rank"]),
+                world_size=int(doc["world_size"]), generation=None if gen is None else int(gen),
+                agent_pid=int(doc["agent_pid"]), run_id=str(doc["run_id"]),
+                master_addr=str(doc["master_addr"]), master_port=int(doc["master_port"]),
+                restart_count=int(doc["restart_count"]), attempt=str(doc.get("attempt", "")),
+                extra=dict(doc.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"incarnation record: {exc}") from exc
+
+
+def write_incarnation(job_dir: str | Path, record: IncarnationRecord) -> Path:
+    path = incarnation_path(job_dir, record.incarnation_id)
+    atomic_write_json(path, record.to_dict())
+    return path
+
+
+def iter_incarnations(job_dir: str | Path) -> Iterator[IncarnationRecord | DataError]:
+    """Every incarnation record, oldest file first; a malformed one is yielded as its DataError
+    (readers decide whether to skip or report it, nothing is silently dropped)."""
+    folder = incarnations_dir(job_dir)
+    try:
+        names = sorted(os.scandir(folder), key=lambda e: e.stat().st_mtime)
+    except FileNotFoundError:
+        return
+    for entry in names:
+        if not entry.name.endswith(".json") or entry.name.startswith("."):
+            continue
+        try:
+            yield IncarnationRecord.from_dict(read_json(entry.path))
+        except DataError as exc:
+            yield DataError(f"{entry.path}: {exc}")
+        except NoInputError:
+            continue  # removed between listing and reading
+
+
+def read_incarnations(job_dir: str | Path) -> list[IncarnationRecord]:
+    """The well-formed incarnation records (see `iter_incarnations` for the malformed ones)."""
+    return [r for r in iter_incarnations(job_dir) if isinstance(r, IncarnationRecord)]
