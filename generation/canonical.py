@@ -1,0 +1,71 @@
+"""Canonical encoding: one byte string per value, so a digest or a signature means one thing.
+
+Sorted keys, compact separators, UTF-8 (no escapes to flip), integers for integral numbers.
+A float that holds an integer is written as that integer; NaN and infinities are refused
+(they have no portable JSON form). Times in records are carried as decimal strings (see
+`records.encode_time`) so they round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+def normalize(value: Any) -> Any:
+    """The JSON value that `value` canonically stands for (tuples -> lists, integral floats -> ints)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite number {value!r} has no canonical form")
+        return int(value) if value.is_integer() else value
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"canonical mappings need string keys, got {type(k).__name__}")
+            out[k] = normalize(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [normalize(v) for v in value]
+    raise TypeError(f"{type(value).__name__} has no canonical encoding")
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """The canonical encoding of a JSON-like value."""
+    return json.dumps(
+        normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest(value: Any) -> str:
+    """SHA-256 (hex) of the canonical encoding."""
+    return sha256_hex(canonical_bytes(value))
+
+
+def parse_canonical(data: bytes) -> Any:
+    """Parse bytes that must be exactly the canonical encoding of what they contain.
+
+    Raises ValueError when the bytes are not JSON or not in canonical form (a flipped byte that
+    still parses, e.g. a changed escape or added space, is caught here, not silently accepted).
+    """
+    try:
+        text = data.decode("utf-8")
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if canonical_bytes(value) != data:
+        raise ValueError("not in canonical form")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")

@@ -1,0 +1,57 @@
+"""Create a job's generation home: the ledger, the 0600 signing key and the signed genesis certificate."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuguard.errors import GpuguardError, from_os_error
+from gpuguard.generation.certificate import issue
+from gpuguard.generation.keys import create_key, key_path
+from gpuguard.generation.ledger import Ledger, open_ledger
+from gpuguard.generation.records import Certificate, Frontier
+
+
+@dataclass(frozen=True)
+class InitResult:
+    ledger: Ledger
+    genesis: Certificate
+
+
+def issuer() -> str:
+    """Who issues a certificate: user@host:pid (an audit hint, not an authority)."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in a container
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}:{os.getpid()}"
+
+
+def init_job(job_dir: str | Path, *, url: str | None = None, job_id: str | None = None,
+             timeout: float = 5.0) -> InitResult:
+    """Create `<job_dir>`, its key (0600, never overwritten) and generation 0 in the ledger."""
+    job_dir = Path(job_dir)
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise from_os_error(exc, str(job_dir)) from None
+    if key_path(job_dir).exists():
+        raise GpuguardError(f"{job_dir}: already initialized (signing key exists; refusing to overwrite)",
+                            exit_code=73)
+    # Reach the ledger before creating anything, so an unreachable etcd leaves nothing behind.
+    probe = open_ledger(job_dir, url, timeout=timeout)
+    if probe.generations():
+        raise GpuguardError(f"{probe.url}: ledger already holds certificates", exit_code=73)
+    create_root = getattr(probe, "create_root", None)
+    if create_root:
+        create_root()
+    key = create_key(job_dir)
+    ledger = open_ledger(job_dir, url, key=key, timeout=timeout)
+    genesis = issue(parent=None, job_id=job_id or job_dir.resolve().name, members=(), reason="genesis",
+                    frontier=Frontier(0), quiescence="proved",
+                    quiescence_evidence=("genesis: no previous generation",), issued_by=issuer(), key=key)
+    ledger.initialize(genesis)
+    return InitResult(ledger, genesis)

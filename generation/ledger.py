@@ -1,0 +1,314 @@
+"""The ledger: an append-only hash chain of certificates with compare-and-swap activation.
+
+The logic every backend shares lives here (walking and verifying the chain, the activation
+rules, fencing, the commit frontier); a backend only provides a few storage primitives:
+exclusive creation of generation N, reading it, and append-only logs. `open_ledger` picks the
+backend from a URL: none -> `<job-dir>/ledger/` (directory), `etcd://host:port/prefix` -> etcd.
+
+The active generation is the highest generation reachable from generation 0 through an
+unbroken chain of valid certificates (parseable, canonical, signed, linked). Because a backend
+can only ever *create* generation N = parent + 1 exclusively, exactly one racer wins.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuguard.errors import DataError, NoInputError, RefusedError
+from gpuguard.generation import rules
+from gpuguard.generation.canonical import canonical_bytes, parse_canonical
+from gpuguard.generation.certificate import check
+from gpuguard.generation.keys import key_path, load_key
+from gpuguard.generation.records import Certificate, CommitRecord, Violation, encode_time
+
+LEDGER_SCHEMA = "gpuguard.ledger/1"
+REFUSAL_SCHEMA = "gpuguard.refusal/1"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused activation, kept so `gpu-generation explain` can say which rule and which member."""
+
+    time: float
+    generation: int
+    parent_generation: int | None
+    certificate_digest: str
+    issued_by: str
+    reason: str
+    violations: tuple[Violation, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REFUSAL_SCHEMA, "time": encode_time(self.time), "generation": self.generation,
+            "parent_generation": self.parent_generation, "certificate_digest": self.certificate_digest,
+            "issued_by": self.issued_by, "reason": self.reason,
+            "violations": [v.to_dict() for v in self.violations],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Refusal:
+        return cls(float(d.get("time", "0")), int(d.get("generation", -1)), d.get("parent_generation"),
+                   str(d.get("certificate_digest", "")), str(d.get("issued_by", "")), str(d.get("reason", "")),
+                   tuple(Violation.from_dict(v) for v in d.get("violations", [])))
+
+
+def decode_certificate(raw: bytes) -> Certificate:
+    """Bytes of a stored certificate -> Certificate; ValueError says why they are not one."""
+    return Certificate.from_dict(parse_canonical(raw.rstrip(b"\n")))
+
+
+def encode_certificate(cert: Certificate) -> bytes:
+    return cert.canonical() + b"\n"
+
+
+def parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """Complete JSON lines of an append-only log; a torn last line is ignored, garbled ones counted."""
+    records: list[dict[str, Any]] = []
+    bad = 0
+    lines = data.split(b"\n")
+    for line in lines[:-1]:  # the part after the last newline is an unfinished append
+        if not line:
+            continue
+        try:
+            records.append(parse_canonical(line))
+        except ValueError:
+            bad += 1
+    return records, bad
+
+
+class Ledger(ABC):
+    """The generation ledger of one job (see the module docstring)."""
+
+    url: str
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self._chain: list[Certificate] = []  # verified prefix of the chain, generation i at index i
+
+    # -- backend primitives ---------------------------------------------------------------
+    @abstractmethod
+    def _read(self, generation: int) -> bytes | None:
+        """The stored bytes of generation N, or None if it does not exist."""
+
+    @abstractmethod
+    def _create(self, generation: int, data: bytes) -> bool:
+        """Create generation N exclusively (and only while N-1 is the active one); False if lost."""
+
+    @abstractmethod
+    def _generations(self) -> list[int]:
+        """Every generation number that has a stored record (valid or not)."""
+
+    @abstractmethod
+    def _append(self, log: str, record: dict[str, Any]) -> None:
+        """Append one record to an append-only log (`commits-<G>`, `fenced`, `refusals`)."""
+
+    @abstractmethod
+    def _read_log(self, log: str) -> bytes:
+        """All bytes of a log (b'' when it does not exist)."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the chain ------------------------------------------------------------------------
+    def _valid_next(self, raw: bytes, parent: Certificate | None) -> Certificate | None:
+        try:
+            cert = decode_certificate(raw)
+        except ValueError:
+            return None
+        expected = 0 if parent is None else parent.generation + 1
+        if cert.generation != expected or rules.chain_continuity(cert, parent):
+            return None
+        if self.key is not None and rules.signature(cert, self.key):
+            return None
+        return cert
+
+    def active(self) -> Certificate | None:
+        """The active certificate (None: the ledger has no valid genesis)."""
+        while True:
+            parent = self._chain[-1] if self._chain else None
+            raw = self._read(len(self._chain))
+            if raw is None:
+                return parent
+            cert = self._valid_next(raw, parent)
+            if cert is None:
+                return parent
+            self._chain.append(cert)
+
+    def require_active(self) -> Certificate:
+        cert = self.active()
+        if cert is None:
+            raise NoInputError(f"{self.url}: no valid genesis certificate (run `gpu-generation init`)")
+        return cert
+
+    def history(self) -> list[Certificate]:
+        """The verified chain, generation 0 first, ending at the active generation."""
+        self.active()
+        return list(self._chain)
+
+    def get(self, generation: int) -> Certificate:
+        """Certificate N as stored (parsed, not judged: use `verify` for that)."""
+        self.active()
+        if 0 <= generation < len(self._chain):
+            return self._chain[generation]
+        raw = self._read(generation)
+        if raw is None:
+            raise NoInputError(f"{self.url}: no generation {generation}")
+        try:
+            return decode_certificate(raw)
+        except ValueError as exc:
+            raise DataError(f"{self.url}: generation {generation}: {exc}") from None
+
+    def raw(self, generation: int) -> bytes | None:
+        return self._read(generation)
+
+    def generations(self) -> list[int]:
+        return sorted(self._generations())
+
+    # -- activation -----------------------------------------------------------------------
+    def initialize(self, cert: Certificate) -> None:
+        """Store the genesis certificate (generation 0)."""
+        if cert.generation != 0:
+            raise ValueError("initialize() takes the genesis certificate")
+        self.activate(cert)
+
+    def activate(self, cert: Certificate, *, manifest_ok: bool | None = None) -> None:
+        """Compare-and-swap: activate `cert` only if its parent is still the active generation.
+
+        Every rule is checked first; a refusal is recorded (see `refusals()`) and raised as
+        RefusedError naming the rule and the member.
+        """
+        if self.key is None:
+            raise NoInputError("activation needs the job's signing key")
+        parent = self.active()
+        violations: list[Violation] = []
+        active_gen = None if parent is None else parent.generation
+        if cert.parent_generation != active_gen:
+            violations.append(Violation(
+                "compare-and-swap",
+                f"the active generation is {active_gen if active_gen is not None else '(none)'}, "
+                f"the certificate's parent is {cert.parent_generation}"))
+        else:
+            committed = None if parent is None else self.last_committed_by_all(parent.generation)
+            violations += check(cert, parent=parent, key=self.key, committed_by_all=committed,
+                                manifest_ok=manifest_ok)
+        if not violations and not self._create(cert.generation, encode_certificate(cert)):
+            violations.append(Violation(
+                "compare-and-swap", f"generation {cert.generation} was activated by another issuer first"))
+        if violations:
+            self._refuse(cert, violations)
+        self.active()
+
+    def _refuse(self, cert: Certificate, violations: list[Violation]) -> None:
+        refusal = Refusal(time.time(), cert.generation, cert.parent_generation, cert.digest(),
+                          cert.issued_by, cert.reason, tuple(violations))
+        try:
+            self._append("refusals", refusal.to_dict())
+        except Exception:  # noqa: BLE001 - the refusal itself must still reach the caller
+            pass
+        first = violations[0]
+        who = f" (rank {first.member})" if first.member is not None else ""
+        more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
+        raise RefusedError(f"activation of generation {cert.generation} refused by rule "
+                           f"{first.rule}{who}: {first.message}{more}")
+
+    def refusals(self) -> list[Refusal]:
+        records, _ = parse_lines(self._read_log("refusals"))
+        return [Refusal.from_dict(r) for r in records if r.get("schema") == REFUSAL_SCHEMA]
+
+    # -- commits and fencing --------------------------------------------------------------
+    def record_commit(self, generation: int, step: int, rank: int, incarnation_id: str) -> bool:
+        """Record that `rank` committed `step` in `generation`; False if fenced (stale), counted.
+
+        Stale = stamped with a generation older than the active one, or from an incarnation
+        that is not the active member on that rank (a zombie of a replaced process).
+        """
+        rec = CommitRecord(generation, step, rank, incarnation_id, time.time())
+        active = self.require_active()
+        if generation > active.generation:
+            raise RefusedError(f"commit for generation {generation}, but the active generation is {active.generation}")
+        if generation < active.generation or active.ranks.get(rank) is None \
+                or active.ranks[rank].id != incarnation_id:
+            self._append("fenced", {**rec.to_dict(), "active": active.generation})
+            return False
+        self._append(f"commits-{generation}", rec.to_dict())
+        return True
+
+    def commits(self, generation: int) -> tuple[list[CommitRecord], int]:
+        """The commit records of a generation and the number of garbled lines."""
+        records, bad = parse_lines(self._read_log(f"commits-{generation}"))
+        out = []
+        for r in records:
+            try:
+                out.append(CommitRecord.from_dict(r))
+            except ValueError:
+                bad += 1
+        return out, bad
+
+    def last_committed_by_all(self, generation: int) -> int | None:
+        """The newest step every member of `generation` committed (None: some member committed none)."""
+        cert = self.get(generation)
+        if not cert.members:
+            return None
+        newest: dict[int, int] = {}
+        members = cert.ranks
+        for c in self.commits(generation)[0]:
+            inc = members.get(c.rank)
+            if c.generation == generation and inc is not None and inc.id == c.incarnation_id:
+                newest[c.rank] = max(newest.get(c.rank, -1), c.step)
+        if set(newest) != set(members):
+            return None
+        return min(newest.values())
+
+    def fenced_count(self) -> int:
+        return len(parse_lines(self._read_log("fenced"))[0])
+
+
+def new_temp_name() -> str:
+    return f".tmp-{uuid.uuid4().hex}"
+
+
+def open_ledger(job_dir: str | Path, url: str | None = None, *, key: bytes | None = None,
+                timeout: float = 5.0) -> Ledger:
+    """The job's ledger: `<job_dir>/ledger/` by default, or etcd for `etcd://host:port/prefix`.
+
+    The signing key is read from the job dir when present (without it the chain is still
+    walked and linked, but signatures are not checked and nothing can be activated).
+    """
+    job_dir = Path(job_dir)
+    if key is None and key_path(job_dir).exists():
+        key = load_key(job_dir)
+    if url is None or url in ("", "dir", "file"):
+        from gpuguard.generation.ledger_dir import DirectoryLedger
+
+        return DirectoryLedger(job_dir / "ledger", key=key)
+    if url.startswith("file://"):
+        from gpuguard.generation.ledger_dir import DirectoryLedger
+
+        return DirectoryLedger(Path(url[len("file://"):]), key=key)
+    if url.startswith(("etcd://", "http://")):
+        from gpuguard.generation.ledger_etcd import EtcdLedger
+
+        return EtcdLedger.from_url(url, key=key, timeout=timeout)
+    from gpuguard.errors import UsageError
+
+    raise UsageError(f"unsupported ledger URL {url!r} (use a directory default or etcd://host:port/prefix)")
+
+
+def dumps_record(record: dict[str, Any]) -> bytes:
+    return canonical_bytes(record) + b"\n"
+
+
+def all_violations(items: Iterable[list[Violation]]) -> list[Violation]:
+    return [v for vs in items for v in vs]

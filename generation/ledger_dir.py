@@ -1,0 +1,126 @@
+"""Directory ledger backend: `<job-dir>/ledger/`, safe for many processes and hosts on a POSIX filesystem.
+
+Activation of generation N: write the certificate to a unique temp file, fsync it, then
+`os.link` it to `gen-N.json`. link(2) is atomic and fails with EEXIST when the name exists, so
+exactly one racer creates generation N, and the final name only ever points at a complete,
+fsynced file (a crash leaves at most a stray temp file, which readers ignore). The directory is
+fsynced after the link so the new name survives a power loss before `activate` returns.
+
+Logs (`commits-<G>.log`, `fenced.log`, `refusals.log`) are append-only: one `O_APPEND` write per
+record, one JSON line each; a torn last line is ignored by readers. They are *not* fsynced per
+record by default: losing the newest commit records after a power loss can only move the
+commit frontier back (the safe direction), never forward. Pass `fsync_logs=True` to fsync each.
+On NFS, O_APPEND is not atomic across hosts: use the etcd backend for multi-host commit records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from gpuguard.errors import from_os_error
+from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
+
+_GEN = re.compile(r"^gen-(\d+)\.json$")
+
+
+class DirectoryLedger(Ledger):
+    def __init__(self, root: Path, *, key: bytes | None = None, fsync_logs: bool = False) -> None:
+        super().__init__(key)
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.fsync_logs = fsync_logs
+
+    def gen_path(self, generation: int) -> Path:
+        return self.root / f"gen-{generation}.json"
+
+    def record_name(self, generation: int) -> str:
+        return str(self.gen_path(generation))
+
+    def create_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, str(self.root)) from None
+
+    def _read(self, generation: int) -> bytes | None:
+        try:
+            with open(self.gen_path(generation), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise from_os_error(exc, str(self.gen_path(generation))) from None
+
+    def _generations(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise from_os_error(exc, str(self.root)) from None
+        return [int(m.group(1)) for n in names if (m := _GEN.match(n))]
+
+    def _create(self, generation: int, data: bytes) -> bool:
+        tmp = self.root / new_temp_name()
+        final = self.gen_path(generation)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            self._fsync_dir()
+            return True
+        except OSError as exc:
+            raise from_os_error(exc, str(final)) from None
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _log_path(self, log: str) -> Path:
+        return self.root / f"{log}.log"
+
+    def _append(self, log: str, record: dict[str, Any]) -> None:
+        path = self._log_path(log)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, dumps_record(record))  # one write: appends do not interleave
+                if self.fsync_logs:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise from_os_error(exc, str(path)) from None
+
+    def _read_log(self, log: str) -> bytes:
+        try:
+            with open(self._log_path(log), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return b""
+        except OSError as exc:
+            raise from_os_error(exc, str(self._log_path(log))) from None
+
+    def stray_temp_files(self) -> list[str]:
+        """Temp files left by a writer that crashed before linking (harmless; reported by verify)."""
+        try:
+            return sorted(n for n in os.listdir(self.root) if n.startswith(".tmp-"))
+        except OSError:
+            return []

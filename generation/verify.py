@@ -1,0 +1,105 @@
+"""Verify a ledger end to end: every stored record, the hash chain, the signatures, the rules.
+
+Unlike `Ledger.active()` (which stops quietly at the first bad record, because the active
+generation is the end of the valid chain), verification reads every stored generation and
+names each record that fails and why: nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuguard.generation import rules
+from gpuguard.generation.certificate import check_stored
+from gpuguard.generation.ledger import Ledger, decode_certificate
+from gpuguard.generation.records import Certificate
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A record that failed verification: which record, which rule, why (and which member)."""
+
+    record: str
+    rule: str
+    message: str
+    member: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"record": self.record, "rule": self.rule, "message": self.message, "member": self.member}
+
+    def __str__(self) -> str:
+        who = f" (rank {self.member})" if self.member is not None else ""
+        return f"{self.record}: {self.rule}{who}: {self.message}"
+
+
+@dataclass
+class Report:
+    checked: list[int] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    certificates: dict[int, Certificate] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+
+def record_name(ledger: Ledger, generation: int) -> str:
+    namer = getattr(ledger, "record_name", None)
+    return namer(generation) if namer else f"generation {generation}"
+
+
+def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) -> Report:
+    """Check every stored certificate (or only `generation`, after checking its ancestors' links)."""
+    report = Report()
+    stored = ledger.generations()
+    if not stored:
+        report.findings.append(Finding(getattr(ledger, "url", "ledger"), "chain", "the ledger has no certificates"))
+        return report
+    last = max(stored) if generation is None else generation
+    parent: Certificate | None = None
+    for n in range(0, last + 1):
+        name = record_name(ledger, n)
+        found: list[Finding] = []
+        raw = ledger.raw(n)
+        cert = None
+        if raw is None:
+            found.append(Finding(name, "chain", f"generation {n} is missing: the chain is broken"))
+        else:
+            try:
+                cert = decode_certificate(raw)
+            except ValueError as exc:
+                found.append(Finding(name, "encoding", f"unreadable certificate ({exc}): truncated or tampered"))
+        if cert is not None:
+            if cert.generation != n:
+                found.append(Finding(name, "chain", f"record holds generation {cert.generation}, stored as {n}"))
+            violations = check_stored(cert, parent=parent, key=key)
+            if parent is not None:
+                committed = _committed(ledger, parent.generation)
+                violations += rules.frontier_committed(cert, parent, committed)
+            found += [Finding(name, v.rule, v.message, v.member) for v in violations]
+            report.certificates[n] = cert
+        if generation is None or n == generation:
+            report.checked.append(n)
+            report.findings += found
+        elif found:
+            report.findings.append(Finding(name, "chain", "an ancestor of the requested generation does not verify"))
+        parent = cert
+    if generation is None:
+        for n in range(0, last + 1):
+            _, bad = ledger.commits(n)
+            if bad:
+                report.findings.append(Finding(f"{getattr(ledger, 'url', 'ledger')} commits of generation {n}",
+                                               "encoding", f"{bad} garbled commit record(s)"))
+        stray = getattr(ledger, "stray_temp_files", lambda: [])()
+        if stray:
+            report.notes.append(f"{len(stray)} temp file(s) from interrupted writers (ignored): {', '.join(stray[:3])}")
+    return report
+
+
+def _committed(ledger: Ledger, generation: int) -> int | None:
+    try:
+        return ledger.last_committed_by_all(generation)
+    except Exception:  # noqa: BLE001 - an unreadable parent is reported on its own record
+        return None

@@ -1,0 +1,171 @@
+"""The directory ledger: CAS activation, commit records, fencing, refusals, crashes, races."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _jobhelpers_generation import KEY, child, genesis, members  # noqa: E402
+from _ledger_race_generation import race, writer_source  # noqa: E402
+
+from gpuguard.errors import RefusedError
+from gpuguard.generation.ledger import open_ledger
+from gpuguard.generation.verify import verify_ledger
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = open_ledger(tmp_path, key=KEY)
+    led.create_root()
+    led.initialize(genesis())
+    return led
+
+
+def test_activation_is_compare_and_swap(ledger):
+    g0 = ledger.require_active()
+    a = child(g0, members(2), reason="operator")
+    b = child(g0, members(2), reason="hang")
+    ledger.activate(a)
+    with pytest.raises(RefusedError, match="compare-and-swap"):
+        ledger.activate(b)
+    assert ledger.require_active() == a
+    assert [c.generation for c in ledger.history()] == [0, 1]
+    assert ledger.refusals()[-1].violations[0].rule == "compare-and-swap"
+
+
+def test_link_never_overwrites_an_existing_generation(ledger, tmp_path):
+    """A racer that lost (its view was stale) cannot replace generation N: link() fails."""
+    g0 = ledger.require_active()
+    a, b = child(g0, members(1)), child(g0, members(1))
+    ledger.activate(a)
+    assert ledger._create(1, b.canonical()) is False
+    assert open_ledger(tmp_path, key=KEY).require_active() == a
+    assert not ledger.stray_temp_files()
+
+
+def test_refused_rule_is_recorded_for_explain(ledger):
+    g0 = ledger.require_active()
+    bad = child(g0, members(2), quiescence="unknown")
+    with pytest.raises(RefusedError, match="quiescence"):
+        ledger.activate(bad)
+    assert ledger.require_active() == g0
+    r = ledger.refusals()[-1]
+    assert r.generation == 1 and r.violations[0].rule == "quiescence" and r.certificate_digest == bad.digest()
+
+
+def test_commit_records_give_the_frontier_and_fence_stale_generations(ledger):
+    g1 = child(ledger.require_active(), members(2))
+    ledger.activate(g1)
+    a, b = g1.members
+    assert ledger.last_committed_by_all(1) is None
+    for step in range(1, 6):
+        assert ledger.record_commit(1, step, 0, a.incarnation.id)
+    for step in range(1, 4):
+        assert ledger.record_commit(1, step, 1, b.incarnation.id)
+    assert ledger.last_committed_by_all(1) == 3
+    # frontier past the commit record: refused
+    with pytest.raises(RefusedError, match="frontier-committed"):
+        ledger.activate(child(g1, g1.members, step=5))
+    g2 = child(g1, g1.members, step=3)
+    ledger.activate(g2)
+    # a slow writer of generation 1 is fenced and counted, nothing merged
+    assert ledger.record_commit(1, 4, 1, b.incarnation.id) is False
+    assert ledger.last_committed_by_all(1) == 3
+    # a zombie incarnation on an active rank is fenced too
+    assert ledger.record_commit(2, 4, 1, "not-the-member") is False
+    assert ledger.fenced_count() == 2
+    with pytest.raises(RefusedError):
+        ledger.record_commit(3, 1, 0, a.incarnation.id)
+
+
+def test_torn_temp_file_is_ignored_and_reported(ledger):
+    g1 = child(ledger.require_active(), members(1))
+    (ledger.root / ".tmp-deadbeef").write_bytes(g1.canonical()[:37])
+    assert ledger.require_active().generation == 0
+    ledger.activate(g1)
+    rep = verify_ledger(open_ledger(ledger.root.parent, key=KEY), KEY)
+    assert rep.ok and any("temp file" in n for n in rep.notes)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garble", "delete-middle"])
+def test_damaged_final_file_is_named_by_verify(ledger, damage):
+    g = ledger.require_active()
+    for _ in range(3):
+        g = child(g, members(1))
+        ledger.activate(g)
+    path = ledger.root / "gen-2.json"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "garble":
+        data = bytearray(path.read_bytes())
+        data[50] ^= 0x55
+        path.write_bytes(bytes(data))
+    else:
+        path.unlink()
+    fresh = open_ledger(ledger.root.parent, key=KEY)
+    assert fresh.require_active().generation == 1  # the valid chain ends before the damage
+    rep = verify_ledger(fresh, KEY)
+    assert not rep.ok
+    assert any(f.record.endswith("gen-2.json") for f in rep.findings)
+    # generation 3 no longer has a verified parent: it is reported, not skipped
+    assert any(f.record.endswith("gen-3.json") for f in rep.findings)
+
+
+def test_every_single_byte_flip_of_a_certificate_is_caught(ledger):
+    g1 = child(ledger.require_active(), members(2))
+    ledger.activate(g1)
+    path = ledger.root / "gen-1.json"
+    orig = path.read_bytes()
+    for i in range(len(orig)):
+        data = bytearray(orig)
+        data[i] ^= 1 << (i % 8)
+        path.write_bytes(bytes(data))
+        rep = verify_ledger(open_ledger(ledger.root.parent, key=KEY), KEY)
+        assert not rep.ok and any(f.record.endswith("gen-1.json") for f in rep.findings), i
+    path.write_bytes(orig)
+    assert verify_ledger(open_ledger(ledger.root.parent, key=KEY), KEY).ok
+
+
+def test_sixteen_racers_one_winner_per_round(ledger, tmp_path):
+    rounds = 100
+    winners = race(tmp_path, None, racers=16, rounds=rounds)
+    assert winners == {g: 1 for g in range(rounds)}
+    fresh = open_ledger(tmp_path, key=KEY)
+    assert fresh.require_active().generation == rounds
+    assert verify_ledger(fresh, KEY).ok
+
+
+def test_kill_9_during_500_activations_leaves_a_whole_chain(ledger, tmp_path):
+    target, rng = 500, random.Random(4)
+    src = writer_source(tmp_path, None, target)
+    deadline = time.monotonic() + 60
+    kills = 0
+    while open_ledger(tmp_path, key=KEY).require_active().generation < target:
+        assert time.monotonic() < deadline, "writer made no progress"
+        proc = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            proc.stdout.readline()  # it is activating now
+            time.sleep(rng.uniform(0.0, 0.15))
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+            proc.stdout.close()
+            proc.stderr.close()
+        fresh = open_ledger(tmp_path, key=KEY)
+        active = fresh.require_active().generation
+        assert [c.generation for c in fresh.history()] == list(range(active + 1))
+        assert set(fresh.generations()) == set(range(active + 1))
+    rep = verify_ledger(open_ledger(tmp_path, key=KEY), KEY)
+    assert rep.ok, rep.findings
+    assert kills > 1 and not [n for n in os.listdir(tmp_path / "ledger") if n.startswith("gen-") and
+                              not n.endswith(".json")]
