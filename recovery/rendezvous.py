@@ -1,0 +1,445 @@
+"""Read a live torchrun job's c10d rendezvous state, torch-free, and force exactly one new round.
+
+Why: the rendezvous `round` is the job's own generation counter, readable from outside in well under
+a millisecond, and the only safe lever to make a healthy agent re-rendezvous is a transient
+`wait_list` entry (a signal to the agent either shuts everything down or orphans the workers). The
+entry must vanish as soon as `round` moves, else every new round sees it again: a restart storm.
+
+The state is `base64(pickle(_RendezvousState))` under `torch.rendezvous.<run_id>`. It is decoded with
+a restricted unpickler that maps torch's two classes to local stubs and refuses everything else, and
+written back by a pickler that names torch's classes without importing torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import os
+import pickle
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuguard.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
+from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
+
+TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+NULL_SENTINEL = b"Y2FuaW1hZGFt"  # torch's "no state yet"
+LEASE_PREFIX = "gpuguard/rdzv-trigger/"
+FAKE_ADDR_PREFIX = "gpuguard-rendezvous-"
+
+
+@dataclass(eq=True, order=True, frozen=True)
+class NodeDesc:
+    """Stub of torch's `_NodeDesc` (same fields, same hash and order)."""
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __repr__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+
+class RendezvousState:
+    """Stub of torch's `_RendezvousState`: attributes only, filled by the unpickler."""
+
+    round: int
+    complete: bool
+    deadline: datetime | None
+    closed: bool
+    participants: dict[NodeDesc, int]
+    wait_list: set[NodeDesc]
+    redundancy_list: set[NodeDesc]
+    last_heartbeats: dict[NodeDesc, datetime]
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.complete = False
+        self.deadline = None
+        self.closed = False
+        self.participants = {}
+        self.wait_list = set()
+        self.redundancy_list = set()
+        self.last_heartbeats = {}
+
+    def to_json(self, now: datetime | None = None) -> dict[str, Any]:
+        now = now or datetime.now(timezone.utc)
+        return {
+            "round": self.round,
+            "complete": self.complete,
+            "closed": self.closed,
+            "deadline": self.deadline.isoformat() if self.deadline else None,
+            "participants": {repr(n): r for n, r in sorted(self.participants.items())},
+            "wait_list": sorted(repr(n) for n in self.wait_list),
+            "redundancy_list": sorted(repr(n) for n in self.redundancy_list),
+            "last_heartbeat_age_s": {
+                repr(n): round((now - t).total_seconds(), 3) for n, t in sorted(self.last_heartbeats.items())
+            },
+        }
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (TORCH_MODULE, "_NodeDesc"): NodeDesc,
+    (TORCH_MODULE, "_RendezvousState"): RendezvousState,
+    ("datetime", "datetime"): datetime,
+    ("datetime", "timezone"): timezone,
+    ("datetime", "timedelta"): timedelta,
+}
+_TORCH_NAMES = {NodeDesc: (TORCH_MODULE, "_NodeDesc"), RendezvousState: (TORCH_MODULE, "_RendezvousState")}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}") from None
+
+
+class _TorchNamePickler(pickle._Pickler):  # type: ignore[name-defined]  # pure-Python pickler: save_global is overridable
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        target = _TORCH_NAMES.get(obj)
+        if target is None:
+            super().save_global(obj, name)
+            return
+        self.save(target[0])
+        self.save(target[1])
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+
+def decode_state(raw: bytes) -> RendezvousState | None:
+    """The store value (base64 pickle) → state; None for torch's "no state" sentinel."""
+    if raw == NULL_SENTINEL:
+        return None
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise DataError("rendezvous state is not base64") from None
+    try:
+        state = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # any malformed pickle: one clear error
+        raise DataError(f"rendezvous state cannot be decoded: {exc}") from None
+    if not isinstance(state, RendezvousState) or not hasattr(state, "round"):
+        raise DataError("rendezvous state is not a _RendezvousState")
+    return state
+
+
+def encode_state(state: RendezvousState) -> bytes:
+    """State → the store value torch's agent reads (pickle naming torch's classes, base64)."""
+    buf = io.BytesIO()
+    _TorchNamePickler(buf, protocol=4).dump(state)
+    return base64.b64encode(buf.getvalue())
+
+
+# --- finding the rendezvous ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    run_id: str
+    agent_pid: int | None = None
+    source: str = "options"
+
+    @property
+    def key(self) -> str:
+        return f"torch.rendezvous.{self.run_id}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "run_id": self.run_id, "agent_pid": self.agent_pid,
+                "source": self.source}
+
+
+def _torchrun_index(argv: list[str]) -> int | None:
+    """Index of the torchrun token in an agent's argv (`torchrun`, `python torchrun`, `python -m torch.distributed.run`)."""
+    base = [os.path.basename(a) for a in argv[:3]]
+    if base and base[0] == "torchrun":
+        return 0
+    if len(base) > 1 and base[0].startswith("python"):
+        if base[1] == "torchrun":
+            return 1
+        if base[1] == "-m" and len(argv) > 2 and argv[2] in ("torch.distributed.run", "torch.distributed.launch"):
+            return 2
+    return None
+
+
+def parse_torchrun_cmdline(argv: list[str]) -> dict[str, str] | None:
+    """torchrun's rendezvous options from an agent's argv; None when it is not a torchrun agent."""
+    start = _torchrun_index(argv)
+    if start is None:
+        return None
+    opts: dict[str, str] = {}
+    wanted = {"rdzv_endpoint", "rdzv_id", "rdzv_backend", "nnodes", "max_restarts", "signals_to_handle"}
+    flags = {"standalone", "no_python", "module", "m", "run_path", "no-python"}
+    i = start + 1
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-") or arg == "--":
+            break  # the training script: the rest are its arguments
+        name, eq, value = arg.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if name in flags:
+            if name == "standalone":
+                opts["standalone"] = "1"
+        elif eq:
+            if name in wanted:
+                opts[name] = value
+        elif i + 1 < len(argv):
+            i += 1
+            if name in wanted:
+                opts[name] = argv[i]
+        i += 1
+    return opts
+
+
+def torchrun_agents() -> list[tuple[int, list[str], dict[str, str]]]:
+    """Live torchrun agents on this host: (pid, argv, rendezvous options)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info.get("cmdline") or []
+        opts = parse_torchrun_cmdline(argv) if argv else None
+        if opts is not None:
+            found.append((proc.info["pid"], argv, opts))
+    return found
+
+
+def find_endpoint(*, endpoint: str | None = None, run_id: str | None = None, job_dir: Path | None = None,
+                  agent_pid: int | None = None) -> Endpoint:
+    """Where the rendezvous lives: from the options, else from the live agent's command line.
+
+    The agent is the one recorded in the job dir's incarnations (its `agent_pid`), or the only
+    torchrun agent on this host.
+    """
+    if endpoint:
+        host, port = parse_endpoint(endpoint)
+        return Endpoint(host, port, run_id or "none", agent_pid, "options")
+    agents = torchrun_agents()
+    if agent_pid is None and job_dir is not None:
+        agent_pid, recorded_run_id = _agent_from_job_dir(job_dir)
+        run_id = run_id or recorded_run_id
+    if agent_pid is not None:
+        agents = [a for a in agents if a[0] == agent_pid]
+    agents = [a for a in agents if a[2].get("rdzv_endpoint") or a[2].get("standalone")]
+    if run_id:
+        agents = [a for a in agents if a[2].get("rdzv_id", "none") == run_id or a[2].get("standalone")]
+    if not agents:
+        raise NoInputError("no live torchrun agent found: pass --rdzv-endpoint HOST:PORT and --run-id")
+    if len(agents) > 1:
+        pids = ", ".join(str(a[0]) for a in agents)
+        raise UsageError(f"several torchrun agents ({pids}): pass --rdzv-endpoint/--run-id or --job-dir")
+    pid, _argv, opts = agents[0]
+    if opts.get("standalone"):
+        raise UsageError(f"torchrun agent {pid} runs --standalone (random endpoint): pass --rdzv-endpoint/--run-id")
+    host, port = parse_endpoint(opts["rdzv_endpoint"])
+    return Endpoint(host, port, opts.get("rdzv_id", "none"), pid, "agent-cmdline")
+
+
+def _agent_from_job_dir(job_dir: Path) -> tuple[int | None, str | None]:
+    """The newest recorded incarnation's agent pid and run id."""
+    from gpuguard.recovery.jobdir import read_incarnations
+
+    records = read_incarnations(job_dir)  # oldest file first
+    if not records:
+        return None, None
+    return records[-1].agent_pid, records[-1].run_id
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def read_state(client: StoreClient, run_id: str) -> tuple[RendezvousState | None, bytes | None]:
+    """(state, token): the token is the raw store value, the fencing token for compare_set."""
+    raw = client.get(f"torch.rendezvous.{run_id}")
+    if raw is None:
+        return None, None
+    return decode_state(raw), raw
+
+
+def read(ep: Endpoint, timeout: float = 5.0) -> RendezvousState:
+    with StoreClient(ep.host, ep.port, timeout) as client:
+        state, _ = read_state(client, ep.run_id)
+    if state is None:
+        raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.host}:{ep.port} (wrong --run-id?)")
+    return state
+
+
+# --- the one-shot trigger ----------------------------------------------------------------------
+
+
+@dataclass
+class TriggerResult:
+    """What one `rendezvous` call did; `outcome` is triggered | coalesced | already-advanced | dry-run."""
+
+    outcome: str
+    round_before: int
+    round_after: int
+    injected_s: float | None = None
+    removed: bool = True
+    rounds_seen: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "round_before": self.round_before, "round_after": self.round_after,
+                "round_change_s": self.injected_s, "fake_node_removed": self.removed,
+                "rounds_seen": self.rounds_seen, "notes": self.notes}
+
+
+def _lease_value(holder: str, round_: int, ttl: float) -> bytes:
+    return json.dumps({"holder": holder, "round": round_, "expires": time.time() + ttl}).encode()
+
+
+def _parse_lease(raw: bytes | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.005, settle_s: float = 1.0,
+                 lease_ttl_s: float = 60.0, expect_round: int | None = None, dry_run: bool = False,
+                 store_timeout: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> TriggerResult:
+    """Force exactly one new rendezvous round of a live job.
+
+    A lease key (compare_set, with an expiry for a crashed holder) makes concurrent callers coalesce:
+    the loser waits for the winner's round instead of injecting its own. The fake node is removed in
+    a `finally` as soon as `round` changes or the deadline passes, whatever happens.
+    """
+    holder = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+    lease_key = LEASE_PREFIX + ep.run_id
+    end = time.monotonic() + deadline_s
+    with StoreClient(ep.host, ep.port, store_timeout) as client:
+        state, token = read_state(client, ep.run_id)
+        if state is None:
+            raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.host}:{ep.port} (wrong --run-id?)")
+        start_round = state.round
+        if state.closed:
+            raise RefusedError(f"rendezvous {ep.run_id!r} is closed: the job is shutting down")
+        if expect_round is not None and start_round != expect_round:
+            return TriggerResult("already-advanced", expect_round, start_round, notes=[
+                f"round is {start_round}, not the expected {expect_round}: a new round already happened"])
+        if dry_run:
+            return TriggerResult("dry-run", start_round, start_round, notes=["would inject one transient wait_list node"])
+
+        # 1. the lease: exactly one injector per round.
+        mine = _lease_value(holder, start_round, lease_ttl_s)
+        while True:
+            current = client.get(lease_key) or b""
+            lease = _parse_lease(current)
+            if lease is not None and lease.get("expires", 0) > time.time():
+                return _coalesce(client, ep, lease, start_round, end, poll_s, sleep)
+            if client.compare_set(lease_key, current, mine) == mine:
+                break
+            if time.monotonic() > end:
+                raise UnavailableError("could not take the rendezvous trigger lease before the deadline")
+        try:
+            return _inject_and_wait(client, ep, state, token, end, poll_s, settle_s, sleep)
+        finally:
+            # release; leave the key (empty) so a late loser sees "free" and the round it waited for
+            for _ in range(50):
+                now_val = client.get(lease_key) or b""
+                if now_val != mine or client.compare_set(lease_key, mine, b"") == b"":
+                    break
+
+
+def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_round: int, end: float,
+              poll_s: float, sleep: Callable[[float], None]) -> TriggerResult:
+    """Another operator holds the lease: wait for its round instead of making a second one."""
+    lease_round = int(lease.get("round", start_round))
+    seen = [start_round]
+    while time.monotonic() < end:
+        state, _ = read_state(client, ep.run_id)
+        if state is not None and state.round > lease_round:
+            if state.round != seen[-1]:
+                seen.append(state.round)
+            return TriggerResult("coalesced", start_round, state.round, rounds_seen=seen,
+                                 notes=[f"another operator ({lease.get('holder')}) triggered the round"])
+        raw = client.get(LEASE_PREFIX + ep.run_id)
+        if not raw:  # released without a new round (it failed): report, do not inject a second one
+            break
+        sleep(max(poll_s, 0.02))
+    raise UnavailableError(f"the concurrent trigger by {lease.get('holder')} produced no new round before the deadline")
+
+
+def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, token: bytes | None, end: float,
+                     poll_s: float, settle_s: float, sleep: Callable[[float], None]) -> TriggerResult:
+    fake = NodeDesc(f"{FAKE_ADDR_PREFIX}{socket.gethostname()}", os.getpid(), 0)
+    start_round = state.round
+    injected_at: float | None = None
+    seen = [start_round]
+    result: TriggerResult | None = None
+    try:
+        # 2. inject with compare_set on the state token (retry on a concurrent agent write).
+        while injected_at is None:
+            if state.round != start_round:
+                return TriggerResult("already-advanced", start_round, state.round, rounds_seen=[start_round, state.round])
+            state.wait_list.add(fake)
+            state.last_heartbeats[fake] = datetime.now(timezone.utc)
+            desired = encode_state(state)
+            if client.compare_set(ep.key, token or b"", desired) == desired:
+                injected_at = time.monotonic()
+                break
+            if time.monotonic() > end:
+                raise UnavailableError("could not inject the wait_list node before the deadline (state kept changing)")
+            state, token = read_state(client, ep.run_id)
+            if state is None:
+                raise NoInputError(f"rendezvous state for {ep.run_id!r} disappeared")
+        # 3. poll the round.
+        while time.monotonic() < end:
+            state, token = read_state(client, ep.run_id)
+            if state is not None and state.round != start_round:
+                seen.append(state.round)
+                result = TriggerResult("triggered", start_round, state.round, round(time.monotonic() - injected_at, 3),
+                                       rounds_seen=seen)
+                break
+            sleep(poll_s)
+        else:
+            raise UnavailableError(f"round did not change within the deadline (stuck at {start_round}); node removed")
+    finally:
+        if injected_at is not None:
+            removed = _remove_fake(client, ep, fake, end + 10.0)
+            if result is not None:
+                result.removed = removed
+    # 4. settle: report the rounds seen shortly after, so a storm would be visible.
+    settle_end = time.monotonic() + settle_s
+    while time.monotonic() < settle_end:
+        state, _ = read_state(client, ep.run_id)
+        if state is not None and state.round != seen[-1]:
+            seen.append(state.round)
+        sleep(max(poll_s, 0.05))
+    result.round_after = seen[-1]
+    if not result.removed:
+        result.notes.append("the fake node could not be removed: its heartbeat expires on its own")
+    return result
+
+
+def _remove_fake(client: StoreClient, ep: Endpoint, fake: NodeDesc, hard_end: float) -> bool:
+    """compare_set loop until the fake node is in no list of the state."""
+    while time.monotonic() < hard_end:
+        state, token = read_state(client, ep.run_id)
+        if state is None:
+            return True
+        present = fake in state.wait_list or fake in state.last_heartbeats or fake in state.participants \
+            or fake in state.redundancy_list
+        if not present:
+            return True
+        state.wait_list.discard(fake)
+        state.redundancy_list.discard(fake)
+        state.last_heartbeats.pop(fake, None)
+        state.participants.pop(fake, None)
+        desired = encode_state(state)
+        if client.compare_set(ep.key, token or b"", desired) == desired:
+            return True
+    return False
