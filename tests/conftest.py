@@ -53,7 +53,8 @@ def etcd_url(tmp_path_factory) -> str:
     """A real etcd server on loopback: the one .ci/run started, or one started here."""
     url = os.environ.get("GPUGUARD_TEST_ETCD")
     if url:
-        return url
+        yield url  # a generator fixture must yield, even when the server is not ours
+        return
     etcd = shutil.which("etcd")
     if etcd is None:
         pytest.fail("etcd is not installed: run .ci/setup (Debian package etcd-server)")
