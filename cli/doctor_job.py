@@ -1,9 +1,277 @@
-"""Placeholder: filled in by its issue."""
+"""`gpu-doctor diagnose job`, `gpu-doctor watch job` and `gpu-doctor plan checkpoint|layout|collective`.
+
+Thin shell: `collectors.steps` reads the per-rank step records and the process table, `diagnostics.vote`
+judges, this module renders. Never imports torch.
+
+Exit codes (diagnose/watch): 0 all healthy, 1 some rank slow, 2 some rank dead or hung, 3 unknown (no
+records); 64 usage, 65 bad config, 66 job directory missing. Plans: 0, or 64 on bad arguments.
+"""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+
+from gpuguard.cli._app import emit_json, job_dir_option, stdout_is_terminal
+from gpuguard.errors import NoInputError
+
+_COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red", "unknown": "magenta"}
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any = None,
+           window: int = 20) -> tuple[Any, dict[str, Any], Any]:
+    """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
+    from gpuguard.collectors.steps import observe_job
+    from gpuguard.diagnostics.jobstats import distribution
+    from gpuguard.diagnostics.vote import load_config, to_json, vote
+
+    path = Path(job_dir)
+    if not path.is_dir():
+        raise NoInputError(f"job directory {path} does not exist")
+    cfg = load_config(config)
+    records, observations = observe_job(path, window=window)
+    job = vote(observations, cfg, previous)
+    periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
+    computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
+    doc = to_json(job, job_dir=str(path), cohort_steps={"period": _rounded(distribution(periods)),
+                                                         "compute": _rounded(distribution(computes))}, config=cfg)
+    for rank_doc in doc["ranks"]:
+        series = records.ranks.get(rank_doc["rank"])
+        rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in (series.steps[-40:] if series else ())
+                                        if s.interval_s]
+    if records.skipped_files:
+        doc["skipped_files"] = list(records.skipped_files)
+    return job, doc, records
+
+
+def _rounded(d: dict[str, float]) -> dict[str, float]:
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def sparkline(values: list[float], top: float) -> str:
+    if not values:
+        return ""
+    top = top or max(values) or 1.0
+    return "".join(_BARS[min(len(_BARS) - 1, int(v / top * (len(_BARS) - 1)))] for v in values)
+
+
+def render(doc: dict[str, Any]):  # -> rich renderable
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    per = doc["cohort_step_s"]["period"]
+    comp = doc["cohort_step_s"]["compute"]
+    head = Text.assemble(
+        ("job ", "bold"), (doc["verdict"].upper(), _COLOR.get(doc["verdict"], "")), f"  {doc['reason']}\n",
+        f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
+        f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("rank", "verdict", "phase", "age", "own p50/p99", "compute", "last steps", "why"):
+        table.add_column(col, overflow="fold" if col == "why" else "ellipsis", no_wrap=col != "why")
+    top = per["p99"] * 1.5 or 1.0
+    for r in doc["ranks"]:
+        own = r.get("own_step_s", {})
+        phase = r.get("phase", "-")
+        if phase == "collective":
+            phase = f"coll {r.get('collective_seq')}"
+        elif r.get("step", -1) >= 0:
+            phase = f"{phase} {r['step']}"
+        mark = " *" if r.get("culprit") else ""
+        table.add_row(str(r["rank"]), Text(r["verdict"] + mark, _COLOR.get(r["verdict"], "")), phase,
+                      f"{r.get('phase_age_s', 0):.1f}s",
+                      f"{own.get('p50', 0):.3f}/{own.get('p99', 0):.3f}", f"{r.get('own_compute_recent_s', 0):.3f}",
+                      sparkline(r.get("recent_periods_s", [])[-30:], top), r["reason"])
+    steps = Text("next: " + "\n      ".join(doc["next_steps"]))
+    return Group(head, table, steps)
+
+
+def _print_human(doc: dict[str, Any]) -> None:
+    """A table on a terminal; plain lines (one per rank, nothing cut off) when piped."""
+    if stdout_is_terminal():
+        from gpuguard.cli._app import console
+
+        console().print(render(doc))
+        return
+    per, comp = doc["cohort_step_s"]["period"], doc["cohort_step_s"]["compute"]
+    print(f"job {doc['verdict'].upper()}: {doc['reason']}")
+    print(f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
+          f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s")
+    top = per["p99"] * 1.5 or 1.0
+    for r in doc["ranks"]:
+        mark = " (culprit)" if r.get("culprit") else ""
+        print(f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
+              f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
+              f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}")
+    for step in doc["next_steps"]:
+        print(f"next: {step}")
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
     """Add this module's commands to the gpu-doctor app."""
+
+    @diagnose.command("job")
+    def diagnose_job(
+        job_dir: str = job_dir_option(),
+        as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Vote thresholds YAML (default: built in)."),
+        window: int = typer.Option(20, "--window", min=1, help="Recent steps for the cohort comparison."),
+    ) -> int:
+        """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
+        job, doc, _ = assess(job_dir, config=config, window=window)
+        if as_json:
+            emit_json(doc)
+        else:
+            _print_human(doc)
+        return job.exit_code
+
+    @watch.command("job")
+    def watch_job(
+        job_dir: str = job_dir_option(),
+        interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between checks."),
+        as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Vote thresholds YAML."),
+        count: int = typer.Option(0, "--count", min=0, help="Stop after N checks (0: until Ctrl-C)."),
+    ) -> int:
+        """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
+        import json as _json
+
+        previous = None
+        code = 3
+        n = 0
+        live = None
+        try:
+            if stdout_is_terminal() and not as_json:
+                from rich.live import Live
+
+                from gpuguard.cli._app import console
+
+                live = Live(console=console(), refresh_per_second=4, transient=False)
+                live.start()
+            while True:
+                job, doc, _ = assess(job_dir, config=config, previous=previous)
+                previous, code, n = job, job.exit_code, n + 1
+                if as_json:
+                    print(_json.dumps(doc, default=str), flush=True)
+                elif live is not None:
+                    live.update(render(doc))
+                else:
+                    bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
+                    print(f"{time.strftime('%H:%M:%S')} {doc['verdict']} {bad or 'all healthy'}", flush=True)
+                if count and n >= count:
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if live is not None:
+                live.stop()
+        return code
+
+    @plan.command("checkpoint")
+    def plan_checkpoint(
+        cost: float = typer.Option(..., "--cost", help="Seconds one checkpoint costs (write time)."),
+        failures_per_hour: Optional[float] = typer.Option(None, "--failures-per-hour", help="Job failure rate λ."),
+        mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", help="Per-GPU MTBF in hours (with --gpus)."),
+        gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the job (with --mtbf-hours)."),
+        async_blocking: Optional[float] = typer.Option(
+            None, "--async-blocking", help="Async checkpointing: seconds of the cost that block training."),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> int:
+        """Young/Daly checkpoint interval Δt* ≈ √(2c/λ) and the overhead at the optimum."""
+        from gpuguard.diagnostics.planners import checkpoint_plan, failure_rate_per_hour
+
+        if failures_per_hour is not None and (mtbf_hours is not None or gpus is not None):
+            from gpuguard.errors import UsageError
+
+            raise UsageError("give either --failures-per-hour or --mtbf-hours with --gpus, not both")
+        lam = failure_rate_per_hour(failures_per_hour, mtbf_hours, gpus)
+        p = checkpoint_plan(cost, lam, async_blocking)
+        if as_json:
+            emit_json(p.to_json())
+            return 0
+        mode = "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
+        print(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
+        print(f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s")
+        print(f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
+              f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)")
+        print(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
+        for note in p.notes:
+            print(f"  note: {note}")
+        return 0
+
+    @plan.command("layout")
+    def plan_layout(
+        tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
+        pp: int = typer.Option(..., "--pp", help="Pipeline-parallel size."),
+        dp: int = typer.Option(..., "--dp", help="Data-parallel size."),
+        failed_rank: int = typer.Option(..., "--failed-rank", help="The rank that failed."),
+        global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Global batch size (samples)."),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> int:
+        """Rank R's TP/PP/DP groups; hot spare vs shrink (TP/PP cannot shrink: a whole DP replica goes)."""
+        from gpuguard.diagnostics.planners import layout_plan
+
+        p = layout_plan(tp, pp, dp, failed_rank, global_batch)
+        if as_json:
+            emit_json(p.to_json())
+            return 0
+        c = p.coords
+        print(f"{p.world} = {dp} (dp) × {pp} (pp) × {tp} (tp); {p.order}")
+        print(f"rank {failed_rank}: tp index {c['tp']}, pp stage {c['pp']}, dp replica {c['dp']}")
+        print(f"  TP group ({tp}): {_span(p.tp_group)}")
+        print(f"  PP group ({pp}): {_span(p.pp_group)}")
+        print(f"  DP group ({dp}): {_span(p.dp_group)}")
+        print(f"  DP replica ({len(p.replica)} ranks): {_span(p.replica)}")
+        h, s = p.hot_spare, p.shrink
+        print(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
+        if s["possible"]:
+            print(f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
+                  f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}")
+        else:
+            print("shrink: impossible (dp = 1: there is no other replica)")
+        print(f"  why: {s['why_not_tp_or_pp']}")
+        batch = s["batch"]
+        if isinstance(batch, dict):
+            for k, v in batch.items():
+                print(f"  batch ({k.replace('_', ' ')}): {v}")
+        else:
+            print(f"  batch: {batch}")
+        for note in p.notes:
+            print(f"  note: {note}")
+        return 0
+
+    @plan.command("collective")
+    def plan_collective(
+        ranks: int = typer.Option(..., "--ranks", help="Ranks in the collective (N)."),
+        nbytes: str = typer.Option(..., "--bytes", help="Message size S (e.g. 1e9, 256MB, 4GiB)."),
+        bandwidth: str = typer.Option(..., "--bandwidth", help="Per-link bandwidth (bytes/s: 100GB/s, 25e9, 200Gb/s)."),
+        latency: float = typer.Option(5e-6, "--latency", help="Per-step latency α in seconds."),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> int:
+        """All-reduce time: ring 2(N−1)/N · S/BW + 2(N−1)α vs tree 2·S/BW + 2⌈log2 N⌉α."""
+        from gpuguard.diagnostics.planners import collective_plan, parse_quantity
+
+        p = collective_plan(ranks, parse_quantity(nbytes, what="--bytes"),
+                            parse_quantity(bandwidth, what="--bandwidth"), latency)
+        if as_json:
+            emit_json(p.to_json())
+            return 0
+        print(f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s")
+        print(f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
+              f"latency {p.ring_latency_term_s * 1e3:.3f} ms)")
+        print(f"  tree: {p.tree_s * 1e3:.3f} ms")
+        print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
+        return 0
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and all(b - a == ranks[1] - ranks[0] for a, b in zip(ranks, ranks[1:])):
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}..{ranks[-1]}" + (f" step {step}" if step != 1 else "")
+    return ", ".join(map(str, ranks))

@@ -56,6 +56,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
     last_wall = last_mono = 0.0
     prev_wall = prev_mono = None
     prev_end_mono: float | None = None
+    last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
     for line in lines:
         if not line:
             continue
@@ -76,7 +77,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
                     if len(t) != 3:
                         raise ValueError
                     step, w, m = int(t[0]), _f(t[1]), _f(t[2])
-                    phase = Phase(COMPUTING, step=step, since_wall=w, since_mono=m)
+                    phase = Phase(COMPUTING, step=step, seq=last_seq, since_wall=w, since_mono=m)
                 elif kind == "C":
                     if len(t) != 6:
                         raise ValueError
@@ -87,7 +88,8 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
                         raise ValueError
                     seq, w, m = int(t[0]), _f(t[1]), _f(t[2])
                     _f(t[3])
-                    phase = Phase(COMPUTING, step=phase.step, since_wall=w, since_mono=m)
+                    last_seq = max(last_seq, seq)
+                    phase = Phase(COMPUTING, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
                 elif kind == "E":
                     if len(t) != 6:
                         raise ValueError
@@ -99,7 +101,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
                     if len(steps) > 2 * max_steps:
                         del steps[: len(steps) - max_steps]
                     prev_end_mono = m
-                    phase = Phase(BETWEEN, step=step, since_wall=w, since_mono=m)
+                    phase = Phase(BETWEEN, step=step, seq=last_seq, since_wall=w, since_mono=m)
                 elif kind == "B":
                     if len(t) != 2:
                         raise ValueError
@@ -114,7 +116,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
                     if len(t) != 2:
                         raise ValueError
                     w, m = _f(t[0]), _f(t[1])
-                    phase = Phase(CLOSED, step=phase.step, since_wall=w, since_mono=m)
+                    phase = Phase(CLOSED, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
                 else:
                     raise ValueError
                 if prev_wall is not None and abs((w - prev_wall) - (m - prev_mono)) > CLOCK_JUMP_S:
@@ -217,3 +219,28 @@ def local_host() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: int = 2000,
+                now_wall: float | None = None, probe: bool = True):
+    """Read the records and the process table; return (records, observations) ready for the vote.
+
+    Ages use the monotonic clock for ranks written on this host (immune to wall-clock jumps), the wall
+    clock otherwise; processes are probed only on this host (a pid means nothing elsewhere).
+    """
+    import time
+
+    from gpuguard.diagnostics.jobstats import observe
+
+    records = read_job(job_dir, max_steps=history)
+    here = local_host()
+    now_w = time.time() if now_wall is None else now_wall
+    now_m = time.monotonic()
+    out = []
+    for series in records.ranks.values():
+        local = series.host == here and now_wall is None
+        proc = probe_process(series.pid, series.start_wall) if (probe and local) else ProcessState(
+            "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
+        out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
+                           window=window, history=history))
+    return records, out

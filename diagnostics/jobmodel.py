@@ -39,7 +39,7 @@ class Phase:
 
     kind: str
     step: int = -1
-    seq: int = -1
+    seq: int = -1  # the collective it waits in; outside one, the last collective it left
     op: str = ""
     nbytes: int = 0
     since_wall: float = 0.0

@@ -1,0 +1,296 @@
+"""The dead-vs-slow vote: combine the voters per rank, then apply the coupling of synchronous ranks.
+
+Rules (DESIGN §3):
+* `dead` only on a decisive signal (process gone without a clean close, zombie, GPU lost), or when two
+  independent dimensions vote dead/hung together and did so at the previous check too;
+* `hung` = alive (or not visibly dead) without progress past its own learned bound for M checks;
+* `slow` = progressing below the cohort (own compute time), or paused past its own P99.9;
+* coupling: one rank that never arrives at collective N stalls every rank in N. A rank waiting in a
+  collective for a rank that has not arrived is `healthy` (blocked_by lists the culprit), and the rank
+  that never arrived is the one named. Everyone present and still stuck is `hung` for all.
+
+Pure and deterministic: same observations, config and previous result → same verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from gpuguard.diagnostics.jobmodel import BETWEEN, COLLECTIVE, RankObservation
+from gpuguard.diagnostics.jobstats import mad, median
+from gpuguard.diagnostics.voters import (
+    ABSTAIN, DEAD, HEALTHY, HUNG, SLOW, UNKNOWN, VOTERS, Cohort, Vote, VoteConfig,
+)
+
+SCHEMA = "gpuguard.job/1"
+SEVERITY = {HEALTHY: 0, SLOW: 1, UNKNOWN: 3, HUNG: 2, DEAD: 2}
+_ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
+DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> VoteConfig:
+    """The YAML thresholds (package default, or `path`), validated: unknown keys and non-numbers refuse."""
+    import yaml
+
+    from gpuguard.errors import DataError
+
+    p = Path(path) if path else DATA
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DataError(f"{p}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{p}: expected a mapping of thresholds")
+    doc = dict(doc.get("vote", doc))
+    doc.update(overrides or {})
+    known = {f.name: f for f in fields(VoteConfig)}
+    kw: dict[str, Any] = {}
+    for k, v in doc.items():
+        if k not in known:
+            raise DataError(f"{p}: unknown vote threshold {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise DataError(f"{p}: {k} must be a non-negative number, got {v!r}")
+        kw[k] = int(v) if known[k].type in ("int", int) else float(v)
+    return VoteConfig(**kw)
+
+
+@dataclass(frozen=True)
+class RankVerdict:
+    rank: int
+    verdict: str
+    reason: str
+    votes: tuple[Vote, ...] = ()
+    blocked_by: tuple[int, ...] = ()
+    culprit: bool = False
+    pending_dead: bool = False  # two dimensions agreed on failure once; dead if they agree again
+    observation: RankObservation | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.observation
+        doc: dict[str, Any] = {"rank": self.rank, "verdict": self.verdict, "reason": self.reason,
+                               "culprit": self.culprit, "blocked_by": list(self.blocked_by)}
+        if o is not None:
+            doc.update({"phase": o.phase, "step": o.phase_step, "collective_seq": o.phase_seq,
+                        "phase_age_s": round(o.phase_age_s, 3), "process": o.alive.state,
+                        "steps_recorded": o.n_steps,
+                        "own_step_s": {"p50": round(o.period_p50_s, 4), "p99": round(o.period_p99_s, 4),
+                                       "p999": round(o.period_p999_s, 4)},
+                        "own_compute_recent_s": round(o.recent_compute_s, 4), "notes": list(o.notes)})
+        doc["evidence"] = [v.to_json() for v in self.votes if v.verdict != ABSTAIN or v.dimension == "liveness"]
+        return doc
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    verdict: str
+    reason: str
+    ranks: tuple[RankVerdict, ...]
+    culprits: tuple[int, ...] = ()
+    next_steps: tuple[str, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return {HEALTHY: 0, SLOW: 1, HUNG: 2, DEAD: 2}.get(self.verdict, 3)
+
+    def by_rank(self) -> dict[int, RankVerdict]:
+        return {r.rank: r for r in self.ranks}
+
+
+def cohort_of(observations: Sequence[RankObservation]) -> Cohort:
+    computes = [o.recent_compute_s for o in observations if o.n_steps > 0]
+    med = median(computes) if computes else 0.0
+    reports: dict[int, int] = {}
+    for o in observations:
+        for c in o.comm_errors:
+            if c.peer is not None and c.peer != o.rank:
+                reports[c.peer] = reports.get(c.peer, 0) + 1
+    return Cohort(world=len(observations), compute_median_s=med, compute_mad_s=mad(computes, med) if computes else 0.0,
+                  ranks_with_steps=len(computes), comm_reports=reports)
+
+
+def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -> tuple[str, str, bool]:
+    """One rank's verdict from its votes (before coupling). Returns (verdict, reason, pending_dead)."""
+    by = {v.dimension: v for v in votes}
+    decisive = [v for v in votes if v.decisive and v.verdict == DEAD]
+    if decisive:
+        return DEAD, decisive[0].reason, False
+    failing = [v for v in votes if v.verdict in (DEAD, HUNG)]
+    dims_dead = [v for v in failing if v.verdict == DEAD]
+    if len(failing) >= 2 and dims_dead:
+        why = "; ".join(v.reason for v in failing)
+        if was_pending:
+            return DEAD, f"{len(failing)} dimensions agree on two consecutive checks: {why}", False
+        return HUNG if by["progress"].verdict == HUNG else SLOW, f"suspect dead (confirming at the next check): {why}", True
+    if by["progress"].verdict == HUNG:
+        extra = ""
+        if by["liveness"].verdict == HUNG:
+            extra = " — " + by["liveness"].reason
+        elif by["liveness"].verdict == ABSTAIN and obs.alive.state == "disk-sleep":
+            extra = " — in D-state: stuck in the kernel (I/O or driver)"
+        return HUNG, by["progress"].reason + extra, False
+    slow = [v for v in votes if v.verdict == SLOW]
+    if by["liveness"].verdict == HUNG:  # stopped but not yet past its bound: paused
+        return SLOW, "paused: " + by["liveness"].reason, False
+    if slow:
+        return SLOW, "; ".join(v.reason for v in slow), False
+    if dims_dead:  # one non-decisive dimension alone: not enough for dead
+        return SLOW, f"one dimension only, not enough for dead: {dims_dead[0].reason}", False
+    if all(v.verdict == ABSTAIN for v in votes):
+        return UNKNOWN, "no dimension could vote", False
+    if obs.closed:
+        return HEALTHY, "finished: log closed cleanly", False
+    return HEALTHY, by["progress"].reason, False
+
+
+def _never_arrived(waiter: RankObservation, others: Sequence[RankObservation], stopped: set[int]) -> list[int]:
+    """Ranks that have not entered the collective `waiter` sits in (nor passed it). A stopped rank
+    stalls the collective even if it entered it, so it counts as missing too."""
+    out = []
+    for o in others:
+        if o.rank == waiter.rank:
+            continue
+        if o.rank in stopped:
+            out.append(o.rank)
+            continue
+        if o.phase_seq >= waiter.phase_seq or o.phase_step > waiter.phase_step:
+            continue  # in it, or already past it
+        if o.phase == BETWEEN and o.phase_step >= waiter.phase_step:
+            continue
+        out.append(o.rank)
+    return out
+
+
+def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig(),
+         previous: JobVerdict | None = None) -> JobVerdict:
+    """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths."""
+    obs = sorted(observations, key=lambda o: o.rank)
+    if not obs:
+        return JobVerdict(UNKNOWN, "no rank has written step records yet", (), counts={UNKNOWN: 0},
+                          next_steps=("Check that the training script writes StepLog records under <job-dir>/ranks/.",))
+    cohort = cohort_of(obs)
+    pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
+    prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]] = {}
+    for o in obs:
+        if not o.has_records:
+            prelim[o.rank] = (UNKNOWN, "no step records from this rank yet", False, ())
+            continue
+        votes = tuple(v(o, cohort, cfg) for v in VOTERS)
+        verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
+        prelim[o.rank] = (verdict, reason, pending, votes)
+
+    # --- coupling: who is waiting for whom -----------------------------------------------------
+    dead = {r for r, p in prelim.items() if p[0] == DEAD}
+    stopped = {o.rank for o in obs if o.alive.state == "stopped"}
+    stalled_waiters = [o for o in obs if o.phase == COLLECTIVE and prelim[o.rank][0] in (HUNG, SLOW, DEAD)
+                       and o.rank not in stopped and _stalled(prelim[o.rank][3])]
+    blocked: dict[int, tuple[int, ...]] = {}
+    culprits: set[int] = set()
+    by_seq: dict[int, list[int]] = {}
+    for w in stalled_waiters:
+        by_seq.setdefault(w.phase_seq, []).append(w.rank)
+    # one pass per distinct collective, not per waiter: fast at 10,000 ranks
+    for seq, waiters in by_seq.items():
+        w0 = next(o for o in obs if o.rank == waiters[0])
+        missing = tuple(_never_arrived(w0, obs, stopped))
+        if missing:
+            for r in waiters:
+                blocked[r] = tuple(m for m in missing if m != r)
+            culprits.update(m for m in missing if m not in waiters)
+        else:  # everyone is in it and nobody moves: the collective itself is stuck
+            for r in waiters:
+                v, why, pend, votes = prelim[r]
+                if v in (HUNG, DEAD):
+                    prelim[r] = (v, why + f" — every live rank is in collective {seq}: the collective itself is stuck "
+                                 "(network / collective library), no rank to blame", pend, votes)
+
+    victims = _victims(obs, prelim)
+    verdicts = []
+    for o in obs:
+        v, why, pend, votes = prelim[o.rank]
+        b = blocked.get(o.rank, ())
+        if b and v in (HUNG, SLOW):
+            v = HEALTHY
+            why = (f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
+                   f"{_fmt_ranks(b)} that never arrived (not this rank's fault)")
+        elif b and v == DEAD:
+            why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
+        is_culprit = o.rank in culprits or (v in (DEAD, HUNG) and not b and o.rank not in victims)
+        verdicts.append(RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o))
+    culprit_ranks = tuple(r.rank for r in verdicts if r.culprit)
+    return _summarize(tuple(verdicts), culprit_ranks, cohort)
+
+
+def _stalled(votes: tuple[Vote, ...]) -> bool:
+    return any(v.dimension == "progress" and v.verdict in (HUNG, SLOW) for v in votes) or any(
+        v.dimension == "liveness" and v.verdict == DEAD for v in votes)
+
+
+def _victims(obs: Sequence[RankObservation], prelim: dict[int, tuple]) -> set[int]:
+    """Dead ranks that died *after* reporting a communication error themselves: collateral, not culprits,
+    as long as some other dead rank reported none."""
+    dead = [o for o in obs if prelim[o.rank][0] == DEAD]
+    silent = {o.rank for o in dead if not o.errors and not any(c.rank == o.rank for c in o.comm_errors)}
+    if not silent:
+        return set()
+    return {o.rank for o in dead if o.rank not in silent}
+
+
+def _fmt_ranks(ranks: Sequence[int], limit: int = 8) -> str:
+    head = ", ".join(str(r) for r in ranks[:limit])
+    return head + (f" (+{len(ranks) - limit} more)" if len(ranks) > limit else "")
+
+
+def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], cohort: Cohort) -> JobVerdict:
+    counts: dict[str, int] = {}
+    for r in verdicts:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    worst = max((r.verdict for r in verdicts), key=lambda v: _ORDER[v])
+    if worst == UNKNOWN and any(r.verdict == HEALTHY for r in verdicts):
+        worst = UNKNOWN
+    if len(verdicts) == 1 and worst in (HEALTHY, SLOW):
+        note = " (one rank: no cohort to compare against)"
+    else:
+        note = ""
+    named = ", ".join(f"rank {r.rank} {r.verdict}" for r in verdicts if r.verdict in (DEAD, HUNG, SLOW))
+    reason = {HEALTHY: f"all {len(verdicts)} ranks progressing{note}",
+              UNKNOWN: "some ranks have no usable records"}.get(worst, named or worst)
+    if culprits:
+        reason += f"; culprit: rank(s) {_fmt_ranks(culprits)}"
+    steps: list[str] = []
+    by = {r.rank: r for r in verdicts}
+    for c in culprits or tuple(r.rank for r in verdicts if r.verdict in (DEAD, HUNG)):
+        r = by[c]
+        if r.verdict == DEAD:
+            steps.append(f"rank {c}: dead — replace it (gpu-recover runbook run rank-failure) and check its node "
+                         "(gpu-doctor diagnose node on its host)")
+        elif r.verdict == HUNG:
+            steps.append(f"rank {c}: hung — dump its stacks (py-spy dump --pid PID), then gpu-recover runbook run hang")
+    for r in verdicts:
+        if r.verdict == SLOW:
+            steps.append(f"rank {r.rank}: slow — check its node for throttling / ECC / PCIe (gpu-doctor diagnose node); "
+                         "not a reason to restart")
+    if worst == UNKNOWN:
+        steps.append("ranks without records: check that they started and call StepLog (or pass --log-regex)")
+    if not steps:
+        steps.append("nothing to do")
+    return JobVerdict(worst, reason, verdicts, culprits, tuple(steps[:20]), counts)
+
+
+def to_json(job: JobVerdict, *, job_dir: str = "", cohort_steps: Mapping[str, Any] | None = None,
+            config: VoteConfig | None = None) -> dict[str, Any]:
+    """The `gpuguard.job/1` document."""
+    doc: dict[str, Any] = {
+        "schema": SCHEMA, "job_dir": job_dir, "verdict": job.verdict, "exit_code": job.exit_code,
+        "reason": job.reason, "culprits": list(job.culprits), "counts": job.counts,
+        "cohort_step_s": dict(cohort_steps or {}), "next_steps": list(job.next_steps),
+        "ranks": [r.to_json() for r in job.ranks],
+    }
+    if config is not None:
+        doc["thresholds"] = {f.name: getattr(config, f.name) for f in fields(config)}
+    return doc
+
+
+__all__ = ["SCHEMA", "JobVerdict", "RankVerdict", "VoteConfig", "load_config", "vote", "to_json", "cohort_of"]

@@ -1,0 +1,209 @@
+"""One voter per dimension of the dead-vs-slow vote. Pure functions of (observation, cohort, config).
+
+Each returns a `Vote`: `dead | hung | slow | healthy | abstain`, a reason a human can check, and the
+numbers it used. Voters never see each other; `vote.py` combines them (and applies the coupling of
+synchronous ranks: who is waiting for whom).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuguard.diagnostics.jobmodel import COLLECTIVE, STARTING, RankObservation
+
+DEAD, HUNG, SLOW, HEALTHY, ABSTAIN = "dead", "hung", "slow", "healthy", "abstain"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class VoteConfig:
+    """Thresholds (defaults documented in diagnostics/data/vote.yaml)."""
+
+    hang_k: float = 3.0
+    hang_floor_s: float = 5.0
+    hang_cap_s: float = 1800.0
+    confirm_checks: int = 2
+    check_interval_s: float = 1.0
+    pause_k: float = 1.0
+    pause_floor_s: float = 1.0
+    min_samples: int = 10
+    initial_timeout_s: float = 300.0
+    startup_timeout_s: float = 600.0
+    cohort_z: float = 3.5
+    cohort_ratio: float = 0.75
+    cohort_min_ranks: int = 3
+    mad_floor_frac: float = 0.05
+    bandwidth_bytes_s: float = 10e9
+    latency_s: float = 50e-6
+    collective_k: float = 3.0
+    comm_min_reports: int = 1
+
+
+@dataclass(frozen=True)
+class Vote:
+    dimension: str
+    verdict: str
+    reason: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+    decisive: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dimension": self.dimension, "verdict": self.verdict, "reason": self.reason,
+                "numbers": self.numbers, "decisive": self.decisive}
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """What the vote knows about all ranks at once (computed once per check)."""
+
+    world: int
+    compute_median_s: float
+    compute_mad_s: float
+    ranks_with_steps: int
+    comm_reports: dict[int, int] = field(default_factory=dict)  # peer rank -> reports naming it
+
+
+# -- cost model used to widen bounds (the planner has the full version) ------------------------------
+def ring_allreduce_s(nbytes: float, world: int, bandwidth_bytes_s: float, latency_s: float = 0.0) -> float:
+    """T_ring ≈ 2(N−1)/N · S/BW  (+ 2(N−1) latency steps)."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (world - 1) / world * nbytes / bandwidth_bytes_s + 2 * (world - 1) * latency_s
+
+
+def tree_allreduce_s(nbytes: float, world: int, bandwidth_bytes_s: float, latency_s: float = 0.0) -> float:
+    """Pipelined tree (reduce up, broadcast down): 2·⌈log2 N⌉ latency steps, but every byte crosses a link
+    twice (2·S/BW) — latency-optimal for small messages, ring wins for big ones."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(world)) * latency_s + 2 * nbytes / bandwidth_bytes_s
+
+
+def expected_collective_s(nbytes: int, world: int, cfg: VoteConfig) -> float:
+    """The better of ring and tree: the time a healthy collective of this size needs."""
+    if nbytes <= 0 or world <= 1:
+        return 0.0
+    return min(ring_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s),
+               tree_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s))
+
+
+def hang_bound_s(obs: RankObservation, world: int, cfg: VoteConfig) -> float:
+    """No-progress bound for this rank: K × its own P99.9 step period (floor, cap), widened for big collectives."""
+    if obs.phase == STARTING or obs.n_steps == 0:
+        base = cfg.startup_timeout_s
+    elif obs.n_steps < cfg.min_samples:
+        base = max(cfg.initial_timeout_s, cfg.hang_k * obs.period_p999_s)
+    else:
+        base = min(max(cfg.hang_k * obs.period_p999_s, cfg.hang_floor_s), cfg.hang_cap_s)
+    return base + cfg.collective_k * expected_collective_s(obs.nbytes, world, cfg)
+
+
+def confirm_window_s(cfg: VoteConfig) -> float:
+    """M consecutive checks beyond the bound = the bound plus (M−1) check intervals of age."""
+    return max(0, cfg.confirm_checks - 1) * cfg.check_interval_s
+
+
+# -- the voters ------------------------------------------------------------------------------------
+def liveness(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    st = obs.alive.state
+    nums: dict[str, Any] = {"state": st}
+    if obs.alive.exit_code is not None:
+        nums["exit_code"] = obs.alive.exit_code
+    if st in ("gone", "zombie"):
+        if obs.closed:
+            return Vote("liveness", HEALTHY, f"process exited after closing its log cleanly ({obs.alive.detail})", nums)
+        what = "is a zombie" if st == "zombie" else "is gone"
+        return Vote("liveness", DEAD, f"process {what} without a clean close ({obs.alive.detail})", nums, decisive=True)
+    if st == "stopped":
+        return Vote("liveness", HUNG, f"process is stopped (SIGSTOP or a tracer) ({obs.alive.detail})", nums)
+    if st == "disk-sleep":
+        return Vote("liveness", ABSTAIN, f"process in uninterruptible sleep (D-state) ({obs.alive.detail})", nums)
+    if st in ("running", "sleeping"):
+        return Vote("liveness", HEALTHY, f"process alive ({obs.alive.detail})", nums)
+    return Vote("liveness", ABSTAIN, f"process state not visible here ({obs.alive.detail or 'no pid'})", nums)
+
+
+def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    """Time without progress against the rank's OWN learned step-period quantiles."""
+    if obs.closed:
+        return Vote("progress", ABSTAIN, "log closed", {})
+    bound = hang_bound_s(obs, cohort.world, cfg)
+    confirm = confirm_window_s(cfg)
+    pause = max(cfg.pause_k * obs.period_p999_s, cfg.pause_floor_s)
+    age = obs.phase_age_s
+    where = (f"waiting in collective {obs.phase_seq}" if obs.phase == COLLECTIVE
+             else f"{obs.phase} step {obs.phase_step}" if obs.phase_step >= 0 else obs.phase)
+    nums = {"phase": obs.phase, "age_s": round(age, 3), "bound_s": round(bound, 3), "confirm_s": confirm,
+            "own_p50_s": round(obs.period_p50_s, 4), "own_p99_s": round(obs.period_p99_s, 4),
+            "own_p999_s": round(obs.period_p999_s, 4), "samples": obs.n_steps}
+    if age > bound + confirm:
+        return Vote("progress", HUNG, f"no progress for {age:.1f} s ({where}); bound {bound:.1f} s "
+                    f"= {cfg.hang_k:g} × own P99.9 {obs.period_p999_s:.3f} s (floor {cfg.hang_floor_s:g} s), "
+                    f"held for {cfg.confirm_checks} checks", nums)
+    if age > pause:
+        tail = " (past the bound, confirming)" if age > bound else ""
+        return Vote("progress", SLOW, f"paused: no progress for {age:.1f} s ({where}){tail}; "
+                    f"own P99.9 {obs.period_p999_s:.3f} s, hang bound {bound:.1f} s", nums)
+    return Vote("progress", HEALTHY, f"progressing ({where} for {age:.2f} s)", nums)
+
+
+def cohort_speed(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    """Own compute time against the cohort's: robust z on median/MAD plus the NVRx ratio of medians."""
+    if cohort.ranks_with_steps < cfg.cohort_min_ranks or obs.n_steps == 0:
+        return Vote("cohort", ABSTAIN, f"cohort too small ({cohort.ranks_with_steps} ranks with steps)", {})
+    own, med = obs.recent_compute_s, cohort.compute_median_s
+    scale = max(1.4826 * cohort.compute_mad_s, cfg.mad_floor_frac * med, 1e-6)
+    z = (own - med) / scale
+    ratio = med / own if own > 0 else 1.0
+    nums = {"own_compute_s": round(own, 5), "cohort_median_s": round(med, 5), "mad_s": round(cohort.compute_mad_s, 5),
+            "z": round(z, 2), "score": round(ratio, 3)}
+    if z > cfg.cohort_z and ratio < cfg.cohort_ratio:
+        return Vote("cohort", SLOW, f"own compute {own:.3f} s vs cohort median {med:.3f} s "
+                    f"(z {z:.1f} > {cfg.cohort_z:g}, score {ratio:.2f} < {cfg.cohort_ratio:g})", nums)
+    return Vote("cohort", HEALTHY, f"own compute {own:.3f} s within the cohort (median {med:.3f} s, z {z:.1f})", nums)
+
+
+def collective(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    """Expected collective time from its size: a large all-gather may legitimately take long."""
+    exp = expected_collective_s(obs.nbytes, cohort.world, cfg)
+    nums = {"nbytes": obs.nbytes, "world": cohort.world, "expected_s": round(exp, 6),
+            "widened_by_s": round(cfg.collective_k * exp, 6)}
+    if obs.phase != COLLECTIVE:
+        return Vote("collective", ABSTAIN, "not in a collective", nums)
+    if obs.phase_age_s <= cfg.collective_k * exp:
+        return Vote("collective", HEALTHY, f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s: within "
+                    f"{cfg.collective_k:g} × the expected {exp:.3f} s for {obs.nbytes} bytes", nums)
+    return Vote("collective", ABSTAIN, f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s "
+                f"(expected {exp:.3f} s for {obs.nbytes} bytes): waiting on peers", nums)
+
+
+def hardware(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    lost = [h for h in obs.hardware if h.kind == "gpu-lost"]
+    fatal = [h for h in obs.hardware if h.fatal]
+    nums = {"events": [f"{h.kind}: {h.text}" for h in obs.hardware]}
+    if lost:
+        return Vote("hardware", DEAD, f"GPU lost: {lost[0].text}", nums, decisive=True)
+    if fatal:
+        return Vote("hardware", DEAD, f"fatal {fatal[0].kind} on the rank's GPU: {fatal[0].text}", nums)
+    if obs.hardware:
+        return Vote("hardware", HEALTHY, f"{len(obs.hardware)} non-fatal hardware event(s)", nums)
+    return Vote("hardware", ABSTAIN, "no hardware evidence", nums)
+
+
+def communication(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    """Peers' communication errors that name this rank count against it; its own errors show it is a victim."""
+    named = cohort.comm_reports.get(obs.rank, 0) + sum(1 for c in obs.comm_errors if c.peer == obs.rank)
+    own = len(obs.errors) + sum(1 for c in obs.comm_errors if c.rank == obs.rank and c.peer != obs.rank)
+    nums = {"reports_naming_rank": named, "errors_seen_by_rank": own}
+    if named >= cfg.comm_min_reports:
+        return Vote("communication", DEAD, f"{named} communication error report(s) from peers name this rank", nums)
+    if own:
+        last = obs.errors[-1] if obs.errors else next(c.text for c in obs.comm_errors if c.rank == obs.rank)
+        return Vote("communication", ABSTAIN, f"saw {own} communication error(s) itself (a victim, not a culprit): "
+                    f"{last[:160]}", nums)
+    return Vote("communication", ABSTAIN, "no communication errors", nums)
+
+
+VOTERS = (liveness, progress, cohort_speed, collective, hardware, communication)
