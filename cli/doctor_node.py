@@ -1,9 +1,517 @@
-"""Placeholder: filled in by its issue."""
+"""`gpu-doctor diagnose node`, `gpu-doctor sweep` and `gpu-doctor plugins`.
+
+Thin shell: collectors read (NVML, kernel log, processes), `diagnostics.node_verdict` judges, the
+output plugins deliver. Heavy modules (rich, prometheus_client, requests, psutil) are imported only by
+the paths that need them, so `diagnose node --json` stays a fraction of a second and never imports torch.
+
+Exit codes (human/json): 0 healthy, 1 degraded, 2 reset or drain, 3 unknown; 64 usage or config error,
+65 malformed input, 66 missing input, 73 output cannot be created, 77 permission denied.
+`--format npd`: 0 OK, 1 problem, 2 unknown (node-problem-detector). `--format nagios`: 0/1/2/3.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+
+from gpuguard.cli._app import emit_json
+from gpuguard.errors import (
+    EXIT_CRITICAL,
+    EXIT_OK,
+    EXIT_UNKNOWN,
+    EXIT_WARNING,
+    DataError,
+    UsageError,
+)
+
+DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
+SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
+SAMPLE_NVML = DATA / "sample-nvml.json"
+FORMATS = ("human", "json", "npd", "nagios")
+EXIT_BY_VERDICT = {"healthy": EXIT_OK, "degraded": EXIT_WARNING, "reset": EXIT_CRITICAL, "drain": EXIT_CRITICAL,
+                   "unknown": EXIT_UNKNOWN}
+STATE_SCHEMA = "gpuguard.sweep-state/1"
+DRAIN_PREFIX = "gpu-doctor:"
+STATE_ENV = "GPUGUARD_STATE_DIR"
+MAX_HISTORY = 5000
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.I)
+_UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_since(text: str | None, now: float | None = None) -> float | None:
+    """`90s`, `30m`, `2h`, `7d`, `1w` ago, or an ISO-8601 time -> Unix time; UsageError otherwise."""
+    if text is None:
+        return None
+    now = time.time() if now is None else now
+    match = _DURATION_RE.match(text)
+    if match:
+        return now - float(match.group(1)) * _UNIT_S[(match.group(2) or "s").lower() if match.group(2) else None]
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise UsageError(f"--since {text!r}: expected a duration (30m, 2h, 7d) or an ISO-8601 time") from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    return when.timestamp()
+
+
+def _format(json_flag: bool, fmt: str | None) -> str:
+    if fmt is None:
+        return "json" if json_flag else "human"
+    fmt = fmt.lower()
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if json_flag and fmt != "json":
+        raise UsageError("--json and --format are exclusive")
+    return fmt
+
+
+def _warn(message: str) -> None:
+    print(f"gpu-doctor: warning: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collect + judge (shared by diagnose node and sweep)
+
+def _nvml_snapshot(path: str | None, timeout: float) -> tuple[dict[str, Any], str]:
+    from gpuguard.collectors import nvml
+
+    if path is not None:
+        return nvml.load_snapshot(path), f"file {path}"
+    snap = nvml.collect(timeout)
+    if snap.get("timed_out"):
+        _warn(snap["reason"])
+    return snap, "live"
+
+
+def _kernel_log(spec: str | None, *, cursor: Any = None, timeout: float) -> Any:
+    from gpuguard.collectors import kernel_log
+
+    if spec == "-":
+        return kernel_log.read_stream(sys.stdin.buffer, "-", timeout=timeout)
+    if spec is not None:
+        return kernel_log.read_file(spec, cursor=cursor, timeout=timeout)
+    return kernel_log.read_live(cursor=cursor, timeout=timeout)
+
+
+def _processes() -> dict[str, Any]:
+    try:
+        from gpuguard.collectors import processes
+
+        return processes.collect()
+    except Exception as exc:  # noqa: BLE001 - a process listing problem must not stop the diagnosis
+        return {"schema": "gpuguard.processes/1", "status": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def build_document(snapshot: dict[str, Any], nvml_source: str, log: Any, events: list[Any], thresholds: Any,
+                   since: float | None, started: float, processes: dict[str, Any] | None = None,
+                   extra_sections: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+    """Judge and assemble the `gpuguard.node/1` document."""
+    from gpuguard.diagnostics import node_verdict
+
+    verdict = node_verdict.judge(snapshot, events, thresholds, since=since,
+                                 kernel_log_status="ok" if log.status == "ok" else (log.reason or log.status))
+    now = time.time()
+    doc: dict[str, Any] = {"schema": node_verdict.SCHEMA, "node": socket.gethostname(),
+                           "generated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+                           "generated_at_unix": round(now, 3)}
+    doc.update(verdict.to_json())
+    doc["exit_code"] = EXIT_BY_VERDICT[verdict.verdict]
+    sections: dict[str, Any] = {
+        "nvml": {"status": snapshot.get("status"), "reason": snapshot.get("reason"), "source": nvml_source,
+                 "driver_version": snapshot.get("driver_version"), "gpu_count": len(snapshot.get("gpus") or [])},
+        "kernel_log": log.section(),
+        "config": {"status": "ok", "source": thresholds.source},
+    }
+    if since is not None:
+        sections["kernel_log"]["since"] = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
+    if processes is not None:
+        sections["processes"] = {"status": processes.get("status"), "reason": processes.get("reason"),
+                                 "count": len(processes.get("processes") or [])}
+    sections.update(extra_sections or {})
+    doc["sections"] = sections
+    kernel_kinds = ("xid", "sxid", "gpu_lost")
+    doc["events"] = [e.to_json() for e in events if e.kind in kernel_kinds][-200:]
+    totals: dict[str, int] = {}
+    for e in events:
+        if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
+            key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
+            totals[key] = totals.get(key, 0) + 1
+    doc["xid_totals"] = totals
+    doc["nvml"] = snapshot
+    if processes is not None:
+        doc["processes"] = processes.get("processes") or []
+    doc["duration_s"] = round(time.monotonic() - started, 4)
+    return doc, verdict
+
+
+def _render(doc: dict[str, Any], fmt: str) -> int:
+    from gpuguard.plugins.outputs import nagios_text, npd_line
+
+    if fmt == "json":
+        emit_json(doc)
+        return doc["exit_code"]
+    if fmt == "npd":
+        code, line = npd_line(doc)
+        print(line)
+        return code
+    if fmt == "nagios":
+        code, text = nagios_text(doc)
+        print(text)
+        return code
+    _render_human(doc)
+    return doc["exit_code"]
+
+
+_STYLE = {"healthy": "green", "degraded": "yellow", "reset": "red", "drain": "bold red", "unknown": "magenta"}
+
+
+def _render_human(doc: dict[str, Any]) -> None:
+    from rich.markup import escape
+
+    from gpuguard.cli._app import console
+
+    out = console()
+    verdict = doc["verdict"]
+    out.print(f"[bold]{escape(doc['node'])}[/bold]: [{_STYLE[verdict]}]{verdict.upper()}[/] - {escape(doc['summary'])}")
+    for g in doc["gpus"]:
+        label = f"GPU{g['index']}" if g["index"] is not None else "GPU?"
+        name = f"  {g['name']}" if g.get("name") else ""
+        out.print(f"\n[bold]{label}[/bold] {g['pci_bus_id'] or '?'}{escape(name)}  "
+                  f"[{_STYLE[g['verdict']]}]{g['verdict']}[/]")
+        ev = g["evidence"]
+        shown = [e for e in ev if e["verdict"] != "healthy"] + [e for e in ev if e["verdict"] == "healthy"]
+        for e in shown[:6]:
+            where = f" (line {e['line']})" if e.get("line") else ""
+            out.print(f"  - [{_STYLE.get(e['verdict'], 'white')}]{e['verdict']}[/] {escape(e['message'])}{where}")
+        if len(shown) > 6:
+            out.print(f"  - ... {len(shown) - 6} more (--json for all)")
+        if g["verdict"] != "healthy":
+            out.print(f"  action: {escape(g['action'])}")
+    if doc["evidence"]:
+        out.print("\n[bold]node[/bold]")
+    for e in doc["evidence"]:
+        where = f" (line {e['line']})" if e.get("line") else ""
+        out.print(f"  - [{_STYLE.get(e['verdict'], 'white')}]{e['verdict']}[/] {escape(e['message'])}{where}")
+    for name, sec in doc["sections"].items():
+        if isinstance(sec, dict) and sec.get("status") not in ("ok", None):
+            out.print(f"  {name}: {sec.get('status')} - {escape(str(sec.get('reason')))}")
+    out.print(f"\n[bold]action[/bold]: {escape(doc['action'])}")
+    drain = doc.get("drain")
+    if drain:
+        out.print(f"drain: {escape(' '.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else ""))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sweep state: kernel-log cursor + retained events, one file, written atomically.
+
+def _default_state_dir() -> Path:
+    env = os.environ.get(STATE_ENV)
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/gpuguard")
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "gpuguard"
+
+
+def _load_state(path: Path) -> tuple[dict[str, Any], list[str]]:
+    import json
+
+    from gpuguard.collectors.kernel_log import parse_cursor
+
+    notes: list[str] = []
+    empty = {"schema": STATE_SCHEMA, "cursor": None, "events": [], "xid_totals": {}, "last_verdict": None}
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return empty, notes
+    except OSError as exc:
+        from gpuguard.errors import from_os_error
+
+        raise from_os_error(exc, f"sweep state {path}") from None
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
+            raise DataError("not a gpuguard.sweep-state/1 document")
+        cursor = parse_cursor(json.dumps(doc["cursor"]), "cursor") if doc.get("cursor") else None
+        events = [e for e in doc.get("events") or [] if isinstance(e, dict) and isinstance(e.get("kind"), str)]
+        totals = {str(k): int(v) for k, v in (doc.get("xid_totals") or {}).items()}
+    except (ValueError, TypeError, AttributeError, DataError) as exc:
+        notes.append(f"sweep state {path} unreadable ({str(exc)[:80]}): starting over from the start of the log")
+        return empty, notes
+    return {**empty, "cursor": cursor, "events": events, "xid_totals": totals,
+            "last_verdict": doc.get("last_verdict")}, notes
+
+
+def _event_from_record(rec: dict[str, Any]) -> Any:
+    from gpuguard.diagnostics.events import Event
+
+    return Event(kind=rec["kind"], line=int(rec.get("line") or 0), text=str(rec.get("text") or ""),
+                 fields=dict(rec.get("fields") or {}), timestamp=rec.get("timestamp"), source=rec.get("source"),
+                 severity=str(rec.get("severity") or "info"), diagnosis=str(rec.get("diagnosis") or ""))
+
+
+def _event_record(event: Any, seen_at: float) -> dict[str, Any]:
+    return {"kind": event.kind, "line": event.line, "text": (event.text or "")[:400],
+            "fields": {k: v for k, v in dict(event.fields).items() if isinstance(v, (str, int, float, bool, type(None)))},
+            "timestamp": event.timestamp, "source": event.source, "severity": event.severity,
+            "diagnosis": (event.diagnosis or "")[:200], "seen_at": seen_at}
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    import json
+
+    from gpuguard.recovery.jobdir import atomic_write_bytes
+    from gpuguard.errors import from_os_error
+
+    doc = {"schema": STATE_SCHEMA, "cursor": state["cursor"].to_json() if state.get("cursor") else None,
+           "events": state["events"], "xid_totals": state["xid_totals"], "last_verdict": state.get("last_verdict")}
+    try:
+        atomic_write_bytes(path, (json.dumps(doc, default=str) + "\n").encode(), mode=0o600)
+    except OSError as exc:
+        raise from_os_error(exc, f"sweep state {path}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slurm drain
+
+def drain_command(node: str, summary: str) -> list[str]:
+    reason = f"{DRAIN_PREFIX} {summary}"[:200].replace("\n", " ")
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+
+
+def _run_drain(command: list[str], node: str, timeout: float) -> str:
+    """Run scontrol (never through a shell); leave a drain someone else owns alone."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which(command[0])
+    if exe is None:
+        return "not run: scontrol is not installed"
+    try:
+        show = subprocess.run([exe, "show", "node", node, "-o"], capture_output=True, text=True, timeout=timeout,
+                              check=False, stdin=subprocess.DEVNULL)
+        reason = re.search(r"\bReason=(.*?)(?: \w+=|$)", show.stdout or "")
+        if reason and reason.group(1) not in ("(null)", "") and not reason.group(1).startswith(DRAIN_PREFIX):
+            return f"not run: node already has a reason set by someone else ({reason.group(1)[:60]})"
+        proc = subprocess.run([exe, *command[1:]], capture_output=True, text=True, timeout=timeout, check=False,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"failed: scontrol timed out after {timeout:g} s"
+    except OSError as exc:
+        return f"failed: {exc}"
+    err = (proc.stderr or "").strip().splitlines()
+    return "drained" if proc.returncode == 0 else f"failed: exit {proc.returncode} {err[0] if err else ''}".strip()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Commands
+
+def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
+    """`--output-option webhook.url=http://...` -> {"webhook": {"url": ...}}."""
+    out: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        name, dot, option = key.partition(".")
+        if not sep or not dot or not name or not option:
+            raise UsageError(f"--output-option {pair!r}: expected NAME.KEY=VALUE")
+        out.setdefault(name, {})[option] = value
+    return out
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add this module's commands to the gpu-doctor app."""
+    """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app."""
+
+    @diagnose.command("node")
+    def diagnose_node(
+        kernel_log: Optional[str] = typer.Option(None, "--kernel-log", metavar="FILE|-",
+                                                 help="Kernel log to read (a file, or - for stdin). "
+                                                      "Default: dmesg, else journalctl -k, else /var/log/kern.log."),
+        nvml_snapshot: Optional[str] = typer.Option(None, "--nvml-snapshot", metavar="FILE",
+                                                    help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."),
+        since: Optional[str] = typer.Option(None, "--since", metavar="D",
+                                            help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). "
+                                                 "A log file is judged whole otherwise."),
+        config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+        fmt: Optional[str] = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
+        dump_nvml: Optional[str] = typer.Option(None, "--dump-nvml", metavar="FILE",
+                                                help="Also save the NVML snapshot (replay it with --nvml-snapshot)."),
+        processes: Optional[bool] = typer.Option(None, "--processes/--no-processes",
+                                                 help="List torchrun agents/workers (default: on for live runs)."),
+        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
+        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
+    ) -> int:
+        """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action."""
+        started = time.monotonic()
+        out_fmt = _format(json_, fmt)
+        if demo:
+            kernel_log = kernel_log or str(SAMPLE_KERNEL_LOG)
+            nvml_snapshot = nvml_snapshot or str(SAMPLE_NVML)
+        cutoff = parse_since(since)
+        from gpuguard.diagnostics import node_thresholds
+
+        thresholds = node_thresholds.load(config)
+        log = _kernel_log(kernel_log, timeout=timeout)
+        if log.status != "ok":
+            _warn(f"kernel log not read: {log.reason}")
+        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+        if dump_nvml:
+            from gpuguard.recovery.jobdir import atomic_write_bytes
+
+            import json
+
+            atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
+        live = nvml_snapshot is None and not demo
+        procs = _processes() if (processes if processes is not None else live) else None
+        doc, _ = build_document(snapshot, nvml_source, log, list(log.events), thresholds, cutoff, started, procs)
+        return _render(doc, out_fmt)
+
+    @app.command("sweep")
+    def sweep(
+        kernel_log: Optional[str] = typer.Option(None, "--kernel-log", metavar="FILE",
+                                                 help="Kernel log file (read incrementally). Default: live sources."),
+        nvml_snapshot: Optional[str] = typer.Option(None, "--nvml-snapshot", metavar="FILE",
+                                                    help="A recorded NVML snapshot instead of live NVML."),
+        config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        state_dir: Optional[str] = typer.Option(None, "--state-dir", metavar="DIR", envvar=STATE_ENV,
+                                                help="Where the kernel-log cursor and recent events are kept "
+                                                     "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard)."),
+        retain: str = typer.Option("24h", "--retain", metavar="D",
+                                   help="How long a kernel-log event keeps counting in later sweeps."),
+        textfile: Optional[str] = typer.Option(None, "--textfile", metavar="FILE.prom",
+                                               help="Write Prometheus metrics here (atomic rename)."),
+        webhook: Optional[str] = typer.Option(None, "--webhook", metavar="URL",
+                                              help="POST an Alertmanager-style payload when unhealthy or recovered."),
+        webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
+        webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
+        budget: float = typer.Option(30.0, "--budget", metavar="S",
+                                     help="Total time the outputs (webhook, plugins) may take."),
+        output: list[str] = typer.Option([], "--output", metavar="NAME",
+                                         help="Also run this gpuguard.outputs plugin (repeatable)."),
+        output_option: list[str] = typer.Option([], "--output-option", metavar="NAME.KEY=VALUE",
+                                                help="An option for an output plugin (repeatable)."),
+        drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
+        run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
+        node: Optional[str] = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+        fmt: Optional[str] = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
+        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+    ) -> int:
+        """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
+        started = time.monotonic()
+        out_fmt = _format(json_, fmt)
+        retain_s = time.time() - parse_since(retain, now=time.time())
+        if webhook_retries < 0 or webhook_retries > 10:
+            raise UsageError("--webhook-retries must be between 0 and 10")
+        opts = _parse_options(output_option)
+        from gpuguard.diagnostics import node_thresholds
+
+        thresholds = node_thresholds.load(config)
+        state_path = Path(state_dir) if state_dir else _default_state_dir()
+        state_file = state_path / "sweep-state.json"
+        state, notes = _load_state(state_file)
+        for note in notes:
+            _warn(note)
+        log = _kernel_log(kernel_log, cursor=state["cursor"], timeout=timeout)
+        if log.status != "ok":
+            _warn(f"kernel log not read: {log.reason}")
+        now = time.time()
+        kept = [r for r in state["events"] if (r.get("timestamp") or r.get("seen_at") or now) >= now - retain_s]
+        fresh = [e for e in log.events if e.kind in ("xid", "sxid", "gpu_lost")]
+        for e in fresh:
+            if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
+                key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
+                state["xid_totals"][key] = state["xid_totals"].get(key, 0) + 1
+        kept.extend(_event_record(e, now) for e in fresh)
+        state["events"] = kept[-MAX_HISTORY:]
+        if log.cursor is not None:
+            state["cursor"] = log.cursor
+        events = [_event_from_record(r) for r in state["events"]]
+        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+        extra = {"state": {"status": "ok", "path": str(state_file), "retained_events": len(events),
+                           "new_events": len(fresh)}}
+        doc, verdict = build_document(snapshot, nvml_source, log, events, thresholds, None, started,
+                                      extra_sections=extra)
+        doc["xid_totals"] = dict(state["xid_totals"])
+        previous = state.get("last_verdict")
+        state["last_verdict"] = verdict.verdict
+        _save_state(state_file, state)  # before the outputs: a crashing notifier never loses the cursor
+
+        deadline = time.monotonic() + budget
+        results = []
+        from gpuguard.plugins import outputs as builtin
+        from gpuguard.plugins.registry import load, run_safely
+
+        if textfile:
+            results.append(run_safely("gpuguard.outputs", "prometheus",
+                                      lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc)))
+        if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):
+            left = max(0.1, deadline - time.monotonic())
+            results.append(run_safely("gpuguard.outputs", "webhook", lambda: builtin.post_webhook(
+                webhook, builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
+                timeout=webhook_timeout, retries=webhook_retries, budget=left)))
+        if output:
+            plugins, failures = load("gpuguard.outputs", list(dict.fromkeys(output)))
+            for f in failures:
+                results.append(_failed(f))
+            for name, cls in plugins.items():
+                if time.monotonic() > deadline:
+                    results.append(run_safely("gpuguard.outputs", name, _budget_spent))
+                    continue
+                results.append(run_safely("gpuguard.outputs", name,
+                                          lambda cls=cls, name=name: cls(opts.get(name, {})).emit(doc)))
+        doc["outputs"] = [r.to_json() for r in results]
+        for r in results:
+            if r.status != "ok":
+                _warn(f"output {r.name} failed: {r.message}")
+        if (drain or run_drain) and verdict.verdict == "drain":
+            cmd = drain_command(node or socket.gethostname().split(".")[0], verdict.summary)
+            doc["drain"] = {"command": cmd, "ran": run_drain,
+                            "result": _run_drain(cmd, node or socket.gethostname().split(".")[0], 10.0)
+                            if run_drain else None}
+            if out_fmt in ("npd", "nagios"):
+                print(f"gpu-doctor: drain: {' '.join(cmd)}", file=sys.stderr)
+        doc["duration_s"] = round(time.monotonic() - started, 4)
+        return _render(doc, out_fmt)
+
+    @app.command("plugins")
+    def plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
+        """List installed plugins (collectors, outputs, actions) and whether each loads."""
+        from gpuguard.plugins.registry import discover
+
+        found = discover()
+        if json_:
+            emit_json({"schema": "gpuguard.plugins/1", "plugins": [p.to_json() for p in found]})
+            return 0
+        if not found:
+            print("no plugins installed")
+        for p in found:
+            origin = f"{p.distribution} {p.version}" if p.distribution else "?"
+            line = f"{p.group:<20} {p.name:<14} {p.status:<7} {p.target}  ({origin})"
+            if p.error:
+                line += f"  error: {p.error}"
+            print(line)
+        return 0
+
+
+def _failed(info: Any) -> Any:
+    from gpuguard.plugins.registry import PluginResult
+
+    return PluginResult(info.group, info.name, "failed", info.error or "failed to load", 0.0)
+
+
+def _budget_spent() -> str:
+    from gpuguard.errors import UnavailableError
+
+    raise UnavailableError("output budget spent before this plugin ran")

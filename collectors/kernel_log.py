@@ -1,0 +1,401 @@
+"""Kernel-log collector: Xid / SXid / fallen-off-bus lines from a file, stdin, `dmesg` or `journalctl -k`.
+
+A cron sweep on 10,000 nodes must not re-read a 1 GiB `kern.log` every minute, so file reads are
+incremental: a cursor (device, inode, offset, line number, hash of the last line read) says where the
+last sweep stopped. Rotation (a new inode; the old file is looked for as `<path>.1`) and truncation
+(size below the offset, or the last line's hash no longer matches) restart from the top. Only complete
+lines are consumed, and the cursor is written atomically, so a crash never skips or doubles a line.
+
+Only lines that can matter to the node verdict (`NVRM`, `Xid`) reach the parser: a byte search finds
+them, so the scan runs at close to disk speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable
+
+from gpuguard.diagnostics.events import Event
+from gpuguard.errors import DataError, from_os_error
+from gpuguard.recovery.jobdir import atomic_write_bytes
+
+CURSOR_SCHEMA = "gpuguard.kernel-log-cursor/1"
+KEYWORDS = (b"NVRM", b"Xid")
+CHUNK = 8 * 1024 * 1024
+MAX_LINE = 4 * 1024 * 1024  # a "line" longer than this is cut (a binary file must not exhaust memory)
+DEFAULT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the last read of a file stopped. `offset` is always just after a complete line."""
+
+    path: str
+    device: int
+    inode: int
+    offset: int
+    line: int  # lines consumed so far: the next line is line + 1
+    last_line_sha256: str  # hash of the last consumed line (with its newline), "" at offset 0
+    last_line_len: int
+    # For stream sources (dmesg, journalctl): the boot and the last line seen.
+    boot_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": CURSOR_SCHEMA, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class KernelLog:
+    """What one read produced."""
+
+    source: str  # file path, "-", "dmesg", "journalctl -k", ...
+    status: str  # ok | unknown
+    reason: str | None = None
+    events: tuple[Event, ...] = ()
+    lines_read: int = 0
+    bytes_read: int = 0
+    cursor: Cursor | None = None
+    notes: tuple[str, ...] = ()
+
+    def section(self) -> dict[str, Any]:
+        """The `kernel_log` section of `gpuguard.node/1`."""
+        return {"status": self.status, "source": self.source, "reason": self.reason,
+                "lines_read": self.lines_read, "bytes_read": self.bytes_read,
+                "events": len(self.events), "notes": list(self.notes)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cursor file: parse (pure), load, save (atomic).
+
+_CURSOR_FIELDS = {"path": str, "device": int, "inode": int, "offset": int, "line": int,
+                  "last_line_sha256": str, "last_line_len": int, "boot_id": str}
+
+
+def parse_cursor(text: str | bytes, what: str = "cursor") -> Cursor:
+    """Validate a cursor document; DataError names what is wrong."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{what}: not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{what}: expected a JSON object")
+    if doc.get("schema") != CURSOR_SCHEMA:
+        raise DataError(f"{what}: schema must be {CURSOR_SCHEMA!r}, got {str(doc.get('schema'))[:40]!r}")
+    values: dict[str, Any] = {}
+    for key, kind in _CURSOR_FIELDS.items():
+        value = doc.get(key, "" if key == "boot_id" else None)
+        if kind is int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise DataError(f"{what}: {key} must be a whole number >= 0")
+        elif not isinstance(value, str):
+            raise DataError(f"{what}: {key} must be a string")
+        values[key] = value
+    digest = values["last_line_sha256"]
+    if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
+        raise DataError(f"{what}: last_line_sha256 must be 64 hex digits")
+    if values["last_line_len"] > values["offset"]:
+        raise DataError(f"{what}: last_line_len is larger than offset")
+    return Cursor(**values)
+
+
+def load_cursor(path: str | Path) -> Cursor | None:
+    """The saved cursor, None if there is none yet; DataError if it is unreadable."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise from_os_error(exc, f"cursor {path}") from None
+    return parse_cursor(raw, f"cursor {path}")
+
+
+def save_cursor(path: str | Path, cursor: Cursor) -> None:
+    try:
+        atomic_write_bytes(path, (json.dumps(cursor.to_json(), sort_keys=True) + "\n").encode())
+    except OSError as exc:
+        raise from_os_error(exc, f"cursor {path}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Scanning: find candidate lines fast, hand contiguous runs to the parser.
+
+@dataclass
+class _Scan:
+    candidates: list[tuple[int, bytes]] = field(default_factory=list)
+    offset: int = 0  # just after the last complete line consumed
+    line: int = 0  # lines consumed
+    last_line: bytes = b""
+    bytes_read: int = 0
+    stopped_early: bool = False
+
+
+def _scan_block(block: bytes, first_line: int, out: list[tuple[int, bytes]]) -> None:
+    starts: set[int] = set()
+    for key in KEYWORDS:
+        i = block.find(key)
+        while i != -1:
+            start = block.rfind(b"\n", 0, i) + 1
+            starts.add(start)
+            end = block.find(b"\n", i)
+            i = block.find(key, end if end != -1 else len(block))
+    line, pos = first_line, 0
+    for start in sorted(starts):
+        line += block.count(b"\n", pos, start)
+        pos = start
+        end = block.find(b"\n", start)
+        out.append((line, block[start: end if end != -1 else len(block)]))
+
+
+def scan(fh: IO[bytes], *, offset: int = 0, line: int = 0, end: int | None = None,
+         deadline: float | None = None, final: bool = False) -> _Scan:
+    """Scan complete lines from `fh` (positioned at `offset`) up to `end` bytes (None: EOF).
+
+    final: also consume a trailing line without newline (a stream that has ended: stdin, dmesg).
+    """
+    result = _Scan(offset=offset, line=line)
+    carry = b""
+    pos = offset
+    while end is None or pos < end:
+        want = CHUNK if end is None else min(CHUNK, end - pos)
+        chunk = fh.read(want)
+        if not chunk:
+            break
+        pos += len(chunk)
+        result.bytes_read += len(chunk)
+        buf = carry + chunk if carry else chunk
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            if len(buf) <= MAX_LINE:
+                carry = buf
+                continue
+            cut = len(buf)  # an endless line: consume it in pieces
+        block, carry = buf[:cut], buf[cut:]
+        _scan_block(block, result.line + 1, result.candidates)
+        result.line += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+        result.offset += len(block)
+        result.last_line = block[block.rfind(b"\n", 0, len(block) - 1) + 1:]
+        if deadline is not None and time.monotonic() > deadline:
+            result.stopped_early = True
+            break
+    if final and carry and not result.stopped_early:
+        _scan_block(carry, result.line + 1, result.candidates)
+        result.line += 1
+        result.offset += len(carry)
+        result.last_line = carry
+    return result
+
+
+def _runs(candidates: list[tuple[int, bytes]]) -> Iterable[tuple[int, list[str]]]:
+    run: list[str] = []
+    first = prev = 0
+    for line_no, raw in candidates:
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        if run and line_no == prev + 1:
+            run.append(text)
+        else:
+            if run:
+                yield first, run
+            run, first = [text], line_no
+        prev = line_no
+    if run:
+        yield first, run
+
+
+def parse_candidates(candidates: list[tuple[int, bytes]], source: str | None) -> tuple[Event, ...]:
+    """Run the log parser over the candidate lines, keeping their real line numbers."""
+    from gpuguard.diagnostics.logparse import iter_events
+
+    events: list[Event] = []
+    for first, lines in _runs(candidates):
+        events.extend(iter_events(lines, source=source, start_line=first))
+    return tuple(events)
+
+
+def _hash(line: bytes) -> str:
+    return hashlib.sha256(line).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Files, with the incremental cursor.
+
+def _resume_point(fh: IO[bytes], st: os.stat_result, cursor: Cursor | None, notes: list[str]) -> tuple[int, int]:
+    """(offset, line) to start from in the open file `fh`."""
+    if cursor is None:
+        return 0, 0
+    if (cursor.device, cursor.inode) != (st.st_dev, st.st_ino):
+        notes.append("log rotated (new inode): reading the new file from the start")
+        return 0, 0
+    if st.st_size < cursor.offset:
+        notes.append("log truncated (smaller than the cursor): reading from the start")
+        return 0, 0
+    if cursor.last_line_len:
+        fh.seek(cursor.offset - cursor.last_line_len)
+        if _hash(fh.read(cursor.last_line_len)) != cursor.last_line_sha256:
+            notes.append("log rewritten (last line changed): reading from the start")
+            fh.seek(0)
+            return 0, 0
+    fh.seek(cursor.offset)
+    return cursor.offset, cursor.line
+
+
+def _rotated_tail(path: Path, cursor: Cursor, deadline: float, notes: list[str]) -> _Scan | None:
+    """After rotation, the lines the last sweep missed in the old file (`<path>.1`)."""
+    old = path.with_name(path.name + ".1")
+    try:
+        with open(old, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if (st.st_dev, st.st_ino) != (cursor.device, cursor.inode) or st.st_size < cursor.offset:
+                return None
+            offset, line = _resume_point(fh, st, cursor, [])
+            if offset != cursor.offset:
+                return None
+            notes.append(f"read the rest of the rotated file {old.name}")
+            return scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline)
+    except OSError:
+        return None
+
+
+def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+              parse: bool = True) -> KernelLog:
+    """Read a kernel log file from the cursor (or the start) to its current end."""
+    path = Path(path)
+    deadline = time.monotonic() + timeout
+    notes: list[str] = []
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise from_os_error(exc, f"kernel log {path}") from None
+    with fh:
+        st = os.fstat(fh.fileno())
+        if not _is_regular(st):  # a pipe or device (/dev/stdin): read it whole, no cursor
+            return read_stream(fh, str(path), timeout=timeout)
+        if cursor is not None and cursor.path != str(path):
+            notes.append(f"cursor was for {cursor.path}: reading from the start")
+            cursor = None
+        previous: _Scan | None = None
+        if cursor is not None and (cursor.device, cursor.inode) != (st.st_dev, st.st_ino):
+            previous = _rotated_tail(path, cursor, deadline, notes)
+        offset, line = _resume_point(fh, st, cursor, notes)
+        result = scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline)
+        if result.stopped_early:
+            notes.append(f"stopped after {timeout:g} s at line {result.line}: the next sweep continues there")
+    last_len = len(result.last_line) if result.offset > offset else (cursor.last_line_len if cursor and offset else 0)
+    last_hash = _hash(result.last_line) if result.offset > offset else (cursor.last_line_sha256 if cursor and offset else "")
+    new_cursor = Cursor(str(path), st.st_dev, st.st_ino, result.offset, result.line, last_hash, last_len)
+    events: tuple[Event, ...] = ()
+    if parse:
+        source = str(path)
+        if previous is not None:
+            events = parse_candidates(previous.candidates, source + ".1")
+        events += parse_candidates(result.candidates, source)
+    lines = result.line - line + (previous.line - (cursor.line if cursor else 0) if previous else 0)
+    return KernelLog(str(path), "ok", None, events, lines,
+                     result.bytes_read + (previous.bytes_read if previous else 0), new_cursor, tuple(notes))
+
+
+def _is_regular(st: os.stat_result) -> bool:
+    import stat
+
+    return stat.S_ISREG(st.st_mode)
+
+
+def read_stream(fh: IO[bytes], source: str = "-", *, timeout: float = DEFAULT_TIMEOUT_S) -> KernelLog:
+    """Read a whole stream (stdin, command output): no cursor."""
+    result = scan(fh, final=True, deadline=time.monotonic() + timeout)
+    notes = ("stopped at the deadline",) if result.stopped_early else ()
+    return KernelLog(source, "ok", None, parse_candidates(result.candidates, source), result.line,
+                     result.bytes_read, None, notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Live sources: dmesg, journalctl -k, /var/log/kern.log (the first that answers).
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _skip_seen(output: bytes, cursor: Cursor | None, notes: list[str]) -> bytes:
+    """For stream sources: drop what the last sweep already saw (same boot, up to its last line)."""
+    if cursor is None or not cursor.last_line_sha256 or cursor.boot_id != boot_id():
+        return output
+    pos = 0
+    found = -1
+    for raw in io.BytesIO(output):
+        pos += len(raw)
+        if len(raw) == cursor.last_line_len and _hash(raw) == cursor.last_line_sha256:
+            found = pos
+    if found == -1:
+        notes.append("last seen line no longer in the ring buffer: reading all of it")
+        return output
+    return output[found:]
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int | None, bytes, str]:
+    """Run a command (never through a shell); (returncode or None on timeout, stdout, stderr line)."""
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return 127, b"", f"{cmd[0]} not installed"
+    try:
+        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, timeout=timeout, check=False,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, b"", f"timed out after {timeout:g} s"
+    except OSError as exc:
+        return 126, b"", str(exc)
+    err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+    return proc.returncode, proc.stdout, (err[0] if err else "")
+
+
+LIVE_SOURCES = (
+    ("dmesg", ["dmesg"]),
+    ("journalctl -k", ["journalctl", "-k", "-b", "--no-pager", "-o", "short-iso", "-q"]),
+)
+KERN_LOG_FILES = ("/var/log/kern.log",)
+
+
+def read_live(*, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+              sources: tuple[tuple[str, list[str]], ...] = LIVE_SOURCES,
+              files: tuple[str, ...] = KERN_LOG_FILES) -> KernelLog:
+    """The running kernel's log: dmesg, else journalctl -k, else a readable kern.log. Says why not."""
+    reasons: list[str] = []
+    for name, cmd in sources:
+        rc, out, err = _run(cmd, timeout)
+        if rc is None:
+            reasons.append(f"{name}: {err}")
+            continue
+        if rc != 0:
+            if "not permitted" in err.lower() or "permission" in err.lower():
+                err = f"refused ({err}); needs root or CAP_SYSLOG (kernel.dmesg_restrict=1)"
+            reasons.append(f"{name}: {err or f'exit {rc}'}")
+            continue
+        lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith(b"-- ")]
+        if not lines:
+            reasons.append(f"{name}: no entries{f' ({err})' if err else ''}")
+            continue
+        notes = [f"fell back to {name}: " + "; ".join(reasons)] if reasons else []
+        if cursor is not None and cursor.path != name:
+            cursor = None
+        new_part = _skip_seen(out, cursor, notes)
+        log = read_stream(io.BytesIO(new_part), name, timeout=timeout)
+        last = out.splitlines(keepends=True)[-1]
+        new_cursor = Cursor(name, 0, 0, len(last), 0, _hash(last), len(last), boot_id())
+        return KernelLog(name, "ok", None, log.events, log.lines_read, len(out), new_cursor,
+                         tuple(notes) + log.notes)
+    for path in files:
+        if os.access(path, os.R_OK):
+            log = read_file(path, cursor=cursor if cursor and cursor.path == path else None, timeout=timeout)
+            return KernelLog(log.source, log.status, None, log.events, log.lines_read, log.bytes_read,
+                             log.cursor, (f"fell back to {path}: " + "; ".join(reasons),) + log.notes)
+        reasons.append(f"{path}: not readable")
+    return KernelLog("live", "unknown", "; ".join(reasons))

@@ -1,0 +1,144 @@
+"""Node-verdict thresholds: bundled defaults (`data/node-thresholds.yaml`) plus an optional override.
+
+Validation is strict and names the key, because a typo in a cron sweep's config must fail loudly once
+(exit 64) instead of silently disabling a check on 10,000 nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from gpuguard.errors import UsageError, from_os_error
+
+SCHEMA = "gpuguard.node-thresholds/1"
+DEFAULTS_PATH = Path(__file__).resolve().parent / "data" / "node-thresholds.yaml"
+VERDICT_NAMES = ("healthy", "degraded", "reset", "drain")
+CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown", "SyncBoost",
+                 "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown", "DisplayClockSetting")
+
+# key -> kind. Kinds: codes (list of ints), count (int >= 0), count? (count or null), number,
+# number? , verdict (one of VERDICT_NAMES), reasons (list of clock-event reason names).
+SPEC: dict[str, dict[str, str]] = {
+    "xid": {"drain": "codes", "reset": "codes", "degraded": "codes", "ignore": "codes",
+            "repeat_degraded": "count?", "unknown_code": "verdict"},
+    "ecc": {"volatile_uncorrected_reset": "count?", "aggregate_uncorrected_sram_drain": "count?",
+            "aggregate_uncorrected_dram_drain": "count?", "volatile_corrected_degraded": "count?"},
+    "row_remap": {"pending": "verdict", "failure": "verdict", "uncorrectable_degraded": "count?"},
+    "retired_pages": {"pending": "verdict", "total_drain": "count?"},
+    "temperature": {"slowdown_margin_c": "number", "degraded_c": "number?"},
+    "clock_events": {"degraded": "reasons"},
+    "pcie": {"width_below_max": "verdict", "gen_below_max": "verdict", "replay_degraded": "count?"},
+    "nvlink": {"inactive": "verdict", "crc_degraded": "count?", "replay_degraded": "count?",
+               "recovery_degraded": "count?"},
+    "node": {"expected_gpus": "count?", "missing_gpu": "verdict", "gpu_lost": "verdict"},
+}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Validated thresholds: `t.get("ecc", "volatile_uncorrected_reset")`."""
+
+    values: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    source: str = "defaults"
+
+    def get(self, section: str, key: str) -> Any:
+        return self.values[section][key]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check(kind: str, value: Any, where: str) -> Any:
+    optional = kind.endswith("?")
+    if optional:
+        if value is None:
+            return None
+        kind = kind[:-1]
+    nullable = " or null" if optional else ""
+    if kind == "count":
+        if not _is_int(value) or value < 0:
+            raise UsageError(f"{where}: expected a whole number >= 0{nullable}, got {value!r:.60}")
+        return value
+    if kind == "number":
+        if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            raise UsageError(f"{where}: expected a number{nullable}, got {value!r:.60}")
+        return float(value)
+    if kind == "verdict":
+        if value not in VERDICT_NAMES:
+            raise UsageError(f"{where}: expected one of {', '.join(VERDICT_NAMES)}, got {value!r:.60}")
+        return value
+    if kind == "codes":
+        if not isinstance(value, list) or not all(_is_int(c) and 0 <= c < 100000 for c in value):
+            raise UsageError(f"{where}: expected a list of Xid codes (whole numbers), got {value!r:.60}")
+        return tuple(value)
+    if kind == "reasons":
+        if not isinstance(value, list) or not all(isinstance(r, str) and r in CLOCK_REASONS for r in value):
+            raise UsageError(f"{where}: expected a list of clock-event reasons from {', '.join(CLOCK_REASONS)}, "
+                             f"got {value!r:.60}")
+        return tuple(value)
+    raise AssertionError(kind)  # pragma: no cover - SPEC is static
+
+
+def validate(doc: Any, base: Mapping[str, Mapping[str, Any]] | None = None, *, what: str = "thresholds",
+             complete: bool = False) -> dict[str, dict[str, Any]]:
+    """Validate a thresholds mapping and merge it over `base`. Pure: data in, data out."""
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise UsageError(f"{what}: expected a mapping of sections, got {type(doc).__name__}")
+    merged: dict[str, dict[str, Any]] = {s: dict((base or {}).get(s, {})) for s in SPEC}
+    for section, body in doc.items():
+        if section == "schema":
+            if body != SCHEMA:
+                raise UsageError(f"{what}: schema must be {SCHEMA!r}, got {body!r:.60}")
+            continue
+        if section not in SPEC:
+            raise UsageError(f"{what}: unknown section {section!r:.60} (known: {', '.join(SPEC)})")
+        if not isinstance(body, dict):
+            raise UsageError(f"{what}: {section}: expected a mapping, got {type(body).__name__}")
+        for key, value in body.items():
+            if key not in SPEC[section]:
+                raise UsageError(f"{what}: unknown key {section}.{key!s:.60} (known: {', '.join(SPEC[section])})")
+            merged[section][key] = _check(SPEC[section][key], value, f"{what}: {section}.{key}")
+    if complete:
+        for section, keys in SPEC.items():
+            for key in keys:
+                if key not in merged[section]:
+                    raise UsageError(f"{what}: missing key {section}.{key}")
+    return merged
+
+
+def _read_yaml(path: Path, what: str) -> Any:
+    import yaml  # lazy: only the node commands need it
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{what}: not UTF-8 text") from None
+    except OSError as exc:
+        raise from_os_error(exc, what) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{what}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc})") from None
+
+
+def load(path: str | Path | None = None) -> Thresholds:
+    """The bundled defaults, overridden by the YAML file at `path` when given."""
+    defaults = validate(_read_yaml(DEFAULTS_PATH, f"bundled thresholds {DEFAULTS_PATH}"),
+                        what="bundled thresholds", complete=True)
+    if path is None:
+        return _freeze(defaults, "defaults")
+    merged = validate(_read_yaml(Path(path), f"config {path}"), defaults, what=f"config {path}")
+    return _freeze(merged, str(path))
+
+
+def _freeze(values: dict[str, dict[str, Any]], source: str) -> Thresholds:
+    return Thresholds(MappingProxyType({s: MappingProxyType(v) for s, v in values.items()}), source)

@@ -1,0 +1,365 @@
+"""The node verdict: NVML snapshot + kernel-log events + thresholds -> one verdict per GPU and the node.
+
+Pure: data in, data out, no I/O. Verdicts, best to worst: `healthy < degraded < reset < drain`;
+`unknown` means the evidence is missing (no driver, hung probe), never "probably fine". Every verdict
+carries the findings that produced it and the action that follows, so an on-call engineer can check
+the reasoning instead of trusting it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from gpuguard.diagnostics.events import Event
+from gpuguard.diagnostics.node_thresholds import Thresholds
+
+SCHEMA = "gpuguard.node/1"
+ORDER = {"healthy": 0, "degraded": 1, "reset": 2, "drain": 3}
+VERDICTS = ("healthy", "degraded", "reset", "drain", "unknown")
+
+ACTIONS = {
+    "healthy": "none",
+    "degraded": "investigate at the next opportunity; the GPU stays usable",
+    "reset": "stop the GPU's processes and reset it (nvidia-smi -r -i <index>) or reboot the node",
+    "drain": "drain the node (let jobs finish elsewhere), reboot; if it recurs, run field diagnostics / RMA",
+    "unknown": "state could not be determined: check the driver and rerun",
+}
+# Catalog severity (gpuguard.diagnostics.xid_catalog.SEVERITIES) -> verdict; `review` is configurable.
+SEVERITY_VERDICT = {"info": "healthy", "warning": "degraded", "reset": "reset", "drain": "drain"}
+KERNEL_KINDS = ("xid", "gpu_lost")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One piece of evidence: where it came from, what it says, what it implies."""
+
+    verdict: str
+    source: str  # nvml | kernel_log | config
+    check: str  # e.g. row_remap.pending, xid.79
+    message: str
+    action: str = ""
+    line: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {"verdict": self.verdict, "source": self.source, "check": self.check, "message": self.message}
+        if self.action:
+            doc["action"] = self.action
+        if self.line is not None:
+            doc["line"] = self.line
+        return doc
+
+
+@dataclass(frozen=True)
+class GpuVerdict:
+    pci_bus_id: str | None
+    verdict: str
+    evidence: tuple[Finding, ...]
+    action: str
+    index: int | None = None
+    uuid: str | None = None
+    name: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "uuid": self.uuid, "name": self.name,
+                "verdict": self.verdict, "action": self.action,
+                "evidence": [f.to_json() for f in self.evidence]}
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    verdict: str
+    gpus: tuple[GpuVerdict, ...]
+    evidence: tuple[Finding, ...]  # node-level findings (not tied to one GPU)
+    action: str
+    summary: str
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "summary": self.summary, "action": self.action,
+                "gpus": [g.to_json() for g in self.gpus],
+                "evidence": [f.to_json() for f in self.evidence], "counts": dict(self.counts)}
+
+
+def worst(verdicts: Iterable[str]) -> str:
+    """The worst of known verdicts (`healthy` for none)."""
+    best = "healthy"
+    for v in verdicts:
+        if ORDER.get(v, 0) > ORDER[best]:
+            best = v
+    return best
+
+
+def _gte(value: Any, limit: Any) -> bool:
+    return limit is not None and value is not None and value >= limit
+
+
+_ECC_RULES = (  # (snapshot key, threshold key, verdict, message)
+    ("volatile_uncorrected", "volatile_uncorrected_reset", "reset", "uncorrectable ECC errors since the last reset"),
+    ("aggregate_uncorrected_sram", "aggregate_uncorrected_sram_drain", "drain", "lifetime uncorrectable SRAM ECC errors"),
+    ("aggregate_uncorrected_dram", "aggregate_uncorrected_dram_drain", "drain", "lifetime uncorrectable DRAM ECC errors"),
+    ("volatile_corrected", "volatile_corrected_degraded", "degraded", "corrected ECC errors since the last reset"),
+)
+
+
+def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
+    """Judge one GPU's NVML counters against the thresholds."""
+    out: list[Finding] = []
+
+    def add(verdict: str, check: str, message: str) -> None:
+        if verdict != "healthy":
+            out.append(Finding(verdict, "nvml", check, message, ACTIONS[verdict]))
+
+    if gpu.get("lost"):
+        add(t.get("node", "gpu_lost"), "gpu_lost", f"NVML: {gpu.get('error') or 'GPU is lost'}")
+        return out
+    ecc = gpu.get("ecc") or {}
+    for key, limit, verdict, text in _ECC_RULES:
+        if _gte(ecc.get(key), t.get("ecc", limit)):
+            add(verdict, f"ecc.{key}", f"{ecc[key]} {text}")
+    rows = gpu.get("remapped_rows") or {}
+    if rows.get("failure"):
+        add(t.get("row_remap", "failure"), "row_remap.failure", "a row remapping failed (RMA threshold)")
+    if rows.get("pending"):
+        add(t.get("row_remap", "pending"), "row_remap.pending",
+            "row remapping pending: applied at the next GPU reset")
+    if _gte(rows.get("uncorrectable"), t.get("row_remap", "uncorrectable_degraded")):
+        add("degraded", "row_remap.uncorrectable", f"{rows['uncorrectable']} rows remapped for uncorrectable errors")
+    pages = gpu.get("retired_pages") or {}
+    if pages.get("pending"):
+        add(t.get("retired_pages", "pending"), "retired_pages.pending", "retired pages pending: reset to apply")
+    total = (pages.get("single_bit") or 0) + (pages.get("double_bit") or 0)
+    if pages and _gte(total, t.get("retired_pages", "total_drain")):
+        add("drain", "retired_pages.total", f"{total} retired pages")
+    action = gpu.get("recovery_action")
+    if action:
+        from gpuguard.diagnostics.xid_catalog import recovery_action
+
+        act = recovery_action(action)
+        add(_verdict_of(act.severity, t), "recovery_action", f"driver recovery action: {act.name} ({action})")
+    temp, slow = gpu.get("temperature_c"), gpu.get("temperature_slowdown_c")
+    if temp is not None:
+        limit = slow - t.get("temperature", "slowdown_margin_c") if slow else t.get("temperature", "degraded_c")
+        if _gte(temp, limit):
+            add("degraded", "temperature", f"{temp:g} °C (slowdown at {slow if slow else '?'} °C)")
+    reasons = [r for r in gpu.get("clock_event_reason_names") or [] if r in t.get("clock_events", "degraded")]
+    if reasons:
+        add("degraded", "clock_events", "clocks reduced: " + ", ".join(reasons))
+    pcie = gpu.get("pcie") or {}
+    if pcie.get("width") is not None and pcie.get("width_max") and pcie["width"] < pcie["width_max"]:
+        add(t.get("pcie", "width_below_max"), "pcie.width", f"PCIe x{pcie['width']} of x{pcie['width_max']}")
+    if pcie.get("gen") is not None and pcie.get("gen_max") and pcie["gen"] < pcie["gen_max"]:
+        add(t.get("pcie", "gen_below_max"), "pcie.gen", f"PCIe gen {pcie['gen']} of {pcie['gen_max']}")
+    if _gte(pcie.get("replay_counter"), t.get("pcie", "replay_degraded")):
+        add("degraded", "pcie.replay_counter", f"PCIe replay counter {pcie['replay_counter']}")
+    links = gpu.get("nvlink") or []
+    inactive = [str(link["link"]) for link in links if link.get("active") is False]
+    if inactive:
+        add(t.get("nvlink", "inactive"), "nvlink.inactive", "NVLink inactive: link " + ", ".join(inactive))
+    for counter, key in (("crc_degraded", ("crc_flit", "crc_data")), ("replay_degraded", ("replay",)),
+                         ("recovery_degraded", ("recovery",))):
+        total = sum(link.get(k) or 0 for link in links for k in key)
+        if links and _gte(total, t.get("nvlink", counter)):
+            add("degraded", f"nvlink.{counter.rsplit('_', 1)[0]}", f"NVLink {'/'.join(key)} errors: {total}")
+    return out
+
+
+def _verdict_of(severity: str, t: Thresholds) -> str:
+    return SEVERITY_VERDICT.get(severity) or t.get("xid", "unknown_code")
+
+
+def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Finding]]:
+    """Verdict and evidence from the Xid / GPU-lost events of ONE GPU, in log order.
+
+    The catalog's `resolution_for` applies its rules (the last Xid 154 is authoritative, echo codes
+    attach to their primary); the thresholds add: ignored codes, codes forced to drain / reset /
+    degraded, and application-level Xids that only degrade a GPU when they repeat.
+    """
+    from gpuguard.diagnostics import xid_catalog as catalog
+
+    ignore = set(t.get("xid", "ignore"))
+    evs = [e for e in events if e.kind == "gpu_lost" or (e.kind == "xid" and isinstance(e.fields.get("xid"), int)
+                                                          and e.fields["xid"] not in ignore)]
+    if not evs:
+        return "healthy", []
+    res = catalog.resolution_for(evs)
+    verdict = _verdict_of(res.severity, t)
+    findings: list[Finding] = []
+    by_code: dict[int, list[Event]] = {}
+    for e in evs:
+        by_code.setdefault(79 if e.kind == "gpu_lost" else e.fields["xid"], []).append(e)
+    echo = {code: primary for code, primary in res.sympathetic}
+    last154 = max((i for i, e in enumerate(evs) if e.kind == "xid" and e.fields["xid"] == 154), default=-1)
+    after = evs[last154 + 1:]
+    warnings = [e for e in after if e.kind == "xid" and e.fields["xid"] not in echo
+                and catalog.xid_severity(e.fields["xid"], e.fields) == "warning"]
+    repeat = t.get("xid", "repeat_degraded")
+    if res.severity == "warning" and (repeat is None or len(warnings) < repeat):
+        verdict = "healthy"  # an application fault the GPU survived: evidence, not a verdict
+    forced = []
+    for e in after:
+        code = 79 if e.kind == "gpu_lost" else e.fields["xid"]
+        for key in ("drain", "reset", "degraded"):
+            if code in t.get("xid", key):
+                forced.append(key)
+                break
+    if res.severity == "warning" and repeat is not None and len(warnings) >= repeat:
+        codes = sorted({e.fields["xid"] for e in warnings})
+        findings.append(Finding("degraded", "kernel_log", "xid.repeat",
+                                f"{len(warnings)} application-level Xids ({', '.join(map(str, codes))}): "
+                                "a repeating fault may be hardware", res.action, warnings[-1].line))
+    verdict = worst([verdict, *forced])
+    if res.recovery_action is not None:
+        e = evs[last154]
+        findings.append(Finding(verdict, "kernel_log", "xid.154",
+                                f"Xid 154: driver recovery action {res.recovery_action} (authoritative)",
+                                res.action, e.line))
+    for code, group in by_code.items():
+        if code == 154:
+            continue
+        info = catalog.lookup(code)
+        times = f" x{len(group)}" if len(group) > 1 else ""
+        if code in echo:
+            findings.append(Finding("healthy", "kernel_log", f"xid.{code}",
+                                    f"Xid {code}{times}: {info.name} (sympathetic to Xid {echo[code]})",
+                                    "", group[0].line))
+            continue
+        label = "GPU has fallen off the bus" if group[0].kind == "gpu_lost" and code == 79 else info.name
+        sev = catalog.xid_severity(code, group[-1].fields if group[-1].kind == "xid" else {})
+        code_verdict = _verdict_of(sev, t)
+        if sev == "warning" and (repeat is None or len(warnings) < repeat):
+            code_verdict = "healthy"  # below the repeat threshold: evidence only
+        for key in ("drain", "reset", "degraded"):
+            if code in t.get("xid", key):
+                code_verdict = worst([code_verdict, key])
+                break
+        findings.append(Finding(code_verdict, "kernel_log", f"xid.{code}", f"Xid {code}{times}: {label}",
+                                info.action, group[0].line))
+    return verdict, findings
+
+
+def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], thresholds: Thresholds, *,
+          since: float | None = None, kernel_log_status: str = "ok") -> NodeVerdict:
+    """One verdict per GPU and for the node.
+
+    snapshot: a `gpuguard.nvml/1` document (None = not collected). events: kernel-log events in file
+    order; with `since`, events stamped earlier are dropped (untimed events are kept: their time is
+    unknown, and a cron sweep's cursor already limits them to what is new).
+    """
+    t = thresholds
+    gpus: dict[str, dict[str, Any]] = {}
+    node_findings: list[Finding] = []
+    nvml_status = snapshot.get("status", "ok") if snapshot is not None else "missing"
+
+    for gpu in (snapshot or {}).get("gpus") or []:
+        key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
+        gpus[key] = {"meta": {"index": gpu.get("index"), "uuid": gpu.get("uuid"), "name": gpu.get("name"),
+                              "pci_bus_id": gpu.get("pci_bus_id")},
+                     "findings": nvml_findings(gpu, t), "events": [], "nvml_ok": nvml_status == "ok"}
+
+    if nvml_status == "failed" and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch":
+        node_findings.append(Finding("drain", "nvml", "nvml.version_mismatch",
+                                     f"{snapshot.get('reason')}: driver upgraded without reboot",
+                                     "reboot the node to load the matching kernel module"))
+    expected = t.get("node", "expected_gpus")
+    seen = len((snapshot or {}).get("gpus") or [])
+    if nvml_status == "ok" and expected is not None and seen < expected:
+        node_findings.append(Finding(t.get("node", "missing_gpu"), "nvml", "node.expected_gpus",
+                                     f"NVML sees {seen} GPUs, expected {expected}", ACTIONS[t.get("node", "missing_gpu")]))
+
+    counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
+    unplaced: list[Event] = []
+    for ev in events:
+        counts["events"] += 1
+        if since is not None and ev.timestamp is not None and ev.timestamp < since:
+            continue
+        counts["events_in_window"] += 1
+        if ev.timestamp is None:
+            counts["events_untimed"] += 1
+        fields = ev.fields if isinstance(ev.fields, Mapping) else {}
+        if ev.kind == "sxid":
+            text = (ev.text or "").lower()
+            fatal = "fatal" in text and "nonfatal" not in text and "non-fatal" not in text
+            node_findings.append(Finding("drain" if fatal else "degraded", "kernel_log", f"sxid.{fields.get('sxid')}",
+                                         f"NVSwitch SXid {fields.get('sxid')}{' (fatal)' if fatal else ''}",
+                                         "check the NVSwitch fabric (Fabric Manager log)", ev.line))
+            continue
+        if ev.kind not in KERNEL_KINDS:
+            continue
+        pci = fields.get("pci_bus_id")
+        if not pci:
+            unplaced.append(ev)
+            continue
+        gpus.setdefault(pci, {"meta": {"pci_bus_id": pci}, "findings": [], "events": [], "nvml_ok": False})
+        gpus[pci]["events"].append(ev)
+
+    if unplaced:  # e.g. a redacted `PCI:...` address: the node still owns the finding
+        level, found = xid_findings(unplaced, t)
+        node_findings.extend(f for f in found)
+
+    results: list[GpuVerdict] = []
+    for key, entry in gpus.items():
+        xid_level, found = xid_findings(entry["events"], t)
+        evidence = list(entry["findings"]) + found
+        level = worst([f.verdict for f in entry["findings"]] + [xid_level])
+        verdict = level
+        if level == "healthy" and not entry["nvml_ok"]:
+            verdict = "unknown"
+            evidence.append(Finding("unknown", "nvml", "nvml.status",
+                                    "NVML did not report on this GPU: " + _nvml_reason(snapshot), ACTIONS["unknown"]))
+        action = _action([f.action for f in evidence if f.verdict == verdict], verdict)
+        meta = entry["meta"]
+        results.append(GpuVerdict(meta.get("pci_bus_id") or key, verdict, tuple(evidence), action,
+                                  meta.get("index"), meta.get("uuid"), meta.get("name")))
+    results.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci_bus_id or ""))
+
+    level = worst([g.verdict for g in results] + [f.verdict for f in node_findings])
+    if level == "healthy":
+        if nvml_status != "ok":
+            node_findings.append(Finding("unknown", "nvml", "nvml.status", _nvml_reason(snapshot), ACTIONS["unknown"]))
+            level = "unknown"
+        elif not results and expected is None:
+            node_findings.append(Finding("unknown", "nvml", "nvml.no_gpus", "NVML reports no GPUs", ACTIONS["unknown"]))
+            level = "unknown"
+        elif any(g.verdict == "unknown" for g in results):
+            level = "unknown"
+    if kernel_log_status != "ok":
+        node_findings.append(Finding("healthy", "kernel_log", "kernel_log.status",
+                                     f"kernel log not read: {kernel_log_status}"))
+    node_action = _action([f.action for f in [*node_findings, *[e for g in results for e in g.evidence]]
+                           if f.verdict == level], level)
+    return NodeVerdict(level, tuple(results), tuple(node_findings), node_action,
+                       summarize(level, results, node_findings), counts)
+
+
+def _action(actions: Sequence[str], verdict: str) -> str:
+    """The distinct actions, the specific (catalog) ones preferred over the generic one."""
+    distinct = list(dict.fromkeys(a for a in actions if a))
+    if len(distinct) > 1 and ACTIONS[verdict] in distinct:
+        distinct.remove(ACTIONS[verdict])
+    return "; ".join(distinct) or ACTIONS[verdict]
+
+
+def _nvml_reason(snapshot: Mapping[str, Any] | None) -> str:
+    if snapshot is None:
+        return "NVML not collected"
+    return snapshot.get("reason") or f"NVML status {snapshot.get('status')}"
+
+
+def summarize(level: str, gpus: Sequence[GpuVerdict], node_findings: Sequence[Finding]) -> str:
+    """A short, stable one-line reason (node-problem-detector keeps 80 characters)."""
+    if level == "healthy":
+        return f"{len(gpus)} GPUs healthy"
+    if level == "unknown":
+        for f in node_findings:
+            if f.verdict == "unknown":
+                return f"unknown: {f.message}"
+        return "unknown"
+    parts: list[str] = []
+    for g in gpus:
+        if g.verdict == level:
+            top = next((f for f in g.evidence if f.verdict == level), None)
+            label = f"GPU{g.index}" if g.index is not None else (g.pci_bus_id or "GPU?")
+            parts.append(f"{label} {top.check if top else level}")
+    parts.extend(f.check for f in node_findings if f.verdict == level)
+    return f"{level}: " + ", ".join(parts)

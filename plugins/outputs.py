@@ -1,0 +1,285 @@
+"""Built-in outputs of a node diagnosis: JSON, Prometheus textfile, node-problem-detector, webhook.
+
+Each is an `Output`: constructed with string options, `emit(document)` delivers one `gpuguard.node/1`
+document and returns a short note (or raises: the registry reports and skips it). They are registered
+as `gpuguard.outputs` entry points in pyproject.toml, exactly as a third-party output would be.
+The renderers (`npd_line`, `nagios_text`, `webhook_payload`, `prometheus_registry`) are pure functions
+of the document, so the CLI formats and the plugins share one implementation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from gpuguard.errors import (
+    EXIT_CRITICAL,
+    EXIT_OK,
+    EXIT_UNKNOWN,
+    EXIT_WARNING,
+    UnavailableError,
+    UsageError,
+)
+
+NAGIOS_EXIT = {"healthy": EXIT_OK, "degraded": EXIT_WARNING, "reset": EXIT_CRITICAL, "drain": EXIT_CRITICAL,
+               "unknown": EXIT_UNKNOWN}
+NAGIOS_STATE = {EXIT_OK: "OK", EXIT_WARNING: "WARNING", EXIT_CRITICAL: "CRITICAL", EXIT_UNKNOWN: "UNKNOWN"}
+# node-problem-detector custom plugins: 0 OK, 1 NonOK, anything else Unknown (we use 2).
+NPD_EXIT = {"healthy": 0, "degraded": 1, "reset": 1, "drain": 1, "unknown": 2}
+NPD_MAX = 80
+SEVERITY = {"healthy": "info", "degraded": "warning", "reset": "critical", "drain": "critical",
+            "unknown": "warning"}
+VERDICT_LEVEL = {"healthy": 0, "degraded": 1, "reset": 2, "drain": 3}
+
+
+def npd_line(doc: Mapping[str, Any]) -> tuple[int, str]:
+    """(exit code, one line of at most 80 characters) for node-problem-detector."""
+    verdict = doc.get("verdict", "unknown")
+    text = f"{verdict}: {doc.get('summary', '')}" if not str(doc.get("summary", "")).startswith(verdict) \
+        else str(doc.get("summary"))
+    text = " ".join(text.split())
+    if len(text) > NPD_MAX:
+        text = text[: NPD_MAX - 3] + "..."
+    return NPD_EXIT.get(verdict, 2), text
+
+
+def _perf_label(label: str) -> str:
+    return f"'{label.replace(chr(39), chr(39) * 2)}'" if any(c in label for c in " ='") else label
+
+
+def nagios_text(doc: Mapping[str, Any]) -> tuple[int, str]:
+    """(exit code, `GPU <STATE> - text | perfdata`) following the Nagios plugin API."""
+    verdict = doc.get("verdict", "unknown")
+    code = NAGIOS_EXIT.get(verdict, EXIT_UNKNOWN)
+    gpus = doc.get("gpus") or []
+    counts = {v: sum(1 for g in gpus if g.get("verdict") == v) for v in NAGIOS_EXIT}
+    perf = [("gpus", f"{len(gpus)};;;0")] + [(v, f"{n};;;0") for v, n in counts.items()]
+    perf.append(("xid_events", f"{(doc.get('counts') or {}).get('events_in_window', 0)}c"))
+    duration = doc.get("duration_s")
+    if isinstance(duration, (int, float)):
+        perf.append(("duration", f"{duration:.3f}s"))
+    summary = " ".join(str(doc.get("summary", "")).replace("|", "/").split())
+    lines = [f"GPU {NAGIOS_STATE[code]} - {summary} | {' '.join(f'{_perf_label(k)}={v}' for k, v in perf)}"]
+    for g in gpus:
+        if g.get("verdict") not in ("healthy",):
+            ev = g.get("evidence") or []
+            first = next((e for e in ev if e.get("verdict") == g.get("verdict")), ev[0] if ev else {})
+            lines.append(f"GPU{g.get('index') if g.get('index') is not None else '?'} {g.get('pci_bus_id')}: "
+                         f"{g.get('verdict')} - {str(first.get('message', '')).replace('|', '/')}")
+    return code, "\n".join(lines)
+
+
+def webhook_payload(doc: Mapping[str, Any], *, resolved: bool = False) -> dict[str, Any]:
+    """An Alertmanager-compatible (version 4) payload, with the full document under `gpuguard`."""
+    verdict = doc.get("verdict", "unknown")
+    node = doc.get("node") or "unknown"
+    status = "resolved" if resolved else "firing"
+    labels = {"alertname": "GpuNodeHealth", "severity": SEVERITY.get(verdict, "warning"), "node": node,
+              "verdict": verdict}
+    annotations = {"summary": str(doc.get("summary", "")), "description": str(doc.get("action", ""))}
+    fingerprint = hashlib.sha256(f"{node}|{verdict}|{doc.get('summary')}".encode()).hexdigest()[:16]
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    alert = {"status": status, "labels": labels, "annotations": annotations, "startsAt": now,
+             "endsAt": now if resolved else "0001-01-01T00:00:00Z", "generatorURL": "",
+             "fingerprint": fingerprint}
+    return {"version": "4", "receiver": "gpu-doctor", "status": status, "alerts": [alert],
+            "groupLabels": {"alertname": "GpuNodeHealth"}, "commonLabels": labels,
+            "commonAnnotations": annotations, "externalURL": "", "truncatedAlerts": 0,
+            "groupKey": f"{{}}:{{node=\"{node}\"}}", "gpuguard": dict(doc)}
+
+
+def prometheus_registry(doc: Mapping[str, Any]) -> Any:
+    """A dedicated CollectorRegistry holding the document's metrics (names follow Prometheus practice)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class _NodeCollector:
+        def collect(self):  # noqa: ANN202 - prometheus_client protocol
+            verdict = doc.get("verdict", "unknown")
+            fam = GaugeMetricFamily("gpudoctor_node_verdict", "1 for the node's current verdict, 0 otherwise.",
+                                    labels=["verdict"])
+            for v in NAGIOS_EXIT:
+                fam.add_metric([v], 1.0 if v == verdict else 0.0)
+            yield fam
+            status = GaugeMetricFamily("gpudoctor_check_status",
+                                       "Result of a health check (0=ok,1=warning,2=critical,3=unknown).",
+                                       labels=["check"])
+            status.add_metric(["node"], float(NAGIOS_EXIT.get(verdict, 3)))
+            for name, sec in (doc.get("sections") or {}).items():
+                if isinstance(sec, Mapping) and "status" in sec:
+                    status.add_metric([name], 0.0 if sec["status"] == "ok" else 3.0)
+            yield status
+            gv = GaugeMetricFamily("gpudoctor_gpu_verdict", "1 for each GPU's current verdict, 0 otherwise.",
+                                   labels=["gpu", "pci_bus_id", "verdict"])
+            for g in doc.get("gpus") or []:
+                for v in NAGIOS_EXIT:
+                    gv.add_metric([str(g.get("index", "")), str(g.get("pci_bus_id") or ""), v],
+                                  1.0 if g.get("verdict") == v else 0.0)
+            yield gv
+            yield from _nvml_families(doc, GaugeMetricFamily)
+            xid = CounterMetricFamily("gpudoctor_gpu_xid_events",
+                                      "Xid events seen in the kernel log, by GPU and code.",
+                                      labels=["pci_bus_id", "xid"])
+            for key, value in sorted((doc.get("xid_totals") or {}).items()):
+                pci, _, code = key.rpartition("|")
+                xid.add_metric([pci, code], float(value))
+            yield xid
+            run = GaugeMetricFamily("gpudoctor_last_run_timestamp_seconds", "Unix time the diagnosis finished.")
+            run.add_metric([], float(doc.get("generated_at_unix") or time.time()))
+            yield run
+            if isinstance(doc.get("duration_s"), (int, float)):
+                dur = GaugeMetricFamily("gpudoctor_run_duration_seconds", "Wall time of the diagnosis.")
+                dur.add_metric([], float(doc["duration_s"]))
+                yield dur
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_NodeCollector())
+    return registry
+
+
+_NVML_GAUGES = (
+    ("gpudoctor_gpu_lost", "1 if NVML reports the GPU as lost.", lambda g: g.get("lost")),
+    ("gpudoctor_gpu_row_remap_pending", "1 if the GPU has a row remap pending (reset required to apply).",
+     lambda g: (g.get("remapped_rows") or {}).get("pending")),
+    ("gpudoctor_gpu_row_remap_failure", "1 if a row remapping ever failed on the GPU.",
+     lambda g: (g.get("remapped_rows") or {}).get("failure")),
+    ("gpudoctor_gpu_ecc_volatile_uncorrected", "Uncorrectable ECC errors since the last driver load or reset.",
+     lambda g: (g.get("ecc") or {}).get("volatile_uncorrected")),
+    ("gpudoctor_gpu_ecc_aggregate_uncorrected", "Lifetime uncorrectable ECC errors.",
+     lambda g: (g.get("ecc") or {}).get("aggregate_uncorrected")),
+    ("gpudoctor_gpu_temperature_celsius", "GPU temperature.", lambda g: g.get("temperature_c")),
+    ("gpudoctor_gpu_power_watts", "GPU power draw.", lambda g: g.get("power_w")),
+    ("gpudoctor_gpu_pcie_link_width", "Current PCIe link width.", lambda g: (g.get("pcie") or {}).get("width")),
+    ("gpudoctor_gpu_pcie_link_width_max", "Maximum PCIe link width.",
+     lambda g: (g.get("pcie") or {}).get("width_max")),
+    ("gpudoctor_gpu_pcie_replay_counter", "PCIe replay counter.",
+     lambda g: (g.get("pcie") or {}).get("replay_counter")),
+    ("gpudoctor_gpu_recovery_action", "Driver GPU recovery action (0 none, 1 reset, 2 reboot, 4 drain+reset).",
+     lambda g: g.get("recovery_action")),
+)
+
+
+def _nvml_families(doc: Mapping[str, Any], family: Any):
+    gpus = (doc.get("nvml") or {}).get("gpus") or []
+    for name, help_text, get in _NVML_GAUGES:
+        fam = family(name, help_text, labels=["gpu", "pci_bus_id", "uuid"])
+        for g in gpus:
+            value = get(g)
+            if value is not None:
+                fam.add_metric([str(g.get("index", "")), str(g.get("pci_bus_id") or ""), str(g.get("uuid") or "")],
+                               float(value))
+        yield fam
+
+
+def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
+    """Write the metrics atomically (temp file in the same directory + rename: prometheus_client)."""
+    from prometheus_client import write_to_textfile
+
+    if not str(path).endswith(".prom"):
+        raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
+    write_to_textfile(str(path), prometheus_registry(doc))
+
+
+def post_webhook(url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, retries: int = 2,
+                 budget: float = 15.0) -> str:
+    """POST with a per-try timeout, bounded retries and a total budget; raise UnavailableError when spent."""
+    import requests
+
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"webhook {url!r}: only http:// and https:// URLs are supported")
+    deadline = time.monotonic() + budget
+    body = json.dumps(payload, default=str).encode()
+    last = "not attempted"
+    for attempt in range(retries + 1):
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            break
+        try:
+            resp = requests.post(url, data=body, headers={"Content-Type": "application/json"},
+                                 timeout=min(timeout, left))
+        except requests.RequestException as exc:
+            last = type(exc).__name__
+        else:
+            if resp.status_code < 300:
+                return f"HTTP {resp.status_code} after {attempt + 1} attempt(s)"
+            last = f"HTTP {resp.status_code}"
+            if resp.status_code < 500 and resp.status_code != 429:
+                raise UnavailableError(f"webhook {url}: {last} (not retried)")
+        pause = min(0.5 * 2 ** attempt, deadline - time.monotonic())
+        if attempt < retries and pause > 0:
+            time.sleep(pause)
+    raise UnavailableError(f"webhook {url}: gave up after {attempt + 1} attempt(s) ({last})")
+
+
+class Output:
+    """Base of every output plugin: `Output(options).emit(document) -> note`."""
+
+    name = "output"
+    description = ""
+
+    def __init__(self, options: Mapping[str, str] | None = None) -> None:
+        self.options = dict(options or {})
+
+    def emit(self, document: Mapping[str, Any]) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class JsonOutput(Output):
+    name = "json"
+    description = "the gpuguard.node/1 document, to stdout or to path=FILE (written atomically)"
+
+    def emit(self, document: Mapping[str, Any]) -> str:
+        text = json.dumps(document, indent=2, default=str) + "\n"
+        path = self.options.get("path")
+        if not path:
+            sys.stdout.write(text)
+            return "stdout"
+        from gpuguard.recovery.jobdir import atomic_write_bytes
+
+        atomic_write_bytes(path, text.encode())
+        return path
+
+
+class PrometheusTextfileOutput(Output):
+    name = "prometheus"
+    description = "node_exporter textfile (path=DIR/gpudoctor.prom), written atomically"
+
+    def emit(self, document: Mapping[str, Any]) -> str:
+        path = self.options.get("path")
+        if not path:
+            raise UsageError("prometheus output needs path=FILE.prom")
+        write_textfile(path, document)
+        return path
+
+
+class NodeProblemDetectorOutput(Output):
+    name = "npd"
+    description = "node-problem-detector line (<= 80 chars) to stdout"
+
+    def emit(self, document: Mapping[str, Any]) -> str:
+        code, line = npd_line(document)
+        sys.stdout.write(line + "\n")
+        return f"exit {code}"
+
+
+class WebhookOutput(Output):
+    name = "webhook"
+    description = "Alertmanager-compatible POST (url=, timeout=, retries=, budget=)"
+
+    def emit(self, document: Mapping[str, Any]) -> str:
+        url = self.options.get("url")
+        if not url:
+            raise UsageError("webhook output needs url=URL")
+        try:
+            timeout = float(self.options.get("timeout", 5))
+            retries = int(self.options.get("retries", 2))
+            budget = float(self.options.get("budget", 15))
+        except ValueError as exc:
+            raise UsageError(f"webhook output: bad option ({exc})") from None
+        resolved = document.get("verdict") == "healthy"
+        return post_webhook(url, webhook_payload(document, resolved=resolved), timeout=timeout,
+                            retries=retries, budget=budget)
