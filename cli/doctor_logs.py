@@ -1,9 +1,259 @@
-"""Placeholder: filled in by its issue."""
+"""`gpu-doctor logs FILE...|-`: structured events and a diagnosis for every line that matters.
+
+Why: the first thing on-call has is a log (dmesg, journal, a rank's stderr, a torchrun summary). This
+command runs the one streaming parser over it and says, per event, what it means and what to do,
+then sums up per GPU with the Xid catalog (Xid 154 actions authoritative, sympathetic codes attached).
+
+Exit codes: 0 nothing at warning level, 1 warning events, 2 critical events (GPU lost, reset/drain Xid,
+uncorrectable ECC...), 64 usage error, 66 input missing or a directory, 74 read error, 77 permission
+denied. Never imports torch; reads files in bounded chunks (a 1 GiB log is never loaded whole).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+import sys
+from collections import Counter
+from typing import Any, BinaryIO, Iterator
+
 import typer
+
+from gpuguard.errors import (
+    EXIT_CRITICAL,
+    EXIT_OK,
+    EXIT_WARNING,
+    NoInputError,
+    UsageError,
+    from_os_error,
+)
+
+_PROGRESS_MIN_BYTES = 64 << 20
+_TABLE_ROWS = 1000
+_SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
+_BRIEF_SKIP = {"message", "name", "catalog_severity", "binary", "error", "location", "uptime_s", "summary"}
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add this module's commands to the gpu-doctor app."""
+    """Add `gpu-doctor logs` to the app."""
+
+    @app.command("logs")
+    def logs(
+        files: list[str] = typer.Argument(..., metavar="FILE...|-", help="Log files to explain; '-' reads stdin."),
+        as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.events/1 JSON document."),
+        min_severity: str = typer.Option("info", "--min-severity", help="Hide events below: info, warning, critical."),
+    ) -> int:
+        """Explain logs: kernel Xid/SXid, NCCL, watchdog, gloo, torchrun and CUDA errors, with a diagnosis each.
+
+        Exit 0: nothing at warning level; 1: warnings; 2: critical events; 64 usage; 66 missing input;
+        77 permission denied.
+        """
+        if min_severity not in _SEVERITY_STYLE:
+            raise UsageError(f"--min-severity must be one of info, warning, critical (got {min_severity!r})")
+        return run_logs(files, as_json=as_json, min_severity=min_severity)
+
+
+_LEVEL = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _open_inputs(paths: list[str]) -> list[tuple[str, BinaryIO, int | None]]:
+    """Open every input before reading any, so a bad path fails fast with one line."""
+    if paths.count("-") > 1:
+        raise UsageError("'-' (stdin) may be given only once")
+    opened: list[tuple[str, BinaryIO, int | None]] = []
+    try:
+        for path in paths:
+            if path == "-":
+                opened.append(("-", sys.stdin.buffer, None))
+                continue
+            try:
+                st = os.stat(path)
+            except OSError as exc:
+                raise from_os_error(exc, path) from None
+            if stat.S_ISDIR(st.st_mode):
+                raise NoInputError(f"{path}: is a directory, not a log file")
+            try:
+                fh = open(path, "rb")  # noqa: SIM115 - closed below
+            except OSError as exc:
+                raise from_os_error(exc, path) from None
+            opened.append((path, fh, st.st_size if stat.S_ISREG(st.st_mode) else None))
+    except BaseException:
+        for path, fh, _ in opened:
+            if path != "-":
+                fh.close()
+        raise
+    return opened
+
+
+def _progress(total: int) -> Any:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from gpuguard.cli._app import console
+
+    return Progress(TextColumn("[bold]scanning"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console(stderr=True), transient=True)
+
+
+def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, Any]]) -> Iterator[Any]:
+    from gpuguard.diagnostics.logscan import LogScan
+
+    show_progress = sys.stderr.isatty() and any((size or 0) >= _PROGRESS_MIN_BYTES for *_, size in opened)
+    progress = _progress(sum(size or 0 for *_, size in opened)) if show_progress else None
+    try:
+        if progress is not None:
+            progress.start()
+        for path, fh, size in opened:
+            task = progress.add_task(path, total=size) if progress is not None and size else None
+            on_progress = (lambda n, t=task: progress.advance(t, n)) if task is not None else None
+            scan = LogScan(fh, source=path, on_progress=on_progress)
+            count = 0
+            try:
+                for event in scan:
+                    count += 1
+                    yield event
+            except OSError as exc:
+                raise from_os_error(exc, path) from None
+            stats.append({"path": path, "bytes": scan.bytes_read, "lines": scan.next_line - 1, "events": count})
+    finally:
+        if progress is not None:
+            progress.stop()
+        for path, fh, _ in opened:
+            if path != "-":
+                fh.close()
+
+
+class _Summary:
+    """Counts, the worst severity, and the Xid events per GPU for the catalog's resolution."""
+
+    def __init__(self) -> None:
+        self.by_kind: Counter[str] = Counter()
+        self.by_severity: Counter[str] = Counter()
+        self.gpu_events: dict[str, list[dict[str, Any]]] = {}
+
+    def add(self, event: Any) -> None:
+        self.by_kind[event.kind] += 1
+        self.by_severity[event.severity] += 1
+        if event.kind in ("xid", "gpu_lost"):
+            key = event.fields.get("pci_bus_id") or event.fields.get("gpu_uuid") or "unknown"
+            self.gpu_events.setdefault(key, []).append({"kind": event.kind, **event.fields})
+
+    @property
+    def worst(self) -> str:
+        return max(self.by_severity, key=lambda s: _LEVEL.get(s, 0), default="info")
+
+    def exit_code(self) -> int:
+        return {"critical": EXIT_CRITICAL, "warning": EXIT_WARNING}.get(self.worst, EXIT_OK)
+
+    def gpus(self) -> dict[str, dict[str, Any]]:
+        from gpuguard.diagnostics.xid_catalog import resolution_for
+
+        return {gpu: resolution_for(evs).to_json() for gpu, evs in sorted(self.gpu_events.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"events": sum(self.by_kind.values()), "worst": self.worst if self.by_kind else None,
+                "by_kind": dict(self.by_kind), "by_severity": dict(self.by_severity), "gpus": self.gpus()}
+
+
+def run_logs(paths: list[str], *, as_json: bool, min_severity: str = "info") -> int:
+    opened = _open_inputs(paths)
+    stats: list[dict[str, Any]] = []
+    summary = _Summary()
+    floor = _LEVEL[min_severity]
+    events = (e for e in _scan(opened, stats) if _LEVEL.get(e.severity, 0) >= floor)
+    if as_json:
+        _write_json(events, summary, stats)
+    elif sys.stdout.isatty():
+        _write_rich(events, summary, stats)
+    else:
+        _write_plain(events, summary, stats)
+    return summary.exit_code()
+
+
+def _write_json(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
+    """Stream the document: events are written as they are found, never all held in memory."""
+    from gpuguard.diagnostics.events import EVENTS_SCHEMA
+
+    out = sys.stdout
+    out.write('{"schema": %s,\n "events": [' % json.dumps(EVENTS_SCHEMA))
+    first = True
+    for event in events:
+        summary.add(event)
+        out.write(("\n  " if first else ",\n  ") + json.dumps(event.to_json(), default=str))
+        first = False
+    out.write("\n ],\n")
+    out.write(' "files": %s,\n' % json.dumps(stats))
+    out.write(' "summary": %s,\n' % json.dumps(summary.to_json()))
+    out.write(' "exit_code": %d\n}\n' % summary.exit_code())
+    out.flush()
+
+
+def brief(event: Any) -> str:
+    """The event's key facts on one line (`xid=79 pci_bus_id=0000:2b:00.0 ...`)."""
+    parts = []
+    for key, value in event.fields.items():
+        if key in _BRIEF_SKIP or value is None or value == "":
+            continue
+        parts.append(f"{key}={value}")
+    if "error" in event.fields and event.fields["error"]:
+        parts.append(f"error={str(event.fields['error'])[:80]!r}")
+    return " ".join(parts)
+
+
+def _write_plain(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
+    out = sys.stdout
+    for event in events:
+        summary.add(event)
+        out.write(f"{event.source or '-'}:{event.line}: {event.severity} {event.kind} {brief(event)}\n")
+        out.write(f"    {event.diagnosis}\n")
+    _plain_summary(summary, stats)
+
+
+def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
+    out = sys.stdout
+    total = sum(summary.by_kind.values())
+    lines = sum(s["lines"] for s in stats)
+    out.write(f"summary: {total} events in {lines} lines of {len(stats)} file(s); worst: {summary.worst if total else 'none'}\n")
+    if summary.by_kind:
+        out.write("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()) + "\n")
+    for gpu, res in summary.gpus().items():
+        out.write(f"  GPU {gpu}: {res['severity']} - {res['action']} ({res['reason']})\n")
+
+
+def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from gpuguard.cli._app import console
+
+    con = console()
+    table = Table(title="events", show_lines=False, expand=False)
+    for col in ("where", "severity", "kind", "facts", "diagnosis"):
+        table.add_column(col, overflow="fold")
+    shown = 0
+    for event in events:
+        summary.add(event)
+        if shown < _TABLE_ROWS:
+            style = _SEVERITY_STYLE.get(event.severity, "")
+            table.add_row(f"{os.path.basename(event.source or '-')}:{event.line}", Text(event.severity, style=style),
+                          event.kind, brief(event), event.diagnosis)
+            shown += 1
+    total = sum(summary.by_kind.values())
+    if total:
+        con.print(table)
+    if total > shown:
+        con.print(f"[dim]... {total - shown} more events (use --json for all)[/dim]")
+    lines = sum(s["lines"] for s in stats)
+    worst = summary.worst if total else "none"
+    con.print(f"[bold]summary[/bold]: {total} events in {lines} lines of {len(stats)} file(s); worst: "
+              f"[{_SEVERITY_STYLE.get(worst, '')}]{worst}[/]")
+    if summary.by_kind:
+        con.print("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()))
+    gpus = summary.gpus()
+    if gpus:
+        gt = Table(title="per GPU (Xid catalog)")
+        for col in ("GPU", "severity", "action", "reason"):
+            gt.add_column(col, overflow="fold")
+        for gpu, res in gpus.items():
+            gt.add_row(gpu, res["severity"], res["action"], res["reason"])
+        con.print(gt)

@@ -1,0 +1,135 @@
+"""One streaming parser for every log gpuguard reads: kernel Xid/SXid, NCCL, watchdog, gloo, torchrun, CUDA.
+
+Why one parser: an on-call engineer pastes whatever they have (dmesg, journal, a rank's stderr, the
+torchrun summary) and the node verdict and the job vote read the same records, so every line goes
+through the same ordered rule list and yields at most one `Event`.
+
+- `parse_line(text, line_no)`: one line, no context (multi-line messages give what the line holds).
+- `iter_events(lines)`: a stream of lines (str or bytes) with the small state multi-line messages need
+  (fallen-off-bus over three lines, torchrun failure records, rendezvous results).
+- `iter_file_events(path_or_file)` (in `logscan`): the fast path for big files.
+
+A line is a candidate only if it holds one of `MARKERS`; state only ever looks at candidate lines, so
+the fast scanner (which never decodes other lines) and `iter_events` yield identical events. Lines
+longer than `MAX_LINE` characters are cut before parsing (a log line is never that long; a binary
+blob might be). Bytes are decoded as UTF-8 with replacement characters; CR/LF endings are stripped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+from gpuguard.diagnostics.events import EVENTS_SCHEMA, Event
+from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.diagnostics.logrules_comm import RULES as _COMM
+from gpuguard.diagnostics.logrules_kernel import RULES as _KERNEL
+from gpuguard.diagnostics.logrules_runtime import CUDA_RULES as _CUDA
+from gpuguard.diagnostics.logrules_runtime import HOST_RULES as _HOST
+from gpuguard.diagnostics.logrules_runtime import RULES as _RUNTIME
+from gpuguard.diagnostics.logtime import line_time
+
+__all__ = ["EVENTS_SCHEMA", "MARKERS", "MAX_LINE", "LogParser", "iter_events", "parse_line", "RULES"]
+
+# Order is priority: the first rule that recognises a line wins. Watchdog timeouts before NCCL
+# errors (the timeout line names the op), NCCL WARN before CUDA (`NCCL WARN Cuda failure`), CUDA
+# before the watchdog-abort wrapper (`watchdog thread terminated with exception: CUDA error: ...`).
+RULES: tuple[Rule, ...] = (
+    *_KERNEL,
+    _COMM[0],  # WorkNCCL(...) watchdog timeout
+    _COMM[1],  # NCCL WARN
+    _COMM[2],  # NCCL error / ncclXxxError
+    *_CUDA,
+    *_COMM[3:],  # watchdog status, hang, abort; gloo
+    *_RUNTIME,
+    *_HOST,
+)
+MARKERS: tuple[str, ...] = tuple(dict.fromkeys(m for rule in RULES for m in rule.markers))
+_MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(MARKERS, key=len, reverse=True)))
+MAX_LINE = 1 << 20  # characters parsed per line
+MAX_TEXT = 2000  # characters of the line kept in the event
+_PENDING_SPAN = 12  # lines a rendezvous result block may span
+
+
+def has_marker(text: str) -> bool:
+    return _MARKER_RE.search(text) is not None
+
+
+def _clean(line: str | bytes) -> str:
+    if isinstance(line, (bytes, bytearray, memoryview)):
+        line = bytes(line).decode("utf-8", errors="replace")
+    if len(line) > MAX_LINE:
+        line = line[:MAX_LINE]
+    return line.rstrip("\r\n")
+
+
+class LogParser:
+    """Feed candidate (or all) lines in order; get events. Call `close()` at the end of the stream."""
+
+    def __init__(self, source: str | None = None, *, year: int | None = None) -> None:
+        self.source = source
+        self.state = ParseState(year=year)
+
+    def _event(self, found: Found, line_no: int, text: str) -> Event:
+        timestamp, uptime = line_time(text, self.state.year)
+        if found.timestamp is not None and timestamp is None:
+            timestamp = found.timestamp
+        fields = dict(found.fields)
+        if uptime is not None:
+            fields["uptime_s"] = uptime
+        kept = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+        return Event(kind=found.kind, line=line_no, text=kept.strip(), fields=fields, timestamp=timestamp,
+                     source=self.source, severity=found.severity, diagnosis=found.diagnosis)
+
+    def _flush_pending(self) -> list[Event]:
+        pending = self.state.pending
+        if pending is None:
+            return []
+        self.state.pending = None
+        line_no, text, found = pending
+        return [self._event(found, line_no, text)]
+
+    def feed(self, line: str | bytes, line_no: int) -> list[Event]:
+        """Events completed by this line (usually zero or one; a flushed multi-line event may precede)."""
+        text = _clean(line)
+        if not has_marker(text):
+            return []
+        out: list[Event] = []
+        pending = self.state.pending
+        if pending is not None and line_no - pending[0] > _PENDING_SPAN:
+            out.extend(self._flush_pending())
+        for rule in RULES:
+            if not any(m in text for m in rule.markers):
+                continue
+            found = rule.parse(text, line_no, self.state)
+            if found is None:
+                continue
+            if found is ABSORBED:
+                if pending is not None and self.state.pending is not pending and self.state.pending is not None:
+                    line0, text0, found0 = pending  # a new multi-line event replaced an unfinished one
+                    out.append(self._event(found0, line0, text0))
+                return out
+            out.extend(self._flush_pending())
+            out.append(self._event(found, line_no, text))
+            return out
+        out.extend(self._flush_pending())
+        return out
+
+    def close(self) -> list[Event]:
+        return self._flush_pending()
+
+
+def parse_line(text: str | bytes, line_no: int, source: str | None = None) -> Event | None:
+    """The event one line holds on its own, or None."""
+    parser = LogParser(source)
+    events = parser.feed(text, line_no) + parser.close()
+    return events[-1] if events else None
+
+
+def iter_events(lines: Iterable[str | bytes], *, source: str | None = None, start_line: int = 1,
+                year: int | None = None) -> Iterator[Event]:
+    """Events from a stream of lines, in line order; line numbers start at `start_line`."""
+    parser = LogParser(source, year=year)
+    for line_no, line in enumerate(lines, start=start_line):
+        yield from parser.feed(line, line_no)
+    yield from parser.close()

@@ -1,0 +1,56 @@
+"""The shape every log rule shares: what a rule finds in a line, and the little state lines carry.
+
+Why a shared module: the kernel, communication and launcher rule sets are written separately but
+dispatched by one parser (`logparse`), and the fast file scanner must know every rule's markers.
+A rule is pure: (text, line number, state) -> `Found` | `ABSORBED` | None. State only spans a few
+adjacent *candidate* lines (lines holding a marker), so the streaming scanner, which never looks at
+other lines, and the line-by-line parser see the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gpuguard.diagnostics.logtime import line_time
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a rule recognised in one line (the parser adds line, text, source, timestamp)."""
+
+    kind: str
+    fields: dict[str, Any]
+    severity: str  # info | warning | critical
+    diagnosis: str
+    timestamp: float | None = None  # only when the time comes from another line (multi-line messages)
+
+
+ABSORBED = Found("", {}, "info", "")  # the line fed the state (e.g. a multi-line message) but is no event
+
+
+@dataclass
+class ParseState:
+    """What a few consecutive candidate lines tell together (multi-line messages)."""
+
+    year: int | None = None
+    named_gpu: tuple[str | None, int, float | None] | None = None  # "NVRM: The NVIDIA GPU <pci>"
+    identity: tuple[str | None, int] | None = None  # "NVRM: GPU at PCI:...: GPU-uuid"
+    summary: dict[str, Any] = field(default_factory=dict)  # torchrun ChildFailedError record
+    summary_line: int = 0
+    root_cause_line: int = 0
+    pending: tuple[int, str, Found] | None = None  # an event still collecting its key=value lines
+
+    def time_of(self, text: str) -> float | None:
+        return line_time(text, self.year)[0]
+
+
+Parse = Callable[[str, int, ParseState], "Found | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule runs only on lines that hold one of its markers (plain substrings, case-sensitive)."""
+
+    markers: tuple[str, ...]
+    parse: Parse

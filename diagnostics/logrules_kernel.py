@@ -1,0 +1,222 @@
+"""Rules for NVIDIA kernel-driver lines: Xid, SXid, fallen off the bus, GPU identity, reset required.
+
+Why here: the driver's formats drifted for 15 years (no `PCI:` prefix, `pid='<unknown>'`,
+`Ch 00000008` vs `channel 0x0000000c`, PCI domains, multi-line fallen-off-bus without an Xid) and the
+node verdict must read all of them. Each rule is pure: (line text, line number, state) -> a finding.
+Formats: `shared/reference/diagnostics-formats.md` §1.1.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpuguard.diagnostics import xid_catalog as catalog
+from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
+
+_PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
+_PCI_RE = re.compile(r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$")
+
+
+def normalize_pci(text: str | None) -> str | None:
+    """`PCI:0000:CB:00` / `0000:01:00` / `00000000:10:1C.0` / `01:00.0` -> `dddd:bb:dd.f` (lower case)."""
+    if not text:
+        return None
+    text = text.strip()
+    if text[:4].upper() == "PCI:":
+        text = text[4:]
+    m = _PCI_RE.match(text)
+    if m is None:
+        return None
+    dom = int(m["dom"] or "0", 16)
+    return f"{dom:04x}:{int(m['bus'], 16):02x}:{int(m['dev'], 16):02x}.{m['fn'] or '0'}"
+
+
+_XID = re.compile(
+    r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r"|\.\.\.)\):\s*(?P<xid>\d{1,6}),\s*"
+    r"(?:pid=(?P<pid>'<unknown>'|<unknown>|\d+),\s*(?:name=(?P<name>[^,]*),\s*)?)?(?P<msg>.*)"
+)
+_CHANNEL = re.compile(r"(?:\bCh (?P<ch>[0-9a-fA-F]{8})\b|\bchannel (?P<ch2>0x[0-9a-fA-F]+))")
+_CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
+_GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
+_PLUGIN_XID = re.compile(r"XidCriticalError: Xid=(?P<xid>\d{1,6}) on Device=(?P<dev>[^,\s]+),")
+
+
+def _xid_found(code: int, fields: dict, message: str) -> Found:
+    info = catalog.lookup(code)
+    if code == 154:
+        change = catalog.parse_xid154(message)
+        if change is not None:
+            fields["recovery_action_from"] = change[0].code
+            fields["recovery_action_to"] = change[1].code
+            fields["recovery_action"] = change[1].name
+    elif code == 45:
+        m = _CAUSED_BY.search(message)
+        if m is not None:
+            fields["caused_by"] = int(m.group(1))
+    elif 144 <= code <= 150:
+        dec = catalog.decode_nvlink5(message)
+        if dec is not None:
+            fields["nvlink_severity"] = dec.pop("severity")
+            fields.update({("nvlink_" + k if k in ("unit", "fatal") else k): v for k, v in dec.items()})
+    elif code == 13:
+        m = _GPC.search(message)
+        if m is not None:
+            fields.update(gpc=int(m.group(1)), tpc=int(m.group(2)), sm=int(m.group(3)))
+    sev = catalog.xid_severity(code, fields)
+    fields["catalog_severity"] = sev
+    diagnosis = f"Xid {code} {info.name}: {info.meaning} [{info.category}]. "
+    if code == 154 and "recovery_action_to" in fields:
+        act = catalog.recovery_action(fields["recovery_action_to"])
+        diagnosis += f"Authoritative driver recovery action: {act.name}. {act.action}"
+    elif code == 45 and "caused_by" in fields:
+        diagnosis += f"Sympathetic: caused by Xid {fields['caused_by']}; act on that one."
+    elif 144 <= code <= 150 and "nvlink_unit" in fields:
+        kind = "fatal" if fields["nvlink_fatal"] else "non-fatal"
+        diagnosis += f"NVLink5 {fields['nvlink_unit']} {kind} on link {fields['link']}. "
+        diagnosis += catalog.lookup(code).action if sev == "reset" else "Watch for repeats on the same link."
+    else:
+        diagnosis += info.action
+    if not info.known:
+        diagnosis = f"Xid {code}: not in the catalog; needs review (never treated as healthy)."
+    return Found("xid", fields, catalog.event_severity(sev), diagnosis)
+
+
+def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _XID.search(text)
+    if m is None:
+        return None
+    code = int(m["xid"])
+    pid = m["pid"]
+    name = (m["name"] or "").strip()
+    message = m["msg"].strip()
+    fields: dict = {
+        "xid": code,
+        "pci_bus_id": normalize_pci(m["pci"]),
+        "pid": int(pid) if pid and pid.isdigit() else None,
+        "process": name if name and name != "<unknown>" else None,
+        "name": catalog.lookup(code).name,
+        "message": message[:500],
+    }
+    ch = _CHANNEL.search(message)
+    if ch is not None:
+        fields["channel"] = int(ch["ch"], 16) if ch["ch"] else int(ch["ch2"], 16)
+    return _xid_found(code, fields, message)
+
+
+def _plugin_xid(text: str, line_no: int, state: ParseState) -> Found | None:
+    """NVIDIA k8s-device-plugin's report of an Xid (the GPU UUID, no PCI address)."""
+    m = _PLUGIN_XID.search(text)
+    if m is None:
+        return None
+    code = int(m["xid"])
+    fields: dict = {"xid": code, "pci_bus_id": None, "pid": None, "process": None,
+                    "name": catalog.lookup(code).name, "gpu_uuid": m["dev"], "reporter": "k8s-device-plugin"}
+    return _xid_found(code, fields, "")
+
+
+_SXID = re.compile(
+    r"SXid \((?:PCI:)?(?P<pci>" + _PCI + r")\):\s*(?P<sxid>\d{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
+)
+
+
+def _sxid(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _SXID.search(text)
+    if m is None:
+        return None
+    fatal = m["sev"] == "Fatal"
+    fields = {"sxid": int(m["sxid"]), "pci_bus_id": normalize_pci(m["pci"]), "fatal": fatal,
+              "message": m["msg"].strip()[:500]}
+    diag = (f"NVSwitch SXid {fields['sxid']} ({'fatal' if fatal else 'non-fatal'}): see the Fabric Manager "
+            "user guide. ")
+    diag += ("A fatal NVSwitch error takes down the NVLink partition: drain the node, reset the GPUs/"
+             "NVSwitches (or restart the VM) and check the link." if fatal else "Watch for repeats on the same link.")
+    return Found("sxid", fields, "critical" if fatal else "warning", diag)
+
+
+_GPU_LOST_LINE = re.compile(r"GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):? (?:GPU )?has fallen off the bus")
+_GPU_NAMED = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b")
+_GPU_IS_LOST = re.compile(r"device handle for GPU (?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
+_LOST_DIAG = ("GPU lost: it fell off the PCIe bus (treated as Xid 79). Drain the node and reboot; if it "
+              "repeats, check power, seating, cooling and SBIOS, then RMA.")
+
+
+def _gpu_named(text: str, line_no: int, state: ParseState) -> Found | None:
+    """First line of the multi-line fallen-off-bus message: remember which GPU it names."""
+    m = _GPU_NAMED.search(text)
+    if m is None:
+        return None
+    state.named_gpu = (normalize_pci(m["pci"]), line_no, state.time_of(text))
+    return ABSORBED
+
+
+def _gpu_lost(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _GPU_LOST_LINE.search(text) or _GPU_IS_LOST.search(text)
+    fields: dict = {"pci_bus_id": normalize_pci(m["pci"]) if m else None}
+    timestamp = None
+    if m is None:
+        if "fallen off the bus" not in text:
+            return None
+        named = state.named_gpu
+        if named is not None and 0 < line_no - named[1] <= 3:
+            fields["pci_bus_id"] = named[0]
+            timestamp = named[2]
+            state.named_gpu = None
+    fields["source_form"] = "nvidia-smi" if "GPU is lost" in text else "kernel"
+    return Found("gpu_lost", fields, "critical", _LOST_DIAG, timestamp=timestamp)
+
+
+_IDENTITY = re.compile(r"NVRM: GPU at (?:PCI:)?(?P<pci>" + _PCI + r"):\s+(?P<uuid>GPU-[0-9A-Za-z-]+)")
+_SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
+
+
+def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _IDENTITY.search(text)
+    if m is not None:
+        pci = normalize_pci(m["pci"])
+        state.identity = (pci, line_no)
+        return Found("gpu_identity", {"pci_bus_id": pci, "uuid": m["uuid"]}, "info",
+                     "GPU identity printed before its first Xid since boot (maps PCI address to UUID).")
+    m = _SERIAL.search(text)
+    if m is not None:
+        pci = state.identity[0] if state.identity and 0 < line_no - state.identity[1] <= 2 else None
+        return Found("gpu_identity", {"pci_bus_id": pci, "serial": m["serial"]}, "info",
+                     "GPU board serial number (for an RMA).")
+    return None
+
+
+_RESET_REQUIRED = re.compile(r"NV_ERR_RESET_REQUIRED|Reset required")
+_GPU_INDEX = re.compile(r"\bGPU(\d+)\b")
+
+
+def _reset_required(text: str, line_no: int, state: ParseState) -> Found | None:
+    if _RESET_REQUIRED.search(text) is None:
+        return None
+    m = _GPU_INDEX.search(text)
+    fields = {"gpu_index": int(m.group(1)) if m else None, "message": text.strip()[:500]}
+    return Found("gpu_reset_required", fields, "critical",
+                 "The driver needs a GPU reset (NV_ERR_RESET_REQUIRED) before the GPU works again; "
+                 "CUDA reports 'busy or unavailable'. Drain the GPU and reset it (nvidia-smi -r).")
+
+
+_HUNG = re.compile(r"task (?P<task>\S+?):(?P<pid>\d+) blocked for more than (?P<s>\d+) seconds")
+
+
+def _hung_task(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _HUNG.search(text)
+    if m is None:
+        return None
+    return Found("hung_task", {"task": m["task"], "pid": int(m["pid"]), "blocked_s": int(m["s"])}, "warning",
+                 "A task is stuck in uninterruptible sleep (D state). After Xid 45/119 bursts, nvidia-smi/NVML calls "
+                 "hang like this: health probes must time out; a reboot clears it.")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("NVRM: Xid",), _xid),
+    Rule(("XidCriticalError",), _plugin_xid),
+    Rule(("SXid",), _sxid),
+    Rule(("NVRM: The NVIDIA GPU",), _gpu_named),
+    Rule(("fallen off the bus", "GPU is lost"), _gpu_lost),
+    Rule(("NVRM: GPU",), _identity),
+    Rule(("NV_ERR_RESET_REQUIRED", "Reset required"), _reset_required),
+    Rule(("blocked for more than",), _hung_task),
+)
