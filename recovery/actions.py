@@ -1,0 +1,325 @@
+"""The operator actions of `gpu-recover`: diagnose, abort, rendezvous, restore, verify.
+
+Each is usable alone and idempotent (running it twice does no more harm than once), takes plain
+arguments, returns an `ActionResult` (`gpuguard.action/1`), and never goes through a shell or
+imports torch. Confirmation and the audit log live in `run_action`, shared by the CLI and runbooks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from gpuguard.errors import (
+    EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, GpuguardError, NoInputError, RefusedError, UnavailableError, UsageError,
+)
+
+SCHEMA = "gpuguard.action/1"
+MUTATING = frozenset({"abort", "rendezvous", "restore"})
+
+
+@dataclass
+class ActionResult:
+    action: str
+    outcome: str  # done | noop | dry-run | refused | failed | coalesced | already-advanced | timeout
+    exit_code: int
+    summary: str
+    details: dict[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "action": self.action, "outcome": self.outcome, "exit_code": self.exit_code,
+                "dry_run": self.dry_run, "summary": self.summary, "details": self.details}
+
+
+# --- diagnose ----------------------------------------------------------------------------------
+
+
+def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionResult:
+    """Hazards + verdict of the job (orphaned | hung | dead | healthy | unknown) and its active generation."""
+    from gpuguard.collectors.torchrun import gather
+
+    assessment = gather(job_dir, init_timeout_s=init_timeout_s)
+    generation = _active_generation(job_dir) if job_dir is not None else None
+    verdict = assessment.verdict
+    details = {"verdict": verdict, "generation": generation, "live_workers": assessment.live_workers,
+               "hazards": [h.to_json() for h in assessment.hazards], "notes": list(assessment.notes)}
+    summary = f"verdict {verdict}; {len(assessment.hazards)} hazard(s); {assessment.live_workers} live worker(s)"
+    return ActionResult("diagnose", "done", assessment.exit_code, summary, details)
+
+
+def _active_generation(job_dir: Path) -> int | None:
+    if not (job_dir / "ledger").exists():
+        return None
+    try:
+        from gpuguard.generation.ledger import open_ledger
+
+        with open_ledger(job_dir) as ledger:
+            cert = ledger.active()
+        return cert.generation if cert is not None else None
+    except GpuguardError:
+        return None
+
+
+# --- abort -------------------------------------------------------------------------------------
+
+
+def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...] = (), grace_s: float = 10.0,
+          dry_run: bool = False) -> ActionResult:
+    """Terminate the recorded workers (SIGTERM, grace, SIGKILL) and prove every one of them is gone.
+
+    Only processes whose pid AND create time match an incarnation record are signalled; a reused
+    pid is reported and left alone. `generation` limits it to incarnations of that generation or
+    older (records without a generation count as old); `ranks` to those ranks.
+    """
+    import psutil
+
+    from gpuguard.collectors.torchrun import matching_process, pid_state
+    from gpuguard.recovery.jobdir import read_incarnations
+
+    if not job_dir.is_dir():
+        raise NoInputError(f"{job_dir}: no such job directory")
+    records = [r for r in read_incarnations(job_dir)
+               if (generation is None or r.generation is None or r.generation <= generation)
+               and (not ranks or r.rank in ranks)]
+    host = os.uname().nodename
+    targets: list[tuple[Any, Any]] = []
+    evidence: list[str] = []
+    unknown: list[str] = []
+    for rec in records:
+        who = f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}"
+        if rec.host and rec.host not in (host, _hostname()):
+            unknown.append(f"{who} on {rec.host}: not on this host, not verified")
+            continue
+        state = pid_state(rec.pid, rec.start_time)
+        if state == "alive":
+            proc = matching_process(rec.pid, rec.start_time)
+            if proc is not None:
+                targets.append((rec, proc))
+                continue
+            state = "gone"
+        if state == "reused":
+            evidence.append(f"{who}: gone (pid now belongs to a newer process: not signalled)")
+        else:
+            evidence.append(f"{who}: {state}")
+    if dry_run:
+        plan = [f"rank {r.rank} pid {r.pid}: would SIGTERM, then SIGKILL after {grace_s:g} s" for r, _ in targets]
+        return ActionResult("abort", "dry-run", EXIT_OK, f"would terminate {len(targets)} process(es)",
+                            {"would_terminate": plan, "evidence": evidence, "unverified": unknown}, dry_run=True)
+    procs = [p for _, p in targets]
+    t0 = time.monotonic()
+    for proc in procs:
+        _signal(proc, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    killed = {p.pid for p in alive}
+    for proc in alive:
+        _signal(proc, signal.SIGKILL)
+    _gone2, still = psutil.wait_procs(alive, timeout=5.0)
+    for rec, proc in targets:
+        how = "SIGKILL" if proc.pid in killed else "SIGTERM"
+        state = pid_state(rec.pid, rec.start_time)
+        if state == "alive":
+            evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: STILL ALIVE after {how}")
+        else:
+            evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} "
+                            f"({state})")
+    quiescent = not still and not unknown
+    details = {"terminated": [r.pid for r, _ in targets], "killed_after_grace": sorted(killed),
+               "evidence": evidence, "unverified": unknown, "quiescence": "proved" if quiescent else "unknown",
+               "elapsed_s": round(time.monotonic() - t0, 3)}
+    if still:
+        return ActionResult("abort", "failed", EXIT_CRITICAL,
+                            f"{len(still)} process(es) survived SIGKILL: {sorted(p.pid for p in still)}", details)
+    outcome = "done" if targets else "noop"
+    summary = (f"terminated {len(targets)} process(es); every recorded incarnation is gone" if quiescent
+               else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified")
+    return ActionResult("abort", outcome, EXIT_OK, summary, details)
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _signal(proc: Any, sig: int) -> None:
+    import psutil
+
+    try:
+        proc.send_signal(sig)  # psutil re-checks the create time: never a reused pid
+    except psutil.NoSuchProcess:
+        pass
+
+
+# --- rendezvous --------------------------------------------------------------------------------
+
+
+def rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str | None = None,
+               deadline_s: float = 30.0, expect_round: int | None = None, dry_run: bool = False) -> ActionResult:
+    """Force exactly one new rendezvous round (concurrent callers coalesce on one)."""
+    from gpuguard.recovery import rendezvous as rdzv
+
+    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
+    result = rdzv.trigger_once(ep, deadline_s=deadline_s, expect_round=expect_round, dry_run=dry_run)
+    details = {"endpoint": ep.to_json(), **result.to_json()}
+    outcome = {"triggered": "done"}.get(result.outcome, result.outcome)
+    summary = {
+        "triggered": f"round {result.round_before} -> {result.round_after} (one new rendezvous round)",
+        "coalesced": f"joined a concurrent trigger: round {result.round_before} -> {result.round_after}",
+        "already-advanced": f"round already advanced to {result.round_after}: nothing to do",
+        "dry-run": f"would force round {result.round_before} -> {result.round_before + 1}",
+    }[result.outcome]
+    if result.outcome == "triggered" and result.round_after != result.round_before + 1:
+        summary += f" (WARNING: {result.round_after - result.round_before} rounds seen)"
+    return ActionResult("rendezvous", outcome, EXIT_OK, summary, details, dry_run=dry_run)
+
+
+def read_rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str | None = None) -> ActionResult:
+    from gpuguard.recovery import rendezvous as rdzv
+
+    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
+    state = rdzv.read(ep)
+    return ActionResult("rendezvous-state", "done", EXIT_OK,
+                        f"run {ep.run_id!r} round {state.round} ({'complete' if state.complete else 'in progress'})",
+                        {"endpoint": ep.to_json(), "state": state.to_json()})
+
+
+# --- restore -----------------------------------------------------------------------------------
+
+RESTORE_PIN = "restore.json"
+
+
+def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_run: bool = False) -> ActionResult:
+    """Pin the newest complete, verified state at or before the committed frontier (and `step`).
+
+    Corrupt or incomplete candidates are rejected with the reason and the next older one is tried,
+    at most `max_tries` times. The choice is written to `<job-dir>/restore.json` for the runtime.
+    """
+    from gpuguard.recovery import jobdir, snapshot
+
+    if not job_dir.is_dir():
+        raise NoInputError(f"{job_dir}: no such job directory")
+    if max_tries < 1:
+        raise UsageError("--max-tries must be at least 1")
+    frontier, source = _frontier(job_dir)
+    bound = step if frontier is None else (frontier if step is None else min(step, frontier))
+    selection = snapshot.select_restorable(job_dir, bound, max_tries=max_tries)
+    details: dict[str, Any] = {"frontier": frontier, "frontier_source": source, "limit": bound,
+                               **selection.to_dict()}
+    if selection.chosen is None:
+        if not selection.rejected:
+            raise NoInputError(f"{job_dir}: no snapshot or checkpoint to restore")
+        return ActionResult("restore", "failed", EXIT_CRITICAL,
+                            f"no complete, verified state at or before step {bound}: "
+                            f"{len(selection.rejected)} candidate(s) rejected", details, dry_run=dry_run)
+    chosen = selection.chosen
+    pin = {"schema": "gpuguard.restore/1", "step": chosen.step, "path": str(chosen.path), "kind": chosen.kind,
+           "generation": chosen.generation, "manifest_digest": chosen.manifest_digest,
+           "state_digest": chosen.state_digest}
+    path = job_dir / RESTORE_PIN
+    current = None
+    try:
+        current = jobdir.read_json(path)
+    except GpuguardError:
+        pass
+    summary = f"step {chosen.step} ({chosen.kind}, manifest {str(chosen.manifest_digest)[:12]})"
+    if current is not None and {k: current.get(k) for k in pin} == pin:
+        return ActionResult("restore", "noop", EXIT_OK, f"already pinned: {summary}", details, dry_run=dry_run)
+    if dry_run:
+        return ActionResult("restore", "dry-run", EXIT_OK, f"would pin {summary}", details, dry_run=True)
+    jobdir.atomic_write_json(path, {**pin, "pinned_at": time.time()})
+    return ActionResult("restore", "done", EXIT_OK, f"pinned {summary}", details)
+
+
+def _frontier(job_dir: Path) -> tuple[int | None, str]:
+    """Newest step committed by every member of the active generation (or its certificate's frontier)."""
+    if not (job_dir / "ledger").exists():
+        return None, "none (no ledger: bounded by --step only)"
+    from gpuguard.generation.ledger import open_ledger
+
+    with open_ledger(job_dir) as ledger:
+        cert = ledger.active()
+        if cert is None:
+            return None, "none (no active certificate)"
+        committed = ledger.last_committed_by_all(cert.generation)
+    if committed is not None:
+        return max(committed, cert.frontier.step), f"commits of generation {cert.generation}"
+    return cert.frontier.step, f"certificate of generation {cert.generation}"
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def verify(job_dir: Path, *, newer_than: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.5,
+           ledger_url: str | None = None, sleep: Callable[[float], None] = time.sleep) -> ActionResult:
+    """Wait (bounded) for an active certificate newer than `newer_than`, then verify its chain."""
+    from gpuguard.generation.keys import load_key
+    from gpuguard.generation.ledger import open_ledger
+    from gpuguard.generation.verify import verify_ledger
+
+    if not job_dir.is_dir():
+        raise NoInputError(f"{job_dir}: no such job directory")
+    end = time.monotonic() + timeout_s
+    while True:
+        with open_ledger(job_dir, ledger_url) as ledger:
+            cert = ledger.active()
+            if cert is not None and (newer_than is None or cert.generation > newer_than):
+                report = verify_ledger(ledger, load_key(job_dir), generation=cert.generation)
+                break
+        if time.monotonic() >= end:
+            want = "active certificate" if newer_than is None else f"a generation newer than {newer_than}"
+            raise UnavailableError(f"no {want} within {timeout_s:g} s")
+        sleep(poll_s)
+    details = {"generation": cert.generation, "certificate_digest": cert.digest(), "reason": cert.reason,
+               "members": len(cert.members), "frontier_step": cert.frontier.step, "quiescence": cert.quiescence,
+               "findings": [str(f) for f in report.findings]}
+    if report.findings:
+        return ActionResult("verify", "failed", EXIT_CRITICAL,
+                            f"generation {cert.generation}: {len(report.findings)} finding(s): {report.findings[0]}",
+                            details)
+    return ActionResult("verify", "done", EXIT_OK,
+                        f"generation {cert.generation} verified ({len(cert.members)} members, frontier step "
+                        f"{cert.frontier.step})", details)
+
+
+# --- shared driver: confirmation + audit -------------------------------------------------------
+
+
+def run_action(name: str, fn: Callable[..., ActionResult], kwargs: Mapping[str, Any], *, job_dir: Path | None,
+               dry_run: bool, yes: bool, confirm: Callable[[str], bool] | None,
+               run_id: str | None = None, step: str | None = None) -> ActionResult:
+    """Ask (or require --yes) for a mutating action, run it, append the audit record.
+
+    `confirm` is None when no terminal is attached: then a mutating action without --yes is refused
+    (exit 4) and nothing is changed. Dry runs change nothing, the audit log included.
+    """
+    from gpuguard.recovery import audit
+
+    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}
+    if name in MUTATING and not dry_run and not yes:
+        if confirm is None or not confirm(f"{name} {args}?"):
+            why = "not confirmed" if confirm is not None else "no terminal to confirm on: pass --yes (or --dry-run)"
+            if job_dir is not None and job_dir.is_dir():
+                audit.append(job_dir, audit.new_record(name, "refused", EXIT_REFUSED, args=args, run_id=run_id,
+                                                       step=step, detail={"why": why}))
+            raise RefusedError(f"{name} refused: {why}")
+    try:
+        result = fn(**kwargs, dry_run=dry_run) if name in MUTATING else fn(**kwargs)
+    except GpuguardError as exc:
+        if job_dir is not None and job_dir.is_dir() and not dry_run:
+            audit.append(job_dir, audit.new_record(name, "error", exc.exit_code, args=args, run_id=run_id,
+                                                   step=step, detail={"error": str(exc)}))
+        raise
+    if job_dir is not None and job_dir.is_dir() and not dry_run:
+        audit.append(job_dir, audit.new_record(name, result.outcome, result.exit_code, args=args, run_id=run_id,
+                                               step=step, detail={"summary": result.summary, **result.details}))
+    return result
+
+
+ACTIONS: dict[str, Callable[..., ActionResult]] = {
+    "diagnose": diagnose, "abort": abort, "rendezvous": rendezvous, "restore": restore, "verify": verify,
+}

@@ -1,0 +1,126 @@
+"""The append-only audit log of operator actions: `<job-dir>/audit.log`, one JSON object per line.
+
+Why: recovery actions kill processes and change what a job resumes from; the operator on call next
+must be able to read who did what, when, with which outcome, even after a crash mid-action. Each
+record is ONE `os.write` on an `O_APPEND` descriptor (never a read-modify-write, never truncated), so
+concurrent writers never interleave inside a line and a crash can only leave a torn *last* line,
+which readers skip and count. Runbook resumption reads the same log.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from gpuguard.errors import from_os_error
+from gpuguard.recovery.jobdir import audit_log_path
+
+SCHEMA = "gpuguard.audit/1"
+MAX_RECORD_BYTES = 64 * 1024  # one line; details beyond this are cut, never the record
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    action: str
+    outcome: str
+    exit_code: int
+    time: float
+    user: str
+    host: str
+    pid: int
+    args: Mapping[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
+    run_id: str | None = None  # a runbook run this action belongs to
+    step: str | None = None  # the runbook step name
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "time": self.time, "user": self.user, "host": self.host, "pid": self.pid,
+                "action": self.action, "args": dict(self.args), "dry_run": self.dry_run, "outcome": self.outcome,
+                "exit_code": self.exit_code, "run_id": self.run_id, "step": self.step, "detail": dict(self.detail)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "AuditRecord":
+        return cls(action=str(doc["action"]), outcome=str(doc["outcome"]), exit_code=int(doc["exit_code"]),
+                   time=float(doc["time"]), user=str(doc.get("user", "")), host=str(doc.get("host", "")),
+                   pid=int(doc.get("pid", 0)), args=dict(doc.get("args") or {}), dry_run=bool(doc.get("dry_run")),
+                   run_id=doc.get("run_id"), step=doc.get("step"), detail=dict(doc.get("detail") or {}))
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def new_record(action: str, outcome: str, exit_code: int, *, args: Mapping[str, Any] | None = None,
+               dry_run: bool = False, run_id: str | None = None, step: str | None = None,
+               detail: Mapping[str, Any] | None = None) -> AuditRecord:
+    return AuditRecord(action, outcome, int(exit_code), time.time(), _who(), socket.gethostname(), os.getpid(),
+                       dict(args or {}), dry_run, run_id, step, dict(detail or {}))
+
+
+def encode(record: AuditRecord) -> bytes:
+    """One line; an oversized detail is replaced by a note (the record itself is never dropped)."""
+    line = json.dumps(record.to_dict(), sort_keys=True, default=str, separators=(",", ":"))
+    if len(line) >= MAX_RECORD_BYTES:
+        doc = record.to_dict()
+        doc["detail"] = {"truncated": True, "bytes": len(line)}
+        line = json.dumps(doc, sort_keys=True, default=str, separators=(",", ":"))
+    return (line + "\n").encode()
+
+
+def append(job_dir: str | Path, record: AuditRecord) -> None:
+    """Append one record with one write (O_APPEND); fsync so it survives a crash right after."""
+    path = audit_log_path(job_dir)
+    data = encode(record)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise from_os_error(exc, str(path)) from exc
+
+
+@dataclass(frozen=True)
+class AuditLog:
+    records: tuple[AuditRecord, ...]
+    skipped_lines: int = 0  # torn or foreign lines (a crash mid-write leaves at most the last one)
+
+
+def read(job_dir: str | Path) -> AuditLog:
+    """Every well-formed record, oldest first; a missing log is an empty one."""
+    path = audit_log_path(job_dir)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return AuditLog(())
+    except OSError as exc:
+        raise from_os_error(exc, str(path)) from exc
+    records, skipped = [], 0
+    for line in _lines(data):
+        try:
+            doc = json.loads(line)
+            if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+                raise ValueError("not an audit record")
+            records.append(AuditRecord.from_dict(doc))
+        except (ValueError, KeyError, TypeError):
+            skipped += 1
+    return AuditLog(tuple(records), skipped)
+
+
+def _lines(data: bytes) -> Iterator[str]:
+    for raw in data.split(b"\n"):
+        if raw.strip():
+            yield raw.decode("utf-8", "replace")
