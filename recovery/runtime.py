@@ -1,0 +1,568 @@
+"""The in-job runtime: what a training script adds to be recoverable and to prove what it resumed from.
+
+    rt = Runtime.from_env(job_dir)            # torchrun's env -> an incarnation of this process
+    state = rt.activate(model, optimizer)     # agree on the frontier, verify the certificate, restore
+    for step in rt.steps(state, until=N):
+        ...                                   # forward, backward, all-reduce on rt.pg / the default group
+        rt.commit(step)                       # step record + commit record (+ async snapshot every k)
+
+Why each piece (measured on torch 2.13 + gloo, see the findings reference):
+- the gloo group of every generation rendezvouses under its own store namespace
+  `gpuguard/<job>/g<N>/a<attempt>/pg`, where the attempt is the torchrun rendezvous round: the dead
+  attempt's gloo keys in torchrun's shared store can never be read again (1/9 resumes otherwise);
+- the generation number comes from the ledger, never from TORCHELASTIC_RESTART_COUNT;
+- activation: every member publishes its incarnation; rank 0 computes the frontier (newest verified
+  snapshot at or below the last step *all* parent members committed), issues the certificate and
+  activates it with the ledger's compare-and-swap; every member verifies the certificate (admitted,
+  signed, chained) and the loaded state's digest before the first collective, or refuses to start;
+- snapshots every k steps in a background thread (DCP); a SIGTERM from the agent lets an in-flight
+  snapshot finish first (bounded), so a survivor's last snapshot is not lost: RPO one step;
+- fencing: commits and snapshot writes stamped with an older generation are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from gpuguard.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.recovery import jobdir
+from gpuguard.recovery.activation import (Hello, check_hellos, choose_frontier, quiescence, reason)
+from gpuguard.recovery.attempt import Attempt, current_attempt
+from gpuguard.recovery.snapshot import (SnapshotInfo, clone_state, copy_to_checkpoint, load_snapshot, prune,
+                                        save_snapshot, select_restorable, state_digest)
+
+PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"
+SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"
+CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"
+LEDGER_ENV = "GPUGUARD_LEDGER"
+
+
+class FencedError(RefusedError):
+    """This incarnation's generation is no longer the active one: its writes are dropped."""
+
+
+class ActivationRefused(RefusedError):
+    """A member could not verify the certificate (or activation failed): it must not start."""
+
+
+@dataclass
+class TrainState:
+    """What `activate` hands the training loop: where to start and what was certified."""
+
+    start_step: int              # first step to run (frontier + 1)
+    generation: int
+    frontier_step: int
+    state_digest: str | None     # digest of the restored state (None: initial state)
+    certificate_digest: str
+    restored_from: str | None    # snapshot path, or None for the initial state
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Counters:
+    commits: int = 0
+    fenced_commits: int = 0
+    snapshots: int = 0
+    fenced_snapshots: int = 0
+    snapshot_errors: int = 0
+    skipped_snapshots: int = 0
+
+
+class _Snapshotter:
+    """One background writer; the newest request replaces a pending one (training never waits)."""
+
+    def __init__(self, write: Callable[[int, dict[str, Any]], None]) -> None:
+        self._write = write
+        self._cv = threading.Condition()
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._busy = False
+        self._stop = False
+        self.skipped = 0
+        self._thread = threading.Thread(target=self._run, name="gpuguard-snapshot", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, state: dict[str, Any], max_wait: float = 30.0) -> None:
+        """Queue `state`; if one is still pending, wait for the writer first (back-pressure keeps
+        every committed step's snapshot: the RPO). After `max_wait` the pending one is replaced."""
+        end = time.monotonic() + max_wait
+        with self._cv:
+            while self._pending is not None and time.monotonic() < end:
+                self._cv.wait(end - time.monotonic())
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = (step, state)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._stop:
+                    self._cv.wait()
+                if self._pending is None and self._stop:
+                    return
+                step, state = self._pending  # type: ignore[misc]
+                self._pending = None
+                self._busy = True
+                self._cv.notify_all()
+            try:
+                self._write(step, state)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until nothing is pending or being written; False on timeout."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._pending is not None or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float) -> bool:
+        ok = self.flush(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        return ok
+
+
+class Runtime:
+    """One incarnation of one training process (see the module docstring)."""
+
+    def __init__(self, job_dir: str | Path, *, rank: int, world_size: int, local_rank: int,
+                 master_addr: str, master_port: int, run_id: str, restart_count: int,
+                 use_agent_store: bool, snapshot_every: int = 1, checkpoint_every: int = 0,
+                 keep_snapshots: int = 3, pg_timeout_s: float = 60.0, activation_timeout_s: float = 300.0,
+                 quiesce_wait_s: float = 10.0, ledger_url: str | None = None,
+                 fault_hook: Callable[[str, int], None] | None = None, log: Callable[[str], None] | None = None):
+        from gpuguard.generation.records import Incarnation  # noqa: PLC0415
+
+        self.job_dir = Path(job_dir)
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.master_addr, self.master_port = master_addr, master_port
+        self.run_id, self.restart_count = run_id, restart_count
+        self.use_agent_store = use_agent_store
+        self.snapshot_every, self.checkpoint_every = max(0, snapshot_every), max(0, checkpoint_every)
+        self.keep_snapshots = max(1, keep_snapshots)
+        self.pg_timeout_s, self.activation_timeout_s = pg_timeout_s, activation_timeout_s
+        self.quiesce_wait_s = quiesce_wait_s
+        self.ledger_url = ledger_url
+        self.fault_hook = fault_hook
+        self._log = log or (lambda msg: print(f"[gpuguard rank {self.rank}] {msg}", file=sys.stderr, flush=True))
+        self.incarnation = Incarnation.current()
+        self.t_created = time.time()
+        self.job = jobdir.ensure_job(self.job_dir, job_id=os.environ.get("GPUGUARD_JOB_ID") or None)
+        self.generation: int | None = None
+        self.counters = Counters()
+        self.attempt: Attempt | None = None
+        self.pg: Any = None
+        self._store: Any = None
+        self._ledger: Any = None
+        self._objects: dict[str, Any] = {}
+        self._snapshotter: _Snapshotter | None = None
+        self._steplog: Any = None
+        self._step_t0: float | None = None
+        self.step_times: list[float] = []
+        self._write_incarnation()
+        self._install_sigterm_flush()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, job_dir: str | Path | None = None, **options: Any) -> "Runtime":
+        """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+        env = os.environ
+        job_dir = job_dir or env.get("GPUGUARD_JOB_DIR")
+        if not job_dir:
+            raise GpuguardError("no job directory: pass one or set GPUGUARD_JOB_DIR", exit_code=64)
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            master_addr, master_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        except (KeyError, ValueError) as exc:
+            raise GpuguardError(f"not started by torchrun (missing or bad {exc})", exit_code=64) from None
+        options.setdefault("snapshot_every", int(env.get(SNAPSHOT_EVERY_ENV, "1")))
+        options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "0")))
+        options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
+        options.setdefault("ledger_url", env.get(LEDGER_ENV) or None)
+        return cls(job_dir, rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", rank)),
+                   master_addr=master_addr, master_port=master_port,
+                   run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True", **options)
+
+    def _write_incarnation(self, **extra: Any) -> None:
+        rec = jobdir.IncarnationRecord(
+            incarnation=self.incarnation.to_dict(), rank=self.rank, local_rank=self.local_rank,
+            world_size=self.world_size, generation=self.generation, agent_pid=os.getppid(), run_id=self.run_id,
+            master_addr=self.master_addr, master_port=self.master_port, restart_count=self.restart_count,
+            attempt=self.attempt.token if self.attempt else "", extra=extra)
+        jobdir.write_incarnation(self.job_dir, rec)
+
+    def _install_sigterm_flush(self) -> None:
+        """On SIGTERM (torchrun stopping the survivors) let an in-flight snapshot finish, then exit.
+
+        The main thread may be blocked in a gloo collective, where no Python handler can run: the
+        C-level wakeup fd wakes a helper thread instead.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            return
+
+        def watch() -> None:
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except OSError:
+                    return
+                if signal.SIGTERM in data:
+                    snap = self._snapshotter
+                    if snap is not None:
+                        snap.flush(timeout=10.0)
+                    os._exit(128 + signal.SIGTERM)
+
+        threading.Thread(target=watch, name="gpuguard-sigterm", daemon=True).start()
+
+    def ledger(self) -> Any:
+        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+
+        if self._ledger is None:
+            self._ledger = open_ledger(self.job_dir, self.ledger_url)
+        return self._ledger
+
+    # ------------------------------------------------------------------ activation
+    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None,
+                 extra: Mapping[str, Any] | None = None) -> TrainState:
+        """Agree on the frontier, verify the certificate, restore, form this generation's group.
+
+        A member that cannot verify prints one line and exits with status 4 (refused).
+        """
+        self._objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": dict(extra or {})}
+        try:
+            return self._activate()
+        except (ActivationRefused, FencedError, UnavailableError) as exc:
+            print(f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) refuses to start: {exc}",
+                  file=sys.stderr, flush=True)
+            sys.stderr.flush()
+            os._exit(EXIT_REFUSED)
+
+    def _activate(self) -> TrainState:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        phases: dict[str, float] = {"process_start": self.incarnation.start_time, "runtime_created": self.t_created}
+        self.attempt = current_attempt()
+        if self.attempt.round is None:
+            self._log(f"warning: attempt token from {self.attempt.source}")
+        store = self._connect_store()
+        ns = dist.PrefixStore(f"gpuguard/{self.job.job_id}/a{self.attempt.token}/act", store)
+        phases["store_connected"] = time.time()
+
+        ns.set(f"hello/{self.rank}", json.dumps(self._hello().to_dict()))
+        if self.rank == 0:
+            self._coordinate(ns, phases)
+        decision = self._wait_json(ns, "cert")
+        phases["certificate"] = time.time()
+        if "error" in decision:
+            raise ActivationRefused(f"coordinator could not activate a generation: {decision['error']}")
+        try:
+            state = self._verify_and_restore(int(decision["generation"]), str(decision["digest"]))
+            verdict = "ok"
+        except (ActivationRefused, GpuguardError) as exc:
+            state, verdict = None, str(exc)
+        ns.set(f"verdict/{self.rank}", verdict)
+        phases["restored"] = time.time()
+        for r in range(self.world_size):
+            other = self._wait_raw(ns, f"verdict/{r}")
+            if other != "ok":
+                raise ActivationRefused(f"rank {r} refused generation {decision['generation']}: {other}"
+                                        if r != self.rank else other)
+        assert state is not None
+        self.generation = state.generation
+        pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
+        dist.init_process_group("gloo", store=pg_store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.pg_timeout_s))
+        self.pg = dist.group.WORLD
+        phases["pg_ready"] = time.time()
+        state.phases = phases
+        self._write_incarnation(phases=phases)
+        from gpuguard.recovery.steplog import StepLog  # noqa: PLC0415
+
+        self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
+        if self.rank == 0:
+            jobdir.atomic_write_json(jobdir.coord_dir(self.job_dir) / f"activation-g{self.generation}.json", {
+                "schema": "gpuguard.activation/1", "generation": self.generation, "attempt": self.attempt.token,
+                "attempt_source": self.attempt.source, "frontier_step": state.frontier_step,
+                "restored_from": state.restored_from, "phases": phases, "world_size": self.world_size,
+                "restart_count": self.restart_count})
+            self._snapshotter = _Snapshotter(self._write_snapshot)
+            # a worker that dies of a collective error (peer gone) still finishes its last snapshot
+            atexit.register(self._snapshotter.flush, 10.0)
+        self._log(f"generation {self.generation} active: world {self.world_size}, "
+                  f"resuming at step {state.start_step} (frontier {state.frontier_step}, attempt {self.attempt.token})")
+        return state
+
+    def _connect_store(self) -> Any:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        # Shared mode: torchrun's agent hosts the store at MASTER_PORT. Otherwise nobody does until
+        # rank 0 hosts it (env:// init would have; we do not use env://).
+        host_it = self.rank == 0 and not self.use_agent_store
+        return dist.TCPStore(self.master_addr, self.master_port, is_master=host_it,
+                             timeout=timedelta(seconds=self.activation_timeout_s), wait_for_workers=False,
+                             multi_tenant=host_it)
+
+    def _hello(self) -> Hello:
+        import psutil  # noqa: PLC0415
+
+        gone: list[str] = []
+        alive: list[str] = []
+        host = socket.gethostname()
+        try:
+            parent = self.ledger().active()
+        except GpuguardError:
+            parent = None
+        if parent is not None:
+            deadline = time.monotonic() + self.quiesce_wait_s
+            for m in parent.members:
+                inc = m.incarnation
+                if inc.host != host:
+                    continue
+                while _running(psutil, inc.pid, inc.start_time) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                (alive if _running(psutil, inc.pid, inc.start_time) else gone).append(inc.id)
+        return Hello(self.rank, self.incarnation.to_dict(), host, tuple(gone), tuple(alive))
+
+    def _coordinate(self, ns: Any, phases: dict[str, float]) -> None:
+        """Rank 0: gather hellos, choose the frontier, issue and activate the certificate."""
+        from gpuguard.generation.certificate import issue  # noqa: PLC0415
+        from gpuguard.generation.job import init_job, issuer  # noqa: PLC0415
+        from gpuguard.generation.keys import key_path  # noqa: PLC0415
+        from gpuguard.generation.records import Incarnation, Member  # noqa: PLC0415
+
+        try:
+            hellos = [Hello.from_dict(self._wait_json(ns, f"hello/{r}")) for r in range(self.world_size)]
+            phases["hellos"] = time.time()
+            problems = check_hellos(hellos, self.world_size)
+            if problems:
+                raise ActivationRefused("; ".join(problems))
+            if not key_path(self.job_dir).exists():
+                try:
+                    init_job(self.job_dir, url=self.ledger_url, job_id=self.job.job_id)
+                    self._log("initialised the ledger (genesis, generation 0)")
+                except GpuguardError as exc:
+                    if exc.exit_code != 73:  # 73: someone initialised it first
+                        raise
+                self._ledger = None
+            ledger = self.ledger()
+            parent = ledger.require_active()
+            committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
+            from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
+
+            selection = select_restorable(self.job_dir, frontier_limit(parent, committed))
+            choice = choose_frontier(parent, committed, selection)
+            q, evidence = quiescence(parent, hellos)
+            members = [Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos]
+            cert = issue(parent=parent, job_id=parent.job_id, members=members,
+                         reason=reason(parent, self.world_size), frontier=choice.frontier, quiescence=q,
+                         quiescence_evidence=evidence, issued_by=f"gpuguard-runtime {issuer()}",
+                         key=ledger.key, extra={
+                             "switch": "restart", "attempt": self.attempt.token if self.attempt else "",
+                             "attempt_source": self.attempt.source if self.attempt else "",
+                             "restart_count": self.restart_count, "committed_by_all": committed,
+                             "frontier_note": choice.note, "rejected": list(choice.rejected[:16]),
+                             "world_size": self.world_size})
+            ledger.activate(cert, manifest_ok=True if choice.frontier.state_manifest_digest else None)
+            for line in choice.rejected:
+                if "after the frontier" not in line:
+                    self._log(f"rejected {line}")
+            ns.set("cert", json.dumps({"generation": cert.generation, "digest": cert.digest()}))
+        except GpuguardError as exc:
+            ns.set("cert", json.dumps({"error": str(exc)}))
+
+    def _verify_and_restore(self, generation: int, digest: str) -> TrainState:
+        """Every member: the certificate admits me, is signed and chained; restore and check the digest."""
+        from gpuguard.generation.certificate import check_stored  # noqa: PLC0415
+
+        if self._ledger is not None and self._ledger.key is None:
+            self._ledger = None  # opened before the coordinator created the key: reopen with it
+        ledger = self.ledger()
+        cert = ledger.get(generation)
+        if cert.digest() != digest:
+            raise ActivationRefused(f"generation {generation} in the ledger is not the certificate the coordinator issued")
+        parent = ledger.get(cert.parent_generation) if cert.parent_generation is not None else None
+        if ledger.key is None:
+            raise ActivationRefused("no signing key in the job directory: cannot verify the certificate")
+        violations = check_stored(cert, parent=parent, key=ledger.key)
+        if violations:
+            raise ActivationRefused(f"certificate of generation {generation} fails rule {violations[0].rule}: "
+                                    f"{violations[0].message}")
+        mine = cert.ranks.get(self.rank)
+        if mine is None or mine.id != self.incarnation.id:
+            raise ActivationRefused(f"certificate of generation {generation} does not admit this incarnation on rank {self.rank}")
+        frontier = cert.frontier
+        restored_from, loaded_digest = None, None
+        if frontier.state_manifest_digest:
+            selection = select_restorable(self.job_dir, frontier.step,
+                                          expected_manifest_digest=frontier.state_manifest_digest)
+            info = selection.chosen
+            if info is None or info.step != frontier.step:
+                why = "; ".join(f"step {r.step}: {r.reason}" for r in selection.rejected if r.step == frontier.step)
+                raise ActivationRefused(f"certified state of step {frontier.step} not found or does not verify ({why or 'missing'})")
+            loaded_digest = self._restore(info)
+            if loaded_digest != info.state_digest:
+                raise ActivationRefused(f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
+                                        f"{str(info.state_digest)[:16]} (step {frontier.step})")
+            restored_from = str(info.path)
+        return TrainState(frontier.step + 1, generation, frontier.step, loaded_digest, cert.digest(), restored_from)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """model / optim / sched / rng / extra, as DCP saves and loads it."""
+        import torch  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+
+        model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
+        if opt is not None:
+            msd, osd = get_state_dict(model, opt)
+        else:
+            msd, osd = model.state_dict(), {}
+        state: dict[str, Any] = {"model": msd, "rng": {"torch": torch.get_rng_state()}}
+        if opt is not None:
+            state["optim"] = osd
+        if sched is not None:
+            state["sched"] = sched.state_dict()
+        if self._objects["extra"]:
+            state["extra"] = self._objects["extra"]
+        return state
+
+    def _restore(self, info: SnapshotInfo) -> str:
+        import torch  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
+
+        loaded = load_snapshot(info, self.state_dict())
+        model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
+        if opt is not None:
+            set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        else:
+            model.load_state_dict(loaded["model"])
+        if sched is not None and "sched" in loaded:
+            sched.load_state_dict(loaded["sched"])
+        torch.set_rng_state(loaded["rng"]["torch"])
+        extra = self._objects["extra"]
+        for k, v in (loaded.get("extra") or {}).items():
+            if k in extra and hasattr(extra[k], "copy_"):
+                extra[k].copy_(v)
+        return state_digest(self.state_dict())
+
+    def state_hash(self) -> str:
+        """The digest of this rank's current state (what snapshots and the certificate bind)."""
+        return state_digest(self.state_dict())
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, state: TrainState, until: int | None = None) -> Iterator[int]:
+        """Step numbers from the certified start (inclusive) to `until` (inclusive; None: forever)."""
+        step = state.start_step
+        while until is None or step <= until:
+            self._step_t0 = time.perf_counter()
+            if self._steplog is not None:
+                self._steplog.begin_step(step)
+            yield step
+            step += 1
+
+    def commit(self, step: int) -> None:
+        """After the optimizer update of `step`: step record, commit record, snapshot every k."""
+        if self.generation is None:
+            raise RefusedError("commit() before activate()")
+        if self._steplog is not None:
+            self._steplog.end_step(step)
+        if not self.ledger().record_commit(self.generation, step, self.rank, self.incarnation.id):
+            self.counters.fenced_commits += 1
+            raise FencedError(f"commit of step {step} in generation {self.generation} fenced: "
+                              f"generation {self.ledger().active().generation} is active")
+        self.counters.commits += 1
+        if self._step_t0 is not None:
+            self.step_times.append(time.perf_counter() - self._step_t0)
+        if self._snapshotter is not None and self.snapshot_every and step % self.snapshot_every == 0:
+            self._snapshotter.submit(step, clone_state(self.state_dict()))
+
+    def _still_current(self) -> bool:
+        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+
+        active = open_ledger(self.job_dir, self.ledger_url).active()  # own instance: another thread
+        return active is not None and active.generation == self.generation
+
+    def _write_snapshot(self, step: int, state: dict[str, Any]) -> None:
+        hook = self.fault_hook
+        try:
+            info = save_snapshot(self.job_dir, step, state, generation=int(self.generation or 0),
+                                 owner=f"rank{self.rank}/{self.incarnation.id}", still_current=self._still_current,
+                                 before_publish=(lambda _p: hook("snapshot", step)) if hook else None)
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
+            self.counters.snapshot_errors += 1
+            self._log(f"snapshot of step {step} failed: {type(exc).__name__}: {exc}")
+            return
+        if info is None:
+            self.counters.fenced_snapshots += 1
+            self._log(f"snapshot of step {step} dropped: generation {self.generation} is no longer active")
+            return
+        self.counters.snapshots += 1
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
+            copy_to_checkpoint(self.job_dir, info)
+        prune(self.job_dir, self.keep_snapshots)
+
+    def fault(self, point: str, step: int) -> None:
+        """Call the test/demo fault hook at a named point of a step (no-op without one)."""
+        if self.fault_hook is not None:
+            self.fault_hook(point, step)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush the last snapshot, tear the group down (outside any `except`: see the findings)."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if self._snapshotter is not None:
+            self._snapshotter.close(timeout)
+            self.counters.skipped_snapshots = self._snapshotter.skipped
+        if self._steplog is not None:
+            self._steplog.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.pg = None
+
+    # ------------------------------------------------------------------ store helpers
+    def _wait_raw(self, ns: Any, key: str) -> str:
+        try:
+            ns.wait([key], timedelta(seconds=self.activation_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
+            raise UnavailableError(f"activation: no {key!r} within {self.activation_timeout_s:.0f} s ({exc})") from None
+        return ns.get(key).decode()
+
+    def _wait_json(self, ns: Any, key: str) -> dict[str, Any]:
+        return json.loads(self._wait_raw(ns, key))
+
+
+def _running(psutil: Any, pid: int, start_time: float) -> bool:
+    """Is this exact process (pid + create time, so a reused pid is not it) still running?"""
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - start_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
