@@ -1,0 +1,530 @@
+"""Read per-rank collective traces: PyTorch Flight Recorder dumps (pickle and JSON, format versions
+2.x up to 2.10, `nccl:`/`gloo:`/`xccl:`/... prefixes, several process groups) and gpuguard's own
+`gpuguard.collective-trace/1` JSON. Returns the checker's compact `RankTrace`.
+
+Why a restricted unpickler: a Flight Recorder dump is a pickle, and `pickle.load` on a file from
+a shared job directory runs whatever the file says (`os.system`, ...). The dumps hold only dicts,
+lists, tuples, strings, numbers and None, which need no class lookup at all, so `find_class`
+admits nothing: any reference to a callable is refused with a clear error (exit 65).
+
+Why the odd columnar code: 1,024 ranks x 2,000 entries is 2 million dicts. Fields are pulled with
+`operator.itemgetter` (C speed) and signatures are deduplicated per rank before the expensive
+freeze into hashable tuples, and many files are read by a small process pool.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import stat
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from operator import itemgetter
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from gpuguard.diagnostics.contract import COMPLETED, Interner, RankTrace, Signature, Stream
+from gpuguard.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
+
+GPUGUARD_SCHEMA = "gpuguard.collective-trace/1"
+FORMAT_FR_PICKLE = "fr-pickle"
+FORMAT_FR_JSON = "fr-json"
+FORMAT_GPUGUARD = "gpuguard"
+MAX_BYTES = 1 << 30  # a 2,000-entry dump is well under 1 MiB; refuse absurd inputs
+_RANK_RE = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin|dump|trace))?$")
+_P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and scalars only: every class or callable lookup is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle's hook
+        raise _Refused(f"references {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused("uses a persistent id")
+
+
+def restricted_loads(data: bytes) -> Any:
+    """`pickle.loads` that refuses anything but plain data (raises pickle.UnpicklingError)."""
+    return RestrictedUnpickler(io.BufferedReader(io.BytesIO(data))).load()  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One input file, loaded."""
+
+    trace: RankTrace
+    entries: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Discovery
+
+
+def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[str]]:
+    """Files named on the command line, plus every plausible dump under named directories."""
+    files: list[Path] = []
+    notes: list[str] = []
+    for raw in paths:
+        p = Path(raw)
+        try:
+            st = p.stat()
+        except OSError as exc:
+            raise from_os_error(exc, str(p)) from None
+        if stat.S_ISDIR(st.st_mode):
+            found = []
+            for root, dirs, names in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(names):
+                    if name.startswith(".") or name.endswith((".tmp", ".log", ".txt", ".md")):
+                        continue
+                    f = Path(root, name)
+                    kind = _sniff(f)
+                    if kind is None:
+                        notes.append(f"skipped {f}: not a Flight Recorder dump or gpuguard trace")
+                        continue
+                    found.append(f)
+            if not found:
+                raise NoInputError(f"{p}: no Flight Recorder dumps or gpuguard traces in this directory")
+            files.extend(found)
+        else:
+            files.append(p)
+    return files, notes
+
+
+def _sniff(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+    except OSError:
+        return None
+    if head[:1] == b"\x80":
+        return FORMAT_FR_PICKLE
+    if head.lstrip()[:1] == b"{":
+        return "json"
+    return None
+
+
+def rank_from_name(path: Path) -> int | None:
+    m = _RANK_RE.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
+    """Load one dump of any supported format; raise a one-line GpuguardError when it is unusable."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > MAX_BYTES:
+                raise DataError(f"{p}: {size} bytes is too large for a collective trace")
+            head = fh.peek(1)[:1] if hasattr(fh, "peek") else b""
+            if head == b"\x80":
+                try:
+                    doc = RestrictedUnpickler(fh).load()
+                except _Refused as exc:
+                    raise DataError(f"{p}: unsafe pickle refused: it {exc}; Flight Recorder dumps hold only "
+                                    "plain containers and scalars") from None
+                except EOFError:
+                    raise DataError(f"{p}: truncated pickle (ends before its STOP opcode)") from None
+                except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                        MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as exc:
+                    raise DataError(f"{p}: corrupt pickle: {type(exc).__name__}: {str(exc)[:120]}") from None
+                return _from_fr(p, doc, FORMAT_FR_PICKLE, interner)
+            data = fh.read()
+    except GpuguardError:
+        raise
+    except OSError as exc:
+        raise from_os_error(exc, str(p)) from None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        if not data.strip():
+            raise DataError(f"{p}: empty file") from None
+        raise DataError(f"{p}: neither a Flight Recorder pickle nor JSON ({str(exc)[:80]})") from None
+    if isinstance(doc, dict) and doc.get("schema") == GPUGUARD_SCHEMA:
+        return _from_gpuguard(p, doc, interner)
+    if isinstance(doc, dict) and isinstance(doc.get("schema"), str) and "entries" not in doc:
+        raise DataError(f"{p}: JSON schema {doc['schema']!r} is not a collective trace")
+    return _from_fr(p, doc, FORMAT_FR_JSON, interner)
+
+
+def _need(cond: bool, path: Path, what: str) -> None:
+    if not cond:
+        raise DataError(f"{path}: not a valid collective trace: {what}")
+
+
+# -- Flight Recorder -----------------------------------------------------------------------------
+
+_FAST = itemgetter("collective_seq_id", "process_group", "profiling_name", "input_sizes", "input_dtypes",
+                   "output_sizes", "output_dtypes", "state")
+_SIG = itemgetter(2, 3, 4, 5, 6)
+
+
+def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
+    _need(isinstance(doc, dict), path, "top level is not a mapping")
+    _need("entries" in doc, path, "no 'entries' key (is this a Flight Recorder dump?)")
+    entries = doc["entries"]
+    _need(isinstance(entries, list), path, "'entries' is not a list")
+    version = doc.get("version", "")
+    _need(isinstance(version, str), path, "'version' is not a string")
+    rank = rank_from_name(path)
+    if rank is None:
+        raise DataError(f"{path}: cannot tell the rank: Flight Recorder dumps carry none, so name the file "
+                        "<prefix><rank> (e.g. rank_3 or rank_3.json)")
+    pg_ranks = _pg_ranks(doc.get("pg_config"))
+    status = _pg_status(doc.get("pg_status"), path)
+
+    rows = _rows(entries, path)
+    skipped = 0
+    if any(r[8] for r in rows):
+        keep = [r for r in rows if not r[8]]
+        skipped = len(rows) - len(keep)
+        rows = keep
+    groups: dict[tuple[str, str, Any], list[tuple]] = {}
+    if rows and all(r[1] == rows[0][1] for r in rows):
+        groups[rows[0][1]] = rows
+    else:
+        for r in rows:
+            groups.setdefault(r[1], []).append(r)
+    site_cache: dict[tuple[int, ...], int] = {}
+    streams = []
+    for (pg_name, desc, pg_id, gen), grp in groups.items():
+        seqs = [r[0] for r in grp]
+        if any(a >= b for a, b in zip(seqs, seqs[1:])):
+            grp = _merge_coalesced(sorted(grp, key=itemgetter(0)))
+            seqs = [r[0] for r in grp]
+        sig_ids = _intern_sigs([_SIG(r) for r in grp], interner, path)
+        st = status.get(str(pg_id)) or status.get(pg_name)
+        raw_states = [r[7] for r in grp]
+        if st is not None:
+            done, started = st
+            states = [COMPLETED if s <= done else ("started" if s <= started and x == "scheduled" else x)
+                      for s, x in zip(seqs, raw_states)]
+        else:
+            states = raw_states
+        sites = None
+        if any(r[9] for r in grp):
+            sites = [_site_id(r[9], site_cache, interner) for r in grp]
+        times = [r[10] for r in grp]
+        streams.append(Stream(pg=pg_name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states,
+                              site_ids=sites, times_ns=times, pg_desc=desc))
+    trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=tuple(streams), version=version,
+                      world_size=None, pg_ranks=pg_ranks, skipped=skipped)
+    return Loaded(trace, len(entries))
+
+
+def _rows(entries: list, path: Path) -> list[tuple]:
+    """(seq, pg key, profiling_name, in_sizes, in_dtypes, out_sizes, out_dtypes, state, p2p, frames, t)."""
+    out = []
+    get_extra = _extra_getter
+    try:
+        fast = list(map(_FAST, entries))
+        extra = list(map(get_extra, entries))
+    except (KeyError, TypeError):
+        return [_row_slow(i, e, path) for i, e in enumerate(entries)]
+    pg_cache: dict[Any, tuple] = {}
+    try:
+        for f, (pg_id, p2p, frames, t, gen) in zip(fast, extra):
+            seq, pgv, name = f[0], f[1], f[2]
+            if type(seq) is not int or type(name) is not str:
+                return [_row_slow(i, e, path) for i, e in enumerate(entries)]
+            ck = (tuple(pgv) if type(pgv) is list else pgv, pg_id, gen)
+            key = pg_cache.get(ck)
+            if key is None:
+                key = pg_cache[ck] = _pg_key(ck[0], pg_id, gen, path)
+            is_p2p = bool(p2p) or _op_name(name) in _P2P_OPS
+            out.append((seq, key, name, f[3], f[4], f[5], f[6], f[7], is_p2p, frames,
+                        t if type(t) is int else 0))
+    except TypeError:  # an unhashable process_group: let the tolerant path name the problem
+        return [_row_slow(i, e, path) for i, e in enumerate(entries)]
+    return out
+
+
+def _extra_getter(e: dict) -> tuple:
+    return (e.get("pg_id"), e.get("is_p2p"), e.get("frames"), e.get("time_created_ns"),
+            e.get("reset_epoch", e.get("generation", 0)))
+
+
+def _pg_key(pgv: Any, pg_id: Any, gen: Any, path: Path) -> tuple[str, str, Any, int]:
+    if isinstance(pgv, (list, tuple)) and len(pgv) == 2:
+        name, desc = str(pgv[0]), str(pgv[1])
+    elif pgv is None and pg_id is not None:
+        name, desc = str(pg_id), ""
+    else:
+        raise DataError(f"{path}: not a valid collective trace: 'process_group' is {type(pgv).__name__}, "
+                        "expected (name, desc)")
+    if desc == "undefined":
+        desc = ""
+    if not isinstance(gen, int):
+        raise DataError(f"{path}: not a valid collective trace: reset epoch is not an integer")
+    return (name, desc, pg_id, gen)
+
+
+def _row_slow(i: int, e: Any, path: Path) -> tuple:
+    """Tolerant per-entry path: older format versions (2.0-2.2) and malformed input."""
+    if not isinstance(e, dict):
+        raise DataError(f"{path}: not a valid collective trace: entry {i} is {type(e).__name__}, not a mapping")
+    seq = e.get("collective_seq_id", e.get("seq_id"))
+    if type(seq) is not int:
+        raise DataError(f"{path}: not a valid collective trace: entry {i} has no integer collective_seq_id")
+    name = e.get("profiling_name")
+    if not isinstance(name, str):
+        raise DataError(f"{path}: not a valid collective trace: entry {i} has no profiling_name")
+    pgv = e.get("process_group")
+    key = _pg_key(tuple(pgv) if isinstance(pgv, list) else pgv, e.get("pg_id"),
+                  e.get("reset_epoch", e.get("generation", 0)), path)
+    is_p2p = bool(e.get("is_p2p")) or _op_name(name) in _P2P_OPS
+    t = e.get("time_created_ns") or 0
+    return (seq, key, name, e.get("input_sizes"), e.get("input_dtypes"), e.get("output_sizes"),
+            e.get("output_dtypes"), str(e.get("state", "scheduled")), is_p2p, e.get("frames"),
+            t if isinstance(t, int) else 0)
+
+
+def _op_name(profiling_name: str) -> str:
+    name = profiling_name.split(":", 1)[1] if ":" in profiling_name else profiling_name
+    return name.split(" ", 1)[0]
+
+
+def _merge_coalesced(rows: list[tuple]) -> list[tuple]:
+    """Entries sharing a sequence id are one coalesced collective: merge them into one row."""
+    out: list[tuple] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1][0] == rows[i][0]:
+            j += 1
+        if i == j:
+            out.append(rows[i])
+        else:
+            part = rows[i:j + 1]
+            ops = [_op_name(r[2]) for r in part if _op_name(r[2]) != "coalesced"]
+            prefix = part[0][2].split(":", 1)[0] + ":" if ":" in part[0][2] else ""
+            cat = lambda k: [x for r in part if _op_name(r[2]) != "coalesced" for x in (r[k] or [])]  # noqa: E731
+            states = {r[7] for r in part}
+            out.append((rows[i][0], rows[i][1], f"{prefix}coalesced[{','.join(ops)}]", cat(3), cat(4), cat(5),
+                        cat(6), "scheduled" if "scheduled" in states else part[-1][7], False, part[0][9],
+                        part[0][10]))
+        i = j + 1
+    return out
+
+
+def _intern_sigs(raw: list[tuple], interner: Interner, path: Path) -> list[int]:
+    """Raw (name, sizes, dtypes, ...) tuples -> global ids; compares before it freezes (fast)."""
+    uniq: list[tuple] = []
+    local: list[int] = []
+    append = local.append
+    last_sig: Any = None
+    last_id = -1
+    for s in raw:
+        if s == last_sig:
+            append(last_id)
+            continue
+        try:
+            i = uniq.index(s)
+        except ValueError:
+            i = len(uniq)
+            uniq.append(s)
+        append(i)
+        last_sig, last_id = s, i
+    gmap = [interner.sig(_freeze(s, path)) for s in uniq]
+    return [gmap[i] for i in local]
+
+
+def _freeze(s: tuple, path: Path) -> Signature:
+    name, insz, indt, outsz, outdt = s
+    try:
+        return Signature(op=_op_name(name), in_sizes=_shapes(insz), in_dtypes=_dtypes(indt),
+                         out_sizes=_shapes(outsz), out_dtypes=_dtypes(outdt))
+    except (TypeError, ValueError):
+        raise DataError(f"{path}: not a valid collective trace: bad sizes or dtypes in a "
+                        f"{name!r} entry") from None
+
+
+def _shapes(v: Any) -> tuple[tuple[int, ...], ...] | None:
+    if v is None:
+        return None
+    out = tuple(tuple(int(d) for d in shape) for shape in v)
+    return out
+
+
+def _dtypes(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, str) or not all(isinstance(x, str) for x in v):
+        raise TypeError("dtypes")
+    return tuple(v)
+
+
+def _site_id(frames: Any, cache: dict[tuple[int, ...], int], interner: Interner) -> int:
+    if not frames or not isinstance(frames, list):
+        return -1
+    key = tuple(map(id, frames))
+    i = cache.get(key)
+    if i is None:
+        i = cache[key] = interner.site(_format_frames(frames))
+    return i
+
+
+def _format_frames(frames: list) -> str | None:
+    user = []
+    for f in frames:
+        if not isinstance(f, dict):
+            continue
+        fn = str(f.get("filename", ""))
+        if "/torch/" in fn or fn.startswith("<"):
+            continue
+        user.append(f"{os.path.basename(fn)}:{f.get('line')} {f.get('name', '?')}")
+        if len(user) == 3:
+            break
+    return " < ".join(user) if user else None
+
+
+def _pg_ranks(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Members per process group from `pg_config`; gloo registers under '' with stale ranks: ignored."""
+    out: dict[str, tuple[int, ...]] = {}
+    if not isinstance(cfg, dict):
+        return out
+    for key, val in cfg.items():
+        if not key or not isinstance(val, dict):
+            continue
+        ranks = val.get("ranks")
+        if isinstance(ranks, str):
+            try:
+                ranks = json.loads(ranks)  # '[0, 1, 2, 3]': never eval() it
+            except ValueError:
+                continue
+        if isinstance(ranks, list) and ranks and all(type(r) is int for r in ranks):
+            out[str(key)] = tuple(ranks)
+    return out
+
+
+def _pg_status(st: Any, path: Path) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    if not isinstance(st, dict):
+        return out
+    for key, val in st.items():
+        if not isinstance(val, dict):
+            continue
+        try:  # the JSON dump writes these numbers as strings
+            done = int(val.get("last_completed_collective", -1))
+            started = int(val.get("last_started_collective", -1))
+        except (TypeError, ValueError):
+            raise DataError(f"{path}: not a valid collective trace: pg_status of {key!r} is not numeric") from None
+        out[str(key)] = (done, started)
+    return out
+
+
+# -- gpuguard's own trace ------------------------------------------------------------------------
+
+
+def _from_gpuguard(path: Path, doc: dict, interner: Interner) -> Loaded:
+    rank, gen, entries = doc.get("rank"), doc.get("generation", 0), doc.get("entries")
+    _need(type(rank) is int and rank >= 0, path, "'rank' is not a non-negative integer")
+    _need(type(gen) is int, path, "'generation' is not an integer")
+    _need(isinstance(entries, list), path, "'entries' is not a list")
+    world = doc.get("world_size")
+    _need(world is None or type(world) is int, path, "'world_size' is not an integer")
+    per_pg: dict[tuple[str, int], list[tuple]] = {}
+    for i, e in enumerate(entries):
+        _need(isinstance(e, dict), path, f"entry {i} is not a mapping")
+        seq, pg, op = e.get("seq"), e.get("pg"), e.get("op")
+        _need(type(seq) is int, path, f"entry {i}: 'seq' is not an integer")
+        _need(isinstance(pg, str) and isinstance(op, str), path, f"entry {i}: 'pg' and 'op' must be strings")
+        count, dtype, red = e.get("count"), e.get("dtype"), e.get("reduce_op")
+        _need(count is None or type(count) is int, path, f"entry {i}: 'count' is not an integer")
+        _need(dtype is None or isinstance(dtype, str), path, f"entry {i}: 'dtype' is not a string")
+        _need(red is None or isinstance(red, str), path, f"entry {i}: 'reduce_op' is not a string")
+        site, t = e.get("call_site"), e.get("time_ns") or 0
+        egen = e.get("generation", gen)
+        _need(type(egen) is int, path, f"entry {i}: 'generation' is not an integer")
+        sig = Signature(op=op, in_dtypes=(dtype,) if dtype else None, count=count, reduce_op=red)
+        state = str(e.get("state") or ("completed" if e.get("completed_ns") else "scheduled"))
+        per_pg.setdefault((pg, egen), []).append((seq, sig, state, site if isinstance(site, str) else None,
+                                                  t if isinstance(t, int) else 0))
+    streams = []
+    for (pg, egen), rows in per_pg.items():
+        rows.sort(key=itemgetter(0))
+        for a, b in zip(rows, rows[1:]):
+            if a[0] == b[0]:
+                raise DataError(f"{path}: duplicate sequence id {a[0]} on pg {pg!r} generation {egen}: a trace "
+                                "records each collective once, so this file is corrupt or was edited")
+        streams.append(Stream(pg=pg, generation=egen, seqs=[r[0] for r in rows],
+                              sig_ids=[interner.sig(r[1]) for r in rows], states=[r[2] for r in rows],
+                              site_ids=[interner.site(r[3]) for r in rows], times_ns=[r[4] for r in rows]))
+    dropped = doc.get("dropped", 0)
+    trace = RankTrace(rank=rank, source=str(path), format=FORMAT_GPUGUARD, streams=tuple(streams),
+                      version=GPUGUARD_SCHEMA, world_size=world, skipped=0,
+                      dropped=dropped if type(dropped) is int else 0)
+    return Loaded(trace, len(entries))
+
+
+# ----------------------------------------------------------------------------------------------
+# Many files
+
+
+def _load_chunk(paths: list[str]) -> tuple[list[Loaded], list[Signature], list[str]]:
+    interner = Interner()
+    return [load_dump(p, interner) for p in paths], interner.signatures, interner.sites
+
+
+def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
+    streams = tuple(
+        Stream(pg=s.pg, generation=s.generation, seqs=s.seqs, sig_ids=[sig_map[i] for i in s.sig_ids],
+               states=s.states,
+               site_ids=None if s.site_ids is None else [site_map[i] if i >= 0 else -1 for i in s.site_ids],
+               times_ns=s.times_ns, pg_desc=s.pg_desc)
+        for s in loaded.trace.streams)
+    t = loaded.trace
+    return Loaded(RankTrace(rank=t.rank, source=t.source, format=t.format, streams=streams, version=t.version,
+                            world_size=t.world_size, pg_ranks=t.pg_ranks, skipped=t.skipped, dropped=t.dropped),
+                  loaded.entries)
+
+
+def load_many(files: Iterable[Path], interner: Interner, *, jobs: int | None = None,
+              progress: Any = None) -> list[Loaded]:
+    """Load every file; with many files, a small process pool shares the unpickling."""
+    paths = [str(f) for f in files]
+    if jobs is None:
+        jobs = min(os.cpu_count() or 1, 8) if len(paths) >= 64 else 1
+    if jobs <= 1:
+        out = []
+        for p in paths:
+            out.append(load_dump(p, interner))
+            if progress:
+                progress(1)
+        return out
+    size = max(1, -(-len(paths) // (jobs * 4)))
+    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
+    out = []
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        for loaded, sigs, sites in pool.map(_load_chunk, chunks):
+            sig_map = [interner.sig(s) for s in sigs]
+            site_map = [interner.site(s) for s in sites]
+            for item in loaded:
+                out.append(_remap(item, sig_map, site_map))
+            if progress:
+                progress(len(loaded))
+    return out
+
+
+def check_usage_pg(names: Iterable[str], wanted: str) -> None:
+    """`--pg NAME` must name a process group that exists in the input."""
+    have = sorted(set(names))
+    if wanted not in have:
+        raise UsageError(f"--pg {wanted}: no such process group in the input (have: {', '.join(have) or 'none'})")

@@ -1,0 +1,165 @@
+"""gpuguard's own per-rank collective trace: a fixed-size ring buffer, dumped as JSON.
+
+Why our own and not only the Flight Recorder: the Flight Recorder cannot record the reduce op,
+knows nothing of gpuguard generations, has no automatic dump for gloo, and its analyzer trusts
+pickles. This trace is the in-job runtime's record of every collective it issues: one list per
+call into a preallocated ring (no allocation growth, no locks, no torch import), so recording
+costs a few hundred nanoseconds. It is dumped on failure (`guard`), on a signal
+(`install_signal_dump`, chained with any previous handler) or on demand (`dump`), atomically
+(temp file + rename) so a reader never sees half a file. `gpu-doctor contract` reads the dumps.
+
+Dump schema `gpuguard.collective-trace/1`::
+
+    {"schema": ..., "rank": 3, "generation": 2, "world_size": 4, "job_id": "...", "host": ..., "pid": ...,
+     "capacity": 2000, "recorded": 2417, "dropped": 417, "reason": "signal SIGUSR2", "dumped_at_ns": ...,
+     "entries": [{"seq": 418, "pg": "default", "op": "all_reduce", "count": 1024, "dtype": "float32",
+                  "reduce_op": "sum", "state": "completed", "time_ns": ..., "completed_ns": ...,
+                  "call_site": "train.py:52"}, ...]}      # oldest first
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+SCHEMA = "gpuguard.collective-trace/1"
+STATE_SCHEDULED = "scheduled"
+STATE_COMPLETED = "completed"
+
+# Positions inside one ring slot (a list, so `complete` can update it in place).
+_SEQ, _PG, _OP, _COUNT, _DTYPE, _REDUCE, _SITE, _T0, _T1 = range(9)
+_FIELDS = ("seq", "pg", "op", "count", "dtype", "reduce_op", "call_site", "time_ns", "completed_ns")
+
+
+def call_site(depth: int = 1) -> str:
+    """`file:line` of the caller's caller (depth 1): cheap enough to pass to `record` on every call."""
+    frame = sys._getframe(depth + 1)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class CollectiveTrace:
+    """Ring buffer of the last `capacity` collectives issued by one rank in one generation."""
+
+    __slots__ = ("rank", "generation", "capacity", "world_size", "job_id", "_ring", "_next", "_clock")
+
+    def __init__(self, rank: int, generation: int, capacity: int = 2000, *,
+                 world_size: int | None = None, job_id: str | None = None) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.rank = int(rank)
+        self.generation = int(generation)
+        self.capacity = int(capacity)
+        self.world_size = world_size
+        self.job_id = job_id
+        self._ring: list[list[Any] | None] = [None] * self.capacity
+        self._next = 0  # records ever made; the next slot is _next % capacity
+        self._clock: Callable[[], int] = time.time_ns  # wall clock: comparable across ranks on a host
+
+    def record(self, op: str, pg: str, seq: int, count: int, dtype: str,
+               reduce_op: str | None = None, call_site: str | None = None) -> int:
+        """Record one collective as it is issued (before the call); returns its record id."""
+        n = self._next
+        self._ring[n % self.capacity] = [seq, pg, op, count, dtype, reduce_op, call_site, self._clock(), None]
+        self._next = n + 1
+        return n
+
+    def complete(self, seq: int, pg: str | None = None) -> bool:
+        """Mark the newest record with this sequence id (and process group) completed."""
+        ring, cap, n = self._ring, self.capacity, self._next
+        for i in range(n - 1, max(n - cap, 0) - 1, -1):
+            slot = ring[i % cap]
+            if slot is not None and slot[_SEQ] == seq and (pg is None or slot[_PG] == pg):
+                slot[_T1] = self._clock()
+                return True
+        return False
+
+    @property
+    def recorded(self) -> int:
+        return self._next
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The ring's content, oldest first, as plain dicts."""
+        ring, cap, n = self._ring, self.capacity, self._next
+        out = []
+        for i in range(max(n - cap, 0), n):
+            slot = ring[i % cap]
+            if slot is None:  # pragma: no cover - only while another thread is mid-record
+                continue
+            row = dict(zip(_FIELDS, slot))
+            row["state"] = STATE_COMPLETED if slot[_T1] is not None else STATE_SCHEDULED
+            out.append(row)
+        return out
+
+    def to_json(self, reason: str = "on demand") -> dict[str, Any]:
+        entries = self.entries()
+        return {
+            "schema": SCHEMA,
+            "rank": self.rank,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "job_id": self.job_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "capacity": self.capacity,
+            "recorded": self._next,
+            "dropped": max(self._next - self.capacity, 0),
+            "reason": reason,
+            "dumped_at_ns": time.time_ns(),
+            "entries": entries,
+        }
+
+    def dump(self, path: str | os.PathLike[str], reason: str = "on demand") -> str:
+        """Write the trace atomically to `path` (`{rank}` and `{generation}` are filled in)."""
+        target = os.fspath(path).format(rank=self.rank, generation=self.generation)
+        directory = os.path.dirname(target) or "."
+        os.makedirs(directory, exist_ok=True)
+        data = json.dumps(self.to_json(reason), separators=(",", ":")).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return target
+
+    def install_signal_dump(self, path: str | os.PathLike[str], signum: int = signal.SIGUSR2) -> None:
+        """Dump to `path` when `signum` arrives, then run the previously installed handler."""
+        previous = signal.getsignal(signum)
+
+        def _handler(sig: int, frame: Any) -> None:
+            try:
+                self.dump(path, reason=f"signal {signal.Signals(sig).name}")
+            except OSError as exc:  # never let a full disk kill the training loop
+                print(f"gpuguard: collective trace dump failed: {exc}", file=sys.stderr)
+            if callable(previous):
+                previous(sig, frame)
+
+        signal.signal(signum, _handler)
+
+    @contextlib.contextmanager
+    def guard(self, path: str | os.PathLike[str]) -> Iterator["CollectiveTrace"]:
+        """Dump to `path` if the body raises (the exception is re-raised unchanged)."""
+        try:
+            yield self
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                self.dump(path, reason=f"failure {type(exc).__name__}: {exc}"[:500])
+            raise
+
+
+def install_signal_dump(trace: CollectiveTrace, path: str | os.PathLike[str],
+                        signum: int = signal.SIGUSR2) -> None:
+    """Module-level spelling of `CollectiveTrace.install_signal_dump`."""
+    trace.install_signal_dump(path, signum)
