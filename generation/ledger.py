@@ -112,6 +112,13 @@ class Ledger(ABC):
     def _read_log(self, log: str) -> bytes:
         """All bytes of a log (b'' when it does not exist)."""
 
+    def _append_if_active(self, generation: int, log: str, record: dict[str, Any]) -> bool:
+        """Append while `generation` is active. Backends with transactions close the check-then-write
+        window; the directory backend checks just before its single append (a commit that slips in
+        after the next certificate was issued cannot move that certificate's frontier)."""
+        self._append(log, record)
+        return True
+
     def close(self) -> None:
         pass
 
@@ -200,7 +207,7 @@ class Ledger(ABC):
                 f"the active generation is {active_gen if active_gen is not None else '(none)'}, "
                 f"the certificate's parent is {cert.parent_generation}"))
         else:
-            committed = None if parent is None else self.last_committed_by_all(parent.generation)
+            committed = None if parent is None else self._committed_by_all(parent)
             violations += check(cert, parent=parent, key=self.key, committed_by_all=committed,
                                 manifest_ok=manifest_ok)
         if not violations and not self._create(cert.generation, encode_certificate(cert)):
@@ -242,8 +249,10 @@ class Ledger(ABC):
                 or active.ranks[rank].id != incarnation_id:
             self._append("fenced", {**rec.to_dict(), "active": active.generation})
             return False
-        self._append(f"commits-{generation}", rec.to_dict())
-        return True
+        if self._append_if_active(generation, f"commits-{generation}", rec.to_dict()):
+            return True
+        self._append("fenced", {**rec.to_dict(), "active": generation + 1})
+        return False
 
     def commits(self, generation: int) -> tuple[list[CommitRecord], int]:
         """The commit records of a generation and the number of garbled lines."""
@@ -258,7 +267,10 @@ class Ledger(ABC):
 
     def last_committed_by_all(self, generation: int) -> int | None:
         """The newest step every member of `generation` committed (None: some member committed none)."""
-        cert = self.get(generation)
+        return self._committed_by_all(self.get(generation))
+
+    def _committed_by_all(self, cert: Certificate) -> int | None:
+        generation = cert.generation
         if not cert.members:
             return None
         newest: dict[int, int] = {}

@@ -144,18 +144,20 @@ def test_sixteen_racers_one_winner_per_round(ledger, tmp_path):
 
 
 def test_kill_9_during_500_activations_leaves_a_whole_chain(ledger, tmp_path):
+    """A writer activating in a loop is SIGKILLed at random points (12 times), then finishes the 500."""
     target, rng = 500, random.Random(4)
     src = writer_source(tmp_path, None, target)
-    deadline = time.monotonic() + 60
     kills = 0
-    while open_ledger(tmp_path, key=KEY).require_active().generation < target:
-        assert time.monotonic() < deadline, "writer made no progress"
+    for attempt in range(13):
         proc = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            proc.stdout.readline()  # it is activating now
-            time.sleep(rng.uniform(0.0, 0.15))
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
+            if attempt < 12:
+                proc.stdout.readline()  # it is activating now
+                time.sleep(rng.uniform(0.0, 0.12))
+                proc.send_signal(signal.SIGKILL)
+                kills += proc.wait(timeout=30) == -signal.SIGKILL
+            else:
+                assert proc.wait(timeout=60) == 0, proc.stderr.read()
         finally:
             proc.kill()
             proc.wait(timeout=10)
@@ -165,7 +167,6 @@ def test_kill_9_during_500_activations_leaves_a_whole_chain(ledger, tmp_path):
         active = fresh.require_active().generation
         assert [c.generation for c in fresh.history()] == list(range(active + 1))
         assert set(fresh.generations()) == set(range(active + 1))
-    rep = verify_ledger(open_ledger(tmp_path, key=KEY), KEY)
-    assert rep.ok, rep.findings
-    assert kills > 1 and not [n for n in os.listdir(tmp_path / "ledger") if n.startswith("gen-") and
-                              not n.endswith(".json")]
+        assert verify_ledger(fresh, KEY).ok
+    assert open_ledger(tmp_path, key=KEY).require_active().generation == target
+    assert kills >= 10

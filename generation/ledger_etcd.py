@@ -1,0 +1,160 @@
+"""etcd ledger backend (`etcd://host:port/prefix`): the ledger for jobs that span many machines.
+
+Talks to etcd's v3 JSON gateway through `etcd3gw` (path `/v3/`, etcd >= 3.4), every call with a
+timeout; an unreachable or slow etcd is `UnavailableError` (exit 75) and nothing is written.
+
+Keys under the prefix P:
+  P/gen/<N, 12 digits>   the canonical certificate bytes of generation N
+  P/active               "N", the active generation
+  P/log/<log>/<time_ns>-<uuid>   append-only records (commits-<G>, fenced, refusals)
+
+Activation of N is one transaction: compare `P/gen/N`'s create revision with 0 and `P/active`
+with "N-1" (its create revision with 0 for the genesis), then put both. Exactly one racer's
+transaction succeeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpuguard.errors import DataError, UnavailableError, UsageError
+from gpuguard.generation.ledger import Ledger, dumps_record
+
+API_PATH = "/v3/"
+
+
+def _b64(data: str | bytes) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return base64.b64encode(data).decode()
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The etcd range end that covers every key starting with `prefix`."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+class EtcdLedger(Ledger):
+    def __init__(self, host: str, port: int, prefix: str, *, key: bytes | None = None,
+                 timeout: float = 5.0, scheme: str = "http") -> None:
+        super().__init__(key)
+        import etcd3gw
+
+        self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"
+        self.url = f"etcd://{host}:{port}{self.prefix}"
+        self.timeout = timeout
+        self.client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=timeout,
+                                          api_path=API_PATH)
+        self.client.session.trust_env = False  # never route the ledger through an HTTP proxy
+
+    @classmethod
+    def from_url(cls, url: str, *, key: bytes | None = None, timeout: float = 5.0) -> EtcdLedger:
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise UsageError(f"ledger URL {url!r} needs a host and a port: etcd://host:port/prefix")
+        return cls(parts.hostname, parts.port, parts.path or "/gpuguard", key=key, timeout=timeout)
+
+    def close(self) -> None:
+        self.client.session.close()
+
+    # -- transport ------------------------------------------------------------------------
+    def _call(self, what: str, fn, *args: Any, **kw: Any) -> Any:
+        from etcd3gw import exceptions as ex
+
+        try:
+            return fn(*args, **kw)
+        except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
+            raise UnavailableError(f"{self.url}: etcd unreachable or not answering within "
+                                   f"{self.timeout:g} s ({what})") from exc
+        except ex.Etcd3Exception as exc:
+            raise UnavailableError(f"{self.url}: etcd error during {what}: {str(exc)[:200]}") from exc
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts])
+
+    def _gen_key(self, generation: int) -> str:
+        return self._key("gen", f"{generation:012d}")
+
+    def record_name(self, generation: int) -> str:
+        return f"{self.url} key {self._gen_key(generation)}"
+
+    def _range(self, prefix: str, *, keys_only: bool = False) -> list[tuple[bytes, dict[str, Any]]]:
+        p = prefix.encode()
+        return self._call("range", self.client.get, p, metadata=True, range_end=_prefix_end(p),
+                          sort_order="ascend", sort_target="key", keys_only=keys_only)
+
+    # -- primitives -----------------------------------------------------------------------
+    def _read(self, generation: int) -> bytes | None:
+        got = self._call("get", self.client.get, self._gen_key(generation))
+        return got[0] if got else None
+
+    def _generations(self) -> list[int]:
+        out = []
+        for _, meta in self._range(self._key("gen", ""), keys_only=True):
+            k = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
+            tail = k.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                out.append(int(tail))
+        return out
+
+    def _create(self, generation: int, data: bytes) -> bool:
+        """One transaction: `gen/N` does not exist yet and `active` still says N-1 (absent for N=0).
+
+        `active` only ever moves forward, so comparing its value is as strong as comparing its
+        mod revision, and saves the round trip that would read the revision first.
+        """
+        active_key, gen_key = _b64(self._key("active")), _b64(self._gen_key(generation))
+        compare: list[dict[str, Any]] = [
+            {"key": gen_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0},
+            ({"key": active_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+             if generation == 0 else
+             {"key": active_key, "result": "EQUAL", "target": "VALUE", "value": _b64(str(generation - 1))}),
+        ]
+        txn = {
+            "compare": compare,
+            "success": [
+                {"request_put": {"key": gen_key, "value": _b64(data)}},
+                {"request_put": {"key": active_key, "value": _b64(str(generation))}},
+            ],
+            "failure": [],
+        }
+        result = self._call("transaction", self.client.transaction, txn)
+        return bool(result.get("succeeded", False))
+
+    def active_pointer(self) -> tuple[int | None, int]:
+        """The `active` key's value and mod revision (None, 0 when absent): what `verify` compares."""
+        got = self._call("get", self.client.get, self._key("active"), metadata=True)
+        if not got:
+            return None, 0
+        value, meta = got[0]
+        try:
+            return int(value), int(meta["mod_revision"])
+        except ValueError:
+            raise DataError(f"{self.url}: key {self._key('active')} is not a generation number") from None
+
+    def _append(self, log: str, record: dict[str, Any]) -> None:
+        key = self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+        self._call("put", self.client.put, key, dumps_record(record))
+
+    def _append_if_active(self, generation: int, log: str, record: dict[str, Any]) -> bool:
+        """Append only while `generation` is still active, in the same transaction (no window)."""
+        key = self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+        txn = {
+            "compare": [{"key": _b64(self._key("active")), "result": "EQUAL", "target": "VALUE",
+                         "value": _b64(str(generation))}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(dumps_record(record))}}],
+            "failure": [],
+        }
+        return bool(self._call("transaction", self.client.transaction, txn).get("succeeded", False))
+
+    def _read_log(self, log: str) -> bytes:
+        return b"".join(value for value, _ in self._range(self._key("log", log, "")))
