@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Iterable
 
@@ -341,6 +341,17 @@ def _skip_seen(output: bytes, cursor: Cursor | None, notes: list[str]) -> bytes:
     return output[found:]
 
 
+def _place_in_time(events: tuple[Event, ...]) -> tuple[Event, ...]:
+    """dmesg stamps lines with seconds since boot: on the live kernel that is boot time + uptime."""
+    try:
+        booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return events
+    return tuple(replace(e, timestamp=booted + e.fields["uptime_s"])
+                 if e.timestamp is None and isinstance(e.fields.get("uptime_s"), (int, float)) else e
+                 for e in events)
+
+
 def _run(cmd: list[str], timeout: float) -> tuple[int | None, bytes, str]:
     """Run a command (never through a shell); (returncode or None on timeout, stdout, stderr line)."""
     exe = shutil.which(cmd[0])
@@ -390,7 +401,7 @@ def read_live(*, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_
         log = read_stream(io.BytesIO(new_part), name, timeout=timeout)
         last = out.splitlines(keepends=True)[-1]
         new_cursor = Cursor(name, 0, 0, len(last), 0, _hash(last), len(last), boot_id())
-        return KernelLog(name, "ok", None, log.events, log.lines_read, len(out), new_cursor,
+        return KernelLog(name, "ok", None, _place_in_time(log.events), log.lines_read, len(out), new_cursor,
                          tuple(notes) + log.notes)
     for path in files:
         if os.access(path, os.R_OK):
