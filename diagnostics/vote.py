@@ -188,6 +188,7 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
                        and o.rank not in stopped and _stalled(prelim[o.rank][3])]
     blocked: dict[int, tuple[int, ...]] = {}
     culprits: set[int] = set()
+    nobody_to_blame: set[int] = set()
     by_seq: dict[int, list[int]] = {}
     for w in stalled_waiters:
         by_seq.setdefault(w.phase_seq, []).append(w.rank)
@@ -200,6 +201,7 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
                 blocked[r] = tuple(m for m in missing if m != r)
             culprits.update(m for m in missing if m not in waiters)
         else:  # everyone is in it and nobody moves: the collective itself is stuck
+            nobody_to_blame.update(waiters)
             for r in waiters:
                 v, why, pend, votes = prelim[r]
                 if v in (HUNG, DEAD):
@@ -217,7 +219,8 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
                    f"{_fmt_ranks(b)} that never arrived (not this rank's fault)")
         elif b and v == DEAD:
             why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
-        is_culprit = o.rank in culprits or (v in (DEAD, HUNG) and not b and o.rank not in victims)
+        is_culprit = o.rank in culprits or (v in (DEAD, HUNG) and not b and o.rank not in victims
+                                                and (o.rank not in nobody_to_blame or v == DEAD))
         verdicts.append(RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o))
     culprit_ranks = tuple(r.rank for r in verdicts if r.culprit)
     return _summarize(tuple(verdicts), culprit_ranks, cohort)
