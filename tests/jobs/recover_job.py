@@ -3,7 +3,8 @@
 Every worker records its incarnation (recovery.jobdir) and its steps (recovery.steplog) in
 $GPUGUARD_JOB_DIR, then trains an nn.Linear with a gloo all-reduce per step until killed or until
 RECOVER_JOB_STEPS steps. RECOVER_JOB_INIT_DELAY="<rank>:<seconds>" makes that rank start its process
-group late, so its peers are really stuck in group init meanwhile.
+group late (only while the file RECOVER_JOB_INIT_DELAY_IF exists, if set), so its peers are really
+stuck in group init meanwhile.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def main() -> int:
     ))
     log = StepLog(job_dir, rank, inc_id)
     delay = os.environ.get("RECOVER_JOB_INIT_DELAY", "")
-    if delay and int(delay.split(":")[0]) == rank:
+    gate = os.environ.get("RECOVER_JOB_INIT_DELAY_IF", "")  # only when this file exists (e.g. after a restart)
+    if delay and int(delay.split(":")[0]) == rank and (not gate or os.path.exists(gate)):
         end = time.monotonic() + float(delay.split(":")[1])
         while time.monotonic() < end:
             log.heartbeat()
