@@ -46,7 +46,7 @@ RULES: tuple[Rule, ...] = (
 )
 MARKERS: tuple[str, ...] = tuple(dict.fromkeys(m for rule in RULES for m in rule.markers))
 _MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(MARKERS, key=len, reverse=True)))
-MAX_LINE = 1 << 20  # characters parsed per line
+MAX_LINE = 2 << 20  # characters parsed per line
 MAX_TEXT = 2000  # characters of the line kept in the event
 _PENDING_SPAN = 12  # lines a rendezvous result block may span
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpuguard.diagnostics.logtime import line_time
 
 
 @dataclass(frozen=True)
@@ -34,15 +33,12 @@ class ParseState:
     """What a few consecutive candidate lines tell together (multi-line messages)."""
 
     year: int | None = None
-    named_gpu: tuple[str | None, int, float | None] | None = None  # "NVRM: The NVIDIA GPU <pci>"
+    named_gpu: tuple[str | None, int, float | None, float | None] | None = None  # "NVRM: The NVIDIA GPU <pci>"
     identity: tuple[str | None, int] | None = None  # "NVRM: GPU at PCI:...: GPU-uuid"
     summary: dict[str, Any] = field(default_factory=dict)  # torchrun ChildFailedError record
     summary_line: int = 0
     root_cause_line: int = 0
     pending: tuple[int, str, Found] | None = None  # an event still collecting its key=value lines
-
-    def time_of(self, text: str) -> float | None:
-        return line_time(text, self.year)[0]
 
 
 Parse = Callable[[str, int, ParseState], "Found | None"]

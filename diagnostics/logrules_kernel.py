@@ -12,6 +12,7 @@ import re
 
 from gpuguard.diagnostics import xid_catalog as catalog
 from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.diagnostics.logtime import line_time
 
 _PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
 _PCI_RE = re.compile(r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$")
@@ -58,6 +59,8 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
         if dec is not None:
             fields["nvlink_severity"] = dec.pop("severity")
             fields.update({("nvlink_" + k if k in ("unit", "fatal") else k): v for k, v in dec.items()})
+    elif code == 63 and "reset gpu to activate" in message.lower():
+        fields["remap_pending"] = True
     elif code == 13:
         m = _GPC.search(message)
         if m is not None:
@@ -76,6 +79,8 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
         diagnosis += catalog.lookup(code).action if sev == "reset" else "Watch for repeats on the same link."
     else:
         diagnosis += info.action
+    if fields.get("remap_pending"):
+        diagnosis += " A row remap is pending until the GPU is reset: reset it at a convenient time (repeats after reset: RMA)."
     if not info.known:
         diagnosis = f"Xid {code}: not in the catalog; needs review (never treated as healthy)."
     return Found("xid", fields, catalog.event_severity(sev), diagnosis)
@@ -145,7 +150,8 @@ def _gpu_named(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _GPU_NAMED.search(text)
     if m is None:
         return None
-    state.named_gpu = (normalize_pci(m["pci"]), line_no, state.time_of(text))
+    timestamp, uptime = line_time(text, state.year)
+    state.named_gpu = (normalize_pci(m["pci"]), line_no, timestamp, uptime)
     return ABSORBED
 
 
@@ -160,6 +166,8 @@ def _gpu_lost(text: str, line_no: int, state: ParseState) -> Found | None:
         if named is not None and 0 < line_no - named[1] <= 3:
             fields["pci_bus_id"] = named[0]
             timestamp = named[2]
+            if named[3] is not None:
+                fields["uptime_s"] = named[3]
             state.named_gpu = None
     fields["source_form"] = "nvidia-smi" if "GPU is lost" in text else "kernel"
     return Found("gpu_lost", fields, "critical", _LOST_DIAG, timestamp=timestamp)

@@ -41,9 +41,10 @@ def _exit_diagnosis(exitcode: int | None, sig: str | None) -> str:
 
 
 _FAILED = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<lr>\d+) \(pid: (?P<pid>\d+)\)(?: of binary: (?P<bin>.*))?")
-_SUM_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<lr>\d+)\)")
-_SUM_HOST = re.compile(r"^\s*host\s+:\s*(?P<host>\S+)")
-_SUM_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)")
+# ChildFailedError summary records (launchers may prefix them, e.g. `[default0]:`).
+_SUM_RANK = re.compile(r"(?:^|[\s:])rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<lr>\d+)\)")
+_SUM_HOST = re.compile(r"(?:^|[\s:])host\s+:\s*(?P<host>\S+)")
+_SUM_EXIT = re.compile(r"(?:^|[\s:])exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)")
 
 
 def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
