@@ -12,7 +12,7 @@ Layout::
     <job-dir>/ledger/ + key                   generation ledger and signing key (generation/)
     <job-dir>/ranks/                          per-rank step records (recovery/steplog.py)
     <job-dir>/incarnations/<id>.json          one per worker process (this module)
-    <job-dir>/snapshots/step-<S>/             DCP snapshot + manifest.json (recovery/snapshot.py)
+    <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshot.py)
     <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
     <job-dir>/coord/                          activation protocol files (if any)
     <job-dir>/traces/<rank>.<incarnation>.json collective traces

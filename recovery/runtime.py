@@ -268,8 +268,10 @@ class Runtime:
     def _activate(self) -> TrainState:
         import torch.distributed as dist  # noqa: PLC0415
 
-        phases: dict[str, float] = {"process_start": self.incarnation.start_time, "runtime_created": self.t_created}
+        phases: dict[str, float] = {"process_start": self.incarnation.start_time, "runtime_created": self.t_created,
+                                    "activate_called": time.time()}
         self.attempt = current_attempt()
+        phases["attempt_known"] = time.time()
         if self.attempt.round is None:
             self._log(f"warning: attempt token from {self.attempt.source}")
         store = self._connect_store()

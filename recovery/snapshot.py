@@ -2,8 +2,8 @@
 
 A snapshot is a DCP (`torch.distributed.checkpoint`) directory `snapshots/step-<S>/` holding the
 model, optimizer, scheduler, RNG and data position after step S, plus `state.json` (step,
-generation, the digest of the state as it was in memory) and `manifest.json` (every file with its
-digest: `generation.manifest`). It is written under a temp name and renamed into place only after
+generation, the digest of the state as it was in memory) and `gpuguard.manifest.json` (every stored
+object with its byte range and BLAKE3 digest: `generation.manifest`). It is written under a temp name and renamed into place only after
 the manifest is written, so a writer killed mid-snapshot leaves a temp dir that no reader ever
 takes for a snapshot.
 
@@ -26,7 +26,6 @@ from typing import Any, Callable, Mapping
 from gpuguard.errors import DataError, NoInputError
 from gpuguard.recovery import jobdir
 
-MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.json"
 STATE_SCHEMA = "gpuguard.snapshot-state/1"
 KINDS = ("snapshots", "checkpoints")
@@ -35,87 +34,26 @@ KINDS = ("snapshots", "checkpoints")
 # ---------------------------------------------------------------- manifest adapter
 # generation.manifest owns the manifest format; these three calls are all this module needs.
 
-def _manifest_api():
-    try:
-        from gpuguard.generation import manifest as m  # noqa: PLC0415
-    except ImportError:  # generation.manifest not there yet: the interim one below
-        return _InterimManifest
-    return m
+def build_and_write_manifest(directory: Path, *, step: int, generation: int, owner: str) -> str:
+    """Build the manifest of the DCP checkpoint in `directory` (rank 0 wrote it), write it, return its digest."""
+    from gpuguard.generation import manifest as m  # noqa: PLC0415
 
-
-def build_and_write_manifest(directory: Path, *, step: int, generation: int,
-                             owners: Mapping[str, Any]) -> str:
-    """Build the manifest of `directory`, write `manifest.json`, return its digest."""
-    m = _manifest_api()
-    manifest = m.build_manifest(directory, step=step, generation=generation, owners=owners)
-    write = getattr(m, "write_manifest", None)
-    if write is not None:
-        write(manifest, directory / MANIFEST_FILE)
-    else:
-        jobdir.atomic_write_json(directory / MANIFEST_FILE, manifest.to_dict())
+    manifest = m.build_manifest(directory, step=step, generation=generation, owners={0: owner})
+    m.write_manifest(manifest, directory)
     return manifest.digest
 
 
 def read_and_verify_manifest(directory: Path) -> tuple[Any, list[str]]:
     """(manifest, problems) for `directory`; problems empty = complete and every digest matches."""
-    m = _manifest_api()
-    path = directory / MANIFEST_FILE
-    if not path.exists():
-        return None, ["no manifest.json (incomplete snapshot)"]
+    from gpuguard.generation import manifest as m  # noqa: PLC0415
+
+    if not (directory / m.MANIFEST_FILE).exists():
+        return None, [f"no {m.MANIFEST_FILE} (incomplete snapshot)"]
     try:
-        read = getattr(m, "read_manifest", None)
-        manifest = read(path) if read is not None else m.Manifest.from_dict(jobdir.read_json(path))
-    except (DataError, ValueError, KeyError, TypeError) as exc:
-        return None, [f"manifest.json unreadable: {exc}"]
+        manifest = m.load_manifest(directory)
+    except (DataError, NoInputError) as exc:
+        return None, [str(exc)]
     return manifest, list(m.verify_manifest(manifest, directory))
-
-
-class _InterimManifest:
-    """Stand-in for generation.manifest until it lands: BLAKE3 per file, a digest over the entries."""
-
-    @dataclass(frozen=True)
-    class Manifest:
-        step: int
-        generation: int
-        entries: tuple[tuple[str, int, str, str], ...]   # (name, size, blake3, owner)
-
-        @property
-        def digest(self) -> str:
-            import blake3  # noqa: PLC0415
-
-            return blake3.blake3(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
-
-        def to_dict(self) -> dict[str, Any]:
-            return {"schema": "gpuguard.manifest/0", "step": self.step, "generation": self.generation,
-                    "entries": [list(e) for e in self.entries]}
-
-        @classmethod
-        def from_dict(cls, d: Mapping[str, Any]) -> Any:
-            return cls(int(d["step"]), int(d["generation"]), tuple(tuple(e) for e in d["entries"]))
-
-    @staticmethod
-    def _file_digest(path: Path) -> str:
-        import blake3  # noqa: PLC0415
-
-        return blake3.blake3(path.read_bytes()).hexdigest()
-
-    @classmethod
-    def build_manifest(cls, directory: Path, *, step: int, generation: int, owners: Mapping[str, Any]) -> Any:
-        names = sorted(n for n in os.listdir(directory) if n != MANIFEST_FILE)
-        return cls.Manifest(step, generation, tuple(
-            (n, (directory / n).stat().st_size, cls._file_digest(directory / n), str(owners.get(n, "")))
-            for n in names))
-
-    @classmethod
-    def verify_manifest(cls, manifest: Any, directory: Path) -> list[str]:
-        problems = []
-        for name, size, digest, _owner in manifest.entries:
-            p = Path(directory) / name
-            if not p.exists():
-                problems.append(f"{name}: missing")
-            elif p.stat().st_size != size or cls._file_digest(p) != digest:
-                problems.append(f"{name}: digest mismatch")
-        return problems
 
 
 # ---------------------------------------------------------------- records
@@ -309,9 +247,7 @@ def save_snapshot(job_dir: str | Path, step: int, state: Mapping[str, Any], *, g
             "schema": STATE_SCHEMA, "step": step, "generation": generation, "state_digest": digest,
             "owner": owner, "time": time.time(), "keys": sorted(state.keys()),
         })
-        manifest_digest = build_and_write_manifest(
-            tmp, step=step, generation=generation,
-            owners={name: owner for name in sorted(os.listdir(tmp)) if name != MANIFEST_FILE})
+        manifest_digest = build_and_write_manifest(tmp, step=step, generation=generation, owner=owner)
         if before_publish is not None:
             before_publish(tmp)
         if still_current is not None and not still_current():
