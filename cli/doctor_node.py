@@ -23,6 +23,7 @@ from typing import Any, Optional
 import typer
 
 from gpuguard.cli._app import emit_json
+from gpuguard.cli._fastparams import install as _install_fast_params
 from gpuguard.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
@@ -31,6 +32,8 @@ from gpuguard.errors import (
     DataError,
     UsageError,
 )
+
+_install_fast_params()  # no pydantic import per run (see cli/_fastparams.py)
 
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
@@ -139,7 +142,8 @@ def build_document(snapshot: dict[str, Any], nvml_source: str, log: Any, events:
     sections.update(extra_sections or {})
     doc["sections"] = sections
     kernel_kinds = ("xid", "sxid", "gpu_lost")
-    doc["events"] = [e.to_json() for e in events if e.kind in kernel_kinds][-200:]
+    in_window = [e for e in events if since is None or e.timestamp is None or e.timestamp >= since]
+    doc["events"] = [e.to_json() for e in in_window if e.kind in kernel_kinds][-200:]
     totals: dict[str, int] = {}
     for e in events:
         if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
@@ -387,7 +391,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
                                                 help="Where the kernel-log cursor and recent events are kept "
                                                      "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard)."),
         retain: str = typer.Option("24h", "--retain", metavar="D",
-                                   help="How long a kernel-log event keeps counting in later sweeps."),
+                                   help="How long a kernel-log event keeps counting after the sweep that saw it."),
         textfile: Optional[str] = typer.Option(None, "--textfile", metavar="FILE.prom",
                                                help="Write Prometheus metrics here (atomic rename)."),
         webhook: Optional[str] = typer.Option(None, "--webhook", metavar="URL",
@@ -427,7 +431,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         if log.status != "ok":
             _warn(f"kernel log not read: {log.reason}")
         now = time.time()
-        kept = [r for r in state["events"] if (r.get("timestamp") or r.get("seen_at") or now) >= now - retain_s]
+        kept = [r for r in state["events"] if (r.get("seen_at") or now) >= now - retain_s]
         fresh = [e for e in log.events if e.kind in ("xid", "sxid", "gpu_lost")]
         for e in fresh:
             if e.kind == "xid" and isinstance(e.fields.get("xid"), int):

@@ -181,6 +181,9 @@ def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
 
     if not str(path).endswith(".prom"):
         raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_to_textfile(str(path), prometheus_registry(doc))
 
 
