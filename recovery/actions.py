@@ -76,8 +76,6 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
     pid is reported and left alone. `generation` limits it to incarnations of that generation or
     older (records without a generation count as old); `ranks` to those ranks.
     """
-    import psutil
-
     from gpuguard.collectors.torchrun import matching_process, pid_state
     from gpuguard.recovery.jobdir import read_incarnations
 
@@ -110,17 +108,16 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
         plan = [f"rank {r.rank} pid {r.pid}: would SIGTERM, then SIGKILL after {grace_s:g} s" for r, _ in targets]
         return ActionResult("abort", "dry-run", EXIT_OK, f"would terminate {len(targets)} process(es)",
                             {"would_terminate": plan, "evidence": evidence, "unverified": unknown}, dry_run=True)
-    procs = [p for _, p in targets]
     t0 = time.monotonic()
-    for proc in procs:
+    for _, proc in targets:
         _signal(proc, signal.SIGTERM)
-    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
-    killed = {p.pid for p in alive}
-    for proc in alive:
+    alive = _wait_gone(targets, grace_s)
+    killed = {rec.pid for rec, _ in alive}
+    for _, proc in alive:
         _signal(proc, signal.SIGKILL)
-    _gone2, still = psutil.wait_procs(alive, timeout=5.0)
-    for rec, proc in targets:
-        how = "SIGKILL" if proc.pid in killed else "SIGTERM"
+    still = _wait_gone(alive, 5.0)
+    for rec, _ in targets:
+        how = "SIGKILL" if rec.pid in killed else "SIGTERM"
         state = pid_state(rec.pid, rec.start_time)
         if state == "alive":
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: STILL ALIVE after {how}")
@@ -133,11 +130,23 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
                "elapsed_s": round(time.monotonic() - t0, 3)}
     if still:
         return ActionResult("abort", "failed", EXIT_CRITICAL,
-                            f"{len(still)} process(es) survived SIGKILL: {sorted(p.pid for p in still)}", details)
+                            f"{len(still)} process(es) survived SIGKILL: {sorted(r.pid for r, _ in still)}", details)
     outcome = "done" if targets else "noop"
     summary = (f"terminated {len(targets)} process(es); every recorded incarnation is gone" if quiescent
                else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified")
     return ActionResult("abort", outcome, EXIT_OK, summary, details)
+
+
+def _wait_gone(targets: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:
+    """Poll until every target is gone or a zombie (its parent may reap it later); return the rest."""
+    from gpuguard.collectors.torchrun import pid_state
+
+    end = time.monotonic() + timeout
+    while True:
+        rest = [(rec, proc) for rec, proc in targets if pid_state(rec.pid, rec.start_time) == "alive"]
+        if not rest or time.monotonic() >= end:
+            return rest
+        time.sleep(0.05)
 
 
 def _hostname() -> str:

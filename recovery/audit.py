@@ -83,8 +83,11 @@ def append(job_dir: str | Path, record: AuditRecord) -> None:
     data = encode(record)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a crash left a torn last line: never glue a record onto it
             os.write(fd, data)
             os.fsync(fd)
         finally:
