@@ -1,0 +1,185 @@
+"""`gpu-doctor logs` on a generated 1 GiB kernel log, against `grep -c 'NVRM: Xid'` on the same file.
+
+Usage: python bench/logs.py [--json] [--size-mib N] [--keep]
+
+The log is a realistic mix: dmesg/syslog kernel lines (network, USB, audit, systemd, OOM, hung tasks),
+NCCL INFO chatter with a few NCCL WARN lines, torchrun agent lines, and ~0.1 % NVIDIA Xid lines in the
+formats real drivers print. It is written once under bench/out/ (git-ignored) and removed afterwards
+unless --keep. Both tools read it from the page cache (it is read once before timing).
+Reported: wall seconds, MB/s, ratio to grep (target <= 4x), peak RSS of the gpu-doctor process, and the
+in-process `iter_file_events` figures (accelerated and pure-Python fallback) for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import emit, wants_json  # noqa: E402
+
+OUT = HERE / "out"
+BIN = Path(sys.executable).parent
+
+NOISE = [
+    "[{t:>12.6f}] eth{n}: Link is Up - 100Gbps/Full - flow control off",
+    "[{t:>12.6f}] mlx5_core 0000:{b:02x}:00.0: mlx5_fw_tracer_handle_traces:773:(pid {p}): FW tracer event",
+    "[{t:>12.6f}] audit: type=1400 audit({e}.{n}:{p}): apparmor=\"DENIED\" operation=\"open\" profile=\"snap.lxd\" name=\"/proc/{p}/mounts\" pid={p} comm=\"python3\"",
+    "[{t:>12.6f}] usb 1-{n}: new high-speed USB device number {n} using xhci_hcd",
+    "[{t:>12.6f}] systemd[1]: Started Session {p} of User root.",
+    "[{t:>12.6f}] IPv6: ADDRCONF(NETDEV_CHANGE): ib{n}: link becomes ready",
+    "[{t:>12.6f}] EXT4-fs (nvme0n1p{n}): mounted filesystem with ordered data mode. Quota mode: none.",
+    "[{t:>12.6f}] nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context, skipping further processing",
+    "[{t:>12.6f}] python3 invoked oom-killer: gfp_mask=0x100cca(GFP_HIGHUSER_MOVABLE), order=0, oom_score_adj=0",
+    "[{t:>12.6f}] br-{p:x}: port {n}(veth{p:x}) entered forwarding state",
+    "[{t:>12.6f}] node{n}:{p}:{p} [{n}] NCCL INFO Channel {n:02d}/32 : 0 1 2 3 4 5 6 7",
+    "[{t:>12.6f}] node{n}:{p}:{p} [{n}] NCCL INFO comm 0x{p:x} rank {n} nRanks 8 nNodes 1 localRanks 8 localRank {n} MNNVL 0",
+    "[{t:>12.6f}] CPU{n}: Core temperature above threshold, cpu clock throttled (total events = {p})",
+]
+RARE = [  # ~1 in 10000 lines each
+    "[{t:>12.6f}] NVRM: GPU at PCI:0000:{b:02x}:00: GPU-{p:08x}-1685-04bd-26ed-5fc0bc1c44ae",
+    "[{t:>12.6f}] torch.distributed.elastic.agent.server.api: [INFO] [default] Starting worker group",
+    "[{t:>12.6f}] node{n}:{p}:{p} [{n}] misc/socket.cc:538 NCCL WARN Net : Connection closed by remote peer node{n}<{p}>",
+    "[{t:>12.6f}] INFO: task python3:{p} blocked for more than 120 seconds.",
+]
+XID = [
+    "[{t:>12.6f}] NVRM: Xid (PCI:0000:{b:02x}:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on (GPC {n}, TPC {n}, SM 0): Illegal Instruction Parameter",
+    "[{t:>12.6f}] NVRM: Xid (PCI:0000:{b:02x}:00): 31, pid={p}, name=python3, channel 0x0000000c, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC2 GPCCLIENT_PROP_0 faulted @ 0x0_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+    "[{t:>12.6f}] NVRM: Xid (PCI:0000:{b:02x}:00): 45, pid={p}, name=python3, Ch 0000000{n}",
+    "[{t:>12.6f}] NVRM: Xid (PCI:0000:{b:02x}:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+    "[{t:>12.6f}] NVRM: Xid (PCI:0009:{b:02x}:00): 149, NETIR_LINK_EVT  Fatal   XC0 i0 Link 0{n} (0x021425c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)",
+    "[{t:>12.6f}] NVRM: Xid (PCI:0009:{b:02x}:00): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)",
+]
+
+
+def _line(rng: random.Random, t: float) -> str:
+    r = rng.random()
+    pool = XID if r < 0.001 else RARE if r < 0.0014 else NOISE
+    tmpl = rng.choice(pool)
+    return tmpl.format(t=t, n=rng.randrange(8), b=rng.choice((0x1b, 0x3b, 0x5d, 0x9a, 0xcb, 0xdb)),
+                       p=rng.randrange(1000, 10**6), e=1700000000 + int(t))
+
+
+def generate(path: Path, size: int, seed: int = 7) -> None:
+    """Write `size` bytes of log: 64 distinct 1 MiB blocks (different random lines), cycled, with a
+    monotonic clock rewritten per block so the file reads like one boot."""
+    rng = random.Random(seed)
+    blocks: list[bytes] = []
+    t = 5.0
+    for _ in range(64):
+        lines = []
+        n = 0
+        while n < (1 << 20):
+            t += rng.random() * 0.01
+            s = _line(rng, t) + "\n"
+            lines.append(s)
+            n += len(s)
+        blocks.append("".join(lines).encode())
+    written = 0
+    with open(path, "wb") as fh:
+        i = 0
+        while written < size:
+            block = blocks[i % len(blocks)]
+            fh.write(block)
+            written += len(block)
+            i += 1
+
+
+def _run(cmd: list[str]) -> tuple[float, int, int | None, bytes]:
+    """(wall seconds, exit code, peak RSS in KiB, stdout) of one child process.
+
+    Peak RSS comes from GNU time (a small C parent): `wait4` from this Python process would also count
+    the pages the child inherited by fork before exec."""
+    gnu_time = Path("/usr/bin/time")
+    full = [str(gnu_time), "-f", "%M", *cmd] if gnu_time.exists() else cmd
+    start = time.perf_counter()
+    proc = subprocess.run(full, capture_output=True)
+    wall = time.perf_counter() - start
+    rss = None
+    if gnu_time.exists():
+        tail = proc.stderr.strip().splitlines()[-1:] or [b""]
+        rss = int(tail[0]) if tail[0].isdigit() else None
+    return wall, proc.returncode, rss, proc.stdout
+
+
+def main() -> None:
+    as_json = wants_json()
+    argv = sys.argv[1:]
+    size_mib = int(argv[argv.index("--size-mib") + 1]) if "--size-mib" in argv else 1024
+    keep = "--keep" in argv
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"kern-{size_mib}MiB.log"
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    if not path.exists() or path.stat().st_size < size_mib << 20:
+        generate(path, size_mib << 20)
+        notes.append(f"generated {path.name} in {time.perf_counter() - t0:.1f} s")
+    size = path.stat().st_size
+    mb = size / 1e6
+    try:
+        with open(path, "rb") as fh:  # warm the page cache for both tools
+            while fh.read(1 << 24):
+                pass
+        grep = shutil.which("grep") or "grep"
+        g_wall, _, g_rss, g_out = _run([grep, "-c", "NVRM: Xid", str(path)])
+        grep_count = int(g_out.strip() or 0)
+        d_wall, d_rc, d_rss, d_out = _run([str(BIN / "gpu-doctor"), "logs", "--json", str(path)])
+        doc = json.loads(d_out)
+        xid_events = doc["summary"]["by_kind"].get("xid", 0)
+        g2_wall, *_ = _run([grep, "-c", "NVRM: Xid", str(path)])
+        grep_best = min(g_wall, g2_wall)
+        results = [
+            {"tool": "grep -c 'NVRM: Xid'", "seconds": round(grep_best, 3), "MB_per_s": round(mb / grep_best, 1),
+             "ratio_to_grep": 1.0, "peak_rss_MiB": round(g_rss / 1024, 1) if g_rss else None, "xid_lines": grep_count},
+            {"tool": "gpu-doctor logs --json", "seconds": round(d_wall, 3), "MB_per_s": round(mb / d_wall, 1),
+             "ratio_to_grep": round(d_wall / grep_best, 2), "peak_rss_MiB": round(d_rss / 1024, 1) if d_rss else None,
+             "xid_lines": xid_events, "events": doc["summary"]["events"], "exit_code": d_rc},
+        ]
+        # In-process, without interpreter start-up and JSON output.
+        from gpuguard.diagnostics.logscan import LogScan
+
+        for accelerated, limit in ((True, size), (False, min(size, 64 << 20))):
+            with open(path, "rb") as fh:
+                data = fh if limit == size else _Head(fh, limit)
+                t = time.perf_counter()
+                n = sum(1 for _ in LogScan(data, accelerated=accelerated))  # type: ignore[arg-type]
+                wall = time.perf_counter() - t
+            scale = size / limit
+            results.append({"tool": f"iter_file_events ({'ahocorasick_rs' if accelerated else 'find fallback'})",
+                            "seconds": round(wall * scale, 3), "MB_per_s": round(limit / 1e6 / wall, 1),
+                            "ratio_to_grep": round(wall * scale / grep_best, 2), "events": int(n * scale),
+                            "extrapolated": limit != size})
+        if grep_count != xid_events:
+            notes.append(f"xid counts differ: grep {grep_count}, gpu-doctor {xid_events}")
+        notes.append(f"file {size / (1 << 30):.2f} GiB, page-cached; target: gpu-doctor <= 4x grep")
+        emit("logs", results, as_json, notes)
+    finally:
+        if not keep:
+            path.unlink(missing_ok=True)
+
+
+class _Head:
+    """The first `limit` bytes of a binary file (for the slow fallback's extrapolated figure)."""
+
+    def __init__(self, fh, limit: int) -> None:
+        self.fh, self.left = fh, limit
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left <= 0:
+            return b""
+        data = self.fh.read(min(n if n >= 0 else self.left, self.left))
+        self.left -= len(data)
+        return data
+
+    def seek(self, offset: int) -> None:
+        self.fh.seek(offset)
+
+
+if __name__ == "__main__":
+    main()
