@@ -1,9 +1,140 @@
-"""Placeholder: filled in by its issue."""
+"""`gpu-doctor contract PATH... [--json] [--pg NAME]`: the first collective where ranks disagree.
+
+Why: when one rank skips or reorders a collective, NCCL and gloo match calls by position, so the
+job hangs (or gloo aborts a rank) at a *later* call and the stack trace points at the wrong line.
+This reads every rank's Flight Recorder dump (pickle or JSON, through a restricted unpickler) or
+gpuguard collective trace, and names the first divergent sequence number, the ranks, the field and
+the call sites, with the "one call ahead" explanation when the traces show it.
+
+Exit codes: 0 every contract holds; 1 a contract is broken; 64 usage error; 65 unreadable,
+truncated, unsafe or malformed dump; 66 input missing; 77 permission denied. Never imports torch.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+
+from gpuguard.errors import EXIT_OK, EXIT_WARNING
+
+_PROGRESS_MIN_FILES = 64
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add this module's commands to the gpu-doctor app."""
+    """Add `gpu-doctor contract` to the app."""
+
+    @app.command("contract")
+    def contract(
+        paths: list[str] = typer.Argument(..., metavar="PATH...",
+                                          help="Per-rank dumps, or directories holding them."),
+        as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.contract/1 JSON document."),
+        pg: str = typer.Option(None, "--pg", help="Check only this process group (name or description)."),
+        world_size: int = typer.Option(None, "--world-size", min=1,
+                                       help="Expected ranks 0..N-1 (finds missing dumps of the last ranks)."),
+        jobs: int = typer.Option(None, "--jobs", min=1, help="Processes that read dumps (default: auto)."),
+    ) -> int:
+        """Check the collective contract (same order, op, count, dtype, reduce op on every rank).
+
+        Reads PyTorch Flight Recorder dumps (pickle or JSON; named <prefix><rank>) and gpuguard
+        collective traces. Exit 0: contract holds; 1: broken; 65 bad dump; 66 missing input.
+        """
+        return run_contract(paths, as_json=as_json, pg=pg, world_size=world_size, jobs=jobs)
+
+
+def run_contract(paths: list[str], *, as_json: bool = False, pg: str | None = None,
+                 world_size: int | None = None, jobs: int | None = None) -> int:
+    from gpuguard.cli._app import console, emit_json, stdout_is_terminal
+    from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_many
+    from gpuguard.diagnostics.contract import Interner, check, report_to_json
+
+    files, notes = discover(paths)
+    interner = Interner()
+    progress_cb, finish = _progress(len(files), enabled=stdout_is_terminal() and not as_json)
+    try:
+        loaded = load_many(files, interner, jobs=jobs, progress=progress_cb)
+    finally:
+        finish()
+    traces = [item.trace for item in loaded]
+    if pg is not None:
+        names = {n for t in traces for s in t.streams for n in (s.pg, s.pg_desc, f"{s.pg}:{s.pg_desc}") if n}
+        check_usage_pg(names, pg)
+    report = check(traces, interner, pg=pg, world_size=world_size)
+    inputs = [{"path": item.trace.source, "rank": item.trace.rank, "format": item.trace.format,
+               "version": item.trace.version, "entries": item.entries, "skipped_p2p": item.trace.skipped}
+              for item in loaded]
+    doc = report_to_json(report, inputs)
+    doc["notes"] = notes
+    code = EXIT_OK if report.holds else EXIT_WARNING
+    if as_json:
+        emit_json(doc)
+        return code
+    _render(report, traces, interner, notes, len(loaded), console())
+    return code
+
+
+def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
+    if not enabled or total < _PROGRESS_MIN_FILES:
+        return None, lambda: None
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    task = bar.add_task("reading dumps", total=total)
+    bar.start()
+    return (lambda n: bar.advance(task, n)), bar.stop
+
+
+def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files: int, out: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from gpuguard.diagnostics.contract import around, format_ranks
+
+    for w in (*report.warnings, *notes):
+        out.print(Text.assemble(("warning: ", "yellow"), w))
+    label = " (PARTIAL: some ranks' dumps are missing or duplicated)" if report.partial else ""
+    checked = sum(t.checked for t in report.timelines)
+    div = report.first_divergence
+    if div is None:
+        out.print(f"[bold green]contract holds[/]{label}: {len(report.timelines)} process group timeline(s), "
+                  f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
+                  markup=True)
+        table = Table("pg", "generation", "ranks", "window", "checked")
+        for t in report.timelines:
+            window = f"#{t.first_seq}..#{t.last_seq}" if t.first_seq is not None else "empty"
+            table.add_row(f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else ""), str(t.generation),
+                          format_ranks(t.ranks), window, str(t.checked))
+        out.print(table)
+        return
+    where = f"pg {div.pg}" + (f" ({_desc(report, div)})" if _desc(report, div) else "")
+    out.print(f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
+              f"seq #{div.seq}: [bold]{div.kind}[/] ({div.field}), culprit rank(s) {format_ranks(div.ranks)}",
+              markup=True)
+    table = Table(title=None)
+    table.add_column("seq", justify="right")
+    sides = (div.majority, *div.others)
+    for i, side in enumerate(sides):
+        role = "majority" if i == 0 else "culprit"
+        table.add_column(f"{role}: rank(s) {format_ranks(side.ranks)}")
+    for seq, cells in around(traces, interner, div):
+        mark = seq == div.seq
+        table.add_row(f"{'>' if mark else ' '} {seq}", *(Text(c) for c in cells), style="bold" if mark else None)
+    out.print(table)
+    out.print(div.explanation, markup=False)
+    for side in sides:
+        if side.call_site:
+            out.print(f"  call site of rank(s) {format_ranks(side.ranks)}: {side.call_site}", markup=False)
+    for hint in div.hints:
+        out.print(f"hint: {hint}", markup=False)
+    rest = report.divergences[1:]
+    if rest:
+        out.print(f"{len(rest)} other process group(s) diverge too: "
+                  + "; ".join(f"pg {d.pg} #{d.seq} {d.kind} rank(s) {format_ranks(d.ranks)}" for d in rest),
+                  markup=False)
+
+
+def _desc(report: Any, div: Any) -> str:
+    for t in report.timelines:
+        if t.pg == div.pg and t.generation == div.generation:
+            return t.pg_desc
+    return ""

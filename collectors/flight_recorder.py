@@ -132,17 +132,7 @@ def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
                 raise DataError(f"{p}: {size} bytes is too large for a collective trace")
             head = fh.peek(1)[:1] if hasattr(fh, "peek") else b""
             if head == b"\x80":
-                try:
-                    doc = RestrictedUnpickler(fh).load()
-                except _Refused as exc:
-                    raise DataError(f"{p}: unsafe pickle refused: it {exc}; Flight Recorder dumps hold only "
-                                    "plain containers and scalars") from None
-                except EOFError:
-                    raise DataError(f"{p}: truncated pickle (ends before its STOP opcode)") from None
-                except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-                        MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as exc:
-                    raise DataError(f"{p}: corrupt pickle: {type(exc).__name__}: {str(exc)[:120]}") from None
-                return _from_fr(p, doc, FORMAT_FR_PICKLE, interner)
+                return _from_fr(p, _unpickle(p, fh), FORMAT_FR_PICKLE, interner)
             data = fh.read()
     except GpuguardError:
         raise
@@ -153,12 +143,27 @@ def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
     except (ValueError, RecursionError) as exc:
         if not data.strip():
             raise DataError(f"{p}: empty file") from None
+        if data.rstrip().endswith(b"."):  # maybe a protocol 0/1 pickle: never run it, but say what it is
+            return _from_fr(p, _unpickle(p, io.BufferedReader(io.BytesIO(data))), FORMAT_FR_PICKLE, interner)
         raise DataError(f"{p}: neither a Flight Recorder pickle nor JSON ({str(exc)[:80]})") from None
     if isinstance(doc, dict) and doc.get("schema") == GPUGUARD_SCHEMA:
         return _from_gpuguard(p, doc, interner)
     if isinstance(doc, dict) and isinstance(doc.get("schema"), str) and "entries" not in doc:
         raise DataError(f"{p}: JSON schema {doc['schema']!r} is not a collective trace")
     return _from_fr(p, doc, FORMAT_FR_JSON, interner)
+
+
+def _unpickle(p: Path, fh: Any) -> Any:
+    try:
+        return RestrictedUnpickler(fh).load()
+    except _Refused as exc:
+        raise DataError(f"{p}: unsafe pickle refused: it {exc}; Flight Recorder dumps hold only "
+                        "plain containers and scalars") from None
+    except EOFError:
+        raise DataError(f"{p}: truncated pickle (ends before its STOP opcode)") from None
+    except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as exc:
+        raise DataError(f"{p}: corrupt pickle: {type(exc).__name__}: {str(exc)[:120]}") from None
 
 
 def _need(cond: bool, path: Path, what: str) -> None:

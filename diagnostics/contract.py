@@ -474,7 +474,7 @@ def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int
                     and _site_at(cs, t, interner) == _site_at(ms, t + k, interner):
                 t -= 1
             t0 = t + 1
-            if t0 > t_end or t0 > seq:
+            if t0 > t_end or t0 + min(k, 0) > seq:
                 continue
             informative = any(cc[u] != mc.get(u) or _site_at(cs, u, interner) != _site_at(ms, u, interner)
                               for u in range(t0, t_end + 1))
@@ -565,3 +565,29 @@ def report_to_json(report: ContractReport, inputs: Sequence[Mapping[str, Any]] =
 
 def kind_counts(report: ContractReport) -> Counter[str]:
     return Counter(d.kind for d in report.divergences)
+
+
+def around(traces: Iterable[RankTrace], interner: Interner, div: Divergence,
+           radius: int = 2) -> list[tuple[int, list[str]]]:
+    """Rows `(seq, [cell per side])` around a divergence, one representative rank per side."""
+    sides = (div.majority, *div.others)
+    wanted = {side.ranks[0] for side in sides}
+    streams: dict[int, Stream | None] = {r: None for r in wanted}
+    for trace in traces:
+        if trace.rank in wanted:
+            for s in trace.streams:
+                if s.pg == div.pg and s.generation == div.generation:
+                    streams[trace.rank] = s
+    rows = []
+    for seq in range(div.seq - radius, div.seq + radius + 1):
+        cells = []
+        for side in sides:
+            stream = streams[side.ranks[0]]
+            i = _index(stream, seq) if stream is not None else None
+            if i is None:
+                cells.append("-")
+            else:
+                cells.append(f"{_describe(interner.signatures[stream.sig_ids[i]])} [{stream.states[i]}]")
+        if any(c != "-" for c in cells) or seq == div.seq:
+            rows.append((seq, cells))
+    return rows

@@ -1,0 +1,113 @@
+"""Real torchrun/gloo jobs for the contract tests: run once per pytest process, shared by modules.
+
+Three 4-rank jobs (clean, size mismatch on rank 3, rank 2 skips a collective) run in parallel
+(~30 s on 2 cores, mostly `import torch`); each leaves Flight Recorder pickle + JSON dumps and
+gpuguard collective traces per rank. Every process is killed by its group id in a `finally`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "jobs" / "contract_job.py"
+SCENARIOS = ("clean", "size", "skip")
+_cache: dict[str, Path] = {}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def real_dumps(timeout: float = 150.0) -> dict[str, Path]:
+    """{scenario: dir with fr_pickle/, fr_json/, gg/}, from real torchrun jobs (cached per process)."""
+    if _cache:
+        return dict(_cache)
+    root = Path(tempfile.mkdtemp(prefix="gg-contract-"))
+    atexit.register(shutil.rmtree, root, True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {}
+    try:
+        for name in SCENARIOS:
+            out = root / name
+            out.mkdir()
+            logs[name] = open(root / f"{name}.log", "wb")  # noqa: SIM115 - closed below
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
+                 "--max-restarts=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                 str(JOB), "--scenario", name, "--out", str(out), "--timeout", "4"],
+                stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        for name, proc in procs.items():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        for fh in logs.values():
+            fh.close()
+    for name in SCENARIOS:
+        for sub in ("fr_pickle", "fr_json", "gg"):
+            d = root / name / sub
+            if not d.is_dir() or len(list(d.iterdir())) != 4:
+                log = (root / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"job {name} left no complete {sub} dumps (rc={procs[name].returncode}):\n{log}")
+        _cache[name] = root / name
+    _cache["_returncodes"] = {n: p.returncode for n, p in procs.items()}  # type: ignore[assignment]
+    return dict(_cache)
+
+
+# ---------------------------------------------------------------- synthetic Flight Recorder dumps
+
+FRAMES_MAIN = [{"name": "all_reduce", "filename": "/x/site-packages/torch/distributed/distributed_c10d.py",
+                "line": 3245}, {"name": "train_step", "filename": "/job/train.py", "line": 52}]
+
+
+def fr_entry(seq: int, *, op: str = "all_reduce", sizes=((1024,),), dtype: str = "Float", pg=("0", "default_pg"),
+             prefix: str = "nccl", state: str = "completed", version: str = "2.10", frames=None,
+             p2p: bool = False, record_id: int | None = None) -> dict:
+    """One entry shaped like the given Flight Recorder format version writes it."""
+    rid = seq - 1 if record_id is None else record_id
+    e = {"record_id": rid, "pg_id": int(pg[0]) if str(pg[0]).isdigit() else 0,
+         "profiling_name": f"{prefix}:{op}", "time_created_ns": 1_700_000_000_000_000_000 + seq,
+         "input_sizes": [list(s) for s in sizes], "output_sizes": [list(s) for s in sizes], "state": state,
+         "time_discovered_started_ns": None, "time_discovered_completed_ns": None, "retired": True,
+         "frames": frames if frames is not None else FRAMES_MAIN}
+    major, minor = (int(x) for x in version.split("."))
+    if (major, minor) < (2, 2):  # 2.0 / 2.1: one seq_id, no process_group tuple, no dtypes
+        e["seq_id"] = seq
+        return e
+    e.update({"process_group": tuple(pg), "collective_seq_id": 0 if p2p else seq, "p2p_seq_id": seq if p2p else 0,
+              "op_id": seq, "input_dtypes": [dtype] * len(sizes), "output_dtypes": [dtype] * len(sizes),
+              "is_p2p": p2p, "timeout_ms": 600000})
+    if (major, minor) >= (2, 10):
+        e.update({"thread_name": "python", "thread_id": "1"})
+    return e
+
+
+def fr_doc(entries: list, *, version: str = "2.10", ranks=(0, 1, 2, 3), gloo: bool = False) -> dict:
+    cfg = ({"": {"name": "", "desc": "", "ranks": "[]"}} if gloo
+           else {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(ranks))}})
+    doc = {"version": version, "pg_config": cfg, "entries": entries}
+    if version >= "2.4" or version == "2.10":
+        doc["pg_status"] = {"0": {"last_enqueued_collective": len(entries), "last_started_collective": -1,
+                                  "last_completed_collective": -1}}
+        doc["comm_lib_version"] = ""
+    return doc
