@@ -116,21 +116,22 @@ def parse(text: str, source: str = "<runbook>") -> Runbook:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise RunbookError(f"{source}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        why = str(getattr(exc, "problem", None) or exc).replace("\n", " ")
+        raise RunbookError(f"{source}: not valid YAML{where}: {why}") from None
     except (ValueError, TypeError, RecursionError) as exc:
-        raise RunbookError(f"{source}: not valid YAML: {exc}") from None
+        raise RunbookError(f"{source}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     return validate(doc, source)
 
 
 def validate(doc: Any, source: str = "<runbook>") -> Runbook:
     def err(msg: str) -> RunbookError:
-        return RunbookError(f"{source}: {msg}")
+        return RunbookError(f"{source}: {msg}".replace("\n", "\\n"))
 
     if not isinstance(doc, dict):
         raise err("a runbook is a mapping with 'name' and 'steps'")
     unknown = set(map(str, doc)) - {"name", "description", "steps"}
     if unknown:
-        raise err(f"unknown top-level field(s): {', '.join(sorted(unknown))}")
+        raise err(f"unknown top-level field(s): {', '.join(repr(k)[:40] for k in sorted(unknown))}")
     name = doc.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise err("field 'name': required, lowercase letters, digits, '-' or '_'")
@@ -159,7 +160,7 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
         raise err(f"{where}: field 'name': duplicate step name")
     unknown = set(map(str, raw)) - {"name", "action", "when", "args", "argv", "newer_than", "on_failure"}
     if unknown:
-        raise err(f"{where}: unknown field(s): {', '.join(sorted(unknown))}")
+        raise err(f"{where}: unknown field(s): {', '.join(repr(k)[:40] for k in sorted(unknown))}")
     action = raw.get("action")
     if action not in ACTION_ARGS:
         raise err(f"{where}: field 'action': must be one of {', '.join(ACTION_ARGS)}")
@@ -182,7 +183,8 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
     allowed = ACTION_ARGS[action]
     for key, value in args.items():
         if key not in allowed:
-            raise err(f"{where}: field 'args.{key}': not an argument of {action} "
+            shown = key if isinstance(key, str) and key.isidentifier() else repr(str(key)[:40])
+            raise err(f"{where}: field 'args.{shown}': not an argument of {action} "
                       f"(allowed: {', '.join(allowed) or 'none'})")
         if isinstance(value, bool) or not isinstance(value, allowed[key]):
             raise err(f"{where}: field 'args.{key}': wrong type {type(value).__name__}")

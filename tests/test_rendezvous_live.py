@@ -89,7 +89,7 @@ def test_two_operators_at_once_make_exactly_one_round(job):
         assert p.returncode == 0, err
         docs.append(json.loads(out))
     assert sorted(d["outcome"] for d in docs) == ["coalesced", "done"]
-    assert all(d["details"]["round_after"] == before + 1 for d in docs)
+    assert all(d["details"]["round_after"] == before + 1 for d in docs), (before, [d['details'] for d in docs])
     assert all(d["details"]["fake_node_removed"] for d in docs)
     # no storm: a few seconds later the round is still before + 1 and the fake node is gone
     time.sleep(3)
