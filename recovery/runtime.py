@@ -46,6 +46,7 @@ PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"
 SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"
 CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"
 LEDGER_ENV = "GPUGUARD_LEDGER"
+RESTORE_PIN = "restore.json"  # written by `gpu-recover restore` (recovery/actions.py)
 
 
 class FencedError(RefusedError):
@@ -379,7 +380,11 @@ class Runtime:
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
 
-            selection = select_restorable(self.job_dir, frontier_limit(parent, committed))
+            bound = frontier_limit(parent, committed)
+            pin = _read_restore_pin(self.job_dir)  # `gpu-recover restore` chose a state: never past it
+            if pin is not None:
+                bound = min(bound, pin)
+            selection = select_restorable(self.job_dir, bound)
             choice = choose_frontier(parent, committed, selection)
             q, evidence = quiescence(parent, hellos)
             members = [Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos]
@@ -391,8 +396,12 @@ class Runtime:
                              "attempt_source": self.attempt.source if self.attempt else "",
                              "restart_count": self.restart_count, "committed_by_all": committed,
                              "frontier_note": choice.note, "rejected": list(choice.rejected[:16]),
-                             "world_size": self.world_size})
+                             "world_size": self.world_size, "restore_pin": pin})
             ledger.activate(cert, manifest_ok=True if choice.frontier.state_manifest_digest else None)
+            if pin is not None:  # used once: the next generation is bounded by its commits again
+                jobdir.coord_dir(self.job_dir).mkdir(parents=True, exist_ok=True)
+                os.replace(self.job_dir / RESTORE_PIN,
+                           jobdir.coord_dir(self.job_dir) / f"restore-used-g{cert.generation}.json")
             for line in choice.rejected:
                 if "after the frontier" not in line:
                     self._log(f"rejected {line}")
@@ -559,6 +568,19 @@ class Runtime:
 
     def _wait_json(self, ns: Any, key: str) -> dict[str, Any]:
         return json.loads(self._wait_raw(ns, key))
+
+
+def _read_restore_pin(job_dir: Path) -> int | None:
+    """The step `gpu-recover restore` pinned in `<job-dir>/restore.json`, if any (malformed: ignored, said)."""
+    path = job_dir / RESTORE_PIN
+    if not path.exists():
+        return None
+    try:
+        step = jobdir.read_json(path).get("step")
+    except GpuguardError as exc:
+        print(f"gpuguard: ignoring {path}: {exc}", file=sys.stderr)
+        return None
+    return step if isinstance(step, int) and step >= 0 else None
 
 
 def _running(psutil: Any, pid: int, start_time: float) -> bool:
