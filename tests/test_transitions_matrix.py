@@ -57,7 +57,7 @@ def test_gpuguard_fenced_the_late_results(rows):
         # a late shard write lands in the old generation's unsealed checkpoint (no manifest): never read
         if r.boundary != "mid-checkpoint-write":
             assert r.fenced >= 1, (r.fault, r.boundary)
-    assert all(r.sync_ops_per_step >= 4 for r in pick(rows, "gpuguard"))  # one commit record per rank per step
+    assert all(r.sync_ops_per_step >= 3 for r in pick(rows, "gpuguard"))  # a commit record per rank per step
 
 
 def test_partially_written_sharded_checkpoint_breaks_restart_all_not_gpuguard():
