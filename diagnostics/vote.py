@@ -113,7 +113,7 @@ def cohort_of(observations: Sequence[RankObservation]) -> Cohort:
 
 def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -> tuple[str, str, bool]:
     """One rank's verdict from its votes (before coupling). Returns (verdict, reason, pending_dead)."""
-    by = {v.dimension: v for v in votes}
+    live, prog = votes[0], votes[1]  # VOTERS order: liveness, progress, cohort, collective, hardware, comm
     decisive = [v for v in votes if v.decisive and v.verdict == DEAD]
     if decisive:
         return DEAD, decisive[0].reason, False
@@ -123,17 +123,17 @@ def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -
         why = "; ".join(v.reason for v in failing)
         if was_pending:
             return DEAD, f"{len(failing)} dimensions agree on two consecutive checks: {why}", False
-        return HUNG if by["progress"].verdict == HUNG else SLOW, f"suspect dead (confirming at the next check): {why}", True
-    if by["progress"].verdict == HUNG:
+        return HUNG if prog.verdict == HUNG else SLOW, f"suspect dead (confirming at the next check): {why}", True
+    if prog.verdict == HUNG:
         extra = ""
-        if by["liveness"].verdict == HUNG:
-            extra = " — " + by["liveness"].reason
-        elif by["liveness"].verdict == ABSTAIN and obs.alive.state == "disk-sleep":
+        if live.verdict == HUNG:
+            extra = " — " + live.reason
+        elif live.verdict == ABSTAIN and obs.alive.state == "disk-sleep":
             extra = " — in D-state: stuck in the kernel (I/O or driver)"
-        return HUNG, by["progress"].reason + extra, False
+        return HUNG, prog.reason + extra, False
     slow = [v for v in votes if v.verdict == SLOW]
-    if by["liveness"].verdict == HUNG:  # stopped but not yet past its bound: paused
-        return SLOW, "paused: " + by["liveness"].reason, False
+    if live.verdict == HUNG:  # stopped but not yet past its bound: paused
+        return SLOW, "paused: " + live.reason, False
     if slow:
         return SLOW, "; ".join(v.reason for v in slow), False
     if dims_dead:  # one non-decisive dimension alone: not enough for dead
@@ -142,7 +142,7 @@ def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -
         return UNKNOWN, "no dimension could vote", False
     if obs.closed:
         return HEALTHY, "finished: log closed cleanly", False
-    return HEALTHY, by["progress"].reason, False
+    return HEALTHY, prog.reason, False
 
 
 def _never_arrived(waiter: RankObservation, others: Sequence[RankObservation], stopped: set[int]) -> list[int]:
@@ -164,20 +164,25 @@ def _never_arrived(waiter: RankObservation, others: Sequence[RankObservation], s
 
 
 def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig(),
-         previous: JobVerdict | None = None) -> JobVerdict:
-    """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths."""
+         previous: JobVerdict | None = None, cohort: Cohort | None = None) -> JobVerdict:
+    """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths.
+
+    `cohort` may be given when `observations` is a subset of a larger job (the simulator votes on the
+    ranks that matter at an instant, with the statistics of all ranks)."""
     obs = sorted(observations, key=lambda o: o.rank)
     if not obs:
         return JobVerdict(UNKNOWN, "no rank has written step records yet", (), counts={UNKNOWN: 0},
                           next_steps=("Check that the training script writes StepLog records under <job-dir>/ranks/.",))
-    cohort = cohort_of(obs)
+    cohort = cohort or cohort_of(obs)
     pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
     prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]] = {}
+    v_live, v_prog, v_coh, v_coll, v_hw, v_comm = VOTERS
     for o in obs:
         if not o.has_records:
             prelim[o.rank] = (UNKNOWN, "no step records from this rank yet", False, ())
             continue
-        votes = tuple(v(o, cohort, cfg) for v in VOTERS)
+        votes = (v_live(o, cohort, cfg), v_prog(o, cohort, cfg), v_coh(o, cohort, cfg), v_coll(o, cohort, cfg),
+                 v_hw(o, cohort, cfg), v_comm(o, cohort, cfg))
         verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
         prelim[o.rank] = (verdict, reason, pending, votes)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from gpuguard.diagnostics.jobmodel import COLLECTIVE, STARTING, RankObservation
@@ -21,14 +22,14 @@ UNKNOWN = "unknown"
 class VoteConfig:
     """Thresholds (defaults documented in diagnostics/data/vote.yaml)."""
 
-    hang_k: float = 3.0
+    hang_k: float = 2.0
     hang_floor_s: float = 5.0
     hang_cap_s: float = 1800.0
     confirm_checks: int = 2
     check_interval_s: float = 1.0
     pause_k: float = 1.0
     pause_floor_s: float = 1.0
-    min_samples: int = 10
+    min_samples: int = 50
     initial_timeout_s: float = 300.0
     startup_timeout_s: float = 600.0
     cohort_z: float = 3.5
@@ -50,8 +51,9 @@ class Vote:
     decisive: bool = False
 
     def to_json(self) -> dict[str, Any]:
+        nums = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.numbers.items()}
         return {"dimension": self.dimension, "verdict": self.verdict, "reason": self.reason,
-                "numbers": self.numbers, "decisive": self.decisive}
+                "numbers": nums, "decisive": self.decisive}
 
 
 @dataclass(frozen=True)
@@ -107,22 +109,28 @@ def confirm_window_s(cfg: VoteConfig) -> float:
 
 # -- the voters ------------------------------------------------------------------------------------
 def liveness(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
-    st = obs.alive.state
+    a = obs.alive
+    return _liveness(a.state, a.detail, a.exit_code, obs.closed)
+
+
+@lru_cache(maxsize=4096)
+def _liveness(st: str, detail: str, exit_code: int | None, closed: bool) -> Vote:
+    """Cached: at 10,000 ranks most share a state (a Vote is immutable, sharing it is safe)."""
     nums: dict[str, Any] = {"state": st}
-    if obs.alive.exit_code is not None:
-        nums["exit_code"] = obs.alive.exit_code
+    if exit_code is not None:
+        nums["exit_code"] = exit_code
     if st in ("gone", "zombie"):
-        if obs.closed:
-            return Vote("liveness", HEALTHY, f"process exited after closing its log cleanly ({obs.alive.detail})", nums)
+        if closed:
+            return Vote("liveness", HEALTHY, f"process exited after closing its log cleanly ({detail})", nums)
         what = "is a zombie" if st == "zombie" else "is gone"
-        return Vote("liveness", DEAD, f"process {what} without a clean close ({obs.alive.detail})", nums, decisive=True)
+        return Vote("liveness", DEAD, f"process {what} without a clean close ({detail})", nums, decisive=True)
     if st == "stopped":
-        return Vote("liveness", HUNG, f"process is stopped (SIGSTOP or a tracer) ({obs.alive.detail})", nums)
+        return Vote("liveness", HUNG, f"process is stopped (SIGSTOP or a tracer) ({detail})", nums)
     if st == "disk-sleep":
-        return Vote("liveness", ABSTAIN, f"process in uninterruptible sleep (D-state) ({obs.alive.detail})", nums)
+        return Vote("liveness", ABSTAIN, f"process in uninterruptible sleep (D-state) ({detail})", nums)
     if st in ("running", "sleeping"):
-        return Vote("liveness", HEALTHY, f"process alive ({obs.alive.detail})", nums)
-    return Vote("liveness", ABSTAIN, f"process state not visible here ({obs.alive.detail or 'no pid'})", nums)
+        return Vote("liveness", HEALTHY, f"process alive ({detail})", nums)
+    return Vote("liveness", ABSTAIN, f"process state not visible here ({detail or 'no pid'})", nums)
 
 
 def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
@@ -135,9 +143,9 @@ def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     age = obs.phase_age_s
     where = (f"waiting in collective {obs.phase_seq}" if obs.phase == COLLECTIVE
              else f"{obs.phase} step {obs.phase_step}" if obs.phase_step >= 0 else obs.phase)
-    nums = {"phase": obs.phase, "age_s": round(age, 3), "bound_s": round(bound, 3), "confirm_s": confirm,
-            "own_p50_s": round(obs.period_p50_s, 4), "own_p99_s": round(obs.period_p99_s, 4),
-            "own_p999_s": round(obs.period_p999_s, 4), "samples": obs.n_steps}
+    nums = {"phase": obs.phase, "age_s": age, "bound_s": bound, "confirm_s": confirm,
+            "own_p50_s": obs.period_p50_s, "own_p99_s": obs.period_p99_s,
+            "own_p999_s": obs.period_p999_s, "samples": obs.n_steps}
     if age > bound + confirm:
         return Vote("progress", HUNG, f"no progress for {age:.1f} s ({where}); bound {bound:.1f} s "
                     f"= {cfg.hang_k:g} × own P99.9 {obs.period_p999_s:.3f} s (floor {cfg.hang_floor_s:g} s), "
@@ -157,21 +165,24 @@ def cohort_speed(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     scale = max(1.4826 * cohort.compute_mad_s, cfg.mad_floor_frac * med, 1e-6)
     z = (own - med) / scale
     ratio = med / own if own > 0 else 1.0
-    nums = {"own_compute_s": round(own, 5), "cohort_median_s": round(med, 5), "mad_s": round(cohort.compute_mad_s, 5),
-            "z": round(z, 2), "score": round(ratio, 3)}
+    nums = {"own_compute_s": own, "cohort_median_s": med, "mad_s": cohort.compute_mad_s, "z": z, "score": ratio}
     if z > cfg.cohort_z and ratio < cfg.cohort_ratio:
         return Vote("cohort", SLOW, f"own compute {own:.3f} s vs cohort median {med:.3f} s "
                     f"(z {z:.1f} > {cfg.cohort_z:g}, score {ratio:.2f} < {cfg.cohort_ratio:g})", nums)
     return Vote("cohort", HEALTHY, f"own compute {own:.3f} s within the cohort (median {med:.3f} s, z {z:.1f})", nums)
 
 
+_NOT_IN_COLLECTIVE = Vote("collective", ABSTAIN, "not in a collective")
+_NO_HARDWARE = Vote("hardware", ABSTAIN, "no hardware evidence")
+_NO_COMM = Vote("communication", ABSTAIN, "no communication errors")
+
+
 def collective(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     """Expected collective time from its size: a large all-gather may legitimately take long."""
-    exp = expected_collective_s(obs.nbytes, cohort.world, cfg)
-    nums = {"nbytes": obs.nbytes, "world": cohort.world, "expected_s": round(exp, 6),
-            "widened_by_s": round(cfg.collective_k * exp, 6)}
     if obs.phase != COLLECTIVE:
-        return Vote("collective", ABSTAIN, "not in a collective", nums)
+        return _NOT_IN_COLLECTIVE
+    exp = expected_collective_s(obs.nbytes, cohort.world, cfg)
+    nums = {"nbytes": obs.nbytes, "world": cohort.world, "expected_s": exp, "widened_by_s": cfg.collective_k * exp}
     if obs.phase_age_s <= cfg.collective_k * exp:
         return Vote("collective", HEALTHY, f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s: within "
                     f"{cfg.collective_k:g} × the expected {exp:.3f} s for {obs.nbytes} bytes", nums)
@@ -180,6 +191,8 @@ def collective(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
 
 
 def hardware(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
+    if not obs.hardware:
+        return _NO_HARDWARE
     lost = [h for h in obs.hardware if h.kind == "gpu-lost"]
     fatal = [h for h in obs.hardware if h.fatal]
     nums = {"events": [f"{h.kind}: {h.text}" for h in obs.hardware]}
@@ -187,13 +200,13 @@ def hardware(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
         return Vote("hardware", DEAD, f"GPU lost: {lost[0].text}", nums, decisive=True)
     if fatal:
         return Vote("hardware", DEAD, f"fatal {fatal[0].kind} on the rank's GPU: {fatal[0].text}", nums)
-    if obs.hardware:
-        return Vote("hardware", HEALTHY, f"{len(obs.hardware)} non-fatal hardware event(s)", nums)
-    return Vote("hardware", ABSTAIN, "no hardware evidence", nums)
+    return Vote("hardware", HEALTHY, f"{len(obs.hardware)} non-fatal hardware event(s)", nums)
 
 
 def communication(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     """Peers' communication errors that name this rank count against it; its own errors show it is a victim."""
+    if not obs.errors and not obs.comm_errors and obs.rank not in cohort.comm_reports:
+        return _NO_COMM
     named = cohort.comm_reports.get(obs.rank, 0) + sum(1 for c in obs.comm_errors if c.peer == obs.rank)
     own = len(obs.errors) + sum(1 for c in obs.comm_errors if c.rank == obs.rank and c.peer != obs.rank)
     nums = {"reports_naming_rank": named, "errors_seen_by_rank": own}
@@ -203,7 +216,7 @@ def communication(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote
         last = obs.errors[-1] if obs.errors else next(c.text for c in obs.comm_errors if c.rank == obs.rank)
         return Vote("communication", ABSTAIN, f"saw {own} communication error(s) itself (a victim, not a culprit): "
                     f"{last[:160]}", nums)
-    return Vote("communication", ABSTAIN, "no communication errors", nums)
+    return _NO_COMM
 
 
 VOTERS = (liveness, progress, cohort_speed, collective, hardware, communication)

@@ -68,7 +68,7 @@ def job(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_for(job_dir, lambda j: len(j.ranks) == 4 and all(
-            r.observation.n_steps >= 25 for r in j.ranks), timeout=120, every=0.5)
+            r.observation.n_steps >= 60 for r in j.ranks), timeout=120, every=0.5)
         yield job_dir
     finally:
         try:
