@@ -13,6 +13,7 @@ in-process `iter_file_events` figures (accelerated and pure-Python fallback) for
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -91,21 +92,22 @@ def generate(path: Path, size: int, seed: int = 7) -> None:
             i += 1
 
 
-def _run(cmd: list[str]) -> tuple[float, int, int | None, bytes]:
-    """(wall seconds, exit code, peak RSS in KiB, stdout) of one child process.
+def _run(cmd: list[str]) -> tuple[float, int, int | None, bytes, float | None]:
+    """(wall seconds, exit code, peak RSS in KiB, stdout, CPU seconds) of one child process.
 
     Peak RSS comes from GNU time (a small C parent): `wait4` from this Python process would also count
     the pages the child inherited by fork before exec."""
     gnu_time = Path("/usr/bin/time")
-    full = [str(gnu_time), "-f", "%M", *cmd] if gnu_time.exists() else cmd
+    full = [str(gnu_time), "-f", "%M %U %S", *cmd] if gnu_time.exists() else cmd
     start = time.perf_counter()
     proc = subprocess.run(full, capture_output=True)
     wall = time.perf_counter() - start
-    rss = None
+    rss = cpu = None
     if gnu_time.exists():
-        tail = proc.stderr.strip().splitlines()[-1:] or [b""]
-        rss = int(tail[0]) if tail[0].isdigit() else None
-    return wall, proc.returncode, rss, proc.stdout
+        tail = (proc.stderr.strip().splitlines()[-1:] or [b""])[0].split()
+        if len(tail) == 3 and tail[0].isdigit():
+            rss, cpu = int(tail[0]), float(tail[1]) + float(tail[2])
+    return wall, proc.returncode, rss, proc.stdout, cpu
 
 
 def main() -> None:
@@ -127,18 +129,25 @@ def main() -> None:
             while fh.read(1 << 24):
                 pass
         grep = shutil.which("grep") or "grep"
-        g_wall, _, g_rss, g_out = _run([grep, "-c", "NVRM: Xid", str(path)])
+        g_wall, _, g_rss, g_out, g_cpu = _run([grep, "-c", "NVRM: Xid", str(path)])
         grep_count = int(g_out.strip() or 0)
-        d_wall, d_rc, d_rss, d_out = _run([str(BIN / "gpu-doctor"), "logs", "--json", str(path)])
+        d_wall, d_rc, d_rss, d_out, d_cpu = _run([str(BIN / "gpu-doctor"), "logs", "--json", str(path)])
         doc = json.loads(d_out)
         xid_events = doc["summary"]["by_kind"].get("xid", 0)
-        g2_wall, *_ = _run([grep, "-c", "NVRM: Xid", str(path)])
+        g2_wall, _, _, _, g2_cpu = _run([grep, "-c", "NVRM: Xid", str(path)])
         grep_best = min(g_wall, g2_wall)
+        grep_cpu = min(c for c in (g_cpu, g2_cpu, 1e9) if c) if (g_cpu or g2_cpu) else None
+
+        def cpu_ratio(cpu: float | None) -> float | None:
+            return round(cpu / grep_cpu, 2) if cpu and grep_cpu else None
+
         results = [
             {"tool": "grep -c 'NVRM: Xid'", "seconds": round(grep_best, 3), "MB_per_s": round(mb / grep_best, 1),
-             "ratio_to_grep": 1.0, "peak_rss_MiB": round(g_rss / 1024, 1) if g_rss else None, "xid_lines": grep_count},
+             "ratio_to_grep": 1.0, "cpu_s": grep_cpu, "cpu_ratio": 1.0,
+             "peak_rss_MiB": round(g_rss / 1024, 1) if g_rss else None, "xid_lines": grep_count},
             {"tool": "gpu-doctor logs --json", "seconds": round(d_wall, 3), "MB_per_s": round(mb / d_wall, 1),
-             "ratio_to_grep": round(d_wall / grep_best, 2), "peak_rss_MiB": round(d_rss / 1024, 1) if d_rss else None,
+             "ratio_to_grep": round(d_wall / grep_best, 2), "cpu_s": d_cpu, "cpu_ratio": cpu_ratio(d_cpu),
+             "peak_rss_MiB": round(d_rss / 1024, 1) if d_rss else None,
              "xid_lines": xid_events, "events": doc["summary"]["events"], "exit_code": d_rc},
         ]
         # In-process, without interpreter start-up and JSON output.
@@ -147,17 +156,20 @@ def main() -> None:
         for accelerated, limit in ((True, size), (False, min(size, 64 << 20))):
             with open(path, "rb") as fh:
                 data = fh if limit == size else _Head(fh, limit)
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 n = sum(1 for _ in LogScan(data, accelerated=accelerated))  # type: ignore[arg-type]
-                wall = time.perf_counter() - t
+                wall, cpu = time.perf_counter() - t, time.process_time() - c
             scale = size / limit
             results.append({"tool": f"iter_file_events ({'ahocorasick_rs' if accelerated else 'find fallback'})",
                             "seconds": round(wall * scale, 3), "MB_per_s": round(limit / 1e6 / wall, 1),
-                            "ratio_to_grep": round(wall * scale / grep_best, 2), "events": int(n * scale),
+                            "ratio_to_grep": round(wall * scale / grep_best, 2), "cpu_s": round(cpu * scale, 2),
+                            "cpu_ratio": cpu_ratio(cpu * scale), "events": int(n * scale),
                             "extrapolated": limit != size})
         if grep_count != xid_events:
             notes.append(f"xid counts differ: grep {grep_count}, gpu-doctor {xid_events}")
         notes.append(f"file {size / (1 << 30):.2f} GiB, page-cached; target: gpu-doctor <= 4x grep")
+        notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall ratios are "
+                     "noisy under contention; cpu_ratio compares CPU seconds)")
         emit("logs", results, as_json, notes)
     finally:
         if not keep:

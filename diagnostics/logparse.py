@@ -56,8 +56,10 @@ def has_marker(text: str) -> bool:
 
 
 def _clean(line: str | bytes) -> str:
-    if isinstance(line, (bytes, bytearray, memoryview)):
-        line = bytes(line).decode("utf-8", errors="replace")
+    if isinstance(line, memoryview):
+        line = bytes(line)
+    if isinstance(line, (bytes, bytearray)):
+        line = line.decode("utf-8", errors="replace")
     if len(line) > MAX_LINE:
         line = line[:MAX_LINE]
     return line.rstrip("\r\n")
