@@ -1,14 +1,278 @@
-"""`gpu-generation`: show and verify generation certificates."""
+"""`gpu-generation`: create, show and verify generation certificates.
+
+Exit codes: 0 ok/verified, 2 verification failed, 4 refused, 64 usage, 65 malformed input,
+66 missing job/ledger/key, 73 already initialized, 75 etcd unreachable, 77 permission denied.
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
 from gpuguard.cli import generation_bench
-from gpuguard.cli._app import entry, make_app
+from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, stdout_is_terminal
+from gpuguard.errors import EXIT_CRITICAL, EXIT_OK
 
 app = make_app(
     "gpu-generation",
     "Generation certificates: membership (incarnations) + commit frontier + state digest + ownership, certified together.",
 )
+
+CERT_SCHEMA = "gpuguard.certificate/1"
+LEDGER_SCHEMA = "gpuguard.ledger/1"
+
+LEDGER_OPTION = typer.Option(None, "--ledger", envvar="GPUGUARD_LEDGER", show_envvar=True,
+                             help="Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or what init recorded).")
+JSON_OPTION = typer.Option(False, "--json", help="Print a JSON document instead of text.")
+TIMEOUT_OPTION = typer.Option(5.0, "--timeout", min=0.1, help="Seconds to wait for the ledger (etcd).")
+
+
+def _when(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _emit_text(title: str, lines: list[str]) -> None:
+    """A rich panel on a terminal, plain lines when piped."""
+    if stdout_is_terminal():
+        from rich.panel import Panel
+        from rich.text import Text
+
+        console().print(Panel(Text("\n".join(lines)), title=title, expand=False))
+    else:
+        typer.echo(title)
+        for line in lines:
+            typer.echo(f"  {line}")
+
+
+def _cert_lines(cert: Any) -> list[str]:
+    f = cert.frontier
+    lines = [
+        f"job            {cert.job_id}",
+        f"generation     {cert.generation} (parent {cert.parent_generation if cert.parent_generation is not None else '-'})",
+        f"reason         {cert.reason}",
+        f"activated      {_when(cert.activation_time)} by {cert.issued_by}",
+        f"frontier       step {f.step}, state {f.state_manifest_digest or '(none)'}",
+    ]
+    if f.collective_seq:
+        lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
+    lines.append(f"ownership map  version {cert.ownership_map_version}")
+    forced = "  FORCED: quiescence of the old generation was not established" if cert.forced else ""
+    lines.append(f"parent retired quiescence {cert.quiescence}{forced}")
+    lines += [f"               - {e}" for e in cert.quiescence_evidence]
+    lines.append(f"members        {len(cert.members)}")
+    admitted = set(cert.admitted)
+    for m in cert.members:
+        i = m.incarnation
+        tag = "  (new incarnation, admitted)" if m.rank in admitted else ""
+        gpu = f" gpu {i.gpu_uuid}" if i.gpu_uuid else ""
+        lines.append(f"  rank {m.rank:<4} {i.id[:12]} {i.host} pid {i.pid}{gpu}{tag}")
+    lines.append(f"digest         {cert.digest()}")
+    return lines
+
+
+@app.command("init")
+def init_cmd(
+    job_dir: Path = job_dir_option(),
+    ledger: Optional[str] = LEDGER_OPTION,
+    job_id: Optional[str] = typer.Option(None, "--job-id", help="Job id (default: the job directory's name)."),
+    timeout: float = TIMEOUT_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> int:
+    """Create the ledger, a 0600 signing key and the signed genesis certificate (generation 0)."""
+    from gpuguard.generation.job import init_job
+    from gpuguard.generation.keys import key_path
+
+    result = init_job(job_dir, url=ledger, job_id=job_id, timeout=timeout)
+    g = result.genesis
+    if as_json:
+        emit_json({"schema": CERT_SCHEMA, "ledger": result.ledger.url, "key": str(key_path(job_dir)),
+                   "digest": g.digest(), "certificate": g.to_dict()})
+    else:
+        typer.echo(f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
+                   f"generation 0 {g.digest()[:16]}")
+    return EXIT_OK
+
+
+@app.command("show")
+def show_cmd(
+    job_dir: Path = job_dir_option(),
+    ledger: Optional[str] = LEDGER_OPTION,
+    timeout: float = TIMEOUT_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> int:
+    """The active generation: members and incarnations, frontier, state digest, why the parent retired."""
+    from gpuguard.generation.job import open_job_ledger
+
+    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    cert = led.require_active()
+    if as_json:
+        emit_json({"schema": CERT_SCHEMA, "ledger": led.url, "active": True, "digest": cert.digest(),
+                   "signature_checked": led.key is not None, "certificate": cert.to_dict()})
+    else:
+        _emit_text(f"active generation {cert.generation} — {led.url}", _cert_lines(cert))
+    return EXIT_OK
+
+
+@app.command("history")
+def history_cmd(
+    job_dir: Path = job_dir_option(),
+    ledger: Optional[str] = LEDGER_OPTION,
+    timeout: float = TIMEOUT_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> int:
+    """Every generation of the verified chain, oldest first, with fenced commits and refusals counted."""
+    from gpuguard.generation.job import open_job_ledger
+
+    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    chain = led.history()
+    if not chain:
+        led.require_active()
+    rows = [{
+        "generation": c.generation, "digest": c.digest(), "reason": c.reason, "members": len(c.members),
+        "admitted": list(c.admitted), "frontier_step": c.frontier.step,
+        "state_manifest_digest": c.frontier.state_manifest_digest, "quiescence": c.quiescence,
+        "forced": c.forced, "activation_time": c.activation_time, "issued_by": c.issued_by,
+    } for c in chain]
+    stored = led.generations()
+    beyond = sorted(n for n in stored if n > chain[-1].generation)
+    if as_json:
+        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "active": chain[-1].generation,
+                   "generations": rows, "unverified_after_active": beyond,
+                   "fenced_commits": led.fenced_count(), "refusals": len(led.refusals())})
+        return EXIT_OK
+    typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
+    typer.echo(f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'members':>7}  {'step':>8}  quiescence  digest")
+    for c in chain:
+        q = c.quiescence + (" FORCED" if c.forced else "")
+        typer.echo(f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {len(c.members):>7}  "
+                   f"{c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}")
+    if beyond:
+        typer.echo(f"warning: stored generation(s) {beyond} are not part of the verified chain: run `verify`")
+    typer.echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")
+    return EXIT_OK
+
+
+def _deep_check(job_dir: Path, certs: dict[int, Any], show_progress: bool) -> tuple[list[Any], dict[str, Any]]:
+    """Re-hash the checkpoint of every checked frontier against its manifest."""
+    from gpuguard.errors import GpuguardError
+    from gpuguard.generation.manifest import find_manifests, load_manifest, verify_manifest
+    from gpuguard.generation.verify import Finding
+
+    findings: list[Finding] = []
+    manifests: dict[str, tuple[Path, Any]] = {}
+    for path in find_manifests(job_dir):
+        try:
+            m = load_manifest(path)
+        except GpuguardError as exc:
+            findings.append(Finding(str(path), "manifest", str(exc).removeprefix(f"{path}: ")))
+            continue
+        manifests[m.digest] = (path, m)
+    wanted = {c.frontier.state_manifest_digest: n for n, c in certs.items() if c.frontier.state_manifest_digest}
+    total = sum(e.spec.byte_length for d in wanted if d in manifests for e in manifests[d][1].entries)
+    stats = {"manifests": 0, "objects": 0, "bytes": 0}
+    progress_cm = None
+    if show_progress and total:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        progress_cm = Progress("re-hashing", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                               console=console(stderr=True), transient=True)
+    task = None
+    try:
+        if progress_cm:
+            progress_cm.start()
+            task = progress_cm.add_task("hash", total=total)
+        for digest, n in sorted(wanted.items(), key=lambda kv: kv[1]):
+            if digest not in manifests:
+                findings.append(Finding(f"generation {n}", "frontier-state",
+                                        f"no manifest with digest {digest[:16]}… under {job_dir}"))
+                continue
+            path, m = manifests[digest]
+            advance = (lambda b: progress_cm.advance(task, b)) if progress_cm else None
+            for problem in verify_manifest(m, path.parent, progress=advance):
+                findings.append(Finding(str(path), "frontier-state", problem))
+            stats["manifests"] += 1
+            stats["objects"] += len(m.entries)
+            stats["bytes"] += sum(e.spec.byte_length for e in m.entries)
+    finally:
+        if progress_cm:
+            progress_cm.stop()
+    return findings, stats
+
+
+@app.command("verify")
+def verify_cmd(
+    job_dir: Path = job_dir_option(),
+    ledger: Optional[str] = LEDGER_OPTION,
+    generation: Optional[int] = typer.Option(None, "--generation", min=0, help="Verify only this generation."),
+    deep: bool = typer.Option(False, "--deep", help="Also re-hash the checkpoint files against their manifests."),
+    timeout: float = TIMEOUT_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> int:
+    """Signatures, the hash chain, the rules; with --deep the frontier state's files too. Exit 2 on failure."""
+    from gpuguard.generation.job import open_job_ledger
+    from gpuguard.generation.keys import load_key
+    from gpuguard.generation.verify import verify_ledger
+
+    key = load_key(job_dir)
+    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    report = verify_ledger(led, key, generation=generation)
+    deep_stats = None
+    if deep:
+        certs = {n: c for n, c in report.certificates.items() if n in report.checked}
+        more, deep_stats = _deep_check(job_dir, certs, stdout_is_terminal() and not as_json)
+        report.findings += more
+    if as_json:
+        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "ok": report.ok, "checked": report.checked,
+                   "findings": [f.to_dict() for f in report.findings], "notes": report.notes,
+                   "deep": deep_stats})
+    else:
+        for f in report.findings:
+            typer.echo(f"FAIL {f}")
+        for note in report.notes:
+            typer.echo(f"note: {note}")
+        what = f"generation {generation}" if generation is not None else f"{len(report.checked)} generation(s)"
+        extra = (f"; state: {deep_stats['manifests']} manifest(s), {deep_stats['objects']} objects, "
+                 f"{deep_stats['bytes']} bytes re-hashed") if deep_stats else ""
+        typer.echo(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}")
+    return EXIT_OK if report.ok else EXIT_CRITICAL
+
+
+@app.command("explain")
+def explain_cmd(
+    job_dir: Path = job_dir_option(),
+    ledger: Optional[str] = LEDGER_OPTION,
+    generation: Optional[int] = typer.Option(None, "--generation", min=0,
+                                             help="Explain the refusals of this generation (default: the latest)."),
+    show_all: bool = typer.Option(False, "--all", help="Every recorded refusal, not only the latest."),
+    timeout: float = TIMEOUT_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> int:
+    """Why an activation was refused: which rule, which member."""
+    from gpuguard.generation.job import open_job_ledger
+
+    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    refusals = sorted(led.refusals(), key=lambda r: r.time)
+    if generation is not None:
+        refusals = [r for r in refusals if r.generation == generation]
+    if not show_all:
+        refusals = refusals[-1:]
+    if as_json:
+        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "refusals": [r.to_dict() for r in refusals]})
+        return EXIT_OK
+    if not refusals:
+        typer.echo(f"no refused activation recorded in {led.url}")
+        return EXIT_OK
+    for r in refusals:
+        typer.echo(f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
+                   f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:")
+        for v in r.violations:
+            who = f" rank {v.member}:" if v.member is not None else ""
+            typer.echo(f"  rule {v.rule}:{who} {v.message}")
+    return EXIT_OK
+
 
 generation_bench.register(app=app)
 

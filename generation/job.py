@@ -15,6 +15,31 @@ from gpuguard.generation.ledger import Ledger, open_ledger
 from gpuguard.generation.records import Certificate, Frontier
 
 
+LEDGER_URL_FILE = "ledger.url"
+LEDGER_ENV = "GPUGUARD_LEDGER"
+
+
+def ledger_url(job_dir: str | Path, url: str | None = None) -> str | None:
+    """Where a job's ledger lives: the given URL, else $GPUGUARD_LEDGER, else what `init` recorded
+    in `<job_dir>/ledger.url`, else None (the directory ledger `<job_dir>/ledger/`)."""
+    if url:
+        return url
+    if os.environ.get(LEDGER_ENV):
+        return os.environ[LEDGER_ENV]
+    try:
+        recorded = (Path(job_dir) / LEDGER_URL_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise from_os_error(exc, str(Path(job_dir) / LEDGER_URL_FILE)) from None
+    return recorded or None
+
+
+def open_job_ledger(job_dir: str | Path, url: str | None = None, *, timeout: float = 5.0) -> Ledger:
+    """The ledger of a job directory, wherever `init` put it (see `ledger_url`)."""
+    return open_ledger(job_dir, ledger_url(job_dir, url), timeout=timeout)
+
+
 @dataclass(frozen=True)
 class InitResult:
     ledger: Ledger
@@ -34,10 +59,6 @@ def init_job(job_dir: str | Path, *, url: str | None = None, job_id: str | None 
              timeout: float = 5.0) -> InitResult:
     """Create `<job_dir>`, its key (0600, never overwritten) and generation 0 in the ledger."""
     job_dir = Path(job_dir)
-    try:
-        job_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise from_os_error(exc, str(job_dir)) from None
     if key_path(job_dir).exists():
         raise GpuguardError(f"{job_dir}: already initialized (signing key exists; refusing to overwrite)",
                             exit_code=73)
@@ -45,10 +66,19 @@ def init_job(job_dir: str | Path, *, url: str | None = None, job_id: str | None 
     probe = open_ledger(job_dir, url, timeout=timeout)
     if probe.generations():
         raise GpuguardError(f"{probe.url}: ledger already holds certificates", exit_code=73)
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise from_os_error(exc, str(job_dir)) from None
     create_root = getattr(probe, "create_root", None)
     if create_root:
         create_root()
     key = create_key(job_dir)
+    if url:
+        try:
+            (job_dir / LEDGER_URL_FILE).write_text(url + "\n")
+        except OSError as exc:
+            raise from_os_error(exc, str(job_dir / LEDGER_URL_FILE)) from None
     ledger = open_ledger(job_dir, url, key=key, timeout=timeout)
     genesis = issue(parent=None, job_id=job_id or job_dir.resolve().name, members=(), reason="genesis",
                     frontier=Frontier(0), quiescence="proved",
