@@ -17,7 +17,7 @@ from gpuguard.diagnostics.logparse import MARKERS, has_marker, iter_events, pars
 from gpuguard.diagnostics.logscan import LogScan  # noqa: E402
 from gpuguard.diagnostics.logtime import line_time  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Real lines that each hold one event (taken from the fixtures) - the valid material for the properties.
 REAL_LINES: list[str] = []

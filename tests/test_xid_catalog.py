@@ -108,3 +108,53 @@ def test_severity_scale_is_ordered():
     assert catalog.worst(["info", "drain", "warning"]) == "drain"
     assert catalog.worst(["reset", "review"]) == "reset"
     assert [catalog.event_severity(s) for s in catalog.SEVERITIES] == ["info", "warning", "warning", "critical", "critical"]
+
+
+ACTION_NAMES = {0: "None", 1: "GPU Reset Required", 2: "Node Reboot Required", 3: "Drain P2P", 4: "Drain and Reset"}
+
+
+@given(st.sampled_from(sorted(ACTION_NAMES)), st.sampled_from(sorted(ACTION_NAMES)), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_xid154_round_trip(before, after, hex_form):
+    fmt = (lambda c: f"0x{c:x}") if hex_form else str
+    line = f"GPU recovery action changed from {fmt(before)} ({ACTION_NAMES[before]}) to {fmt(after)} ({ACTION_NAMES[after]})"
+    change = catalog.parse_xid154(line)
+    assert change is not None
+    assert (change[0].code, change[1].code) == (before, after)
+    assert change[1].printed == ACTION_NAMES[after]
+
+
+@given(st.text(max_size=200))
+@settings(max_examples=30, deadline=None)
+def test_payload_parsers_never_raise_on_garbage(text):
+    catalog.parse_xid154(text)
+    catalog.decode_nvlink5(text)
+
+
+@given(st.sampled_from(["NETIR_LINK_EVT", "RLW_RXPIPE", "SAW_MVB", "MSE_WATCHDOG", "NETIR_BER_EVENT"]),
+       st.booleans(), st.integers(min_value=-1, max_value=63), st.integers(min_value=0, max_value=2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_nvlink5_round_trip(unit, fatal, link, intr):
+    text = f"{unit}  {'Fatal' if fatal else 'Nonfatal'}   XC0 i0 Link {link:02d} (0x{intr:08x} 0x00000000 0x0)"
+    dec = catalog.decode_nvlink5(text)
+    assert dec is not None
+    assert (dec["unit"], dec["fatal"], dec["link"], dec["intr_info"]) == (unit, fatal, link, f"0x{intr:08x}")
+    assert dec["severity"] == "reset" if fatal else dec["severity"] in ("info", "warning")
+
+
+codes = st.sampled_from([13, 31, 43, 45, 48, 63, 64, 79, 94, 95, 109, 119, 149, 171, 172, 999])
+
+
+@given(st.lists(codes, max_size=8), st.sampled_from(sorted(catalog.RECOVERY_ACTIONS)))
+@settings(max_examples=30, deadline=None)
+def test_last_xid154_decides_when_nothing_follows(history, action):
+    res = catalog.resolution_for([xid(c) for c in history] + [xid(154, recovery_action_to=action)])
+    assert res.severity == catalog.RECOVERY_ACTIONS[action][1]
+
+
+@given(st.lists(codes, min_size=1, max_size=8), codes)
+@settings(max_examples=30, deadline=None)
+def test_an_echo_never_raises_the_severity(history, primary):
+    base = catalog.resolution_for([xid(c) for c in history] + [xid(primary)])
+    echoed = catalog.resolution_for([xid(c) for c in history] + [xid(primary), xid(45, caused_by=primary)])
+    assert catalog.severity_rank(echoed.severity) <= catalog.severity_rank(base.severity)
