@@ -6,7 +6,8 @@ then sums up per GPU with the Xid catalog (Xid 154 actions authoritative, sympat
 
 Exit codes: 0 nothing at warning level, 1 warning events, 2 critical events (GPU lost, reset/drain Xid,
 uncorrectable ECC...), 64 usage error, 66 input missing or a directory, 74 read error, 77 permission
-denied. Never imports torch; reads files in bounded chunks (a 1 GiB log is never loaded whole).
+denied, 65 a corrupt .gz. Never imports torch; reads files in bounded chunks (a 1 GiB log is never
+loaded whole); gzip-compressed (rotated) logs are decompressed on the fly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import stat
 import sys
+import zlib
 from collections import Counter
 from typing import Any, BinaryIO, Iterator
 
@@ -22,6 +24,7 @@ import typer
 
 from gpuguard.errors import (
     EXIT_CRITICAL,
+    DataError,
     EXIT_OK,
     EXIT_WARNING,
     NoInputError,
@@ -75,8 +78,14 @@ def _open_inputs(paths: list[str]) -> list[tuple[str, BinaryIO, int | None]]:
                 raise NoInputError(f"{path}: is a directory, not a log file")
             try:
                 fh = open(path, "rb")  # noqa: SIM115 - closed below
+                magic = fh.peek(2)[:2] if hasattr(fh, "peek") else b""
             except OSError as exc:
                 raise from_os_error(exc, path) from None
+            if magic == b"\x1f\x8b":  # a rotated, gzip-compressed log (kern.log.2.gz): decompress as we go
+                import gzip
+
+                opened.append((path, gzip.GzipFile(fileobj=fh, mode="rb"), None))
+                continue
             opened.append((path, fh, st.st_size if stat.S_ISREG(st.st_mode) else None))
     except BaseException:
         for path, fh, _ in opened:
@@ -112,7 +121,9 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
                 for event in scan:
                     count += 1
                     yield event
-            except OSError as exc:
+            except (OSError, EOFError, zlib.error) as exc:  # EOFError / zlib.error / BadGzipFile: a bad .gz
+                if not isinstance(exc, OSError) or exc.errno is None:
+                    raise DataError(f"{path}: compressed log is truncated or corrupt ({exc})") from None
                 raise from_os_error(exc, path) from None
             stats.append({"path": path, "bytes": scan.bytes_read, "lines": scan.next_line - 1, "events": count})
     finally:

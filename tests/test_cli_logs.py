@@ -123,3 +123,21 @@ def test_streams_a_generated_log_with_invalid_bytes(cli, tmp_path):
     assert [(e["line"], e["xid"], e["pid"], e["process"]) for e in doc["events"]] == [
         (20001, 48, 77, "python"), (40002, 63, 77, "python")]
     assert doc["summary"]["gpus"]["0000:3b:00.0"]["severity"] == "drain"
+
+
+def test_rotated_gzip_logs_are_read_and_corrupt_ones_are_data_errors(cli, tmp_path):
+    import gzip
+
+    plain = REAL_LOGS / "015-xid.log"
+    gz = tmp_path / "kern.log.2.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    a = json.loads(cli("gpu-doctor", "logs", "--json", str(plain)).stdout)["events"]
+    res = cli("gpu-doctor", "logs", "--json", str(gz))
+    assert res.returncode == 2, res.stderr
+    b = json.loads(res.stdout)["events"]
+    assert [{k: v for k, v in e.items() if k != "source"} for e in a] == [
+        {k: v for k, v in e.items() if k != "source"} for e in b]
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(gz.read_bytes()[:40])
+    res = cli("gpu-doctor", "logs", str(cut))
+    assert res.returncode == 65 and "corrupt" in res.stderr and res.stderr.count("\n") == 1
