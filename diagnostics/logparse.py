@@ -9,6 +9,28 @@ through the same ordered rule list and yields at most one `Event`.
   (fallen-off-bus over three lines, torchrun failure records, rendezvous results).
 - `iter_file_events(path_or_file)` (in `logscan`): the fast path for big files.
 
+Event kinds and their fields (`gpuguard.events/1`; every event also has kind, line, severity
+[info | warning | critical: critical = the GPU/node needs reset, drain or RMA], diagnosis, text, source,
+timestamp when absolute, uptime_s for dmesg's monotonic clock; a field is null when not printed):
+
+| kind | fields |
+| --- | --- |
+| xid | xid, pci_bus_id (dddd:bb:dd.f), pid, process, name, message, channel; 13: gpc/tpc/sm; 45: caused_by; 63: remap_pending; 144-150: nvlink_unit, nvlink_fatal, link, intr_info, error_status, subcode_v1/v2; 154: recovery_action_from/_to, recovery_action; device-plugin form: gpu_uuid |
+| sxid | sxid, pci_bus_id, fatal, message |
+| gpu_lost | pci_bus_id, source_form (kernel / nvidia-smi) |
+| gpu_reset_required, gpu_identity, hung_task | gpu_index, message / pci_bus_id, uuid, serial / task, pid, blocked_s |
+| nccl_warn | host, pid, rank, device, location, message; IB: ib_status, ib_status_name, vendor_err, peer |
+| nccl_error | error, nccl_result (ncclResult_t number), result (name), location, nccl_version, rank |
+| watchdog_timeout | seq, op, timeout_ms, elapsed_ms, rank, numel_in, numel_out, pg, pg_name, blocking_wait |
+| watchdog_failure | seq, last_enqueued, last_completed, rank, pg |
+| watchdog_hang, watchdog_abort | rank, pg, reason, stuck_s, queued_work |
+| gloo_error | error, rank, op, timeout_ms, peer |
+| worker_failure | local_rank, exitcode, signal, pid, binary; summary records: rank, host, root_cause |
+| worker_stop, worker_restart, worker_group_failed | pid, signal / attempts_left, max_restarts |
+| rendezvous, rendezvous_error | phase, round, restart_count, master_addr, master_port, group_rank, group_world_size / error, endpoint, errno |
+| cuda_error | error, cuda_code, rank, via_watchdog |
+| driver_error, host_hw_error, pcie_degraded, config_error | error / hw_severity / pci_bus_id, available, capable, limited_at / error |
+
 A line is a candidate only if it holds one of `MARKERS`; state only ever looks at candidate lines, so
 the fast scanner (which never decodes other lines) and `iter_events` yield identical events. Lines
 longer than `MAX_LINE` characters are cut before parsing (a log line is never that long; a binary
