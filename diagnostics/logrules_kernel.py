@@ -192,7 +192,7 @@ def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
     return None
 
 
-_RESET_REQUIRED = re.compile(r"NV_ERR_RESET_REQUIRED|Reset required")
+_RESET_REQUIRED = re.compile(r"NV_ERR_RESET_REQUIRED|NVRM: .*Reset required")  # not other drivers' resets
 _GPU_INDEX = re.compile(r"\bGPU(\d+)\b")
 
 

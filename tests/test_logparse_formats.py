@@ -137,3 +137,19 @@ def test_timestamp_prefixes(monkeypatch):
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+@pytest.mark.parametrize("line", [
+    "mlx5_core 0000:01:00.0: Reset required",  # another driver's reset
+    "2024-01-01 12:00:00 WARN  o.a.k.c.NetworkClient - connection lost",  # a Java WARN, not NCCL
+    "[I socket.cpp:480] [c10d] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    '  File "/opt/torch/lib/third_party/gloo/gloo/allreduce.py", line 12, in run',
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.",
+    "hai-a100-3:376586:377443 [4] NCCL INFO external/nccl_archive/src/init.cc:310 -> 2",
+    "[default] worker group successfully finished. Waiting 300 seconds for other agents to finish.",
+    "I0601 20:17:03.073000 616467 api.py:677] [default] Starting worker group",
+    "Driver Version                            : 510.73.08",
+    "exitcode handling enabled for local_rank workers",
+])
+def test_look_alike_lines_are_not_events(line):
+    assert parse_line(line, 1) is None
