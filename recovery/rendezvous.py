@@ -3,7 +3,8 @@
 Why: the rendezvous `round` is the job's own generation counter, readable from outside in well under
 a millisecond, and the only safe lever to make a healthy agent re-rendezvous is a transient
 `wait_list` entry (a signal to the agent either shuts everything down or orphans the workers). The
-entry must vanish as soon as `round` moves, else every new round sees it again: a restart storm.
+entry must vanish with the round change, else every new round sees it again: a restart storm. We
+inject a participant agent's own descriptor, which that agent removes itself when it joins.
 
 The state is `base64(pickle(_RendezvousState))` under `torch.rendezvous.<run_id>`. It is decoded with
 a restricted unpickler that maps torch's two classes to local stubs and refuses everything else, and
@@ -31,7 +32,6 @@ from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 NULL_SENTINEL = b"Y2FuaW1hZGFt"  # torch's "no state yet"
 LEASE_PREFIX = "gpuguard/rdzv-trigger/"
-FAKE_ADDR_PREFIX = "gpuguard-rendezvous-"
 
 
 @dataclass(eq=True, order=True, frozen=True)
@@ -290,7 +290,7 @@ class TriggerResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "round_before": self.round_before, "round_after": self.round_after,
-                "round_change_s": self.injected_s, "fake_node_removed": self.removed,
+                "round_change_s": self.injected_s, "wait_list_entry_gone": self.removed,
                 "rounds_seen": self.rounds_seen, "notes": self.notes}
 
 
@@ -314,8 +314,9 @@ def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.00
     """Force exactly one new rendezvous round of a live job.
 
     A lease key (compare_set, with an expiry for a crashed holder) makes concurrent callers coalesce:
-    the loser waits for the winner's round instead of injecting its own. The fake node is removed in
-    a `finally` as soon as `round` changes or the deadline passes, whatever happens.
+    the loser waits for the winner's round instead of injecting its own. The wait_list entry is
+    consumed by the agent itself when it joins the new round, and withdrawn by us in a `finally` if
+    the round does not change before the deadline.
     """
     holder = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
     lease_key = LEASE_PREFIX + ep.run_id
@@ -375,28 +376,41 @@ def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_ro
 
 def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, token: bytes | None, end: float,
                      poll_s: float, settle_s: float, sleep: Callable[[float], None]) -> TriggerResult:
-    fake = NodeDesc(f"{FAKE_ADDR_PREFIX}{socket.gethostname()}", os.getpid(), 0)
+    """Put a participant agent's OWN node descriptor into `wait_list`.
+
+    Every agent's monitor sees a waiting node and restarts its workers; the agent whose descriptor
+    it is then removes it itself, inside the very state write that joins the new round
+    (`_add_to_participants` drops its own node from `wait_list`). So the entry can never outlive
+    the round change, whatever our timing, and no fake heartbeat is needed. (A foreign fake node
+    removed "as soon as the round changes" races with the agent's back-to-back exit and join writes:
+    losing that race costs a second restart.) Only if the round never changes do we take it out.
+    """
     start_round = state.round
-    injected_at: float | None = None
     seen = [start_round]
+    if not state.complete:
+        return TriggerResult("already-advanced", start_round, start_round, rounds_seen=seen,
+                             notes=["a rendezvous round is already in progress"])
+    if not state.participants:
+        raise RefusedError(f"rendezvous {ep.run_id!r} has no participants: nothing to restart")
+    node = min(state.participants)
+    injected_at: float | None = None
     result: TriggerResult | None = None
     try:
-        # 2. inject with compare_set on the state token (retry on a concurrent agent write).
         while injected_at is None:
-            if state.round != start_round:
+            if state.round != start_round or not state.complete:
                 return TriggerResult("already-advanced", start_round, state.round, rounds_seen=[start_round, state.round])
-            state.wait_list.add(fake)
-            state.last_heartbeats[fake] = datetime.now(timezone.utc)
+            if node not in state.participants:
+                raise RefusedError(f"agent {node!r} left the rendezvous while triggering")
+            state.wait_list.add(node)
             desired = encode_state(state)
             if client.compare_set(ep.key, token or b"", desired) == desired:
                 injected_at = time.monotonic()
                 break
             if time.monotonic() > end:
-                raise UnavailableError("could not inject the wait_list node before the deadline (state kept changing)")
+                raise UnavailableError("could not inject the wait_list entry before the deadline (state kept changing)")
             state, token = read_state(client, ep.run_id)
             if state is None:
                 raise NoInputError(f"rendezvous state for {ep.run_id!r} disappeared")
-        # 3. poll the round.
         while time.monotonic() < end:
             state, token = read_state(client, ep.run_id)
             if state is not None and state.round != start_round:
@@ -406,39 +420,40 @@ def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, 
                 break
             sleep(poll_s)
         else:
-            raise UnavailableError(f"round did not change within the deadline (stuck at {start_round}); node removed")
+            raise UnavailableError(f"round did not change within the deadline (stuck at {start_round}); entry removed")
     finally:
-        if injected_at is not None:
-            removed = _remove_fake(client, ep, fake, end + 10.0)
-            if result is not None:
-                result.removed = removed
-    # 4. settle: report the rounds seen shortly after, so a storm would be visible.
+        if injected_at is not None and result is None:
+            _withdraw(client, ep, node, start_round, end + 10.0)
+    # The agent drops the entry when it joins; watch that, and any further round (a storm would show).
     settle_end = time.monotonic() + settle_s
-    while time.monotonic() < settle_end:
+    present = True
+    while True:
         state, _ = read_state(client, ep.run_id)
-        if state is not None and state.round != seen[-1]:
-            seen.append(state.round)
+        if state is None:
+            present = False
+        else:
+            if state.round != seen[-1]:
+                seen.append(state.round)
+            present = node in state.wait_list
+        now = time.monotonic()
+        if now >= settle_end and (not present or now >= end):
+            break
         sleep(max(poll_s, 0.05))
     result.round_after = seen[-1]
-    if not result.removed:
-        result.notes.append("the fake node could not be removed: its heartbeat expires on its own")
+    result.rounds_seen = seen
+    result.removed = not present
+    if present:
+        result.notes.append(f"{node!r} still waits in round {seen[-1]}: its agent has not joined yet")
     return result
 
 
-def _remove_fake(client: StoreClient, ep: Endpoint, fake: NodeDesc, hard_end: float) -> bool:
-    """compare_set loop until the fake node is in no list of the state."""
+def _withdraw(client: StoreClient, ep: Endpoint, node: NodeDesc, start_round: int, hard_end: float) -> bool:
+    """Take our wait_list entry back (compare_set loop), unless a new round already consumed it."""
     while time.monotonic() < hard_end:
         state, token = read_state(client, ep.run_id)
-        if state is None:
+        if state is None or state.round != start_round or node not in state.wait_list:
             return True
-        present = fake in state.wait_list or fake in state.last_heartbeats or fake in state.participants \
-            or fake in state.redundancy_list
-        if not present:
-            return True
-        state.wait_list.discard(fake)
-        state.redundancy_list.discard(fake)
-        state.last_heartbeats.pop(fake, None)
-        state.participants.pop(fake, None)
+        state.wait_list.discard(node)
         desired = encode_state(state)
         if client.compare_set(ep.key, token or b"", desired) == desired:
             return True
