@@ -43,7 +43,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
 
     @app.command("logs")
     def logs(
-        files: list[str] = typer.Argument(..., metavar="FILE...|-", help="Log files to explain; '-' reads stdin."),
+        files: list[str] = typer.Argument(..., metavar="FILE|-", help="Log files to explain; '-' reads stdin."),
         as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.events/1 JSON document."),
         min_severity: str = typer.Option("info", "--min-severity", help="Hide events below: info, warning, critical."),
     ) -> int:
