@@ -15,21 +15,33 @@ from collections.abc import Mapping
 from typing import Any
 
 
+_PLAIN = (str, int, bool, type(None))
+
+
 def normalize(value: Any) -> Any:
     """The JSON value that `value` canonically stands for (tuples -> lists, integral floats -> ints)."""
-    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+    t = type(value)
+    if t in _PLAIN:
         return value
-    if isinstance(value, float):
+    if t is float:
         if not math.isfinite(value):
             raise ValueError(f"non-finite number {value!r} has no canonical form")
         return int(value) if value.is_integer() else value
-    if isinstance(value, Mapping):
+    if t is list or t is tuple:
+        if all(type(v) in _PLAIN for v in value):
+            return list(value)
+        return [normalize(v) for v in value]
+    if t is dict or isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
-            if not isinstance(k, str):
+            if type(k) is not str:
                 raise TypeError(f"canonical mappings need string keys, got {type(k).__name__}")
-            out[k] = normalize(v)
+            out[k] = v if type(v) in _PLAIN else normalize(v)
         return out
+    if isinstance(value, (bool, int, str)):  # subclasses (IntEnum, str enums): their plain value
+        return (bool if isinstance(value, bool) else int if isinstance(value, int) else str)(value)
+    if isinstance(value, float):
+        return normalize(float(value))
     if isinstance(value, (list, tuple)):
         return [normalize(v) for v in value]
     raise TypeError(f"{type(value).__name__} has no canonical encoding")

@@ -18,6 +18,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ class ObjectSpec:
     byte_offset: int
     byte_length: int
 
-    @property
+    @cached_property
     def key(self) -> str:
         """The object's identity: FQN plus chunk offsets (a tensor may be stored as several chunks)."""
         if self.chunk_offsets is None:
