@@ -245,19 +245,18 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
 
 
 def _frontier(job_dir: Path) -> tuple[int | None, str]:
-    """Newest step committed by every member of the active generation (or its certificate's frontier)."""
+    """The newest step the next generation may start from (the runtime's own rule: `frontier_limit`)."""
     if not (job_dir / "ledger").exists():
         return None, "none (no ledger: bounded by --step only)"
     from gpuguard.generation.ledger import open_ledger
+    from gpuguard.recovery.activation import frontier_limit
 
     with open_ledger(job_dir) as ledger:
         cert = ledger.active()
         if cert is None:
             return None, "none (no active certificate)"
-        committed = ledger.last_committed_by_all(cert.generation)
-    if committed is not None:
-        return max(committed, cert.frontier.step), f"commits of generation {cert.generation}"
-    return cert.frontier.step, f"certificate of generation {cert.generation}"
+        committed = ledger.last_committed_by_all(cert.generation) if cert.members else None
+    return frontier_limit(cert, committed), f"generation {cert.generation} (committed by all: {committed})"
 
 
 # --- verify ------------------------------------------------------------------------------------

@@ -86,3 +86,29 @@ def test_verify_waits_with_a_timeout_then_verifies(tmp_path):
 def test_missing_job_dir_is_one_line_and_exit_66(tmp_path):
     r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path / "nope"), "--yes")
     assert r.returncode == 66 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_restore_skips_a_corrupted_snapshot_and_pins_the_previous_verified_one(tmp_path):
+    import torch
+
+    from gpuguard.recovery.snapshot import save_snapshot
+
+    for step in (3, 6, 9):
+        save_snapshot(tmp_path, step, {"w": torch.full((4,), float(step))}, generation=0, owner="test")
+    shard = next(p for p in (tmp_path / "snapshots" / "step-9").rglob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte on disk
+    shard.write_bytes(bytes(data))
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["details"]["chosen"]["step"] == 6
+    assert [rej["step"] for rej in doc["details"]["rejected"]] == [9]
+    assert "corrupt" in doc["details"]["rejected"][0]["reason"]
+    pin = json.loads((tmp_path / "restore.json").read_text())
+    assert pin["step"] == 6 and pin["manifest_digest"] == doc["details"]["chosen"]["manifest_digest"]
+    # idempotent: the same choice again changes nothing
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--json")
+    assert json.loads(r.stdout)["outcome"] == "noop"
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--step", "5", "--json")
+    assert json.loads(r.stdout)["details"]["chosen"]["step"] == 3

@@ -62,3 +62,18 @@ def test_every_flagged_pid_is_a_live_worker(workers):
     for h in a.hazards:
         assert set(h.pids) <= live and h.severity in ("warning", "critical")
     assert a.exit_code in (0, 1, 2) and a.verdict in ("orphaned", "hung", "dead", "healthy", "unknown")
+
+
+def test_no_torch_on_the_doctor_and_action_paths(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gpuguard.cli._app import run; from gpuguard.cli import doctor, recover; "
+        f"jd = {str(tmp_path)!r}; "
+        "codes = [run(doctor.app, 'gpu-doctor', ['diagnose', 'torchrun', '--job-dir', jd, '--json']), "
+        "run(recover.app, 'gpu-recover', ['abort', '--job-dir', jd, '--dry-run', '--json']), "
+        "run(recover.app, 'gpu-recover', ['runbook', 'run', 'hang', '--job-dir', jd, '--dry-run', '--json'])]; "
+        "print(codes, 'torch' in sys.modules, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stderr.strip().splitlines()[-1] == "[0, 0, 0] False", out.stderr
