@@ -23,7 +23,8 @@ _BARS = "▁▂▃▄▅▆▇█"
 
 
 def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any = None,
-           window: int = 20) -> tuple[Any, dict[str, Any], Any]:
+           window: int = 20, logs: tuple[Path, ...] = (), log_spec: Any = None,
+           node_reports: tuple[Path, ...] = ()) -> tuple[Any, dict[str, Any], Any]:
     """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
     from gpuguard.collectors.steps import observe_job
     from gpuguard.diagnostics.jobstats import distribution
@@ -33,7 +34,8 @@ def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any 
     if not path.is_dir():
         raise NoInputError(f"job directory {path} does not exist")
     cfg = load_config(config)
-    records, observations = observe_job(path, window=window)
+    reports = [_load_report(p) for p in node_reports]
+    records, observations = observe_job(path, window=window, logs=logs, log_spec=log_spec, node_reports=reports)
     job = vote(observations, cfg, previous)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
@@ -121,9 +123,17 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
         config: Optional[Path] = typer.Option(None, "--config", help="Vote thresholds YAML (default: built in)."),
         window: int = typer.Option(20, "--window", min=1, help="Recent steps for the cohort comparison."),
+        log: list[Path] = typer.Option([], "--log", help="Training log(s) with step times (for ranks without StepLog)."),
+        log_spec: Optional[Path] = typer.Option(None, "--log-spec", help="YAML: step_log: {pattern: REGEX} "
+                                                "with named groups step, step_s|step_ms|ts, rank."),
+        log_regex: Optional[str] = typer.Option(None, "--log-regex", help="The same regex inline."),
+        node_report: list[Path] = typer.Option([], "--node-report", help="gpuguard.node/1 JSON from "
+                                               "`gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK)."),
     ) -> int:
         """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
-        job, doc, _ = assess(job_dir, config=config, window=window)
+        spec = _log_spec(log, log_spec, log_regex)
+        job, doc, _ = assess(job_dir, config=config, window=window, logs=tuple(log), log_spec=spec,
+                             node_reports=tuple(node_report))
         if as_json:
             emit_json(doc)
         else:
@@ -268,6 +278,39 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         print(f"  tree: {p.tree_s * 1e3:.3f} ms")
         print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
         return 0
+
+
+def _load_report(path: Path) -> dict[str, Any]:
+    import json
+
+    from gpuguard.errors import DataError
+
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NoInputError(f"{path}: no such node report") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != "gpuguard.node/1":
+        raise DataError(f"{path}: not a gpuguard.node/1 document")
+    return doc
+
+
+def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str]) -> Any:
+    from gpuguard.errors import UsageError
+
+    if spec_file is not None and regex is not None:
+        raise UsageError("give --log-spec or --log-regex, not both")
+    if (spec_file is not None or regex is not None) != bool(logs):
+        raise UsageError("--log needs --log-spec or --log-regex, and they need --log")
+    if not logs:
+        return None
+    from gpuguard.collectors.steps import LogStepSpec
+
+    for p in logs:
+        if not p.is_file():
+            raise NoInputError(f"{p}: no such log file")
+    return LogStepSpec.from_yaml(spec_file) if spec_file is not None else LogStepSpec.compile(regex or "", where="--log-regex")
 
 
 def _span(ranks: tuple[int, ...]) -> str:

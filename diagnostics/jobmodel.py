@@ -55,6 +55,7 @@ class RankSeries:
     generation: int = 0
     pid: int | None = None
     host: str = ""
+    local_rank: int | None = None  # the GPU index on its host, when the launcher set LOCAL_RANK
     start_wall: float = 0.0
     start_mono: float = 0.0
     steps: tuple[StepSample, ...] = ()

@@ -7,6 +7,7 @@ between ranks (pipeline stages, data shards); a cohort-wide threshold would be w
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from gpuguard.diagnostics.jobmodel import (
@@ -83,13 +84,25 @@ def observe(series: RankSeries, *, now_wall: float, now_mono: float | None = Non
         closed=ph.kind == CLOSED,
         errors=series.errors,
         hardware=hardware,
-        comm_errors=comm_errors,
+        comm_errors=comm_errors or comm_errors_from_text(series.rank, series.errors),
         notes=tuple(n for n in (
             f"{series.bad_lines} unreadable record line(s) skipped" if series.bad_lines else "",
             f"{series.clock_jumps} wall-clock jump(s) seen in the records" if series.clock_jumps else "",
             f"{series.incarnations_seen} incarnations of this rank; newest used" if series.incarnations_seen > 1 else "",
         ) if n),
     )
+
+
+_PEER = re.compile(r"\b(?:peer|remote rank|from rank|to rank|rank)\s*[:=#]?\s*(\d{1,7})\b", re.I)
+
+
+def comm_errors_from_text(rank: int, messages: Sequence[str]) -> tuple[CommError, ...]:
+    """A rank's own error messages, with the peer they name (NCCL often does; gloo gives ip:port only)."""
+    out = []
+    for text in messages:
+        peers = {int(m.group(1)) for m in _PEER.finditer(text)} - {rank}
+        out.append(CommError(rank, min(peers) if len(peers) == 1 else None, text[:300]))
+    return tuple(out)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:

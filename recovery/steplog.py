@@ -73,6 +73,8 @@ class StepLog:
         self.keep = max(1, int(keep))
         self.pid = os.getpid()
         self.host = socket.gethostname()
+        lr = os.environ.get("LOCAL_RANK", "")
+        self.local_rank = int(lr) if lr.isdigit() else None  # = the GPU index on most launchers
         self.errors = 0
         self._lock = threading.Lock()
         self._segment = -1
@@ -103,7 +105,7 @@ class StepLog:
         self._size = os.fstat(self._fd).st_size
         header = {
             "v": FORMAT_VERSION, "rank": self.rank, "incarnation": self.incarnation,
-            "generation": self.generation, "pid": self.pid, "host": self.host,
+            "generation": self.generation, "pid": self.pid, "host": self.host, "local_rank": self.local_rank,
             "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
         }
         self._raw(("H " + json.dumps(header, separators=(",", ":")) + "\n").encode())

@@ -138,3 +138,31 @@ def _check_watch(cli, tmp_path: Path) -> None:
             env={"GPUGUARD_JOB_DIR": str(tmp_path)})
     assert r.returncode == 0 and "all healthy" in r.stdout
     assert os.path.isdir(tmp_path / "ranks")
+
+
+def test_node_report_and_training_log_inputs(cli, tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    for r in range(3):
+        monkeypatch.setenv("LOCAL_RANK", str(r))
+        _steps(StepLog(tmp_path, r, f"i{r}"), 3, 0.001)
+    report = tmp_path / "node.json"
+    report.write_text(json.dumps({"schema": "gpuguard.node/1", "node": socket.gethostname(), "gpus": [
+        {"index": 1, "verdict": "drain", "evidence": [{"verdict": "drain", "check": "gpu_lost", "message": "GPU is lost"}]}]}))
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--node-report", str(report), "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 2 and {x["rank"]: x["verdict"] for x in doc["ranks"]}[1] == "dead", doc
+    assert "GPU lost" in doc["ranks"][1]["reason"]
+    (tmp_path / "bad.json").write_text("{")
+    assert cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--node-report",
+               str(tmp_path / "bad.json")).returncode == 65
+
+    logdir = tmp_path / "logjob"
+    logdir.mkdir()
+    log = tmp_path / "train.log"
+    log.write_text("".join(f"[rank{r}] step {s} step_time {0.5 if r else 0.2}s\n" for s in range(1, 30) for r in range(4)))
+    rx = r"\[rank(?P<rank>\d+)\] step (?P<step>\d+) step_time (?P<step_s>[0-9.]+)s"
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log", str(log), "--log-regex", rx, "--json")
+    doc = json.loads(r.stdout)
+    assert [x["rank"] for x in doc["ranks"]] == [0, 1, 2, 3] and doc["ranks"][1]["steps_recorded"] == 29
+    assert cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log", str(log)).returncode == 64
