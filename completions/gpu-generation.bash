@@ -5,13 +5,18 @@ _gpuguard_gpu_generation() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /bench|/bench/transitions) path="${path}/${w}" ;;
+            /bench|/bench/transitions|/explain|/history|/init|/show|/verify) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
-        "") words="bench --help --version -h" ;;
+        "") words="bench explain history init show verify --help --version -h" ;;
         "/bench") words="transitions --help -h" ;;
         "/bench/transitions") words="--help --json --layout --real --seed --strategy -h" ;;
+        "/explain") words="--all --generation --help --job-dir --json --ledger --timeout -h" ;;
+        "/history") words="--help --job-dir --json --ledger --timeout -h" ;;
+        "/init") words="--help --job-dir --job-id --json --ledger --timeout -h" ;;
+        "/show") words="--help --job-dir --json --ledger --timeout -h" ;;
+        "/verify") words="--deep --generation --help --job-dir --json --ledger --timeout -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cur" ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -8,13 +8,18 @@ _gpuguard_gpu_generation() {
         w="${words[i]}"
         [[ "$w" == -* ]] && continue
         case "${path_}/${w}" in
-            /bench|/bench/transitions) path_="${path_}/${w}" ;;
+            /bench|/bench/transitions|/explain|/history|/init|/show|/verify) path_="${path_}/${w}" ;;
         esac
     done
     case "$path_" in
-        "") items=('bench:Benchmarks that prove recovery is right, not just fast.' '--help:Show the help and exit.' '--version:Print the version and exit.' '-h:Show the help and exit.') ;;
+        "") items=('bench:Benchmarks that prove recovery is right, not just fast.' 'explain:Why an activation was refused: which rule, which member.' 'history:Every generation of the verified chain, oldest first, with fenced comm' 'init:Create the ledger, a 0600 signing key and the signed genesis certifica' 'show:The active generation: members and incarnations, frontier, state diges' 'verify:Signatures, the hash chain, the rules; with --deep the frontier states' '--help:Show the help and exit.' '--version:Print the version and exit.' '-h:Show the help and exit.') ;;
         "/bench") items=('transitions:Every fault at every boundary against every strategy; semantic failure' '--help:Show the help and exit.' '-h:Show the help and exit.') ;;
         "/bench/transitions") items=('--help:Show the help and exit.' '--json:Print the gpuguard.bench/1 document.' '--layout:dp or zero1 (repeatable; default both).' '--real:Run a representative subset as real torchrun/gloo jobs.' '--seed:Seed of the deterministic mini-training.' '--strategy:restart-all, communicator-only or gpuguard (repeatable; default all).' '-h:Show the help and exit.') ;;
+        "/explain") items=('--all:Every recorded refusal, not only the latest.' '--generation:Explain the refusals of this generation (default: the latest).' '--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
+        "/history") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
+        "/init") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--job-id:Job id (default: the job directorys name).' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
+        "/show") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
+        "/verify") items=('--deep:Also re-hash the checkpoint files against their manifests.' '--generation:Verify only this generation.' '--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
     esac
     _describe -t commands 'gpuguard' items
     _files

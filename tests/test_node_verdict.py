@@ -20,6 +20,7 @@ from _nodehelpers_node import REPO, healthy_gpu, sample_snapshot, snapshot  # no
 
 REAL_LOGS = REPO.parent / "shared" / "real-logs"
 T = node_thresholds.load()
+DEFAULTS = node_thresholds.validate(yaml.safe_load(node_thresholds.DEFAULTS_PATH.read_text()), complete=True)
 
 
 def _events(text: str):
@@ -195,21 +196,20 @@ _yamlish = st.recursive(st.none() | st.booleans() | st.integers(-5, 200) | st.fl
                         max_leaves=25)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(doc=st.dictionaries(st.sampled_from([*node_thresholds.SPEC, "schema", "other"]),
                            st.dictionaries(st.sampled_from(["drain", "pending", "volatile_uncorrected_reset",
                                                             "degraded", "slowdown_margin_c", "expected_gpus", "x"]),
                                            _yamlish, max_size=3) | _yamlish, max_size=3))
 def test_validate_accepts_or_raises_usage_error(doc):
     try:
-        merged = node_thresholds.validate(doc, node_thresholds.validate(
-            yaml.safe_load(node_thresholds.DEFAULTS_PATH.read_text()), complete=True))
+        merged = node_thresholds.validate(doc, DEFAULTS)
     except UsageError:
         return
     judge(snapshot(healthy_gpu(0)), [], node_thresholds._freeze(merged, "x"))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(raw=st.binary(max_size=200))
 def test_loader_on_random_bytes(tmp_path_factory, raw):
     cfg = tmp_path_factory.mktemp("c") / "t.yaml"

@@ -135,7 +135,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      max_leaves=20)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(gpu=st.dictionaries(st.sampled_from(["index", "name", "pci_bus_id", "lost", "ecc", "remapped_rows", "pcie",
                                             "nvlink", "temperature_c", "recovery_action", "retired_pages"]),
                            _json, max_size=6))
@@ -147,7 +147,7 @@ def test_snapshot_validation_accepts_or_raises_data_error_only(gpu):
         assert str(exc).startswith("NVML snapshot")
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(raw=st.binary(max_size=300))
 def test_snapshot_loader_on_random_bytes(tmp_path_factory, raw):
     path = tmp_path_factory.mktemp("s") / "snap.json"
