@@ -1,0 +1,159 @@
+"""`--real`: a representative subset of the schedules as real torchrun/gloo jobs with real signals.
+
+Each job runs `real_worker` under `torchrun --max-restarts=1` with 3 workers; the victim SIGKILLs
+itself at the boundary; torchrun restarts the group. The oracle judges what the ranks wrote at
+the end; latency is measured (kill -> first step of the new generation done by every rank).
+
+communicator-only has no real row: under torchrun the agent SIGTERMs the survivors within ~60 ms
+of a death, so "survivors carry on" needs a launcher of its own; the simulator covers it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gpuguard.generation.transitions.model import TrainState
+from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
+from gpuguard.generation.transitions.runner import Row
+
+REAL_SCHEDULES = (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
+                  ("stale-completion", "before-commit"))
+WORKERS = 3
+STEPS, CKPT_EVERY, FAULT_STEP = 10, 3, 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_pidfile(path: Path) -> None:
+    try:
+        pid = int(path.read_text())
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float) -> tuple[int, str]:
+    """Run one torchrun job in its own process group; kill the whole group on timeout."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={WORKERS}",
+            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=transitions-{port}", "--monitor-interval=0.1",
+            "-m", "gpuguard.generation.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job),
+            "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--fault", fault, "--boundary", boundary,
+            "--fault-step", str(FAULT_STEP), "--victim", str(WORKERS - 1), "--seed", str(seed)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}
+    if strategy == "restart-all":
+        # the known fix for torchrun's stale gloo keys (reference/torchrun-gloo-findings.md, 1/9 resumes without)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    log = job / "torchrun.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+    # a late writer gets a bounded grace to land, then is stopped
+    late = job / "bench-faults" / "late.pid"
+    deadline = time.monotonic() + 10
+    while late.exists() and not (job / "bench-faults" / "late-result.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if late.exists():
+        _kill_pidfile(late)
+    tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
+    return rc, tail
+
+
+def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int) -> tuple[RunOutcome, dict]:
+    """What the job left behind, as the oracle's input, plus the measurements."""
+    out = job / "bench-out"
+    finals = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))] if out.exists() else []
+    ranks = tuple(RankOutcome(
+        f["rank"], f["incarnation"], f["generation"], TrainState.from_dict(f["state"]), f["base_step"],
+        tuple(Applied(h["step"], h["generation"], tuple(h["grad_steps"]), h["grad_generation"]) for h in f["history"]),
+    ) for f in finals)
+    effects = []
+    late = job / "bench-faults" / "late-result.json"
+    if late.exists():
+        r = json.loads(late.read_text())
+        if "accepted" in r:
+            effects.append(Effect(r["kind"], r["origin_generation"], r["active_generation"], r["rank"], r["step"],
+                                  r["accepted"]))
+    claimed = None
+    meas: dict = {"sync_ops": 0}
+    if strategy == "gpuguard" and (job / "ledger").exists():
+        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+
+        ledger = open_ledger(job)
+        active = ledger.require_active()
+        claimed = ledger.last_committed_by_all(active.generation)
+        meas["sync_ops"] = sum(len(ledger.commits(g)[0]) for g in range(active.generation + 1))
+        meas["fenced"] = ledger.fenced_count()
+    fired = job / "bench-faults" / "fired.json"
+    aborted = None
+    if rc != 0:
+        aborted = f"torchrun exited with status {rc}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
+    elif not fired.exists():
+        aborted = "the fault never fired"
+    elif len(finals) != WORKERS:
+        aborted = f"only {len(finals)} of {WORKERS} ranks finished"
+    if fired.exists() and finals:
+        kill_t = json.loads(fired.read_text())["time"]
+        gen = max(f["generation"] for f in finals)
+        firsts = [json.loads(p.read_text())["time"] for p in out.glob(f"first-step-g{gen}-r*.json")]
+        meas["recovery_s"] = max(firsts) - kill_t if len(firsts) == WORKERS else None
+        meas["resume_step"] = min(f["base_step"] for f in finals)
+    return RunOutcome(seed, ranks, claimed, tuple(effects), None, aborted), meas
+
+
+def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, timeout_s: float = 150.0) -> Row:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpuguard-transitions-real-") as tmp:
+        job = Path(tmp)
+        rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s)
+        run, meas = outcome(strategy, job, rc, tail, seed)
+    verdict = judge(run)
+    progress = FAULT_STEP if boundary == "before-commit" else FAULT_STEP - 1
+    resume = meas.get("resume_step")
+    return Row(strategy=strategy, fault=fault, boundary=boundary, layout="dp", semantic_failure=not verdict.ok,
+               detail=verdict.detail, recovery_s=meas.get("recovery_s"),
+               steps_lost=None if resume is None else max(0, progress - resume),
+               sync_ops_per_step=meas["sync_ops"] / STEPS, sync_s_per_step=0.0,
+               fenced=sum(1 for e in run.effects if not e.accepted),
+               findings=tuple(f.to_dict() for f in verdict.findings), mode="real", latency="measured",
+               wall_s=time.perf_counter() - t0)
+
+
+def run_real(*, strategies: list[str], seed: int = 0, timeout_s: float = 150.0) -> tuple[list[Row], list[str]]:
+    rows = []
+    notes = [f"real: {WORKERS} torchrun/gloo workers, --max-restarts=1, {STEPS} steps, fault at step {FAULT_STEP}; "
+             "recovery_s measured from the SIGKILL to the first step done by every rank of the new generation",
+             "restart-all runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torchrun+gloo restarts "
+             "resume 1 time in 9 here: reference/torchrun-gloo-findings.md)"]
+    for name in strategies:
+        if name == "communicator-only":
+            notes.append("communicator-only: no real rows (torchrun stops the survivors; the simulator covers it)")
+            continue
+        for fault, boundary in REAL_SCHEDULES:
+            rows.append(run_real_one(name, fault, boundary, seed=seed, timeout_s=timeout_s))
+    return rows, notes
