@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -320,7 +319,3 @@ def open_ledger(job_dir: str | Path, url: str | None = None, *, key: bytes | Non
 
 def dumps_record(record: dict[str, Any]) -> bytes:
     return canonical_bytes(record) + b"\n"
-
-
-def all_violations(items: Iterable[list[Violation]]) -> list[Violation]:
-    return [v for vs in items for v in vs]

@@ -170,3 +170,36 @@ def test_kill_9_during_500_activations_leaves_a_whole_chain(ledger, tmp_path):
         assert verify_ledger(fresh, KEY).ok
     assert open_ledger(tmp_path, key=KEY).require_active().generation == target
     assert kills >= 10
+
+
+def test_commit_log_torn_tail_ignored_garbled_line_reported(ledger):
+    g1 = child(ledger.require_active(), members(1))
+    ledger.activate(g1)
+    inc = g1.members[0].incarnation.id
+    assert ledger.record_commit(1, 4, 0, inc)
+    log = ledger.root / "commits-1.log"
+    with open(log, "ab") as f:
+        f.write(b'{"g":1,"i":"' + inc.encode() + b'","r":0,"s":9')  # a writer killed mid-append
+    assert ledger.last_committed_by_all(1) == 4
+    with open(log, "ab") as f:
+        f.write(b"\nnot json\n")
+    assert ledger.commits(1)[1] == 2
+    rep = verify_ledger(open_ledger(ledger.root.parent, key=KEY), KEY)
+    assert not rep.ok and "garbled commit record" in rep.findings[0].message
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpuguard.generation.ledger import dumps_record, parse_lines  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=st.lists(st.dictionaries(st.text(max_size=4), st.integers(-5, 2**40) | st.text(max_size=6), max_size=3),
+                        max_size=6),
+       tail=st.binary(max_size=40).filter(lambda b: b"\n" not in b), noise=st.binary(max_size=60))
+def test_log_format_keeps_whole_records_and_never_crashes(records, tail, noise):
+    data = b"".join(dumps_record(r) for r in records)
+    got, bad = parse_lines(data + tail)
+    assert got == records and bad == 0
+    parse_lines(noise + data)  # arbitrary bytes: counted, never raised
