@@ -6,9 +6,11 @@ strategy stops failing (or starts failing) on the class of schedules the claim i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from gpuguard.generation.transitions import runner
+from gpuguard.generation.transitions import report, runner
 from gpuguard.generation.transitions.certified import Certified
 from gpuguard.generation.transitions.schedules import BOUNDARIES, FAULTS, Schedule
 
@@ -74,3 +76,13 @@ def test_a_gpuguard_without_its_fence_is_caught(monkeypatch):
     monkeypatch.setattr(Certified, "accept_late", lambda self, sim, p, item: True)
     r = runner.run_one(Schedule("stale-completion", "allreduce-partial"), "gpuguard")
     assert r.semantic_failure and "stale" in r.detail or "gradient" in r.detail
+
+
+def test_the_document_and_the_exit_decision(rows):
+    doc = json.loads(json.dumps(report.document(rows)))
+    assert doc["schema"] == "gpuguard.bench/1" and doc["bench"] == "transitions"
+    assert {r["strategy"] for r in doc["results"]} == {"restart-all", "communicator-only", "gpuguard"}
+    assert doc["ratios"]["recovery_speedup"] > 1 and doc["ratios"]["steps_lost_ratio"] < 1
+    assert report.gpuguard_failures(rows) == 0
+    broken = [runner.Row(**{**r.__dict__, "semantic_failure": True}) if r.strategy == "gpuguard" else r for r in rows]
+    assert report.gpuguard_failures(broken) == 42  # the CLI exits 1 on any

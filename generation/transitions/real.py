@@ -13,27 +13,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from gpuguard.errors import UnavailableError
 from gpuguard.generation.transitions.model import TrainState
 from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
 from gpuguard.generation.transitions.runner import Row
+from gpuguard.recovery.demo import free_port
+from gpuguard.recovery.demo import run_job as run_torchrun
 
 REAL_SCHEDULES = (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
                   ("stale-completion", "before-commit"))
 WORKERS = 3
 STEPS, CKPT_EVERY, FAULT_STEP = 10, 3, 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_pidfile(path: Path) -> None:
@@ -46,7 +41,7 @@ def _kill_pidfile(path: Path) -> None:
 
 def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float) -> tuple[int, str]:
     """Run one torchrun job in its own process group; kill the whole group on timeout."""
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={WORKERS}",
             "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=transitions-{port}", "--monitor-interval=0.1",
@@ -60,19 +55,10 @@ def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, t
     else:
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     log = job / "torchrun.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = 124
-        finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+    try:  # its own process group, output to the log, the whole group killed on timeout
+        rc = run_torchrun(argv, env=env, timeout_s=timeout_s, on_line=lambda _line: None, log_path=log)
+    except UnavailableError:
+        rc = 124
     # a late writer gets a bounded grace to land, then is stopped
     late = job / "bench-faults" / "late.pid"
     deadline = time.monotonic() + 10
