@@ -101,8 +101,41 @@ def _kernel_log(spec: str | None, *, cursor: Any = None, timeout: float) -> Any:
     if spec == "-":
         return kernel_log.read_stream(sys.stdin.buffer, "-", timeout=timeout)
     if spec is not None:
-        return kernel_log.read_file(spec, cursor=cursor, timeout=timeout)
+        if not sys.stderr.isatty():
+            return kernel_log.read_file(spec, cursor=cursor, timeout=timeout)
+        with _ProgressBar(f"reading {spec}") as bar:
+            return kernel_log.read_file(spec, cursor=cursor, timeout=timeout, progress=bar.start)
     return kernel_log.read_live(cursor=cursor, timeout=timeout)
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr, shown only for big reads on a terminal (never when piped)."""
+
+    MIN_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.progress: Any = None
+
+    def start(self, total: int, _done: int) -> Any:
+        if total < self.MIN_BYTES:
+            return None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+        from gpuguard.cli._app import console
+
+        self.progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                 TimeRemainingColumn(), console=console(stderr=True), transient=True)
+        self.progress.start()
+        task = self.progress.add_task(self.label, total=total)
+        return lambda n: self.progress.advance(task, n)
+
+    def __enter__(self) -> "_ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 def _processes() -> dict[str, Any]:

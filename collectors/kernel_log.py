@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any, Callable, Iterable
 
 from gpuguard.diagnostics.events import Event
 from gpuguard.errors import DataError, from_os_error
@@ -155,7 +155,8 @@ def _scan_block(block: bytes, first_line: int, out: list[tuple[int, bytes]]) -> 
 
 
 def scan(fh: IO[bytes], *, offset: int = 0, line: int = 0, end: int | None = None,
-         deadline: float | None = None, final: bool = False) -> _Scan:
+         deadline: float | None = None, final: bool = False,
+         progress: Callable[[int], None] | None = None) -> _Scan:
     """Scan complete lines from `fh` (positioned at `offset`) up to `end` bytes (None: EOF).
 
     final: also consume a trailing line without newline (a stream that has ended: stdin, dmesg).
@@ -170,6 +171,8 @@ def scan(fh: IO[bytes], *, offset: int = 0, line: int = 0, end: int | None = Non
             break
         pos += len(chunk)
         result.bytes_read += len(chunk)
+        if progress is not None:
+            progress(len(chunk))
         buf = carry + chunk if carry else chunk
         cut = buf.rfind(b"\n") + 1
         if cut == 0:
@@ -264,8 +267,11 @@ def _rotated_tail(path: Path, cursor: Cursor, deadline: float, notes: list[str])
 
 
 def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-              parse: bool = True) -> KernelLog:
-    """Read a kernel log file from the cursor (or the start) to its current end."""
+              parse: bool = True, progress: Callable[[int, int], Callable[[int], None]] | None = None) -> KernelLog:
+    """Read a kernel log file from the cursor (or the start) to its current end.
+
+    progress: called once with (bytes to read, 0) and returning a per-chunk callback (a progress bar).
+    """
     path = Path(path)
     deadline = time.monotonic() + timeout
     notes: list[str] = []
@@ -284,7 +290,8 @@ def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float 
         if cursor is not None and (cursor.device, cursor.inode) != (st.st_dev, st.st_ino):
             previous = _rotated_tail(path, cursor, deadline, notes)
         offset, line = _resume_point(fh, st, cursor, notes)
-        result = scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline)
+        advance = progress(st.st_size - offset, 0) if progress is not None else None
+        result = scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline, progress=advance)
         if result.stopped_early:
             notes.append(f"stopped after {timeout:g} s at line {result.line}: the next sweep continues there")
     last_len = len(result.last_line) if result.offset > offset else (cursor.last_line_len if cursor and offset else 0)
