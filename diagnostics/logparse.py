@@ -33,8 +33,9 @@ timestamp when absolute, uptime_s for dmesg's monotonic clock; a field is null w
 
 A line is a candidate only if it holds one of `MARKERS`; state only ever looks at candidate lines, so
 the fast scanner (which never decodes other lines) and `iter_events` yield identical events. Lines
-longer than `MAX_LINE` characters are cut before parsing (a log line is never that long; a binary
-blob might be). Bytes are decoded as UTF-8 with replacement characters; CR/LF endings are stripped.
+are split into records at carriage returns (progress bars), and records longer than `MAX_LINE`
+characters are cut (a log line is never that long; a binary blob might be). Bytes are decoded as UTF-8
+with replacement characters. Events carry the line number of their line (`\n`-counted).
 """
 
 from __future__ import annotations
@@ -77,14 +78,19 @@ def has_marker(text: str) -> bool:
     return _MARKER_RE.search(text) is not None
 
 
-def _clean(line: str | bytes) -> str:
+def records(line: str | bytes | bytearray | memoryview) -> list[str]:
+    """The records of one line: split on carriage returns (tqdm progress bars rewrite a line with `\r`
+    many thousand times before the `\n`, and a watchdog error may sit in the middle), each cut to
+    `MAX_LINE` characters. A CRLF ending leaves an empty last record."""
     if isinstance(line, memoryview):
         line = bytes(line)
     if isinstance(line, (bytes, bytearray)):
         line = line.decode("utf-8", errors="replace")
-    if len(line) > MAX_LINE:
-        line = line[:MAX_LINE]
-    return line.rstrip("\r\n")
+    if line.endswith("\n"):
+        line = line[:-1]
+    if "\r" not in line:
+        return [line[:MAX_LINE]]
+    return [part[:MAX_LINE] for part in line.split("\r")]
 
 
 class LogParser:
@@ -115,7 +121,15 @@ class LogParser:
 
     def feed(self, line: str | bytes, line_no: int) -> list[Event]:
         """Events completed by this line (usually zero or one; a flushed multi-line event may precede)."""
-        text = _clean(line)
+        parts = records(line)
+        if len(parts) == 1:
+            return self._feed_record(parts[0], line_no)
+        out: list[Event] = []
+        for part in parts:
+            out.extend(self._feed_record(part, line_no))
+        return out
+
+    def _feed_record(self, text: str, line_no: int) -> list[Event]:
         if not has_marker(text):
             return []
         out: list[Event] = []
@@ -144,10 +158,10 @@ class LogParser:
 
 
 def parse_line(text: str | bytes, line_no: int, source: str | None = None) -> Event | None:
-    """The event one line holds on its own, or None."""
+    """The event one line holds on its own (the first one if `\r` splits it into several), or None."""
     parser = LogParser(source)
     events = parser.feed(text, line_no) + parser.close()
-    return events[-1] if events else None
+    return events[0] if events else None
 
 
 def iter_events(lines: Iterable[str | bytes], *, source: str | None = None, start_line: int = 1,

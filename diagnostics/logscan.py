@@ -5,8 +5,9 @@ decoding and regex-matching every line would be ~50x slower than `grep`. Here th
 8 MiB chunks, every rule marker is searched at once with an Aho-Corasick automaton (`ahocorasick_rs`,
 SIMD-accelerated; one `bytes.find` pass per marker is the fallback), newlines are counted only up to each hit
 for line numbers, and only lines holding a marker are decoded and handed to the same `LogParser` that
-`iter_events` uses - so both paths yield the same events. Memory stays bounded by the chunk size plus
-the longest line (lines longer than `MAX_LINE_BYTES` are cut).
+`iter_events` uses - so both paths yield the same events. Records end at `\n` or `\r` (progress bars);
+line numbers count `\n` only. Memory stays bounded by the chunk size plus the longest record (records
+longer than `MAX_LINE_BYTES` are cut).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ _BYTE_MARKERS = [m.encode("ascii") for m in MARKERS]
 
 
 Finder = Callable[[bytearray, int, int], list[int]]
+_NL = ord("\n")
+
+
+def _first_delim(buf: bytearray, start: int, end: int) -> int:
+    """Offset of the first record delimiter (`\n` or `\r`) in buf[start:end], or -1."""
+    nl = buf.find(b"\n", start, end)
+    cr = buf.find(b"\r", start, nl if nl >= 0 else end)
+    return cr if cr >= 0 else nl
 
 
 def _bytes_finder() -> Finder:
@@ -65,7 +74,8 @@ class LogScan:
     After iteration: `offset` is the byte offset just past the last complete line read (a cursor for
     the next incremental run), `next_line` the number the next line will have, `bytes_read` the bytes
     consumed. A final line without a newline is parsed only when `partial_last_line` is True (a file
-    being appended to may still be writing it).
+    being appended to may still be writing it); `\r`-ended records of that line are parsed as they
+    complete, so a resumed scan can see those again.
     """
 
     file: BinaryIO
@@ -110,30 +120,33 @@ class LogScan:
             if self.on_progress is not None:
                 self.on_progress(n)
             start = 0
-            if dropping:
-                first = buf.find(b"\n", have, end)
+            if dropping:  # skip the rest of an over-long record up to its end
+                first = _first_delim(buf, have, end)
                 if first < 0:
                     continue
                 yield from parser.feed(bytes(buf[:have]), line_no)
-                line_no += 1
+                if buf[first] == _NL:
+                    line_no += 1
                 dropping = False
                 start = first + 1
-            last_nl = buf.rfind(b"\n", start, end)
+            last = max(buf.rfind(b"\n", start, end), buf.rfind(b"\r", start, end))
             rest_start = start
-            if last_nl >= 0:
+            if last >= 0:
                 pos = start  # offset up to which newlines are counted into line_no
-                skip_to = start  # hits before this offset belong to a line already parsed
-                for hit in find(buf, start, last_nl + 1):
+                skip_to = start  # hits before this offset belong to a record already parsed
+                for hit in find(buf, start, last + 1):
                     if hit < skip_to:
                         continue
                     ls = buf.rfind(b"\n", start, hit) + 1 or start
-                    le = buf.find(b"\n", hit, last_nl + 1)
-                    line_no += buf.count(b"\n", pos, ls)
-                    pos = ls
-                    yield from parser.feed(buf[ls:min(le, ls + MAX_LINE_BYTES)], line_no)
-                    skip_to = le + 1
-                line_no += buf.count(b"\n", pos, last_nl + 1)
-                rest_start = last_nl + 1
+                    cr = buf.rfind(b"\r", ls, hit)
+                    rs = cr + 1 if cr >= 0 else ls
+                    re_ = _first_delim(buf, hit, last + 1)
+                    line_no += buf.count(b"\n", pos, rs)
+                    pos = rs
+                    yield from parser.feed(buf[rs:min(re_, rs + MAX_LINE_BYTES)], line_no)
+                    skip_to = re_ + 1
+                line_no += buf.count(b"\n", pos, last + 1)
+                rest_start = last + 1
             rest = end - rest_start
             if rest > MAX_LINE_BYTES:
                 rest, dropping = MAX_LINE_BYTES, True

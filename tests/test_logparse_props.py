@@ -96,13 +96,29 @@ def test_crlf_endings_change_nothing(lines):
     assert scan(crlf, 64) == scan(lf, 64)
 
 
-@given(st.lists(st.sampled_from(REAL_LINES) | noise_text | st.binary(max_size=80).map(lambda b: b.decode("latin-1")),
-                max_size=60),
+@given(st.lists(st.tuples(st.sampled_from(REAL_LINES) | noise_text | st.binary(max_size=80).map(lambda b: b.decode("latin-1")),
+                          st.sampled_from(["\n", "\n", "\r", "\r\n"])), max_size=60),
        st.integers(min_value=1, max_value=4096), st.booleans(), st.booleans())
 @SETTINGS
 def test_fast_scanner_equals_line_parser(parts, chunk, accelerated, trailing_newline):
-    data = "\n".join(parts).encode("utf-8", "surrogatepass") + (b"\n" if trailing_newline else b"")
+    data = "".join(p + sep for p, sep in parts).encode("utf-8", "surrogatepass")
+    if not trailing_newline and data.endswith(b"\n"):
+        data = data[:-1]
     assert scan(data, chunk, accelerated) == lines_of(data)
+
+
+def test_progress_bar_records_split_at_carriage_returns():
+    """tqdm rewrites one line with \r for hours; the watchdog error lands in the middle of it."""
+    bar = "".join(f"Epoch 0: {i % 100:3d}%|#####     | {i}/500150 [6:28:43<94:39:17,  1.37it/s]\r" for i in range(40000))
+    error = ("[E ProcessGroupNCCL.cpp:458] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=96120, "
+             "OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 25624887 milliseconds before timing out.")
+    data = ("first line\n" + bar + error + "\r" + bar + "\n" + error + "\n").encode()
+    assert len(data) > 4 << 20  # one line, several chunks long
+    for chunk in (1 << 18, 1 << 20):
+        events = scan(data, chunk)
+        assert [(e["line"], e["kind"], e["seq"]) for e in events] == [(2, "watchdog_timeout", 96120),
+                                                                      (3, "watchdog_timeout", 96120)]
+    assert lines_of(data) == events
 
 
 @given(st.integers(min_value=0, max_value=len(ALL_REAL_BYTES)), st.integers(min_value=1, max_value=1 << 16))
