@@ -37,6 +37,18 @@ class JobRecords:
     def world(self) -> int:
         return len(self.ranks)
 
+    @property
+    def expected_world(self) -> int | None:
+        """WORLD_SIZE as the ranks recorded it (the largest claim), if any did."""
+        sizes = [s.world_size for s in self.ranks.values() if s.world_size]
+        return max(sizes) if sizes else None
+
+    @property
+    def silent_ranks(self) -> tuple[int, ...]:
+        """Ranks below the recorded WORLD_SIZE that have not written a record (yet)."""
+        w = self.expected_world
+        return tuple(r for r in range(w) if r not in self.ranks) if w else ()
+
 
 def _f(tok: str) -> float:
     v = float(tok)
@@ -127,6 +139,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
             bad += 1
     pid = header.get("pid")
     lr = header.get("local_rank")
+    ws = header.get("world_size")
     return RankSeries(
         rank=rank,
         incarnation=incarnation,
@@ -134,6 +147,7 @@ def parse_lines(lines: Iterable[str], *, rank: int, incarnation: str,
         pid=pid if isinstance(pid, int) and pid > 0 else None,
         host=str(header.get("host", "")),
         local_rank=lr if isinstance(lr, int) and not isinstance(lr, bool) and lr >= 0 else None,
+        world_size=ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 10_000_000 else None,
         start_wall=float(header.get("wall", 0) or 0) if isinstance(header.get("wall", 0), (int, float)) else 0.0,
         start_mono=float(header.get("mono", 0) or 0) if isinstance(header.get("mono", 0), (int, float)) else 0.0,
         steps=tuple(steps[-max_steps:]),
@@ -154,6 +168,47 @@ def _complete_lines(data: bytes) -> list[str]:
     return data[:end].decode("utf-8", "replace").split("\n")
 
 
+BYTES_PER_STEP = 4 * 64  # ~4 records of ~50 bytes per step: how much tail to read for `max_steps`
+
+
+def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], list[str]]:
+    """The header line plus the last ~`budget` bytes of whole lines across the segments (oldest first).
+
+    Reading only the tail keeps a check cheap however long the job has run (rotation bounds the rest).
+    """
+    chunks: list[list[str]] = []
+    files: list[str] = []
+    header: list[str] = []
+    left = budget
+    for name in reversed(names):
+        if left <= 0:
+            break
+        try:
+            with open(root / name, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                first = fh.readline()
+                if size > left:
+                    fh.seek(size - left)
+                    data = fh.read()
+                    cut = data.find(b"\n")
+                    data = data[cut + 1:] if cut >= 0 else b""
+                else:
+                    fh.seek(0)
+                    data = fh.read()
+                    first = b""  # the whole segment, header included
+        except OSError:  # rotated away while we listed
+            continue
+        left -= size
+        chunks.append(_complete_lines(data))
+        files.append(name)
+        if first.endswith(b"\n") and first.startswith(b"H "):
+            header = [first[:-1].decode("utf-8", "replace")]
+    lines = header[:]
+    for chunk in reversed(chunks):
+        lines.extend(chunk)
+    return lines, list(reversed(files))
+
+
 def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
     """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
     root = Path(job_dir) / RANKS_DIR
@@ -171,17 +226,9 @@ def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> 
             continue
         groups.setdefault((int(m.group(1)), m.group(2)), []).append((int(m.group(3)), name))
     per_rank: dict[int, list[RankSeries]] = {}
+    budget = max(64 * 1024, max_steps * BYTES_PER_STEP)
     for (rank, inc), segs in groups.items():
-        lines: list[str] = []
-        files = []
-        for _, name in sorted(segs):
-            try:
-                with open(root / name, "rb") as fh:
-                    data = fh.read()
-            except OSError:  # rotated away while we listed
-                continue
-            lines.extend(_complete_lines(data))
-            files.append(name)
+        lines, files = _tail_lines(root, [name for _, name in sorted(segs)], budget)
         if not files:
             continue
         series = parse_lines(lines, rank=rank, incarnation=inc, max_steps=max_steps)
@@ -257,6 +304,11 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
             "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
         out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
                            window=window, history=history, hardware=hardware.get(series.rank, ())))
+    from gpuguard.diagnostics.jobmodel import RankObservation
+
+    for rank in records.silent_ranks[:100_000]:
+        out.append(RankObservation(rank=rank, has_records=False,
+                                   notes=(f"WORLD_SIZE is {records.expected_world} but rank {rank} wrote no records",)))
     return records, out
 
 

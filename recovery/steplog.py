@@ -75,6 +75,8 @@ class StepLog:
         self.host = socket.gethostname()
         lr = os.environ.get("LOCAL_RANK", "")
         self.local_rank = int(lr) if lr.isdigit() else None  # = the GPU index on most launchers
+        ws = os.environ.get("WORLD_SIZE", "")
+        self.world_size = int(ws) if ws.isdigit() else None  # lets the reader name ranks that never wrote
         self.errors = 0
         self._lock = threading.Lock()
         self._segment = -1
@@ -106,6 +108,7 @@ class StepLog:
         header = {
             "v": FORMAT_VERSION, "rank": self.rank, "incarnation": self.incarnation,
             "generation": self.generation, "pid": self.pid, "host": self.host, "local_rank": self.local_rank,
+            "world_size": self.world_size,
             "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
         }
         self._raw(("H " + json.dumps(header, separators=(",", ":")) + "\n").encode())

@@ -166,3 +166,14 @@ def test_node_report_and_training_log_inputs(cli, tmp_path: Path, monkeypatch) -
     doc = json.loads(r.stdout)
     assert [x["rank"] for x in doc["ranks"]] == [0, 1, 2, 3] and doc["ranks"][1]["steps_recorded"] == 29
     assert cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log", str(log)).returncode == 64
+
+
+def test_a_rank_that_never_wrote_is_unknown(cli, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for r in (0, 2):
+        _steps(StepLog(tmp_path, r, f"i{r}"), 3, 0.001)
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 3 and doc["verdict"] == "unknown"
+    assert {x["rank"]: x["verdict"] for x in doc["ranks"]}[1] == "unknown"
+    assert "no step records" in doc["ranks"][1]["reason"]

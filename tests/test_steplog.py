@@ -244,3 +244,14 @@ def test_log_collector_never_raises(tmp_path: Path, lines: list[str]) -> None:
     spec = LogStepSpec.compile(r"r(?P<rank>\d*) s(?P<step>-?\d*) t(?P<ts>\S*) d(?P<step_s>\S*)")
     for s in read_log_steps([log], spec).values():
         assert all(x.compute_s >= 0 for x in s.steps)
+
+
+def test_reader_reads_only_the_tail_it_needs(tmp_path: Path) -> None:
+    log = StepLog(tmp_path, 0, "a", max_bytes=64 * 1024, keep=4)
+    for s in range(3000):
+        _one_step(log, s)
+    log.begin_step(3000)
+    r = read_job(tmp_path, max_steps=100).ranks[0]
+    assert r.pid == os.getpid() and r.bad_lines == 0
+    assert 100 == len(r.steps) and r.steps[-1].step == 2999
+    assert r.phase.kind == COMPUTING and r.phase.step == 3000 and r.phase.seq == 2999
