@@ -457,6 +457,20 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         thresholds = node_thresholds.load(config)
         state_path = Path(state_dir) if state_dir else _default_state_dir()
         state_file = state_path / "sweep-state.json"
+        with _sweep_lock(state_path, wait=min(10.0, budget)):
+            return _sweep_locked(
+                state_file=state_file, kernel_log=kernel_log, timeout=timeout, retain_s=retain_s,
+                nvml_snapshot=nvml_snapshot, nvml_timeout=nvml_timeout, thresholds=thresholds, started=started,
+                budget=budget, textfile=textfile, webhook=webhook, webhook_timeout=webhook_timeout,
+                webhook_retries=webhook_retries, output=output, opts=opts, drain=drain, run_drain=run_drain,
+                node=node, out_fmt=out_fmt)
+
+    def _sweep_locked(*, state_file: Path, kernel_log: str | None, timeout: float, retain_s: float,
+                      nvml_snapshot: str | None, nvml_timeout: float, thresholds: Any, started: float,
+                      budget: float, textfile: str | None, webhook: str | None, webhook_timeout: float,
+                      webhook_retries: int, output: list[str], opts: dict[str, dict[str, str]], drain: bool,
+                      run_drain: bool, node: str | None, out_fmt: str) -> int:
+        """The sweep proper, under the state directory's lock."""
         state, notes = _load_state(state_file)
         for note in notes:
             _warn(note)
@@ -540,6 +554,41 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
                 line += f"  error: {p.error}"
             print(line)
         return 0
+
+
+class _sweep_lock:  # noqa: N801 - used as a context manager
+    """One sweep per state directory at a time: an overlapping cron run must not read the same
+    kernel-log lines twice or overwrite the other's cursor."""
+
+    def __init__(self, state_dir: Path, wait: float) -> None:
+        self.path = state_dir / "sweep.lock"
+        self.wait = wait
+        self.fd: int | None = None
+
+    def __enter__(self) -> "_sweep_lock":
+        import fcntl
+
+        from gpuguard.errors import UnavailableError, from_os_error
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise from_os_error(exc, f"sweep lock {self.path}") from None
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise UnavailableError(f"another sweep holds {self.path} (waited {self.wait:g} s)") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
 
 
 def _failed(info: Any) -> Any:

@@ -269,6 +269,7 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
 
     counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
     unplaced: list[Event] = []
+    identities: dict[str, str] = {}
     for ev in events:
         counts["events"] += 1
         if since is not None and ev.timestamp is not None and ev.timestamp < since:
@@ -284,9 +285,13 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
                                          f"NVSwitch SXid {fields.get('sxid')}{' (fatal)' if fatal else ''}",
                                          "check the NVSwitch fabric (Fabric Manager log)", ev.line))
             continue
+        pci = fields.get("pci_bus_id")
+        if ev.kind == "gpu_identity" and pci and fields.get("uuid"):
+            # `NVRM: GPU at PCI:...: GPU-<uuid>`: names a GPU even when NVML has lost it
+            identities[pci] = str(fields["uuid"])
+            continue
         if ev.kind not in KERNEL_KINDS:
             continue
-        pci = fields.get("pci_bus_id")
         if not pci:
             unplaced.append(ev)
             continue
@@ -310,7 +315,7 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
         action = _action([f.action for f in evidence if f.verdict == verdict], verdict)
         meta = entry["meta"]
         results.append(GpuVerdict(meta.get("pci_bus_id") or key, verdict, tuple(evidence), action,
-                                  meta.get("index"), meta.get("uuid"), meta.get("name")))
+                                  meta.get("index"), meta.get("uuid") or identities.get(key), meta.get("name")))
     results.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci_bus_id or ""))
 
     level = worst([g.verdict for g in results] + [f.verdict for f in node_findings])

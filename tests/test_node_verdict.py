@@ -218,3 +218,18 @@ def test_loader_on_random_bytes(tmp_path_factory, raw):
         node_thresholds.load(cfg)
     except UsageError:
         pass
+
+
+def test_kernel_identity_names_a_gpu_nvml_lost():
+    # 013: "NVRM: GPU at PCI:0000:2b:00: GPU-0b11d014-..." then Xid 79; NVML no longer lists that GPU
+    events = _events((REAL_LOGS / "013-xid.log").read_text())
+    result = judge(snapshot(healthy_gpu(0)), events, T)
+    lost = next(g for g in result.gpus if g.pci_bus_id == "0000:2b:00.0")
+    assert lost.uuid == "GPU-0b11d014-1685-04bd-26ed-5fc0bc1c44ae" and lost.verdict == "drain"
+
+
+def test_redacted_addresses_become_node_evidence():
+    events = _events((REAL_LOGS / "009-xid.log").read_text())  # "NVRM: Xid (PCI:...): 145, ..."
+    result = judge(snapshot(healthy_gpu(0)), events, T)
+    assert {f.check for f in result.evidence} >= {"xid.145", "xid.137"}
+    assert [g.pci_bus_id for g in result.gpus] == ["0000:10:00.0"]

@@ -162,3 +162,16 @@ def test_corrupt_state_is_reported_and_the_sweep_starts_over(node):
     r = _sweep(tmp_path, log, healthy, "--json")
     assert r.returncode == 2 and "unreadable" in r.stderr and "Traceback" not in r.stderr
     assert json.loads(r.stdout)["sections"]["kernel_log"]["lines_read"] == 19
+
+
+def test_overlapping_sweeps_are_serialised(node):
+    import fcntl
+
+    tmp_path, log, healthy = node
+    (tmp_path / "state").mkdir()
+    with open(tmp_path / "state" / "sweep.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = _sweep(tmp_path, log, healthy, "--json", "--budget", "0.5")
+    assert r.returncode == 75 and "another sweep holds" in r.stderr and r.stdout == ""
+    assert not (tmp_path / "state" / "sweep-state.json").exists()  # nothing read, nothing recorded
+    assert _sweep(tmp_path, log, healthy, "--json").returncode == 2
