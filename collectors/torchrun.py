@@ -84,8 +84,7 @@ def gather(job_dir: Path | None, *, init_timeout_s: float, now: float | None = N
             else:
                 records.append(rec)
         job_agents = {r.agent_pid for r in records}
-        if job_agents:  # only this job's agents (other jobs on the host are not this job's hazards)
-            agents = [a for a in agents if a.pid in job_agents]
+        agents = [a for a in agents if a.pid in job_agents]  # other jobs on the host are not this job's
         for rec in records:
             proc = matching_process(rec.pid, rec.start_time)
             ppid = None

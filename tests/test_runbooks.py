@@ -156,3 +156,17 @@ def test_interrupted_run_resumes_from_the_audit_log(tmp_path):
         if runner is not None and runner.poll() is None:
             runner.kill()
         reap(proc)
+
+
+def test_command_steps_run_gpuguard_scripts_without_a_shell(tmp_path, cli):
+    book = tmp_path.parent / f"{tmp_path.name}-cmd.yaml"
+    book.write_text(
+        "name: doctor-then-abort\nsteps:\n"
+        "- {name: doctor, action: command, argv: [gpu-doctor, diagnose, torchrun, --job-dir, '{job_dir}', --json]}\n"
+        "- {name: abort, action: abort, when: doctor.verdict == orphaned}\n")
+    r = cli("gpu-recover", "runbook", "run", str(book), "--job-dir", str(tmp_path), "--yes", "--json")
+    assert r.returncode == 0, r.stderr
+    steps = json.loads(r.stdout)["steps"]
+    assert [(s["name"], s["outcome"]) for s in steps] == [("doctor", "done"), ("abort", "skipped")]
+    (cmd,) = [json.loads(x) for x in (tmp_path / "audit.log").read_text().splitlines() if '"command"' in x]
+    assert cmd["args"]["argv"][0] == "gpu-doctor" and cmd["detail"]["verdict"] == "unknown"
