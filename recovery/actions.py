@@ -162,6 +162,10 @@ def _signal(proc: Any, sig: int) -> None:
         proc.send_signal(sig)  # psutil re-checks the create time: never a reused pid
     except psutil.NoSuchProcess:
         pass
+    except psutil.AccessDenied:
+        from gpuguard.errors import PermissionDeniedError
+
+        raise PermissionDeniedError(f"pid {proc.pid}: not allowed to send signal {sig}") from None
 
 
 # --- rendezvous --------------------------------------------------------------------------------
