@@ -77,7 +77,8 @@ def render(doc: dict[str, Any]):  # -> rich renderable
     for col in ("rank", "verdict", "phase", "age", "own p50/p99", "compute", "last steps", "why"):
         table.add_column(col, overflow="fold" if col == "why" else "ellipsis", no_wrap=col != "why")
     top = per["p99"] * 1.5 or 1.0
-    for r in doc["ranks"]:
+    shown, hidden = _rows_to_show(doc["ranks"])
+    for r in shown:
         own = r.get("own_step_s", {})
         phase = r.get("phase", "-")
         if phase == "collective":
@@ -89,8 +90,22 @@ def render(doc: dict[str, Any]):  # -> rich renderable
                       f"{r.get('phase_age_s', 0):.1f}s",
                       f"{own.get('p50', 0):.3f}/{own.get('p99', 0):.3f}", f"{r.get('own_compute_recent_s', 0):.3f}",
                       sparkline(r.get("recent_periods_s", [])[-30:], top), r["reason"])
+    if hidden:
+        table.add_row("…", Text("healthy", "green"), "", "", "", "", "", f"{hidden} more healthy rank(s) not shown")
     steps = Text("next: " + "\n      ".join(doc["next_steps"]))
     return Group(head, table, steps)
+
+
+MAX_HEALTHY_ROWS = 32
+
+
+def _rows_to_show(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Every rank that is not healthy, and healthy ones up to a screenful (10,000 rows help nobody)."""
+    bad = [r for r in ranks if r["verdict"] != "healthy"]
+    good = [r for r in ranks if r["verdict"] == "healthy"]
+    keep = good[:MAX_HEALTHY_ROWS]
+    shown = sorted(bad + keep, key=lambda r: r["rank"])
+    return shown, len(good) - len(keep)
 
 
 def _print_human(doc: dict[str, Any]) -> None:
@@ -105,11 +120,14 @@ def _print_human(doc: dict[str, Any]) -> None:
     print(f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
           f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s")
     top = per["p99"] * 1.5 or 1.0
-    for r in doc["ranks"]:
+    shown, hidden = _rows_to_show(doc["ranks"])
+    for r in shown:
         mark = " (culprit)" if r.get("culprit") else ""
         print(f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
               f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
               f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}")
+    if hidden:
+        print(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
     for step in doc["next_steps"]:
         print(f"next: {step}")
 

@@ -36,6 +36,7 @@ class VoteConfig:
     cohort_ratio: float = 0.75
     cohort_min_ranks: int = 3
     mad_floor_frac: float = 0.05
+    cohort_min_excess_s: float = 0.01
     bandwidth_bytes_s: float = 10e9
     latency_s: float = 50e-6
     collective_k: float = 3.0
@@ -166,7 +167,7 @@ def cohort_speed(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     z = (own - med) / scale
     ratio = med / own if own > 0 else 1.0
     nums = {"own_compute_s": own, "cohort_median_s": med, "mad_s": cohort.compute_mad_s, "z": z, "score": ratio}
-    if z > cfg.cohort_z and ratio < cfg.cohort_ratio:
+    if z > cfg.cohort_z and ratio < cfg.cohort_ratio and own - med > cfg.cohort_min_excess_s:
         return Vote("cohort", SLOW, f"own compute {own:.3f} s vs cohort median {med:.3f} s "
                     f"(z {z:.1f} > {cfg.cohort_z:g}, score {ratio:.2f} < {cfg.cohort_ratio:g})", nums)
     return Vote("cohort", HEALTHY, f"own compute {own:.3f} s within the cohort (median {med:.3f} s, z {z:.1f})", nums)
