@@ -209,7 +209,7 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
             nobody_to_blame.update(waiters)
             for r in waiters:
                 v, why, pend, votes = prelim[r]
-                if v in (HUNG, DEAD):
+                if v == HUNG:
                     prelim[r] = (v, why + f" — every live rank is in collective {seq}: the collective itself is stuck "
                                  "(network / collective library), no rank to blame", pend, votes)
 
@@ -238,6 +238,9 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
                    f"{_fmt_ranks(b)} that never arrived (not this rank's fault)")
         elif b and v == DEAD:
             why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
+        elif v == DEAD and o.rank in victims:
+            seen = o.errors[-1] if o.errors else next((c.text for c in o.comm_errors if c.rank == o.rank), "")
+            why = f"{why}; collateral: it reported a peer's failure itself ({seen[:120]})"
         is_culprit = o.rank in culprits or (v in (DEAD, HUNG) and not b and o.rank not in victims
                                                 and (o.rank not in nobody_to_blame or v == DEAD))
         verdicts.append(RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o))

@@ -143,5 +143,10 @@ def test_held_sigstop_is_hung_and_names_the_stopped_rank_then_sigkill_is_dead(jo
     dead = check(job, hung)
     assert dead.by_rank()[3].verdict == "dead", dead.by_rank()[3]
     assert 3 in dead.culprits
+    # torchrun then tears the survivors down: they are dead too, but as collateral, not culprits
+    after, _ = wait_for(job, lambda j: all(r.verdict == "dead" for r in j.ranks), timeout=30, every=0.2)
+    assert after.culprits == (3,)
+    for r in (0, 1, 2):
+        assert "collateral" in after.by_rank()[r].reason and not after.by_rank()[r].culprit
     human = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job), timeout=60)
     assert human.returncode == 2 and "rank 3: dead" in human.stdout

@@ -258,3 +258,13 @@ def test_a_job_wide_pause_blames_nobody_but_a_straggler_stays_slow() -> None:
     # past the hang bound it is no longer a pause: everyone idle and alive is hung
     stuck = vote([ob(r, BETWEEN, 60.0) for r in range(4)], CFG)
     assert set(verdicts(stuck).values()) == {"hung"} and stuck.culprits == ()
+
+
+def test_killed_inside_the_collective_the_silent_one_is_the_culprit() -> None:
+    gone = ProcessState("gone", "gone")
+    obs = [ob(r, COLLECTIVE, 2.0, alive=gone, errors=("all_reduce 9: Connection closed by peer",)) for r in (0, 1, 3)]
+    obs.append(ob(2, COLLECTIVE, 2.0, alive=gone))
+    job = vote(obs, CFG)
+    assert job.culprits == (2,)
+    assert all("collateral" in job.by_rank()[r].reason for r in (0, 1, 3))
+    assert "stuck" not in job.by_rank()[0].reason
