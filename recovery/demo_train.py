@@ -87,11 +87,23 @@ def batch(step: int, rank: int):
     return torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
 
 
-def train_step(model, opt, step: int, rank: int, world: int, fault) -> float:
+def burn(seconds: float) -> None:
+    """Stand-in compute: matmuls for `seconds` of wall time (a ~100 ms step for the overhead bench)."""
+    import torch  # noqa: PLC0415
+
+    end = time.perf_counter() + seconds
+    a = torch.ones(128, 128)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a * 1e-3)
+
+
+def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0) -> float:
     """One data-parallel step with the fault points in their places."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
+    if burn_s:
+        burn(burn_s)
     x, y = batch(step, rank)
     opt.zero_grad(set_to_none=False)
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -139,10 +151,12 @@ def run_gpuguard(args: argparse.Namespace) -> int:
         "phases": state.phases})
     loss = float("nan")
     for step in rt.steps(state, until=args.steps):
-        loss = train_step(model, opt, step, rank, rt.world_size, faults)
+        loss = train_step(model, opt, step, rank, rt.world_size, faults, args.burn)
         rt.commit(step)
         if args.hashes and rank == 0:
             _append(out / "hashes.jsonl", {"step": step, "hash": state_digest(rt.state_dict())})
+        if args.step_log:
+            _append(out / f"steps-{rank}.jsonl", {"step": step, "time": time.time(), "generation": state.generation})
         if args.progress and rank == 0:
             print(f"[demo] generation {state.generation} step {step} loss {loss:.4f}", flush=True)
         if args.sleep:
@@ -179,12 +193,13 @@ def run_plain(args: argparse.Namespace) -> int:
                                            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     for step in range(start, args.steps + 1):
         t0 = time.perf_counter()
-        train_step(model, opt, step, rank, world, faults)
+        train_step(model, opt, step, rank, world, faults, args.burn)
         if rank == 0 and step % args.ckpt_every == 0:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, tmp)
             os.replace(tmp, ckpt)
-        _append(out / f"steps-{rank}.jsonl", {"step": step, "time": time.time(), "dt": time.perf_counter() - t0})
+        if args.step_log:
+            _append(out / f"steps-{rank}.jsonl", {"step": step, "time": time.time(), "dt": time.perf_counter() - t0})
         if args.sleep:
             time.sleep(args.sleep)
     dist.destroy_process_group()
@@ -203,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every", type=int, default=5, help="plain mode: checkpoint interval")
     p.add_argument("--hashes", action="store_true", help="rank 0 records the state digest after every step")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--burn", type=float, default=0.0, help="seconds of stand-in compute per step")
+    p.add_argument("--step-log", action="store_true", help="every rank records each finished step (benchmark)")
     p.add_argument("--out", default=None, help="where resume/final records go (default JOB_DIR/demo-out)")
     args = p.parse_args(argv)
     return run_gpuguard(args) if args.mode == "gpuguard" else run_plain(args)

@@ -180,7 +180,9 @@ class Runtime:
         self._step_t0: float | None = None
         self.step_times: list[float] = []
         self._write_incarnation()
-        self._install_sigterm_flush()
+        self._snapshot_ledger: Any = None
+        if self.rank == 0:  # the snapshot writer; every other rank keeps SIGTERM's default (instant) action
+            self._install_sigterm_flush()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -217,7 +219,9 @@ class Runtime:
         """On SIGTERM (torchrun stopping the survivors) let an in-flight snapshot finish, then exit.
 
         The main thread may be blocked in a gloo collective, where no Python handler can run: the
-        C-level wakeup fd wakes a helper thread instead.
+        C-level wakeup fd wakes a helper thread instead. Only the snapshot writer (rank 0) does
+        this: a Python-level handler delays death until the interpreter runs (measured: a survivor
+        blocked in all_reduce then lingers for seconds), so the other ranks keep SIGTERM's default.
         """
         if threading.current_thread() is not threading.main_thread():
             return
@@ -518,7 +522,9 @@ class Runtime:
     def _still_current(self) -> bool:
         from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
 
-        active = open_ledger(self.job_dir, self.ledger_url).active()  # own instance: another thread
+        if self._snapshot_ledger is None:  # the writer thread's own instance (it caches the chain)
+            self._snapshot_ledger = open_ledger(self.job_dir, self.ledger_url)
+        active = self._snapshot_ledger.active()
         return active is not None and active.generation == self.generation
 
     def _write_snapshot(self, step: int, state: dict[str, Any]) -> None:
