@@ -153,7 +153,7 @@ def main() -> None:
         # In-process, without interpreter start-up and JSON output.
         from gpuguard.diagnostics.logscan import LogScan
 
-        for accelerated, limit in ((True, size), (False, min(size, 64 << 20))):
+        for accelerated, limit in ((True, size), (False, min(size, 32 << 20))):
             with open(path, "rb") as fh:
                 data = fh if limit == size else _Head(fh, limit)
                 t, c = time.perf_counter(), time.process_time()
