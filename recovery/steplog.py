@@ -161,6 +161,11 @@ class StepLog:
         self._coll_seq = -1
         self._write(f"X {int(seq)} {w:.6f} {m:.6f} {waited:.6f}\n")
 
+    def collective(self, seq: int, op: str = "all_reduce", nbytes: int = 0) -> "_Collective":
+        """`with log.collective(seq, "all_reduce", t.nbytes): dist.all_reduce(t)` — enter and exit in one line.
+        A failing collective records the error (the peer's failure, seen from here) and re-raises."""
+        return _Collective(self, seq, op, nbytes)
+
     def end_step(self, step: int) -> None:
         """Step end: wall time and the split of the step into own compute and collective wait."""
         w, m = time.time(), time.monotonic()
@@ -192,5 +197,31 @@ class StepLog:
     def __enter__(self) -> "StepLog":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is not None:  # an error is not a clean close: the reader must not call it "finished"
+            self.error(f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                if self._fd >= 0:
+                    try:
+                        os.close(self._fd)
+                    except OSError:
+                        pass
+                    self._fd = -1
+            return
         self.close()
+
+
+class _Collective:
+    __slots__ = ("log", "seq", "op", "nbytes")
+
+    def __init__(self, log: StepLog, seq: int, op: str, nbytes: int) -> None:
+        self.log, self.seq, self.op, self.nbytes = log, seq, op, nbytes
+
+    def __enter__(self) -> None:
+        self.log.enter_collective(self.seq, self.op, self.nbytes)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is not None:
+            self.log.error(f"{self.op} {self.seq}: {exc}")
+            return
+        self.log.exit_collective(self.seq)

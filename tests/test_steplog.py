@@ -255,3 +255,37 @@ def test_reader_reads_only_the_tail_it_needs(tmp_path: Path) -> None:
     assert r.pid == os.getpid() and r.bad_lines == 0
     assert 100 == len(r.steps) and r.steps[-1].step == 2999
     assert r.phase.kind == COMPUTING and r.phase.step == 3000 and r.phase.seq == 2999
+
+
+def test_collective_context_manager_and_error_exit(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(RuntimeError):
+        with StepLog(tmp_path, 0, "cm") as log:
+            log.begin_step(0)
+            with log.collective(0, "all_gather", 64):
+                pass
+            log.end_step(0)
+            log.begin_step(1)
+            with log.collective(1, "all_reduce", 64):
+                raise RuntimeError("Connection closed by peer [10.0.0.2]:1234")
+    r = read_job(tmp_path).ranks[0]
+    assert [s.step for s in r.steps] == [0]
+    assert r.phase.kind == COLLECTIVE and r.phase.seq == 1  # it died waiting in collective 1, not closed
+    assert any("Connection closed by peer" in e for e in r.errors)
+    log = StepLog(tmp_path, 1, "ok")
+    with log:
+        log.heartbeat()
+    assert read_job(tmp_path).ranks[1].phase.kind == CLOSED
+
+
+def test_doctor_path_does_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    log = StepLog(tmp_path, 0, "t")
+    _one_step(log, 0)
+    code = ("import sys; from gpuguard.cli.doctor_job import assess; assess(sys.argv[1]); "
+            "import gpuguard.cli.doctor; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
