@@ -141,10 +141,14 @@ class _Summary:
         self.by_kind: Counter[str] = Counter()
         self.by_severity: Counter[str] = Counter()
         self.gpu_events: dict[str, list[dict[str, Any]]] = {}
+        self.identity: dict[str, dict[str, str]] = {}  # PCI address -> uuid / serial (for an RMA ticket)
 
     def add(self, event: Any) -> None:
         self.by_kind[event.kind] += 1
         self.by_severity[event.severity] += 1
+        if event.kind == "gpu_identity" and event.fields.get("pci_bus_id"):
+            ident = self.identity.setdefault(event.fields["pci_bus_id"], {})
+            ident.update({k: event.fields[k] for k in ("uuid", "serial") if event.fields.get(k)})
         if event.kind in ("xid", "gpu_lost"):
             key = event.fields.get("pci_bus_id") or event.fields.get("gpu_uuid") or "unknown"
             self.gpu_events.setdefault(key, []).append({"kind": event.kind, **event.fields})
@@ -159,7 +163,8 @@ class _Summary:
     def gpus(self) -> dict[str, dict[str, Any]]:
         from gpuguard.diagnostics.xid_catalog import resolution_for
 
-        return {gpu: resolution_for(evs).to_json() for gpu, evs in sorted(self.gpu_events.items())}
+        return {gpu: {**resolution_for(evs).to_json(), **self.identity.get(gpu, {})}
+                for gpu, evs in sorted(self.gpu_events.items())}
 
     def to_json(self) -> dict[str, Any]:
         return {"events": sum(self.by_kind.values()), "worst": self.worst if self.by_kind else None,
@@ -228,7 +233,8 @@ def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     if summary.by_kind:
         out.write("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()) + "\n")
     for gpu, res in summary.gpus().items():
-        out.write(f"  GPU {gpu}: {res['severity']} - {res['action']} ({res['reason']})\n")
+        ident = f" [{res['uuid']}]" if res.get("uuid") else ""
+        out.write(f"  GPU {gpu}{ident}: {res['severity']} - {res['action']} ({res['reason']})\n")
 
 
 def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
@@ -266,5 +272,6 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         for col in ("GPU", "severity", "action", "reason"):
             gt.add_column(col, overflow="fold")
         for gpu, res in gpus.items():
-            gt.add_row(gpu, res["severity"], res["action"], res["reason"])
+            name = gpu + (f"\n{res['uuid']}" if res.get("uuid") else "") + (f"\nserial {res['serial']}" if res.get("serial") else "")
+            gt.add_row(name, res["severity"], res["action"], res["reason"])
         con.print(gt)

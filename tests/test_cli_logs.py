@@ -22,7 +22,8 @@ def test_kernel_log_file_human_output_and_critical_exit(cli):
     assert "013-xid.log:2: critical xid xid=79 pci_bus_id=0000:2b:00.0" in out
     assert "013-xid.log:3: critical gpu_lost pci_bus_id=0000:2b:00.0" in out
     assert "fallen off the bus" in out and "Drain the node" in out
-    assert "GPU 0000:2b:00.0: drain" in out  # the per-GPU summary from the catalog
+    # the per-GPU summary from the catalog, with the UUID the driver printed before the Xid
+    assert "GPU 0000:2b:00.0 [GPU-0b11d014-1685-04bd-26ed-5fc0bc1c44ae]: drain" in out
     assert res.stderr == ""
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.diagnostics.logparse import iter_events, parse_line
 from gpuguard.diagnostics.logrules_kernel import normalize_pci
@@ -115,6 +117,22 @@ def test_rendezvous_result_block_collects_its_values_and_flushes_at_end():
 ])
 def test_normalize_pci(text, pci):
     assert normalize_pci(text) == pci
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7), st.booleans(),
+       st.booleans(), st.booleans())
+@settings(max_examples=50, deadline=None)
+def test_normalize_pci_round_trip(dom, bus, dev, fn, prefix, upper, with_fn):
+    text = f"{dom:04x}:{bus:02x}:{dev:02x}" + (f".{fn}" if with_fn else "")
+    text = ("PCI:" if prefix else "") + (text.upper() if upper else text)
+    assert normalize_pci(text) == f"{dom:04x}:{bus:02x}:{dev:02x}.{fn if with_fn else 0}"
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=50, deadline=None)
+def test_normalize_pci_never_raises(text):
+    out = normalize_pci(text)
+    assert out is None or (out.count(":") == 2 and out == out.lower() and out[-2] == ".")
 
 
 def test_timestamp_prefixes(monkeypatch):
