@@ -142,3 +142,12 @@ def test_rotated_gzip_logs_are_read_and_corrupt_ones_are_data_errors(cli, tmp_pa
     cut.write_bytes(gz.read_bytes()[:40])
     res = cli("gpu-doctor", "logs", str(cut))
     assert res.returncode == 65 and "corrupt" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_logs_never_imports_torch():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuguard.cli.doctor", "logs", "--json",
+                           str(REAL_LOGS / "051-watchdog.log")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-500:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "gpuguard.diagnostics.logscan" in imported  # the measurement sees our modules...
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}  # ...and no torch
