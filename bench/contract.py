@@ -39,10 +39,11 @@ FRAMES = {
     for name, fn, line in (("all_gather_into_tensor", "fsdp_unshard", 120), ("reduce_scatter_tensor", "fsdp_reshard", 141),
                            ("all_reduce", "clip_grad_norm", 207), ("broadcast", "sync_rng", 33))
 }
-PATTERN = (("_allgather_base", "all_gather_into_tensor", [[4096, 1024]]),
-           ("_reduce_scatter_base", "reduce_scatter_tensor", [[4096, 1024]]),
-           ("allreduce", "all_reduce", [[1024]]),
-           ("broadcast", "broadcast", [[2]]))
+# (profiling name, frames key, input numel, output numel as a multiple of the world size or 1)
+PATTERN = (("_all_gather_base", "all_gather_into_tensor", 4096, "world"),
+           ("_reduce_scatter_base", "reduce_scatter_tensor", 4096, "shard"),
+           ("all_reduce", "all_reduce", 1024, None),
+           ("broadcast", "broadcast", 2, None))
 
 
 def make_entries(n: int, rank: int, world: int) -> list[dict]:
@@ -50,15 +51,18 @@ def make_entries(n: int, rank: int, world: int) -> list[dict]:
     entries = []
     t0 = 1_795_000_000_000_000_000 + rank * 1_000
     pg = ("0", "default_pg")
+    shift = (2 - (n - 1)) % len(PATTERN)  # the last entry (the hang) is an all_reduce
     for i in range(n):
         seq = FIRST_SEQ + i
-        op, fname, sizes = PATTERN[i % len(PATTERN)]
+        op, fname, numel, kind = PATTERN[(i + shift) % len(PATTERN)]
+        insz = [[numel * world]] if kind == "shard" else [[numel]]
+        outsz = [[numel * world]] if kind == "world" else [[numel]]
         last = i == n - 1
         entries.append({
             "record_id": seq - 1, "pg_id": 0, "process_group": pg, "thread_name": "python", "thread_id": "1",
             "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}",
-            "time_created_ns": t0 + i * 1_000_000, "input_sizes": sizes, "input_dtypes": ["BFloat16"],
-            "output_sizes": sizes, "output_dtypes": ["BFloat16"],
+            "time_created_ns": t0 + i * 1_000_000, "input_sizes": insz, "input_dtypes": ["BFloat16"],
+            "output_sizes": outsz, "output_dtypes": ["BFloat16"],
             "state": "started" if last else "completed",
             "time_discovered_started_ns": t0 + i * 1_000_000 + 10, "time_discovered_completed_ns":
                 None if last else t0 + i * 1_000_000 + 900_000,
@@ -70,9 +74,6 @@ def write_dumps(root: Path, world: int, n: int, culprit: int) -> int:
     """Write `world` dumps; the culprit's last all_reduce has half the elements. Returns the bad seq."""
     root.mkdir(parents=True, exist_ok=True)
     base = make_entries(n, 0, world)
-    # The last entry must be an all_reduce for the planted size mismatch.
-    k = next(i for i in range(n - 1, -1, -1) if base[i]["profiling_name"] == "nccl:allreduce")
-    base = base[:k + 1]
     bad_seq = base[-1]["collective_seq_id"]
     cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}}
     for rank in range(world):
@@ -189,7 +190,7 @@ def main() -> int:
             results.append(bench_gpuguard(d, world, args.entries, bad_seq, culprit, args.limit))
             results.append(bench_torchfrtrace(d, world, args.entries, bad_seq, culprit, args.limit))
             g, f = results[-2], results[-1]
-            if g["seconds"] and f["seconds"]:
+            if g["seconds"] and f["seconds"] and f["status"] == "exit 0":
                 notes.append(f"{world} ranks: torchfrtrace / gpu-doctor time ratio = {f['seconds'] / g['seconds']:.1f}x")
             shutil.rmtree(d, ignore_errors=True)
         results.append(bench_record())

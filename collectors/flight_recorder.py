@@ -22,7 +22,9 @@ import re
 import stat
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from operator import itemgetter
+from bisect import bisect_right
+from functools import partial
+from operator import itemgetter, lt, methodcaller
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -192,6 +194,11 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     pg_ranks = _pg_ranks(doc.get("pg_config"))
     status = _pg_status(doc.get("pg_status"), path)
 
+    fast = _fast_stream(entries, status, interner, path)
+    if fast is not None:
+        trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=(fast,), version=version,
+                          world_size=None, pg_ranks=pg_ranks, skipped=0)
+        return Loaded(trace, len(entries))
     rows = _rows(entries, path)
     skipped = 0
     if any(r[8] for r in rows):
@@ -229,6 +236,61 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=tuple(streams), version=version,
                       world_size=None, pg_ranks=pg_ranks, skipped=skipped)
     return Loaded(trace, len(entries))
+
+
+_COLS = {k: itemgetter(k) for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p")}
+_GET_FRAMES = methodcaller("get", "frames")
+_GET_TIME = methodcaller("get", "time_created_ns")
+_SIG5 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
+_NONE = type(None)
+
+
+def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: Interner,
+                 path: Path) -> Stream | None:
+    """The common dump (one process group, no p2p, ascending seqs) in whole-column operations, or None."""
+    if not entries:
+        return None
+    try:
+        seqs = list(map(_COLS["collective_seq_id"], entries))
+        pgvs = list(map(_COLS["process_group"], entries))
+        names = list(map(_COLS["profiling_name"], entries))
+        raw_states = list(map(_COLS["state"], entries))
+        p2p = list(map(_COLS["is_p2p"], entries))
+        sigs = list(map(_SIG5, entries))
+        frames = list(map(_GET_FRAMES, entries))
+        times = list(map(_GET_TIME, entries))
+    except (KeyError, TypeError, AttributeError):
+        return None
+    first = entries[0]
+    if ("reset_epoch" in first or "generation" in first or set(map(type, seqs)) != {int}
+            or set(map(type, names)) != {str} or set(map(type, raw_states)) != {str}
+            or any(p2p) or any(_op_name(n) in _P2P_OPS for n in set(names))
+            or pgvs.count(pgvs[0]) != len(pgvs) or not all(map(lt, seqs, seqs[1:]))
+            or not set(map(type, times)) <= {int, _NONE}):
+        return None
+    pgv = pgvs[0]
+    name, desc, pg_id, gen = _pg_key(tuple(pgv) if isinstance(pgv, list) else pgv, first.get("pg_id"), 0, path)
+    sig_ids = _intern_sigs(sigs, interner, path)
+    st = status.get(str(pg_id)) or status.get(name)
+    if st is not None:
+        done, started = st
+        k = bisect_right(seqs, done)
+        states = [COMPLETED] * k + [("started" if s <= started and x == "scheduled" else x)
+                                    for s, x in zip(seqs[k:], raw_states[k:])]
+    else:
+        states = raw_states
+    sites = None
+    if set(map(type, frames)) == {list}:
+        keys = list(map(tuple, map(partial(map, id), frames)))
+        site_of = {k: interner.site(_format_frames(f)) for k, f in dict(zip(keys, frames)).items()}
+        sites = list(map(site_of.__getitem__, keys))
+    elif any(frames):
+        cache: dict[tuple[int, ...], int] = {}
+        sites = [_site_id(f, cache, interner) for f in frames]
+    if None in times:
+        times = [t or 0 for t in times]
+    return Stream(pg=name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states, site_ids=sites,
+                  times_ns=times, pg_desc=desc)
 
 
 def _rows(entries: list, path: Path) -> list[tuple]:
@@ -330,20 +392,13 @@ def _intern_sigs(raw: list[tuple], interner: Interner, path: Path) -> list[int]:
     """Raw (name, sizes, dtypes, ...) tuples -> global ids; compares before it freezes (fast)."""
     uniq: list[tuple] = []
     local: list[int] = []
-    append = local.append
-    last_sig: Any = None
-    last_id = -1
+    append, index = local.append, uniq.index
     for s in raw:
-        if s == last_sig:
-            append(last_id)
-            continue
         try:
-            i = uniq.index(s)
+            append(index(s))
         except ValueError:
-            i = len(uniq)
+            append(len(uniq))
             uniq.append(s)
-        append(i)
-        last_sig, last_id = s, i
     gmap = [interner.sig(_freeze(s, path)) for s in uniq]
     return [gmap[i] for i in local]
 

@@ -18,7 +18,7 @@ holds sequence ids and small integer ids into one `Interner` of signatures and c
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 SCHEMA = "gpuguard.contract/1"
@@ -163,6 +163,7 @@ class Divergence:
     explanation: str
     hints: tuple[str, ...] = ()
     ambiguous: bool = False  # no strict majority: the culprit is a guess
+    pg_desc: str = ""
 
     @property
     def missing_ranks(self) -> tuple[int, ...]:
@@ -172,6 +173,7 @@ class Divergence:
     def to_json(self) -> dict[str, Any]:
         return {
             "pg": self.pg,
+            "pg_desc": self.pg_desc,
             "generation": self.generation,
             "seq": self.seq,
             "kind": self.kind,
@@ -278,16 +280,20 @@ def check(traces: Iterable[RankTrace], interner: Interner, *, pg: str | None = N
             f"{g} (ranks {_ranks(sorted(r))})" for g, r in sorted(generations.items()))
             + ": each generation is checked as its own timeline, never against another")
 
+    absent = set(range(world)) - set(by_rank) if world and len(generations) <= 1 else set()
+    if absent:
+        partial = True
+        warns.append(f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
+                     "every contract is unknown")
     results: list[Timeline] = []
     for (name, gen), streams in sorted(timelines.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
         is_default = name in DEFAULT_PG_NAMES or desc[(name, gen)] == "default_pg"
         members = set(streams) | config.get(name, set())
-        if is_default:
-            members |= generations.get(gen, set())
-            if world and len(generations) == 1:
-                members |= set(range(world))
+        if is_default or set(streams) == generations.get(gen, set()):
+            # a group that spans every dump we have (gloo records no membership): the absent ranks too
+            members |= generations.get(gen, set()) | absent
         missing = tuple(sorted(members - set(by_rank)))
-        if missing:
+        if missing and not absent:
             partial = True
             warns.append(f"pg {name} generation {gen}: no dump from rank(s) {_ranks(missing)}; "
                          "their part of the contract is unknown")
@@ -317,47 +323,128 @@ def _divergence_time(t: Timeline, timelines: dict, interner: Interner) -> int:
     return best
 
 
+class _Col:
+    """A read-only `seq -> value` view of one stream column: O(1) on contiguous streams."""
+
+    __slots__ = ("stream", "values")
+
+    def __init__(self, stream: Stream | None, values: Sequence[Any] | None) -> None:
+        self.stream, self.values = stream, values
+
+    def get(self, seq: int, default: Any = None) -> Any:
+        if self.stream is None or self.values is None:
+            return default
+        i = _index(self.stream, seq)
+        return default if i is None else self.values[i]
+
+    def __contains__(self, seq: int) -> bool:
+        return self.stream is not None and _index(self.stream, seq) is not None
+
+    def __getitem__(self, seq: int) -> Any:
+        v = self.get(seq, _MISS)
+        if v is _MISS:
+            raise KeyError(seq)
+        return v
+
+    def __bool__(self) -> bool:
+        return self.stream is not None and len(self.stream.seqs) > 0
+
+    def max(self) -> int:
+        assert self.stream is not None
+        return self.stream.seqs[-1]
+
+
+_MISS = object()
+_STATE_DIFF_CAP = 64
+
+
+def _contiguous(s: Stream | None) -> bool:
+    return s is None or not s.seqs or s.seqs[-1] - s.seqs[0] + 1 == len(s.seqs)
+
+
 def _check_timeline(name: str, gen: int, pg_desc: str, streams: dict[int, Stream | None],
                     missing: tuple[int, ...], interner: Interner) -> Timeline:
     ranks = tuple(streams)
-    firsts = [s.seqs[0] for s in streams.values() if s is not None and len(s.seqs)]
-    if not firsts:
+    live = [s for s in streams.values() if s is not None and len(s.seqs)]
+    if not live:
         return Timeline(name, gen, ranks, missing, None, None, 0, None, pg_desc)
     # Ring buffers drop old entries: only the window every rank still holds is comparable.
-    start = max(firsts)
-    last = max(s.seqs[-1] for s in streams.values() if s is not None and len(s.seqs))
-    cols: dict[int, dict[int, int]] = {}
-    states: dict[int, dict[int, str]] = {}
-    for r, s in streams.items():
-        if s is None:
-            cols[r], states[r] = {}, {}
-            continue
-        cols[r] = dict(zip(s.seqs, s.sig_ids))
-        states[r] = dict(zip(s.seqs, s.states))
+    start = max(s.seqs[0] for s in live)
+    last = max(s.seqs[-1] for s in live)
     order = list(streams)
-    col_list = [cols[r] for r in order]
+    if all(_contiguous(s) for s in streams.values()):
+        contract_div, state_cands, checked = _scan_contiguous(streams, start, last)
+    else:
+        contract_div, state_cands, checked = _scan_general(streams, order, start, last)
+    cols = {r: _Col(streams[r], streams[r].sig_ids if streams[r] is not None else None) for r in order}
+    states = {r: _Col(streams[r], streams[r].states if streams[r] is not None else None) for r in order}
     state_div: int | None = None
-    contract_div: int | None = None
-    checked = 0
-    for seq in range(start, last + 1):
-        vals = [c.get(seq, _ABSENT) for c in col_list]
-        first = vals[0]
-        if vals.count(first) != len(vals):
-            contract_div = seq
+    for seq in sorted(state_cands):
+        if contract_div is not None and seq >= contract_div:
             break
-        if first == _ABSENT:
-            continue  # a sequence id nobody holds (p2p-only or coalesced gap)
-        checked += 1
-        if state_div is None:
-            sts = {states[r].get(seq) for r in order}
-            if COMPLETED in sts and SCHEDULED in sts:
-                state_div = seq
+        sts = {states[r].get(seq) for r in order}
+        if COMPLETED in sts and SCHEDULED in sts:
+            state_div = seq
+            break
     div: Divergence | None = None
     if contract_div is not None and (state_div is None or contract_div < state_div):
         div = _classify(name, gen, contract_div, order, cols, states, streams, interner)
     elif state_div is not None:
         div = _state_divergence(name, gen, state_div, order, cols, states, streams, interner)
+    if div is not None and pg_desc:
+        div = replace(div, pg_desc=pg_desc)
     return Timeline(name, gen, ranks, missing, start, last, checked, div, pg_desc)
+
+
+def _scan_contiguous(streams: dict[int, Stream | None], start: int,
+                     last: int) -> tuple[int | None, set[int], int]:
+    """Compare every rank's window with the longest one as whole lists (C speed); index only differences."""
+    ref = max((s for s in streams.values() if s is not None and len(s.seqs)), key=lambda s: s.seqs[-1])
+    ro = start - ref.seqs[0]
+    ref_ids = list(ref.sig_ids[ro:])
+    ref_states = list(ref.states[ro:])
+    total = len(ref_ids)
+    first_diff = total
+    cands: set[int] = set()
+    for s in streams.values():
+        if s is None or not len(s.seqs):
+            first_diff = 0
+            continue
+        o = start - s.seqs[0]
+        ids = list(s.sig_ids[o:])
+        n = len(ids)
+        if n != total or ids != ref_ids[:n]:
+            first_diff = min(first_diff, next((k for k in range(n) if ids[k] != ref_ids[k]), n))
+        sts = list(s.states[o:])
+        if sts != ref_states[:n]:
+            found = 0
+            for k in range(n):
+                if sts[k] != ref_states[k]:
+                    cands.add(start + k)
+                    found += 1
+                    if found == _STATE_DIFF_CAP:
+                        break
+    return (start + first_diff if first_diff < total else None), cands, first_diff
+
+
+def _scan_general(streams: dict[int, Stream | None], order: list[int], start: int,
+                  last: int) -> tuple[int | None, set[int], int]:
+    """Non-contiguous streams (gaps, merged coalesced groups): align through dicts."""
+    cols = [dict(zip(streams[r].seqs, streams[r].sig_ids)) if streams[r] is not None else {} for r in order]
+    sts = [dict(zip(streams[r].seqs, streams[r].states)) if streams[r] is not None else {} for r in order]
+    checked = 0
+    cands: set[int] = set()
+    for seq in range(start, last + 1):
+        vals = [c.get(seq, _ABSENT) for c in cols]
+        first = vals[0]
+        if vals.count(first) != len(vals):
+            return seq, cands, checked
+        if first == _ABSENT:
+            continue  # a sequence id nobody holds
+        checked += 1
+        if len({d.get(seq) for d in sts}) > 1:
+            cands.add(seq)
+    return None, cands, checked
 
 
 def _site_at(stream: Stream | None, seq: int, interner: Interner) -> str | None:
@@ -417,8 +504,8 @@ def _describe(sig: Signature | None) -> str:
     return " ".join(parts)
 
 
-def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, dict[int, int]],
-              states: dict[int, dict[int, str]], streams: dict[int, Stream | None],
+def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _Col],
+              states: dict[int, _Col], streams: dict[int, Stream | None],
               interner: Interner) -> Divergence:
     groups: dict[int, list[int]] = {}
     for r in order:
@@ -457,7 +544,7 @@ def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, d
 
 
 def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int, Stream | None],
-                      cols: dict[int, dict[int, int]], interner: Interner) -> list[str]:
+                      cols: dict[int, _Col], interner: Interner) -> list[str]:
     """Why the error shows up at this call: a rank one call ahead, or call sites that drifted earlier."""
     hints: list[str] = []
     m_rank, c_rank = majority.ranks[0], culprit.ranks[0]
@@ -466,7 +553,7 @@ def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int
     # 1. Is the culprit shifted by k calls? Its #t holds what the majority issued at #t+k.
     if cc and mc:
         for k in (1, -1, 2, -2):
-            t_end = min(max(cc), max(mc) - k, seq + 16)
+            t_end = min(cc.max(), mc.max() - k, seq + 16)
             if t_end < seq - 1:
                 continue
             t = t_end
@@ -509,8 +596,8 @@ def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int
     return hints
 
 
-def _state_divergence(name: str, gen: int, seq: int, order: list[int], cols: dict[int, dict[int, int]],
-                      states: dict[int, dict[int, str]], streams: dict[int, Stream | None],
+def _state_divergence(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _Col],
+                      states: dict[int, _Col], streams: dict[int, Stream | None],
                       interner: Interner) -> Divergence:
     groups: dict[str, list[int]] = {}
     for r in order:

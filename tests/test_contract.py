@@ -202,3 +202,15 @@ def test_several_process_groups_checked_independently():
 def test_format_ranks_is_compact():
     assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
     assert format_ranks([]) == ""
+
+
+def test_gap_in_one_rank_is_found_by_the_general_path():
+    a, b = Signature("all_reduce", count=4), Signature("broadcast", count=2)
+    interner = Interner()
+    ia, ib = interner.sig(a), interner.sig(b)
+    full = Stream(pg="dp", generation=0, seqs=[1, 2, 3, 4], sig_ids=[ia, ib, ia, ib], states=[COMPLETED] * 4)
+    gap = Stream(pg="dp", generation=0, seqs=[1, 2, 4], sig_ids=[ia, ib, ib], states=[COMPLETED] * 3)
+    traces = [RankTrace(rank=r, source=str(r), format="test", streams=(gap if r == 1 else full,)) for r in range(3)]
+    div = check(traces, interner).first_divergence
+    assert (div.seq, div.kind, div.ranks, div.missing_ranks) == (3, MISSING_PARTICIPANT, (1,), (1,))
+    assert div.majority.signature == a and div.others[0].signature is None

@@ -17,7 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _jobhelpers_contract as jh  # noqa: E402
 
 SOURCES = ("fr_pickle", "fr_json", "gg")
-DEFAULT_PG = {"fr_pickle": "0", "fr_json": "0", "gg": "default"}
+# Flight Recorder names process groups by creation order (the job makes 1-4 up front); gpuguard's
+# own trace uses the runtime's names.
+PG = {("clean", "fr"): ("1", "2"), ("skip", "fr"): ("3",), ("size", "fr"): ("4",),
+      ("clean", "gg"): ("default", "pair"), ("skip", "gg"): ("default",), ("size", "gg"): ("default",)}
+
+
+def _pg(scenario: str, source: str, i: int = 0) -> str:
+    return PG[(scenario, "gg" if source == "gg" else "fr")][i]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,9 @@ def test_size_mismatch_names_seq_rank_and_field(cli, dumps, source):
     assert res.returncode == 1, res.stderr
     assert doc["schema"] == "gpuguard.contract/1" and doc["holds"] is False and doc["partial"] is False
     d = doc["first_divergence"]
-    assert (d["pg"], d["seq"], d["kind"], d["field"], d["ranks"]) == (DEFAULT_PG[source], 6, "size_mismatch",
+    assert (d["pg"], d["seq"], d["kind"], d["field"], d["ranks"]) == (_pg("size", source), 6, "size_mismatch",
                                                                       "count", [3])
+    assert d["pg_desc"] == ("size" if source != "gg" else "")
     assert d["expected"]["count"] == 1024 and d["actual"]["count"] == 512
     assert d["majority_ranks"] == [0, 1, 2]
 
@@ -49,7 +57,7 @@ def test_skipped_collective_is_the_hang_and_the_earlier_cause_is_named(cli, dump
     assert res.returncode == 1, res.stderr
     d = doc["first_divergence"]
     assert (d["pg"], d["seq"], d["kind"], d["ranks"], d["missing_ranks"]) == (
-        DEFAULT_PG[source], 8, "missing_participant", [2], [2])
+        _pg("skip", source), 8, "missing_participant", [2], [2])
     assert d["actual"] is None and d["expected"]["op"] == "all_reduce"
     hints = " ".join(d["hints"])
     if source == "fr_json":  # no frames in JSON dumps: only the generic later-call explanation
@@ -64,7 +72,7 @@ def test_clean_job_holds(cli, dumps, source):
     res, doc = _json(cli, dumps["clean"] / source)
     assert res.returncode == 0, res.stderr
     assert doc["holds"] is True and doc["first_divergence"] is None
-    assert {t["pg"] for t in doc["timelines"]} == {DEFAULT_PG[source], "1" if source != "gg" else "pair"}
+    assert {t["pg"] for t in doc["timelines"]} == set(PG[("clean", "gg" if source == "gg" else "fr")])
     assert all(t["sequences_checked"] > 0 for t in doc["timelines"])
     human = cli("gpu-doctor", "contract", str(dumps["clean"] / source))
     assert human.returncode == 0 and "contract holds" in human.stdout and "no divergence" in human.stdout
@@ -79,9 +87,18 @@ def test_human_output_shows_verdict_table_and_call_sites(cli, dumps):
     assert "> 8" in out and "hint:" in out and "sync_metrics" in out
 
 
-def test_pg_filter(cli, dumps):
-    res, doc = _json(cli, dumps["skip"] / "fr_pickle", "--pg", "1")
-    assert res.returncode == 0 and [t["pg"] for t in doc["timelines"]] == ["1"]
+def test_whole_buffers_show_every_process_group_and_pg_filter(cli, dumps):
+    """The unfiltered Flight Recorder buffers hold all five groups: two broken, three holding."""
+    res, doc = _json(cli, dumps["all"] / "fr_pickle")
+    assert res.returncode == 1
+    assert [(t["pg"], t["holds"]) for t in doc["timelines"]][:2] == [("3", False), ("4", False)]
+    assert {t["pg"] for t in doc["timelines"] if t["holds"]} == {"0", "1", "2"}
+    assert (doc["first_divergence"]["pg"], doc["first_divergence"]["kind"]) == ("3", "missing_participant")
+    res, doc = _json(cli, dumps["all"] / "fr_pickle", "--pg", "size")
+    assert res.returncode == 1 and [t["pg"] for t in doc["timelines"]] == ["4"]
+    assert doc["first_divergence"]["seq"] == 6
+    res, doc = _json(cli, dumps["all"] / "fr_pickle", "--pg", "clean_pair")
+    assert res.returncode == 0 and [t["pg"] for t in doc["timelines"]] == ["2"]
     res, doc = _json(cli, dumps["skip"] / "gg", "--pg", "default")
     assert res.returncode == 1 and doc["first_divergence"]["seq"] == 8
     bad = cli("gpu-doctor", "contract", str(dumps["skip"] / "gg"), "--pg", "nope")
@@ -116,8 +133,7 @@ def test_generations_never_mix(cli, dumps, tmp_path):
     res, out = _json(cli, tmp_path)
     assert res.returncode == 0, out
     assert out["holds"] is True and any("generation" in w for w in out["warnings"])
-    assert sorted((t["generation"], tuple(t["ranks"])) for t in out["timelines"]) == [
-        (0, (0, 1)), (0, (0, 1, 2)), (1, (3,))]
+    assert sorted((t["generation"], tuple(t["ranks"])) for t in out["timelines"]) == [(0, (0, 1, 2)), (1, (3,))]
 
 
 def test_bad_inputs_exit_with_documented_codes(cli, dumps, tmp_path):

@@ -43,25 +43,28 @@ def test_real_gloo_dumps_pickle_and_json_agree(dumps):
         js = load_dump(dumps["size"] / "fr_json" / f"rank_{rank}.json", it)
         assert pk.trace.rank == js.trace.rank == rank
         assert pk.trace.version == "2.10" and pk.trace.format == "fr-pickle" and js.trace.format == "fr-json"
-        cols_p, sp = _columns(pk.trace, it, "0")
-        cols_j, sj = _columns(js.trace, it, "0")
+        cols_p, sp = _columns(pk.trace, it, "4")
+        cols_j, sj = _columns(js.trace, it, "4")
         assert cols_p == cols_j
         assert [s.op for _, s in cols_p][:2] == ["broadcast", "all_reduce"]
         assert sp.site_ids is not None and sj.site_ids is None  # JSON dumps carry no frames
-        assert sp.pg_desc == "default_pg"
+        assert sp.pg_desc == "size"
     # rank 3 all-reduced 512 elements at seq 6 and was SIGABRTed by gloo: its snapshot still shows it.
-    cols, stream = _columns(load_dump(dumps["size"] / "fr_pickle" / "rank_3", it).trace, it, "0")
+    cols, stream = _columns(load_dump(dumps["size"] / "fr_pickle" / "rank_3", it).trace, it, "4")
     assert cols[-1][0] == 6 and cols[-1][1].numel() == 512
     assert stream.states[-1] == "scheduled" and stream.states[0] == "completed"
-    assert not (dumps["size"] / "done_3").exists()
+    root = dumps["root"]
+    assert (root / "done_clean_3").exists() and not (root / "done_size_3").exists()
 
 
 def test_real_dumps_hold_several_process_groups(dumps):
     it = Interner()
     trace = load_dump(dumps["clean"] / "fr_pickle" / "rank_0", it).trace
-    assert {s.pg for s in trace.streams} == {"0", "1"}
+    assert {(s.pg, s.pg_desc) for s in trace.streams} == {("1", "clean"), ("2", "clean_pair")}
     trace3 = load_dump(dumps["clean"] / "fr_pickle" / "rank_3", it).trace
-    assert {s.pg for s in trace3.streams} == {"0"}  # rank 3 is not in the [0, 1] group
+    assert {s.pg for s in trace3.streams} == {"1"}  # rank 3 is not in the [0, 1] group
+    whole = load_dump(dumps["all"] / "fr_pickle" / "rank_0", it).trace
+    assert {s.pg for s in whole.streams} == {"0", "1", "2", "3", "4"}
     gg = load_dump(dumps["clean"] / "gg" / "rank_0.json", it).trace
     assert gg.format == "gpuguard" and gg.world_size == 4 and {s.pg for s in gg.streams} == {"default", "pair"}
 
