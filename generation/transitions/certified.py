@@ -166,8 +166,11 @@ class Certified(_Base):
             and holder.id == item.incarnation_id
 
     def late_commit(self, sim: Sim, item: Late) -> bool | None:
-        return self._handle(item.incarnation_id).record_commit(item.generation, item.step, item.rank,
-                                                                item.incarnation_id)
+        handle = self._handle(item.incarnation_id)
+        generation = item.generation
+        if item.tag == "claims-active":  # same rank number, active generation, but its old incarnation
+            generation = handle.require_active().generation
+        return handle.record_commit(generation, item.step, item.rank, item.incarnation_id)
 
     def late_shard(self, sim: Sim, item: Late) -> None:
         directory = self._ckpt_dir(sim, item.generation, item.step)

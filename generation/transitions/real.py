@@ -4,8 +4,8 @@ Each job runs `real_worker` under `torchrun --max-restarts=1` with 3 workers; th
 itself at the boundary; torchrun restarts the group. The oracle judges what the ranks wrote at
 the end; latency is measured (kill -> first step of the new generation done by every rank).
 
-communicator-only has no real row: under torchrun the agent SIGTERMs the survivors within ~60 ms
-of a death, so "survivors carry on" needs a launcher of its own; the simulator covers it.
+communicator-only cannot run under torchrun (its agent SIGTERMs the survivors within ~60 ms of a
+death), so its workers are started directly and re-form their gloo group themselves.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,8 +26,15 @@ from gpuguard.generation.transitions.runner import Row
 from gpuguard.recovery.demo import free_port
 from gpuguard.recovery.demo import run_job as run_torchrun
 
-REAL_SCHEDULES = (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
-                  ("stale-completion", "before-commit"))
+REAL_SCHEDULES = {
+    "restart-all": (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
+                    ("stale-completion", "before-commit")),
+    "gpuguard": (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
+                 ("stale-completion", "before-commit")),
+    # survivors carry on without the dead rank: the simulator's scale-down
+    "communicator-only": (("scale-down", "before-allreduce"), ("scale-down", "mid-optimizer-write"),
+                          ("scale-down", "before-commit")),
+}
 WORKERS = 3
 STEPS, CKPT_EVERY, FAULT_STEP = 10, 3, 6
 
@@ -70,7 +78,42 @@ def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, t
     return rc, tail
 
 
-def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int) -> tuple[RunOutcome, dict]:
+def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float) -> tuple[int, str]:
+    """communicator-only: the workers without torchrun (its agent would stop the survivors)."""
+    port = free_port()
+    procs = []
+    logs = []
+    try:
+        for r in range(WORKERS):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": str(r),
+                   "WORLD_SIZE": str(WORKERS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            log = open(job / f"worker-{r}.log", "w")  # noqa: SIM115 - closed in finally
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gpuguard.generation.transitions.real_worker", "--strategy",
+                 "communicator-only", "--job-dir", str(job), "--steps", str(STEPS), "--fault", fault, "--boundary",
+                 boundary, "--fault-step", str(FAULT_STEP), "--victim", str(WORKERS - 1), "--seed", str(seed)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        rcs = []
+        for p in procs:
+            try:
+                rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                rcs.append(124)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        for log in logs:
+            log.close()
+    bad = [rc for i, rc in enumerate(rcs) if rc != 0 and i != WORKERS - 1]  # the victim dies by design
+    tail = (job / "worker-0.log").read_text(errors="replace")[-600:]
+    return (bad[0] if bad else 0), tail
+
+
+def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: int = WORKERS) -> tuple[RunOutcome, dict]:
     """What the job left behind, as the oracle's input, plus the measurements."""
     out = job / "bench-out"
     finals = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))] if out.exists() else []
@@ -101,14 +144,14 @@ def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int) -> tuple[Ru
         aborted = f"torchrun exited with status {rc}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"
     elif not fired.exists():
         aborted = "the fault never fired"
-    elif len(finals) != WORKERS:
-        aborted = f"only {len(finals)} of {WORKERS} ranks finished"
+    elif len(finals) != expected:
+        aborted = f"only {len(finals)} of {expected} ranks finished"
     if fired.exists() and finals:
         kill_t = json.loads(fired.read_text())["time"]
         gen = max(f["generation"] for f in finals)
         firsts = [json.loads(p.read_text())["time"] for p in out.glob(f"first-step-g{gen}-r*.json")]
-        meas["recovery_s"] = max(firsts) - kill_t if len(firsts) == WORKERS else None
-        meas["resume_step"] = min(f["base_step"] for f in finals)
+        meas["recovery_s"] = max(firsts) - kill_t if len(firsts) == expected else None
+        meas["resume_step"] = min(f.get("resume_step", f["base_step"]) for f in finals)
     return RunOutcome(seed, ranks, claimed, tuple(effects), None, aborted), meas
 
 
@@ -116,8 +159,12 @@ def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, tim
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpuguard-transitions-real-") as tmp:
         job = Path(tmp)
-        rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s)
-        run, meas = outcome(strategy, job, rc, tail, seed)
+        if strategy == "communicator-only":
+            rc, tail = run_plain_job(fault, boundary, job, seed=seed, timeout_s=timeout_s)
+            run, meas = outcome(strategy, job, rc, tail, seed, expected=WORKERS - 1)
+        else:
+            rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s)
+            run, meas = outcome(strategy, job, rc, tail, seed)
     verdict = judge(run)
     progress = FAULT_STEP if boundary == "before-commit" else FAULT_STEP - 1
     resume = meas.get("resume_step")
@@ -136,10 +183,10 @@ def run_real(*, strategies: list[str], seed: int = 0, timeout_s: float = 150.0) 
              "recovery_s measured from the SIGKILL to the first step done by every rank of the new generation",
              "restart-all runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torchrun+gloo restarts "
              "resume 1 time in 9 here: reference/torchrun-gloo-findings.md)"]
+    if "communicator-only" in strategies:
+        notes.append("communicator-only runs without torchrun (its agent stops the survivors): the driver starts "
+                     "the workers, survivors re-form a gloo group under a new store prefix and retry the step")
     for name in strategies:
-        if name == "communicator-only":
-            notes.append("communicator-only: no real rows (torchrun stops the survivors; the simulator covers it)")
-            continue
-        for fault, boundary in REAL_SCHEDULES:
+        for fault, boundary in REAL_SCHEDULES[name]:
             rows.append(run_real_one(name, fault, boundary, seed=seed, timeout_s=timeout_s))
     return rows, notes

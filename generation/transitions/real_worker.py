@@ -177,6 +177,107 @@ def late_writer(spec_path: str) -> int:
     return 0
 
 
+def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, fault: Faults,
+             extra: dict) -> dict:
+    """One data-parallel step, two all-reduced buckets each followed by its optimizer write.
+
+    Each bucket carries the sender's step and generation in two extra slots: the sums say whether
+    every contribution belonged to this step of this generation. Raises on a collective error.
+    """
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    s = holder.get()
+    part = m.local_gradient(s, world, rank)
+    fault("before-allreduce", step, holder, extra)
+    results = []
+    for b, bucket in enumerate(m.BUCKETS):
+        t = torch.tensor([part[j] if j in bucket else 0 for j in range(m.N_PARAMS)] + [step, generation],
+                         dtype=torch.int64)
+        dist.all_reduce(t)
+        vals = [int(x) % m.MOD for x in t[: m.N_PARAMS].tolist()]
+        results.append((int(t[m.N_PARAMS]), int(t[m.N_PARAMS + 1])))
+        s = m.update_slots(s, vals, bucket)
+        holder.set(s)
+        if b == 0:
+            fault("mid-optimizer-write", step, holder, extra)
+    holder.set(m.finish_step(s))
+    same_step = all(ss == step * world for ss, _ in results)
+    same_gen = all(gs == generation * world for _, gs in results)
+    fault("before-commit", step, holder, extra)
+    return {"step": step, "generation": generation, "grad_steps": [step] if same_step else [-1],
+            "grad_generation": generation if same_gen else -1}
+
+
+def first_step_done(out: Path, generation: int, rank: int) -> None:
+    (out / f"first-step-g{generation}-r{rank}.json").write_text(json.dumps({"time": time.time(),
+                                                                             "generation": generation}))
+
+
+def write_final(out: Path, rank: int, incarnation: str, generation: int, base: int, holder: Holder,
+                history: list, world: int, resume_step: int | None = None) -> None:
+    """What the oracle reads; `resume_step`: the step this rank continued from after the fault."""
+    final = {"rank": rank, "incarnation": incarnation, "generation": generation, "base_step": base,
+             "state": holder.get().to_dict(), "history": history, "world": world,
+             "resume_step": base if resume_step is None else resume_step}
+    (out / f"final-{rank}.json").write_text(json.dumps(final))
+
+
+def train_comm_only(a: argparse.Namespace) -> int:
+    """Survivors rebuild the gloo group without the dead rank and carry on with the state they hold.
+
+    No torchrun (its agent would stop the survivors): the driver starts the workers, rank 0 hosts
+    the store, each generation's group lives under its own store prefix, and the old group is torn
+    down outside the `except` block (reference/torchrun-gloo-findings.md Q6). A step whose
+    collective failed is retried from the top, as a raw shrink loop does.
+    """
+    from datetime import timedelta  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    job = Path(a.job_dir)
+    out = job / "bench-out"
+    out.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    holder = Holder(a.seed)
+    generation = 1
+    extra = {"incarnation": f"pid{os.getpid()}", "generation": generation}
+
+    def join() -> None:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"g{generation}", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=5))
+
+    join()
+    fault = Faults(a, rank, 0)
+    history: list = []
+    started: set[int] = set()
+    resume: int | None = None
+    while holder.get().step < a.steps:
+        step = holder.get().step + 1
+        failed = False
+        try:
+            history.append(one_step(step, holder, world, rank, generation, fault, extra))
+        except RuntimeError:
+            failed = True
+        if failed:  # the victim was the last rank: the survivors keep their numbers
+            resume = holder.get().step if resume is None else resume
+            dist.destroy_process_group()
+            generation += 1
+            world -= 1
+            extra["generation"] = generation
+            fault.first = False
+            join()
+            continue
+        if generation not in started:
+            started.add(generation)
+            first_step_done(out, generation, rank)
+    write_final(out, rank, extra["incarnation"], generation, 0, holder, history, world, resume)
+    dist.destroy_process_group()
+    return 0
+
+
 def train(a: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
@@ -214,38 +315,14 @@ def train(a: argparse.Namespace) -> int:
     fault = Faults(a, rank, restart)
     history = []
     for step in range(start, a.steps + 1):
-        s = holder.get()
-        part = m.local_gradient(s, world, rank)
-        fault("before-allreduce", step, holder, extra)
-        results = []
-        for b, bucket in enumerate(m.BUCKETS):
-            t = torch.tensor([part[j] if j in bucket else 0 for j in range(m.N_PARAMS)] + [step, generation],
-                             dtype=torch.int64)
-            dist.all_reduce(t)
-            vals = [int(x) % m.MOD for x in t[: m.N_PARAMS].tolist()]
-            steps_sum, gen_sum = int(t[m.N_PARAMS]), int(t[m.N_PARAMS + 1])
-            results.append((steps_sum, gen_sum))
-            s = m.update_slots(s, vals, bucket)
-            holder.set(s)
-            if b == 0:
-                fault("mid-optimizer-write", step, holder, extra)
-        s = m.finish_step(s)
-        holder.set(s)
-        same_step = all(ss == step * world for ss, _ in results)
-        same_gen = all(gs == generation * world for _, gs in results)
-        history.append({"step": step, "generation": generation, "grad_steps": [step] if same_step else [-1],
-                        "grad_generation": generation if same_gen else -1})
-        fault("before-commit", step, holder, extra)
+        history.append(one_step(step, holder, world, rank, generation, fault, extra))
         if rt is not None:
             rt.commit(step)
         elif rank == 0 and step % a.ckpt_every == 0:
             torch.save(holder.to_save(), job / "ckpt.pt")  # in place, as the recipe does
         if step == start:
-            (out / f"first-step-g{generation}-r{rank}.json").write_text(json.dumps({"time": time.time(), "generation": generation}))
-    final = {"rank": rank, "incarnation": extra["incarnation"],
-             "generation": generation, "base_step": base, "state": holder.get().to_dict(), "history": history,
-             "world": world}
-    (out / f"final-{rank}.json").write_text(json.dumps(final))
+            first_step_done(out, generation, rank)
+    write_final(out, rank, extra["incarnation"], generation, base, holder, history, world)
     if rt is not None:
         rt.close()
     elif dist.is_initialized():
@@ -256,7 +333,7 @@ def train(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="real_worker")
     ap.add_argument("--late")
-    ap.add_argument("--strategy", choices=("restart-all", "gpuguard"))
+    ap.add_argument("--strategy", choices=("restart-all", "gpuguard", "communicator-only"))
     ap.add_argument("--job-dir")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ckpt-every", type=int, default=3)
@@ -268,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.late:
         return late_writer(a.late)
+    if a.strategy == "communicator-only":
+        return train_comm_only(a)
     return train(a)
 
 

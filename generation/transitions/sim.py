@@ -341,6 +341,9 @@ class Sim:
         out = []
         if site in ("collective0", "collective1", "commit"):
             out.append(Late("commit-record", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step))
+            # it re-reads the coordination state and claims its rank number in the generation now active
+            out.append(Late("commit-record", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step,
+                            tag="claims-active"))
         out.append(Late("checkpoint-shard", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step,
                         state=p.state))
         return out
