@@ -24,7 +24,7 @@ _BARS = "▁▂▃▄▅▆▇█"
 
 def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any = None,
            window: int = 20, logs: tuple[Path, ...] = (), log_spec: Any = None,
-           node_reports: tuple[Path, ...] = ()) -> tuple[Any, dict[str, Any], Any]:
+           node_reports: tuple[Path, ...] = (), launcher_logs: tuple[Path, ...] = ()) -> tuple[Any, dict[str, Any], Any]:
     """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
     from gpuguard.collectors.steps import observe_job
     from gpuguard.diagnostics.jobstats import distribution
@@ -35,7 +35,11 @@ def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any 
         raise NoInputError(f"job directory {path} does not exist")
     cfg = load_config(config)
     reports = [_load_report(p) for p in node_reports]
-    records, observations = observe_job(path, window=window, logs=logs, log_spec=log_spec, node_reports=reports)
+    for p in launcher_logs:
+        if not p.is_file():
+            raise NoInputError(f"{p}: no such torchrun log")
+    records, observations = observe_job(path, window=window, logs=logs, log_spec=log_spec, node_reports=reports,
+                                        launcher_logs=launcher_logs)
     job = vote(observations, cfg, previous)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
@@ -147,11 +151,13 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         log_regex: Optional[str] = typer.Option(None, "--log-regex", help="The same regex inline."),
         node_report: list[Path] = typer.Option([], "--node-report", help="gpuguard.node/1 JSON from "
                                                "`gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK)."),
+        torchrun_log: list[Path] = typer.Option([], "--torchrun-log", help="torchrun's own output: exit codes and "
+                                                "signals of workers that are gone."),
     ) -> int:
         """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
         spec = _log_spec(log, log_spec, log_regex)
         job, doc, _ = assess(job_dir, config=config, window=window, logs=tuple(log), log_spec=spec,
-                             node_reports=tuple(node_report))
+                             node_reports=tuple(node_report), launcher_logs=tuple(torchrun_log))
         if as_json:
             emit_json(doc)
         else:

@@ -264,6 +264,41 @@ def probe_process(pid: int | None, start_wall: float = 0.0) -> ProcessState:
     return ProcessState(mapping.get(status, "sleeping"), f"pid {pid} status {status}")
 
 
+_EXIT = re.compile(r"exitcode\s*:?\s*(-?\d+)\)?[^\n]*?\(pid:\s*(\d+)\)")
+
+
+def exit_codes_from_logs(paths: Iterable[str | os.PathLike[str]]) -> dict[int, int]:
+    """pid -> exit code from torchrun's failure lines (`failed (exitcode: -9) local_rank: 3 (pid: 123)`,
+    `exitcode  : -6 (pid: 123)`): the launcher is the only one that saw the worker's status."""
+    out: dict[int, int] = {}
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    if "exitcode" in line:
+                        m = _EXIT.search(line)
+                        if m:
+                            out[int(m.group(2))] = int(m.group(1))
+        except OSError:
+            continue
+    return out
+
+
+def _with_exit(proc: ProcessState, pid: int | None, codes: dict[int, int]) -> ProcessState:
+    if pid is None or pid not in codes or proc.state not in ("gone", "zombie", "unknown"):
+        return proc
+    code = codes[pid]
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    try:
+        import signal as _signal
+
+        if code < 0:
+            how = f"killed by {_signal.Signals(-code).name}"
+    except ValueError:
+        pass
+    return ProcessState("gone", f"{proc.detail}; torchrun: {how}", exit_code=code)
+
+
 def local_host() -> str:
     import socket
 
@@ -273,7 +308,7 @@ def local_host() -> str:
 def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: int = 2000,
                 now_wall: float | None = None, probe: bool = True,
                 logs: Iterable[str | os.PathLike[str]] = (), log_spec: "LogStepSpec | None" = None,
-                node_reports: Iterable[dict] = ()):
+                node_reports: Iterable[dict] = (), launcher_logs: Iterable[str | os.PathLike[str]] = ()):
     """Read the records and the process table; return (records, observations) ready for the vote.
 
     With `logs` and `log_spec`, ranks that wrote no StepLog records are read from training logs instead.
@@ -294,6 +329,7 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
 
     hardware = hardware_from_node_reports(
         node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
+    codes = exit_codes_from_logs(launcher_logs)
     here = local_host()
     now_w = time.time() if now_wall is None else now_wall
     now_m = time.monotonic()
@@ -302,6 +338,7 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
         local = series.host == here and now_wall is None
         proc = probe_process(series.pid, series.start_wall) if (probe and local) else ProcessState(
             "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
+        proc = _with_exit(proc, series.pid, codes)
         out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
                            window=window, history=history, hardware=hardware.get(series.rank, ())))
     from gpuguard.diagnostics.jobmodel import RankObservation

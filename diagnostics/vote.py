@@ -25,7 +25,6 @@ from gpuguard.diagnostics.voters import (
 )
 
 SCHEMA = "gpuguard.job/1"
-SEVERITY = {HEALTHY: 0, SLOW: 1, UNKNOWN: 3, HUNG: 2, DEAD: 2}
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
 DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
 

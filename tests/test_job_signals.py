@@ -148,5 +148,7 @@ def test_held_sigstop_is_hung_and_names_the_stopped_rank_then_sigkill_is_dead(jo
     assert after.culprits == (3,)
     for r in (0, 1, 2):
         assert "collateral" in after.by_rank()[r].reason and not after.by_rank()[r].culprit
-    human = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job), timeout=60)
+    human = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job), "--torchrun-log", str(job / "torchrun.log"),
+                timeout=60)
     assert human.returncode == 2 and "rank 3: dead" in human.stdout
+    assert "killed by SIGKILL" in human.stdout, human.stdout  # the exit status only torchrun saw

@@ -289,3 +289,14 @@ def test_doctor_path_does_not_import_torch(tmp_path: Path) -> None:
             "import gpuguard.cli.doctor; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_exit_codes_from_torchrun_lines(tmp_path: Path) -> None:
+    from gpuguard.collectors.steps import exit_codes_from_logs
+
+    real = Path(os.environ.get("GPUGUARD_SHARED", Path(__file__).resolve().parents[1].parent / "shared")) / "real-logs"
+    log = tmp_path / "t.log"
+    log.write_text("ERROR: failed (exitcode: -9) local_rank: 0 (pid: 31631) of binary: /usr/bin/python3\n"
+                   "  exitcode  : 1 (pid: 5939)\nexitcode: nothing here\n")
+    assert exit_codes_from_logs([log, tmp_path / "missing"]) == {31631: -9, 5939: 1}
+    assert exit_codes_from_logs([real / "073-torchrun.log"])[2385923] == -6  # a real torchrun failure report
