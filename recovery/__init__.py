@@ -1,1 +1,15 @@
-"""Recovery: the in-job runtime, operator actions, runbooks."""
+"""Recovery: the in-job runtime, operator actions, runbooks.
+
+`gpuguard.recovery.Runtime` is the training-side entry point (DESIGN §5); it is resolved lazily so
+that torch-free users of this package (gpu-doctor, gpu-recover) never import the runtime.
+"""
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Runtime", "TrainState", "FencedError", "ActivationRefused"):
+        from gpuguard.recovery import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'gpuguard.recovery' has no attribute {name!r}")
