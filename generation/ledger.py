@@ -96,8 +96,9 @@ class Ledger(ABC):
         """The stored bytes of generation N, or None if it does not exist."""
 
     @abstractmethod
-    def _create(self, generation: int, data: bytes) -> bool:
-        """Create generation N exclusively (and only while N-1 is the active one); False if lost."""
+    def _create(self, generation: int, data: bytes, refusal: dict[str, Any] | None = None) -> bool:
+        """Create generation N exclusively (and only while N-1 is the active one); False if lost,
+        and then `refusal` is appended to the `refusals` log."""
 
     @abstractmethod
     def _generations(self) -> list[int]:
@@ -209,20 +210,27 @@ class Ledger(ABC):
             committed = None if parent is None else self._committed_by_all(parent)
             violations += check(cert, parent=parent, key=self.key, committed_by_all=committed,
                                 manifest_ok=manifest_ok)
-        if not violations and not self._create(cert.generation, encode_certificate(cert)):
-            violations.append(Violation(
-                "compare-and-swap", f"generation {cert.generation} was activated by another issuer first"))
+        if not violations:
+            lost = [Violation("compare-and-swap",
+                              f"generation {cert.generation} was activated by another issuer first")]
+            # the refusal a lost race records travels with the attempt (etcd: the txn's failure branch)
+            if not self._create(cert.generation, encode_certificate(cert), self._refusal(cert, lost).to_dict()):
+                self._refuse(cert, lost, recorded=True)
         if violations:
             self._refuse(cert, violations)
         self.active()
 
-    def _refuse(self, cert: Certificate, violations: list[Violation]) -> None:
-        refusal = Refusal(time.time(), cert.generation, cert.parent_generation, cert.digest(),
-                          cert.issued_by, cert.reason, tuple(violations))
-        try:
-            self._append("refusals", refusal.to_dict())
-        except Exception:  # noqa: BLE001 - the refusal itself must still reach the caller
-            pass
+    @staticmethod
+    def _refusal(cert: Certificate, violations: list[Violation]) -> Refusal:
+        return Refusal(time.time(), cert.generation, cert.parent_generation, cert.digest(),
+                       cert.issued_by, cert.reason, tuple(violations))
+
+    def _refuse(self, cert: Certificate, violations: list[Violation], *, recorded: bool = False) -> None:
+        if not recorded:
+            try:
+                self._append("refusals", self._refusal(cert, violations).to_dict())
+            except Exception:  # noqa: BLE001 - the refusal itself must still reach the caller
+                pass
         first = violations[0]
         who = f" (rank {first.member})" if first.member is not None else ""
         more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""

@@ -63,7 +63,7 @@ class DirectoryLedger(Ledger):
             raise from_os_error(exc, str(self.root)) from None
         return [int(m.group(1)) for n in names if (m := _GEN.match(n))]
 
-    def _create(self, generation: int, data: bytes) -> bool:
+    def _create(self, generation: int, data: bytes, refusal: dict[str, Any] | None = None) -> bool:
         tmp = self.root / new_temp_name()
         final = self.gen_path(generation)
         try:
@@ -78,6 +78,8 @@ class DirectoryLedger(Ledger):
             try:
                 os.link(tmp, final)
             except FileExistsError:
+                if refusal is not None:
+                    self._append("refusals", refusal)
                 return False
             finally:
                 os.unlink(tmp)

@@ -106,7 +106,7 @@ class EtcdLedger(Ledger):
                 out.append(int(tail))
         return out
 
-    def _create(self, generation: int, data: bytes) -> bool:
+    def _create(self, generation: int, data: bytes, refusal: dict[str, Any] | None = None) -> bool:
         """One transaction: `gen/N` does not exist yet and `active` still says N-1 (absent for N=0).
 
         `active` only ever moves forward, so comparing its value is as strong as comparing its
@@ -125,7 +125,8 @@ class EtcdLedger(Ledger):
                 {"request_put": {"key": gen_key, "value": _b64(data)}},
                 {"request_put": {"key": active_key, "value": _b64(str(generation))}},
             ],
-            "failure": [],
+            "failure": [] if refusal is None else [{"request_put": {
+                "key": _b64(self._log_key("refusals")), "value": _b64(dumps_record(refusal))}}],
         }
         result = self._call("transaction", self.client.transaction, txn)
         return bool(result.get("succeeded", False))
@@ -141,13 +142,16 @@ class EtcdLedger(Ledger):
         except ValueError:
             raise DataError(f"{self.url}: key {self._key('active')} is not a generation number") from None
 
+    def _log_key(self, log: str) -> str:
+        return self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+
     def _append(self, log: str, record: dict[str, Any]) -> None:
-        key = self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+        key = self._log_key(log)
         self._call("put", self.client.put, key, dumps_record(record))
 
     def _append_if_active(self, generation: int, log: str, record: dict[str, Any]) -> bool:
         """Append only while `generation` is still active, in the same transaction (no window)."""
-        key = self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+        key = self._log_key(log)
         txn = {
             "compare": [{"key": _b64(self._key("active")), "result": "EQUAL", "target": "VALUE",
                          "value": _b64(str(generation))}],

@@ -19,8 +19,6 @@ from _ledger_race_generation import race  # noqa: E402
 from gpuguard.errors import RefusedError, UnavailableError
 from gpuguard.generation.ledger import open_ledger
 from gpuguard.generation.verify import verify_ledger
-
-sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port  # noqa: E402
 
 
@@ -49,6 +47,7 @@ def test_activation_is_a_compare_and_swap_transaction(ledger):
         ledger.activate(b)
     # a stale view cannot win either: the transaction compares the generation key and active revision
     assert ledger._create(1, b.canonical()) is False
+    assert ledger.refusals()[-1].violations[0].rule == "compare-and-swap"
     assert [c.generation for c in ledger.history()] == [0, 1]
     assert ledger.require_active() == a
 
