@@ -52,7 +52,8 @@ from gpuguard.diagnostics.logrules_runtime import HOST_RULES as _HOST
 from gpuguard.diagnostics.logrules_runtime import RULES as _RUNTIME
 from gpuguard.diagnostics.logtime import line_time
 
-__all__ = ["EVENTS_SCHEMA", "MARKERS", "MAX_LINE", "LogParser", "iter_events", "parse_line", "RULES"]
+__all__ = ["EVENTS_SCHEMA", "MARKERS", "MAX_LINE", "LogParser", "LogScan", "RULES", "has_marker", "iter_events",
+           "iter_file_events", "parse_line", "records"]
 
 # Order is priority: the first rule that recognises a line wins. Watchdog timeouts before NCCL
 # errors (the timeout line names the op), NCCL WARN before CUDA (`NCCL WARN Cuda failure`), CUDA
@@ -182,3 +183,12 @@ def iter_events(lines: Iterable[str | bytes], *, source: str | None = None, star
     for line_no, line in enumerate(lines, start=start_line):
         yield from parser.feed(line, line_no)
     yield from parser.close()
+
+
+def __getattr__(name: str):
+    """`iter_file_events` / `LogScan` live in `logscan` (which builds on this module); re-exported lazily."""
+    if name in ("iter_file_events", "LogScan"):
+        from gpuguard.diagnostics import logscan
+
+        return getattr(logscan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
