@@ -38,6 +38,7 @@ from gpuguard.recovery import conditions
 
 BUILTIN_DIR = "runbooks"
 CONSOLE_SCRIPTS = ("gpu-doctor", "gpu-generation", "gpu-recover")
+READ_ONLY_DOCTOR = ("diagnose", "logs", "contract")  # run even in a dry run: they change nothing
 ACTION_ARGS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "diagnose": {"init_timeout_s": (int, float)},
     "abort": {"grace_s": (int, float), "generation": int, "ranks": list},
@@ -350,8 +351,10 @@ def _command(step: Step, job_dir: Path, *, dry_run: bool, run_id: str) -> Any:
 
     script = Path(sys.executable).parent / step.argv[0]
     argv = [str(script)] + [a.replace("{job_dir}", str(job_dir)) for a in step.argv[1:]]
-    if dry_run:
-        return actions.ActionResult("command", "dry-run", EXIT_OK, f"would run {' '.join(step.argv)}", dry_run=True)
+    read_only = step.argv[0] == "gpu-doctor" and len(step.argv) > 1 and step.argv[1] in READ_ONLY_DOCTOR
+    if dry_run and not read_only:
+        shown = " ".join([step.argv[0], *argv[1:]])
+        return actions.ActionResult("command", "dry-run", EXIT_OK, f"would run {shown}", dry_run=True)
     timeout = float(step.args.get("timeout_s", 300))
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -369,9 +372,14 @@ def _command(step: Step, job_dir: Path, *, dry_run: bool, run_id: str) -> Any:
             pass
         # a command's non-zero health code (warning/critical) is a finding, not a failed step
         outcome = "done" if proc.returncode in (0, 1, 2, 3) else "failed"
-        summary = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1][:200]
+        if "verdict" in details:
+            summary = f"verdict {details['verdict']}" + (f": {details['reason']}" if details.get("reason") else "")
+        else:
+            summary = (proc.stderr.strip().splitlines() or [""])[-1]
+        summary = summary[:200]
         result = actions.ActionResult("command", outcome, proc.returncode, summary or f"exit {proc.returncode}",
                                       details)
-    audit.append(job_dir, audit.new_record("command", result.outcome, result.exit_code, run_id=run_id,
-                                           step=step.name, args={"argv": list(step.argv)}, detail=result.details))
+    if not dry_run:
+        audit.append(job_dir, audit.new_record("command", result.outcome, result.exit_code, run_id=run_id,
+                                               step=step.name, args={"argv": list(step.argv)}, detail=result.details))
     return result

@@ -26,7 +26,7 @@ def test_builtin_runbooks_are_valid_and_listed(cli):
     r = cli("gpu-recover", "runbook", "list", "--json")
     assert r.returncode == 0
     books = {b["name"]: b["steps"] for b in json.loads(r.stdout)["runbooks"]}
-    assert books["rank-failure"] == ["diagnose", "abort", "rendezvous", "restore", "verify"]
+    assert books["rank-failure"] == ["diagnose", "vote", "abort", "rendezvous", "restore", "verify"]
     r = cli("gpu-recover", "runbook", "show", "hang")
     assert r.returncode == 0 and "when diagnose.verdict == hung" in r.stdout
 
