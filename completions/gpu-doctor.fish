@@ -40,6 +40,7 @@ complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" 
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -l log-regex -r -F -d 'The same regex inline.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -l log-spec -r -F -d 'YAML: step_log: {pattern: REGEX} with named groups step, step_s|step_m'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -l node-report -r -F -d 'gpuguard.node/1 JSON from gpu-doctor diagnose node --json on a ranks h'
+complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -l torchrun-log -r -F -d 'torchruns own output: exit codes and signals of workers that are gone.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -l window -r -F -d 'Recent steps for the cohort comparison.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/job'" -s h -d 'Show the help and exit.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l config -r -F -d 'Thresholds YAML override.'
