@@ -202,3 +202,11 @@ def test_log_format_keeps_whole_records_and_never_crashes(records, tail, noise):
     got, bad = parse_lines(data + tail)
     assert got == records and bad == 0
     parse_lines(noise + data)  # arbitrary bytes: counted, never raised
+
+
+def test_unverified_frontier_state_is_refused_by_the_ledger(ledger):
+    g1 = child(ledger.require_active(), members(1), digest="ab" * 32)
+    with pytest.raises(RefusedError, match="frontier-state"):
+        ledger.activate(g1, manifest_ok=False)
+    ledger.activate(g1, manifest_ok=True)
+    assert ledger.require_active() == g1
