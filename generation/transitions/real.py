@@ -138,6 +138,14 @@ def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: i
         claimed = ledger.last_committed_by_all(active.generation)
         meas["sync_ops"] = sum(len(ledger.commits(g)[0]) for g in range(active.generation + 1))
         meas["fenced"] = ledger.fenced_count()
+        act = job / "coord" / f"activation-g{active.generation}.json"
+        acts = [act] if act.exists() else sorted(job.rglob(f"activation-g{active.generation}.json"))
+        if acts:
+            ph = json.loads(acts[0].read_text()).get("phases", {})
+            keys = ("activate_called", "certificate", "restored", "pg_ready")
+            if all(k in ph for k in keys):
+                meas["phases"] = {f"{a}->{b}": round(ph[b] - ph[a], 3) for a, b in zip(keys, keys[1:])}
+                meas["phases"]["import+start"] = round(ph["activate_called"] - ph["process_start"], 3)
     fired = job / "bench-faults" / "fired.json"
     aborted = None
     if rc != 0:
@@ -155,7 +163,8 @@ def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: i
     return RunOutcome(seed, ranks, claimed, tuple(effects), None, aborted), meas
 
 
-def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, timeout_s: float = 150.0) -> Row:
+def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, timeout_s: float = 150.0,
+                 notes: list[str] | None = None) -> Row:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpuguard-transitions-real-") as tmp:
         job = Path(tmp)
@@ -166,6 +175,8 @@ def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, tim
             rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s)
             run, meas = outcome(strategy, job, rc, tail, seed)
     verdict = judge(run)
+    if notes is not None and "phases" in meas:
+        notes.append(f"{strategy} {fault}@{boundary}: new generation's activation phases (s): {meas['phases']}")
     progress = FAULT_STEP if boundary == "before-commit" else FAULT_STEP - 1
     resume = meas.get("resume_step")
     return Row(strategy=strategy, fault=fault, boundary=boundary, layout="dp", semantic_failure=not verdict.ok,
@@ -188,5 +199,5 @@ def run_real(*, strategies: list[str], seed: int = 0, timeout_s: float = 150.0) 
                      "the workers, survivors re-form a gloo group under a new store prefix and retry the step")
     for name in strategies:
         for fault, boundary in REAL_SCHEDULES[name]:
-            rows.append(run_real_one(name, fault, boundary, seed=seed, timeout_s=timeout_s))
+            rows.append(run_real_one(name, fault, boundary, seed=seed, timeout_s=timeout_s, notes=notes))
     return rows, notes
