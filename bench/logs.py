@@ -6,8 +6,10 @@ The log is a realistic mix: dmesg/syslog kernel lines (network, USB, audit, syst
 NCCL INFO chatter with a few NCCL WARN lines, torchrun agent lines, and ~0.1 % NVIDIA Xid lines in the
 formats real drivers print. It is written once under bench/out/ (git-ignored) and removed afterwards
 unless --keep. Both tools read it from the page cache (it is read once before timing).
-Reported: wall seconds, MB/s, ratio to grep (target <= 4x), peak RSS of the gpu-doctor process, and the
-in-process `iter_file_events` figures (accelerated and pure-Python fallback) for comparison.
+Reported: wall seconds (best of interleaved runs: 3 grep, 2 gpu-doctor), MB/s, ratio to grep (target
+<= 4x), CPU seconds and their ratio (robust when the machine is shared), peak RSS of the gpu-doctor
+process, and the in-process `iter_file_events` figures (accelerated, and the pure-Python fallback on a
+32 MiB sample, extrapolated) for comparison.
 """
 
 from __future__ import annotations
@@ -129,14 +131,23 @@ def main() -> None:
             while fh.read(1 << 24):
                 pass
         grep = shutil.which("grep") or "grep"
-        g_wall, _, g_rss, g_out, g_cpu = _run([grep, "-c", "NVRM: Xid", str(path)])
-        grep_count = int(g_out.strip() or 0)
-        d_wall, d_rc, d_rss, d_out, d_cpu = _run([str(BIN / "gpu-doctor"), "logs", "--json", str(path)])
+        # Interleaved runs, best of each: the machine may be shared, and a single pair can be unlucky.
+        grep_cmd = [grep, "-c", "NVRM: Xid", str(path)]
+        doctor_cmd = [str(BIN / "gpu-doctor"), "logs", "--json", str(path)]
+        g_runs, d_runs = [], []
+        for _ in range(2):
+            g_runs.append(_run(grep_cmd))
+            d_runs.append(_run(doctor_cmd))
+        g_runs.append(_run(grep_cmd))
+        grep_count = int(g_runs[0][3].strip() or 0)
+        grep_best = min(r[0] for r in g_runs)
+        g_rss = g_runs[0][2]
+        grep_cpu = min((r[4] for r in g_runs if r[4]), default=None)
+        d_wall = min(r[0] for r in d_runs)
+        _, d_rc, d_rss, d_out, _ = d_runs[0]
+        d_cpu = min((r[4] for r in d_runs if r[4]), default=None)
         doc = json.loads(d_out)
         xid_events = doc["summary"]["by_kind"].get("xid", 0)
-        g2_wall, _, _, _, g2_cpu = _run([grep, "-c", "NVRM: Xid", str(path)])
-        grep_best = min(g_wall, g2_wall)
-        grep_cpu = min(c for c in (g_cpu, g2_cpu, 1e9) if c) if (g_cpu or g2_cpu) else None
 
         def cpu_ratio(cpu: float | None) -> float | None:
             return round(cpu / grep_cpu, 2) if cpu and grep_cpu else None
