@@ -279,13 +279,32 @@ def _load_state(path: Path) -> tuple[dict[str, Any], list[str]]:
         if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
             raise DataError("not a gpuguard.sweep-state/1 document")
         cursor = parse_cursor(json.dumps(doc["cursor"]), "cursor") if doc.get("cursor") else None
-        events = [e for e in doc.get("events") or [] if isinstance(e, dict) and isinstance(e.get("kind"), str)]
+        events = [r for r in map(_clean_record, doc.get("events") or []) if r is not None]
         totals = {str(k): int(v) for k, v in (doc.get("xid_totals") or {}).items()}
-    except (ValueError, TypeError, AttributeError, DataError) as exc:
+    except (ValueError, TypeError, AttributeError, OverflowError, DataError) as exc:
         notes.append(f"sweep state {path} unreadable ({str(exc)[:80]}): starting over from the start of the log")
         return empty, notes
     return {**empty, "cursor": cursor, "events": events, "xid_totals": totals,
             "last_verdict": doc.get("last_verdict")}, notes
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return float(value) if ok else None
+
+
+def _clean_record(rec: Any) -> dict[str, Any] | None:
+    """A retained event as the state file holds it, or None when it is not one (a damaged file)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
+        return None
+    line = rec.get("line")
+    fields = rec.get("fields") if isinstance(rec.get("fields"), dict) else {}
+    return {"kind": rec["kind"], "line": line if isinstance(line, int) and not isinstance(line, bool) and line >= 0 else 0,
+            "text": str(rec.get("text") or "")[:400],
+            "fields": {str(k): v for k, v in fields.items() if isinstance(v, (str, int, float, bool, type(None)))},
+            "timestamp": _number(rec.get("timestamp")), "source": rec.get("source") if isinstance(rec.get("source"), str) else None,
+            "severity": str(rec.get("severity") or "info"), "diagnosis": str(rec.get("diagnosis") or "")[:200],
+            "seen_at": _number(rec.get("seen_at"))}
 
 
 def _event_from_record(rec: dict[str, Any]) -> Any:

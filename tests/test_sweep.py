@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _nodehelpers_node import SAMPLE_LOG, SAMPLE_NVML, healthy_gpu, snapshot, write_json  # noqa: E402
@@ -175,3 +177,25 @@ def test_overlapping_sweeps_are_serialised(node):
     assert r.returncode == 75 and "another sweep holds" in r.stderr and r.stdout == ""
     assert not (tmp_path / "state" / "sweep-state.json").exists()  # nothing read, nothing recorded
     assert _sweep(tmp_path, log, healthy, "--json").returncode == 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(raw=st.binary(max_size=400) | st.builds(
+    lambda cursor, events: json.dumps({"schema": "gpuguard.sweep-state/1", "cursor": cursor, "events": events,
+                                       "xid_totals": {"a|1": 1}}).encode(),
+    st.none() | st.dictionaries(st.sampled_from(["path", "offset", "inode", "schema"]),
+                                st.integers(-2, 5) | st.text(max_size=4), max_size=4),
+    st.lists(st.dictionaries(st.sampled_from(["kind", "line", "fields", "seen_at"]),
+                             st.integers() | st.text(max_size=4), max_size=4), max_size=3)))
+def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
+    from gpuguard.cli.doctor_node import _event_from_record, _load_state
+
+    path = tmp_path_factory.mktemp("st") / "sweep-state.json"
+    path.write_bytes(raw)
+    state, notes = _load_state(path)
+    assert state["schema"] == "gpuguard.sweep-state/1"
+    if notes:
+        assert state["cursor"] is None and state["events"] == [] and "unreadable" in notes[0]
+    else:
+        for rec in state["events"]:
+            _event_from_record(rec)
