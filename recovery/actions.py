@@ -45,8 +45,14 @@ def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionRes
 
     assessment = gather(job_dir, init_timeout_s=init_timeout_s)
     generation = _active_generation(job_dir) if job_dir is not None else None
+    snapshots = 0
+    if job_dir is not None:
+        from gpuguard.recovery.snapshot import list_snapshots
+
+        snapshots = len(list_snapshots(job_dir))
     verdict = assessment.verdict
     details = {"verdict": verdict, "generation": generation, "live_workers": assessment.live_workers,
+               "snapshots": snapshots,
                "hazards": [h.to_json() for h in assessment.hazards], "notes": list(assessment.notes)}
     summary = f"verdict {verdict}; {len(assessment.hazards)} hazard(s); {assessment.live_workers} live worker(s)"
     return ActionResult("diagnose", "done", assessment.exit_code, summary, details)

@@ -1,6 +1,7 @@
 """gpu-recover and gpu-doctor against ONE real torchrun + gloo job (2 workers), in order:
 torch-free state read → two concurrent `rendezvous` → exactly one new round → the restarted workers
-stuck in group init are flagged → SIGUSR1 orphans the workers → flagged → `abort` kills them by PID.
+stuck in group init are flagged → SIGUSR1 orphans the workers → flagged → the `hang` runbook's abort
+kills them by PID.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def test_doctor_flags_workers_stuck_in_group_init(job):
     job.gate.unlink()
 
 
-def test_sigusr1_orphans_are_flagged_and_abort_kills_them_by_pid(job):
+def test_sigusr1_orphans_are_flagged_and_the_hang_runbook_kills_them_by_pid(job):
     workers = job.worker_pids()
     assert len(workers) == 2
     os.kill(job.agent_pid, signal.SIGUSR1)  # unhandled by torchrun: kills only the agent
@@ -138,14 +139,17 @@ def test_sigusr1_orphans_are_flagged_and_abort_kills_them_by_pid(job):
     r = run_cli("gpu-recover", "abort", "--job-dir", str(job.job_dir), "--dry-run", "--json", timeout=30)
     assert r.returncode == 0 and len(json.loads(r.stdout)["details"]["would_terminate"]) == 2
     assert job.worker_pids() == workers and (job.job_dir / "audit.log").read_bytes() == audit_before
-    r = run_cli("gpu-recover", "abort", "--job-dir", str(job.job_dir), "--yes", "--grace", "5", "--json", timeout=60)
+    r = run_cli("gpu-recover", "runbook", "run", "hang", "--job-dir", str(job.job_dir), "--yes", "--json", timeout=90)
     assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
-    assert set(res["details"]["terminated"]) == workers and res["details"]["quiescence"] == "proved"
+    run = json.loads(r.stdout)
+    assert [(s["name"], s["outcome"]) for s in run["steps"]] == [
+        ("diagnose", "done"), ("abort", "done"), ("restore", "skipped"), ("verify", "skipped")]
     assert job.worker_pids() == set()
-    # idempotent: a second abort finds every incarnation gone
+    records = [json.loads(x) for x in (job.job_dir / "audit.log").read_text().splitlines()]
+    (abort,) = [a for a in records if a["action"] == "abort" and a["run_id"] == run["run_id"]]
+    assert set(abort["detail"]["terminated"]) == workers and abort["detail"]["quiescence"] == "proved"
+    assert len(abort["detail"]["evidence"]) == len(list((job.job_dir / "incarnations").glob("*.json")))
+    # idempotent: abort again finds every incarnation gone
     r = run_cli("gpu-recover", "abort", "--job-dir", str(job.job_dir), "--yes", "--json", timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "noop"
-    last = json.loads((job.job_dir / "audit.log").read_text().splitlines()[-2])
-    assert last["action"] == "abort" and last["outcome"] == "done" and last["user"]
     assert (job.job_dir / "audit.log").read_bytes().startswith(audit_before)
