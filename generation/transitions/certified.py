@@ -172,6 +172,20 @@ class Certified(_Base):
             generation = handle.require_active().generation
         return handle.record_commit(generation, item.step, item.rank, item.incarnation_id)
 
+    def late_activation(self, sim: Sim, item: Late) -> bool | None:
+        """The old coordinator's activation of its own next generation, in flight when the fault struck:
+        it names the old members and the old frontier. The ledger's compare-and-swap must refuse it."""
+        handle = self._handle(item.incarnation_id)
+        parent = handle.get(item.generation)
+        cert = issue(parent=parent, job_id=parent.job_id, members=parent.members, reason="late coordinator",
+                     frontier=parent.frontier, quiescence="proved", quiescence_evidence=("old coordinator",),
+                     ownership_map_version=parent.ownership_map_version, issued_by=f"{ISSUER}-late", key=self.key)
+        try:
+            handle.activate(cert)
+        except GpuguardError:
+            return False
+        return True
+
     def late_shard(self, sim: Sim, item: Late) -> None:
         directory = self._ckpt_dir(sim, item.generation, item.step)
         self._write_shard(sim, directory, item.state, sim.schedule.world, item.rank, generation=item.generation,

@@ -58,7 +58,7 @@ class Result:
 class Late:
     """An operation of an old generation that completes after the next one started."""
 
-    kind: str  # gradient | commit-record | checkpoint-shard
+    kind: str  # gradient | commit-record | ledger-activation | checkpoint-shard
     rank: int
     incarnation_id: str
     generation: int
@@ -350,6 +350,11 @@ class Sim:
 
     def _after_fault(self) -> None:
         sch = self.schedule
+        if sch.site == "commit" and sch.late:
+            # the old generation's coordinator was writing the ledger too: its activation lands late
+            coord = min(self.members, key=lambda q: q.rank)
+            self.late.append(Late("ledger-activation", coord.rank, coord.incarnation.id, self.generation,
+                                  sch.fault_step))
         if sch.corrupt:
             self.strategy.corrupt_newest(self, sch.victim_rank)
 
@@ -364,10 +369,11 @@ class Sim:
                 self.effects.append(Effect("gradient", item.generation, self.generation, item.rank, item.step, accepted))
                 if accepted:
                     target.data.setdefault("stale", {})[item.tag] = item.result
-            elif item.kind == "commit-record":
-                accepted = self.strategy.late_commit(self, item)
-                if accepted is not None:
-                    self.effects.append(Effect("commit-record", item.generation, self.generation, item.rank,
+            elif item.kind in ("commit-record", "ledger-activation"):
+                deliver = self.strategy.late_commit if item.kind == "commit-record" else self.strategy.late_activation
+                accepted = deliver(self, item)
+                if accepted is not None:  # None: this strategy keeps no such record
+                    self.effects.append(Effect(item.kind, item.generation, self.generation, item.rank,
                                                item.step, accepted))
             else:
                 self.strategy.late_shard(self, item)

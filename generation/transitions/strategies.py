@@ -142,6 +142,9 @@ class _Base:
     def late_commit(self, sim: Sim, item: Late) -> bool | None:
         return None  # there is no commit record to write
 
+    def late_activation(self, sim: Sim, item: Late) -> bool | None:
+        return None  # there is no ledger: the rendezvous round is torchrun's business
+
     def late_shard(self, sim: Sim, item: Late) -> None:
         ghost = Proc(item.rank, new_incarnation(item.rank), item.generation, sim.schedule.world, item.state, 0)
         self.ckpt.write(sim, ghost, late=True, generation=item.generation)
