@@ -64,6 +64,7 @@ def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
             fields.update({k: v for k, v in state.summary.items()})
         if state.root_cause_line and 0 < line_no - state.root_cause_line <= 8:
             fields["root_cause"] = True
+            state.root_cause_line = 0  # one record per "Root Cause" header
         state.summary = {}
         return Found("worker_failure", fields, "warning", _exit_diagnosis(code, sig))
     m = _SUM_RANK.search(text)
