@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,17 +142,23 @@ class Ledger(ABC):
             return None
         return cert
 
+    def _read_from(self, generation: int) -> Iterator[bytes]:
+        """Stored records generation, generation+1, ... until the first missing one.
+
+        Backends may override this to fetch them in one request (etcd: one range read).
+        """
+        while (raw := self._read(generation)) is not None:
+            yield raw
+            generation += 1
+
     def active(self) -> Certificate | None:
         """The active certificate (None: the ledger has no valid genesis)."""
-        while True:
-            parent = self._chain[-1] if self._chain else None
-            raw = self._read(len(self._chain))
-            if raw is None:
-                return parent
-            cert = self._valid_next(raw, parent)
+        for raw in self._read_from(len(self._chain)):
+            cert = self._valid_next(raw, self._chain[-1] if self._chain else None)
             if cert is None:
-                return parent
+                break
             self._chain.append(cert)
+        return self._chain[-1] if self._chain else None
 
     def require_active(self) -> Certificate:
         cert = self.active()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -96,6 +97,19 @@ class EtcdLedger(Ledger):
     def _read(self, generation: int) -> bytes | None:
         got = self._call("get", self.client.get, self._gen_key(generation))
         return got[0] if got else None
+
+    def _read_from(self, generation: int) -> Iterator[bytes]:
+        """One range read from `gen/<generation>` on, consecutive numbers only."""
+        start = self._gen_key(generation).encode()
+        end = _prefix_end(self._key("gen", "").encode())
+        got = self._call("range", self.client.get, start, metadata=True, range_end=end,
+                         sort_order="ascend", sort_target="key")
+        for value, meta in got:
+            k = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
+            if k != self._gen_key(generation):
+                return
+            yield value
+            generation += 1
 
     def _generations(self) -> list[int]:
         out = []

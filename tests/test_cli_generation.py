@@ -228,3 +228,15 @@ def test_ledger_without_write_permission(cli):
         assert cli("gpu-generation", "verify", "--job-dir", str(jd)).returncode == 0
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_verify_and_show_never_import_torch(tmp_path, cli):
+    jd = tmp_path / "job"
+    assert cli("gpu-generation", "init", "--job-dir", str(jd)).returncode == 0
+    code = ("import sys\nfrom gpuguard.cli._app import run\nfrom gpuguard.cli.generation import app\n"
+            f"for argv in (['verify', '--deep', '--job-dir', {str(jd)!r}], ['show', '--job-dir', {str(jd)!r}],"
+            f" ['history', '--job-dir', {str(jd)!r}]):\n"
+            "    assert run(app, 'gpu-generation', argv) == 0\n"
+            "print('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == "False", p
