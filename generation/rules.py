@@ -16,7 +16,8 @@ def unique_incarnations(cert: Certificate) -> list[Violation]:
     """An incarnation is one process: it can hold at most one rank."""
     counts = Counter(m.incarnation.id for m in cert.members)
     return [
-        Violation("unique-incarnations", f"incarnation {m.incarnation.id} appears {counts[m.incarnation.id]} times", m.rank)
+        Violation("unique-incarnations",
+                  f"incarnation {m.incarnation.id} appears {counts[m.incarnation.id]} times", m.rank)
         for m in cert.members if counts[m.incarnation.id] > 1
     ]
 
@@ -35,15 +36,18 @@ def chain_continuity(cert: Certificate, parent: Certificate | None) -> list[Viol
     if parent is None:
         out = []
         if cert.generation != 0 or cert.parent_generation is not None or cert.parent_certificate_digest:
-            out.append(Violation(rule, f"generation {cert.generation} has no parent certificate (only generation 0 may be genesis)"))
+            out.append(Violation(rule, f"generation {cert.generation} has no parent certificate "
+                                       "(only generation 0 may be genesis)"))
         return out
     out = []
     if cert.job_id != parent.job_id:
         out.append(Violation(rule, f"job id {cert.job_id!r} differs from the parent's {parent.job_id!r}"))
     if cert.parent_generation != parent.generation:
-        out.append(Violation(rule, f"parent_generation is {cert.parent_generation}, the parent is generation {parent.generation}"))
+        out.append(Violation(rule, f"parent_generation is {cert.parent_generation}, "
+                                   f"the parent is generation {parent.generation}"))
     if cert.generation != parent.generation + 1:
-        out.append(Violation(rule, f"generation {cert.generation} does not follow parent generation {parent.generation}"))
+        out.append(Violation(rule, f"generation {cert.generation} does not follow "
+                                   f"parent generation {parent.generation}"))
     if cert.parent_certificate_digest != parent.digest():
         out.append(Violation(rule, "parent_certificate_digest does not match the parent certificate"))
     return out

@@ -21,6 +21,8 @@ from gpuguard.generation.ledger import open_ledger
 from gpuguard.generation.verify import verify_ledger
 from conftest import free_port  # noqa: E402
 
+pytestmark = pytest.mark.etcd
+
 
 def etcd_ledger_url(etcd_url: str) -> str:
     u = urlsplit(etcd_url)
