@@ -240,18 +240,16 @@ class Sim:
                     for p in group:
                         self._do_site(p)
                 continue
-            # every live member waits in a collective: match them by order
-            if any(p.done for p in self.members if p.alive) or len(live) < len([p for p in self.members if p.alive]):
-                if self.faulted and self.generation == 1:
-                    self._fail_all(live)
-                    continue
+            # every live member waits in a collective
+            if self.faulted and self.generation == 1:
+                self._fail_all(live)  # the old communicator is broken: every further collective fails
+                continue
+            if len(live) < len([p for p in self.members if p.alive]):
                 waiting = sorted(p.rank for p in live)
                 self.aborted = (f"rank(s) {waiting} wait forever in a collective the other ranks never join "
                                 f"(the job hangs until the timeout)")
                 return
-            if self.faulted and self.generation == 1:
-                self._fail_all(live)
-                continue
+            # match them by order, as NCCL and gloo do
             reqs = [p.waiting for p in live]
             tag = reqs[0].tag
             steps = tuple(sorted({r.step for r in reqs}))
