@@ -37,7 +37,7 @@ def summary(rows: list[Row]) -> dict[str, dict[str, Any]]:
             "failing": [f"{r.fault}@{r.boundary}/{r.layout}" for r in failed],
             "median_recovery_s": _median(r.recovery_s for r in mine),
             "mean_steps_lost": round(sum(lost) / len(lost), 3) if lost else None,
-            "sync_ops_per_step": round(max((r.sync_ops_per_step for r in mine), default=0.0), 3),
+            "sync_ops_per_step": _median(r.sync_ops_per_step for r in mine),
             "median_sync_s_per_step": _median(r.sync_s_per_step for r in mine),
             "fenced": sum(r.fenced for r in mine),
         }
