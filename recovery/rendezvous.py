@@ -299,13 +299,19 @@ def _lease_value(holder: str, round_: int, ttl: float) -> bytes:
 
 
 def _parse_lease(raw: bytes | None) -> dict[str, Any] | None:
+    """A live lease {holder, round, expires}, or None (free, expired or unreadable: takeable)."""
     if not raw:
         return None
     try:
         doc = json.loads(raw)
     except ValueError:
         return None
-    return doc if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("round"), int):
+        return None
+    expires = doc.get("expires")
+    if not isinstance(expires, (int, float)) or expires <= time.time():
+        return None
+    return doc
 
 
 def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.005, settle_s: float = 1.0,
@@ -339,7 +345,7 @@ def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.00
         while True:
             current = client.get(lease_key) or b""
             lease = _parse_lease(current)
-            if lease is not None and lease.get("expires", 0) > time.time():
+            if lease is not None:
                 return _coalesce(client, ep, lease, start_round, end, poll_s, sleep)
             if client.compare_set(lease_key, current, mine) == mine:
                 break
@@ -358,7 +364,7 @@ def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.00
 def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_round: int, end: float,
               poll_s: float, sleep: Callable[[float], None]) -> TriggerResult:
     """Another operator holds the lease: wait for its round instead of making a second one."""
-    lease_round = int(lease.get("round", start_round))
+    lease_round = lease["round"]
     seen = [start_round]
     while time.monotonic() < end:
         state, _ = read_state(client, ep.run_id)

@@ -88,3 +88,11 @@ def test_garbage_never_crashes(data):
 ])
 def test_torchrun_cmdline(argv, expected):
     assert R.parse_torchrun_cmdline(argv) == expected
+
+
+@given(st.binary(max_size=120))
+def test_any_lease_value_is_live_or_takeable(raw):
+    lease = R._parse_lease(raw)
+    assert lease is None or (isinstance(lease["round"], int) and lease["expires"] > 0)
+    assert R._parse_lease(R._lease_value("me", 3, 60))["round"] == 3
+    assert R._parse_lease(R._lease_value("me", 3, -1)) is None  # expired: takeable
