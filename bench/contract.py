@@ -47,7 +47,7 @@ PATTERN = (("_all_gather_base", "all_gather_into_tensor", 4096, "world"),
 
 
 def make_entries(n: int, rank: int, world: int) -> list[dict]:
-    """One rank's FR entries (2.10 layout); every frame dict is shared, as the C++ writer does."""
+    """One rank's FR entries (2.10 layout); frame dicts are shared, frame lists are not (like the C++ writer)."""
     entries = []
     t0 = 1_795_000_000_000_000_000 + rank * 1_000
     pg = ("0", "default_pg")
@@ -66,7 +66,8 @@ def make_entries(n: int, rank: int, world: int) -> list[dict]:
             "state": "started" if last else "completed",
             "time_discovered_started_ns": t0 + i * 1_000_000 + 10, "time_discovered_completed_ns":
                 None if last else t0 + i * 1_000_000 + 900_000,
-            "retired": not last, "timeout_ms": 600_000, "is_p2p": False, "frames": FRAMES[fname]})
+            "retired": not last, "timeout_ms": 600_000, "is_p2p": False,
+            "frames": list(FRAMES[fname])})  # a new list of shared frame dicts, as the C++ writer emits
     return entries
 
 
@@ -90,9 +91,14 @@ def write_dumps(root: Path, world: int, n: int, culprit: int) -> int:
     return bad_seq
 
 
-def run_measured(cmd: list[str], limit: float) -> tuple[float, float, int | None, str]:
-    """Run `cmd`; return (seconds, peak MB of the process tree, returncode or None on timeout, stdout)."""
+def run_measured(cmd: list[str], limit: float) -> tuple[float, float, int | None, str, float]:
+    """Run `cmd`; return (seconds, peak MB of the process tree, returncode or None on timeout, stdout,
+    CPU seconds of the whole tree: robust when other work shares the machine)."""
+    import resource
+
     import psutil
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
 
     out = tempfile.TemporaryFile()
     t0 = time.perf_counter()
@@ -123,23 +129,26 @@ def run_measured(cmd: list[str], limit: float) -> tuple[float, float, int | None
     out.seek(0)
     text = out.read().decode(errors="replace")
     out.close()
-    return seconds, peak / 2**20, rc, text
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, peak / 2**20, rc, text, cpu
 
 
 def bench_gpuguard(root: Path, world: int, n: int, bad_seq: int, culprit: int, limit: float) -> dict:
-    secs, peak, rc, text = run_measured([str(BIN / "gpu-doctor"), "contract", str(root), "--json"], limit)
+    secs, peak, rc, text, cpu = run_measured([str(BIN / "gpu-doctor"), "contract", str(root), "--json"], limit)
     found = False
     if rc in (0, 1):
         d = json.loads(text).get("first_divergence") or {}
         found = d.get("seq") == bad_seq and d.get("ranks") == [culprit] and d.get("kind") == "size_mismatch"
     return {"method": "gpu-doctor contract", "ranks": world, "entries": n, "seconds": round(secs, 3),
-            "peak_mb": round(peak, 1), "found": found, "status": f"exit {rc}" if rc is not None else "timeout"}
+            "peak_mb": round(peak, 1), "found": found, "cpu_s": round(cpu, 2),
+            "status": f"exit {rc}" if rc is not None else "timeout"}
 
 
 def bench_torchfrtrace(root: Path, world: int, n: int, bad_seq: int, culprit: int, limit: float) -> dict:
     exe = BIN / "torchfrtrace"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
-    secs, peak, rc, text = run_measured(cmd + [str(root), "-p", "rank_"], limit)
+    secs, peak, rc, text, cpu = run_measured(cmd + [str(root), "-p", "rank_"], limit)
     found = (f"sequence number: {bad_seq}" in text) and (f"Culprit rank {culprit};" in text)
     if rc is None:
         status = f"timeout after {limit:.0f} s"
@@ -150,7 +159,7 @@ def bench_torchfrtrace(root: Path, world: int, n: int, bad_seq: int, culprit: in
         status = "exit 0"
     return {"method": "torchfrtrace", "ranks": world, "entries": n,
             "seconds": round(secs, 3) if rc is not None else None, "peak_mb": round(peak, 1), "found": found,
-            "status": status}
+            "cpu_s": round(cpu, 2), "status": status}
 
 
 def bench_record(calls: int = 1_000_000) -> dict:

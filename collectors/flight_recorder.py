@@ -238,7 +238,8 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     return Loaded(trace, len(entries))
 
 
-_COLS = {k: itemgetter(k) for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p")}
+_COLS = {k: itemgetter(k) for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p",
+                                    "frames", "time_created_ns")}
 _GET_FRAMES = methodcaller("get", "frames")
 _GET_TIME = methodcaller("get", "time_created_ns")
 _SIG5 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
@@ -257,10 +258,16 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
         raw_states = list(map(_COLS["state"], entries))
         p2p = list(map(_COLS["is_p2p"], entries))
         sigs = list(map(_SIG5, entries))
-        frames = list(map(_GET_FRAMES, entries))
-        times = list(map(_GET_TIME, entries))
     except (KeyError, TypeError, AttributeError):
         return None
+    try:  # optional keys: itemgetter when every entry has them (faster), else dict.get
+        frames = list(map(_COLS["frames"], entries))
+    except KeyError:
+        frames = list(map(_GET_FRAMES, entries))
+    try:
+        times = list(map(_COLS["time_created_ns"], entries))
+    except KeyError:
+        times = list(map(_GET_TIME, entries))
     first = entries[0]
     if ("reset_epoch" in first or "generation" in first or set(map(type, seqs)) != {int}
             or set(map(type, names)) != {str} or set(map(type, raw_states)) != {str}

@@ -248,14 +248,15 @@ def check(traces: Iterable[RankTrace], interner: Interner, *, pg: str | None = N
           world_size: int | None = None, warnings: Iterable[str] = ()) -> ContractReport:
     """Check every (process group, generation) timeline; return the report."""
     warns = list(warnings)
+    partial = False
     by_rank: dict[int, RankTrace] = {}
     for trace in traces:
         if trace.rank in by_rank:
             warns.append(f"rank {trace.rank}: two dumps ({by_rank[trace.rank].source}, {trace.source}); "
                          f"using the first")
+            partial = True
             continue
         by_rank[trace.rank] = trace
-    partial = any("two dumps" in w for w in warns) or bool(warnings)
 
     world = world_size or max((t.world_size or 0 for t in by_rank.values()), default=0) or None
     if world is None and by_rank:

@@ -68,7 +68,7 @@ entries = st.lists(st.tuples(st.sampled_from(["all_reduce", "all_gather", "barri
                              st.booleans()), min_size=0, max_size=40)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(entries, st.integers(1, 50))
 def test_dump_round_trips_through_the_contract_loader(tmp_path, rows, capacity):
     t = CollectiveTrace(rank=3, generation=7, capacity=capacity, world_size=4)
