@@ -155,13 +155,19 @@ def history_cmd(
     return EXIT_OK
 
 
-def _deep_check(job_dir: Path, certs: dict[int, Any], show_progress: bool) -> tuple[list[Any], dict[str, Any]]:
-    """Re-hash the checkpoint of every checked frontier against its manifest."""
+def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
+                show_progress: bool) -> tuple[list[Any], dict[str, Any], list[str]]:
+    """Re-hash the checkpoint of every checked frontier against its manifest.
+
+    The target generation's state must be there; older frontiers' states may have been pruned
+    (a note), but any state still stored must verify.
+    """
     from gpuguard.errors import GpuguardError
     from gpuguard.generation.manifest import find_manifests, load_manifest, verify_manifest
     from gpuguard.generation.verify import Finding
 
     findings: list[Finding] = []
+    notes: list[str] = []
     manifests: dict[str, tuple[Path, Any]] = {}
     for path in find_manifests(job_dir):
         try:
@@ -186,8 +192,11 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], show_progress: bool) -> tu
             task = progress_cm.add_task("hash", total=total)
         for digest, n in sorted(wanted.items(), key=lambda kv: kv[1]):
             if digest not in manifests:
-                findings.append(Finding(f"generation {n}", "frontier-state",
-                                        f"no manifest with digest {digest[:16]}… under {job_dir}"))
+                if n == target:
+                    findings.append(Finding(f"generation {n}", "frontier-state",
+                                            f"no manifest with digest {digest[:16]}… under {job_dir}"))
+                else:
+                    notes.append(f"state of generation {n} ({digest[:16]}…) is no longer stored")
                 continue
             path, m = manifests[digest]
             advance = (lambda b: progress_cm.advance(task, b)) if progress_cm else None
@@ -199,7 +208,7 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], show_progress: bool) -> tu
     finally:
         if progress_cm:
             progress_cm.stop()
-    return findings, stats
+    return findings, stats, notes
 
 
 @app.command("verify")
@@ -222,8 +231,10 @@ def verify_cmd(
     deep_stats = None
     if deep:
         certs = {n: c for n, c in report.certificates.items() if n in report.checked}
-        more, deep_stats = _deep_check(job_dir, certs, stdout_is_terminal() and not as_json)
+        target = generation if generation is not None else max(report.checked, default=0)
+        more, deep_stats, notes = _deep_check(job_dir, certs, target, stdout_is_terminal() and not as_json)
         report.findings += more
+        report.notes += notes
     if as_json:
         emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "ok": report.ok, "checked": report.checked,
                    "findings": [f.to_dict() for f in report.findings], "notes": report.notes,

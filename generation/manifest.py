@@ -364,4 +364,5 @@ def find_manifests(root: str | Path, max_depth: int = 3) -> list[Path]:
     for depth in range(max_depth + 1):
         pattern = "/".join(["*"] * depth + [MANIFEST_FILE])
         found += root.glob(pattern)
-    return sorted(found)
+    # skip work in progress: writers stage checkpoints in hidden temp dirs before renaming them
+    return sorted(p for p in found if not any(part.startswith(".") for part in p.relative_to(root).parts))
