@@ -146,3 +146,32 @@ def test_storage_path_cannot_escape_the_checkpoint(checkpoint, tmp_path):
     e = man.entries[0]
     evil = replace(man, entries=(replace(e, spec=replace(e.spec, file="../../etc/passwd")),))
     assert "escapes" in verify_manifest(evil, ck)[0]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpuguard.generation.canonical import canonical_bytes  # noqa: E402
+from gpuguard.generation.manifest import Manifest, ManifestEntry, ObjectSpec  # noqa: E402
+
+_dims = st.lists(st.integers(0, 2**31), min_size=1, max_size=3).map(tuple)
+_spec = st.builds(ObjectSpec, fqn=st.text(min_size=1, max_size=12), kind=st.sampled_from(["tensor", "bytes"]),
+                  global_shape=st.none() | _dims, dtype=st.none() | st.sampled_from(["float32", "bfloat16"]),
+                  chunk_offsets=st.none() | _dims, chunk_sizes=st.none() | _dims,
+                  file=st.sampled_from(["__0_0.distcp", "__1_0.distcp"]), byte_offset=st.integers(0, 2**40),
+                  byte_length=st.integers(0, 2**30))
+_entry = st.builds(ManifestEntry, spec=_spec, digest=st.text("0123456789abcdef", min_size=64, max_size=64),
+                   owner_rank=st.integers(-1, 1024), owner_incarnation=st.text(max_size=8),
+                   generation=st.integers(0, 10**6), step=st.integers(0, 10**9),
+                   value=st.none() | st.integers() | st.booleans() | st.floats(allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=80, deadline=None)
+@given(entries=st.lists(_entry, max_size=6), step=st.integers(0, 10**9))
+def test_manifest_format_roundtrips_with_the_same_digest(tmp_path_factory, entries, step):
+    man = Manifest(1, step, tuple(entries), 2)
+    d = tmp_path_factory.mktemp("m")
+    path = write_manifest(man, d)
+    back = load_manifest(path)
+    assert back.digest == man.digest
+    assert canonical_bytes(back.to_dict()) == canonical_bytes(man.to_dict())
