@@ -112,7 +112,10 @@ def show_cmd(
         emit_json({"schema": CERT_SCHEMA, "ledger": led.url, "active": True, "digest": cert.digest(),
                    "signature_checked": led.key is not None, "certificate": cert.to_dict()})
     else:
-        _emit_text(f"active generation {cert.generation} — {led.url}", _cert_lines(cert))
+        lines = _cert_lines(cert)
+        if led.key is None:
+            lines.append("warning: no signing key in the job directory: signatures were not checked")
+        _emit_text(f"active generation {cert.generation} — {led.url}", lines)
     return EXIT_OK
 
 

@@ -67,6 +67,8 @@ class DirectoryLedger(Ledger):
         tmp = self.root / new_temp_name()
         final = self.gen_path(generation)
         try:
+            if generation == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 view = memoryview(data)
