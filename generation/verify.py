@@ -57,6 +57,10 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
     if not stored:
         report.findings.append(Finding(getattr(ledger, "url", "ledger"), "chain", "the ledger has no certificates"))
         return report
+    if generation is not None and generation not in stored:
+        report.findings.append(Finding(record_name(ledger, generation), "chain",
+                                       f"generation {generation} is not stored (stored: {min(stored)}..{max(stored)})"))
+        return report
     last = max(stored) if generation is None else generation
     parent: Certificate | None = None
     for n in range(0, last + 1):
