@@ -268,3 +268,30 @@ def test_killed_inside_the_collective_the_silent_one_is_the_culprit() -> None:
     assert job.culprits == (2,)
     assert all("collateral" in job.by_rank()[r].reason for r in (0, 1, 3))
     assert "stuck" not in job.by_rank()[0].reason
+
+
+@given(st.integers(2, 12), st.data())
+@settings(max_examples=100, deadline=None)
+def test_coupling_property_waiters_are_never_blamed(n: int, data) -> None:
+    """One rank that has not arrived, every other rank waiting for it in the collective, arbitrary ages
+    and learned quantiles: no waiter is ever dead or hung, and the late rank is the only one named."""
+    late = data.draw(st.integers(0, n - 1))
+    age = data.draw(st.floats(0, 5000))
+    p999 = data.draw(st.floats(0.01, 100))
+    obs = []
+    for r in range(n):
+        if r == late:
+            if data.draw(st.booleans()):  # still computing step 100 (it left collective 99)
+                obs.append(ob(r, COMPUTING, age, p999=p999, step=100, seq=99))
+            else:  # finished step 99, has not begun step 100
+                obs.append(ob(r, BETWEEN, age, p999=p999, step=99, seq=99))
+        else:
+            obs.append(ob(r, COLLECTIVE, data.draw(st.floats(0, age)), p999=data.draw(st.floats(0.01, 100))))
+    job = vote(obs, CFG)
+    for r in job.ranks:
+        if r.rank != late:
+            assert r.verdict not in ("dead", "hung"), r
+    assert job.by_rank()[late].verdict != "dead"
+    assert set(job.culprits) <= {late}
+    if job.by_rank()[late].verdict == "hung":
+        assert job.culprits == (late,)
