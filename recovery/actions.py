@@ -131,9 +131,12 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} "
                             f"({state})")
     quiescent = not still and not unknown
+    evidence_file = _write_quiescence(job_dir, records, unknown_ids={r.incarnation_id for r in records
+                                                                     if r.host and r.host not in (host, _hostname())},
+                                      alive_ids={rec.incarnation_id for rec, _ in still})
     details = {"terminated": [r.pid for r, _ in targets], "killed_after_grace": sorted(killed),
                "evidence": evidence, "unverified": unknown, "quiescence": "proved" if quiescent else "unknown",
-               "elapsed_s": round(time.monotonic() - t0, 3)}
+               "evidence_file": str(evidence_file), "elapsed_s": round(time.monotonic() - t0, 3)}
     if still:
         return ActionResult("abort", "failed", EXIT_CRITICAL,
                             f"{len(still)} process(es) survived SIGKILL: {sorted(r.pid for r, _ in still)}", details)
@@ -141,6 +144,18 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
     summary = (f"terminated {len(targets)} process(es); every recorded incarnation is gone" if quiescent
                else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified")
     return ActionResult("abort", outcome, EXIT_OK, summary, details)
+
+
+def _write_quiescence(job_dir: Path, records: list[Any], *, unknown_ids: set[str], alive_ids: set[str]) -> Path:
+    """`coord/quiescence-abort-<ns>.json`: which incarnations this host saw gone (pid + create time), for
+    whoever certifies the next generation (e.g. a drained node's workers no new member can check)."""
+    from gpuguard.recovery import jobdir
+
+    gone = [r.incarnation_id for r in records if r.incarnation_id not in unknown_ids | alive_ids]
+    path = jobdir.coord_dir(job_dir) / f"quiescence-abort-{time.time_ns()}.json"
+    jobdir.atomic_write_json(path, {"schema": "gpuguard.quiescence/1", "host": _hostname(), "time": time.time(),
+                                    "gone": gone, "alive": sorted(alive_ids), "unverified": sorted(unknown_ids)})
+    return path
 
 
 def _wait_gone(targets: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:

@@ -29,6 +29,8 @@ def test_abort_never_kills_a_process_whose_create_time_differs(tmp_path):
         assert f"pid {stubborn.pid}: terminated by SIGKILL" in ev
         assert victim.wait(10) == -15 and stubborn.wait(10) == -9
         assert bystander.poll() is None  # alive: never signalled
+        q = json.loads(Path(doc["details"]["evidence_file"]).read_text())
+        assert q["schema"] == "gpuguard.quiescence/1" and len(q["gone"]) == 3 and q["alive"] == []
         audit = [json.loads(x) for x in (tmp_path / "audit.log").read_text().splitlines()]
         assert [a["outcome"] for a in audit] == ["done"] and audit[0]["args"]["grace_s"] == 1.0
     finally:
