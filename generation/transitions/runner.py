@@ -68,15 +68,16 @@ def run_one(schedule: Schedule, strategy: str, workdir: str | Path | None = None
 
 
 def run_matrix(strategies: Iterable[str] = strat.STRATEGIES, layouts: Iterable[str] = LAYOUTS, seed: int = 0,
-               progress: Callable[[int, int], None] | None = None) -> list[Row]:
-    """Every schedule of the matrix against every strategy."""
+               progress: Callable[[int, int], None] | None = None, workdir: str | Path | None = None) -> list[Row]:
+    """Every schedule of the matrix against every strategy (files under `workdir`, default the temp dir:
+    its fsync cost is part of gpuguard's measured synchronisation)."""
     schedules = matrix(tuple(layouts), seed=seed)
     names = list(strategies)
     total = len(schedules) * len(names)
     rows = []
     for name in names:
         for sch in schedules:
-            rows.append(run_one(sch, name))
+            rows.append(run_one(sch, name, workdir))
             if progress:
                 progress(len(rows), total)
     return rows
