@@ -92,3 +92,32 @@ def test_the_document_and_the_exit_decision(rows):
     assert report.gpuguard_failures(rows) == 0
     broken = [runner.Row(**{**r.__dict__, "semantic_failure": True}) if r.strategy == "gpuguard" else r for r in rows]
     assert report.gpuguard_failures(broken) == 42  # the CLI exits 1 on any
+
+
+def test_the_ledger_gpuguard_left_behind_verifies(tmp_path):
+    """The simulator drives the real ledger: its chain verifies, the late writers are on record."""
+    from gpuguard.generation.transitions import strategies
+    from gpuguard.generation.transitions.oracle import judge
+    from gpuguard.generation.transitions.sim import Sim
+    from gpuguard.generation.verify import verify_ledger
+
+    s = strategies.make("gpuguard")
+    sim = Sim(Schedule("rank-reuse", "mid-ledger-write"), s, tmp_path)
+    sim.run()
+    assert judge(sim.outcome()).ok
+    report_ = verify_ledger(s.ledger, s.key)
+    assert report_.ok, [str(f) for f in report_.findings]
+    history = s.ledger.history()
+    assert [c.generation for c in history] == [0, 1, 2]
+    assert history[2].quiescence == "rolled_back" and history[2].admitted == (3,)  # the reused rank, admitted
+    assert s.ledger.fenced_count() >= 2  # the zombie's commit records (old generation; old incarnation)
+    assert any(r.violations[0].rule == "compare-and-swap" for r in s.ledger.refusals())  # the late activation
+
+
+@pytest.mark.parametrize("kw", [dict(fault="nope", boundary="before-commit"),
+                                dict(fault="process-death", boundary="nope"),
+                                dict(fault="process-death", boundary="before-commit", victim_rank=0),
+                                dict(fault="process-death", boundary="before-commit", fault_step=5)])
+def test_bad_schedules_are_refused(kw):
+    with pytest.raises(ValueError):
+        Schedule(**kw)
