@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.generation.transitions import model as m
 from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
@@ -105,3 +107,22 @@ def test_durable_checkpoint_must_be_a_reference_state():
 def test_an_incomplete_run_fails():
     assert "incomplete" in kinds(clean_run(aborted="hung"))
     assert "incomplete" in kinds(RunOutcome(SEED, (), None))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=0, max_value=2**20), st.integers(min_value=0, max_value=8),
+       st.sampled_from(["params", "momentum", "rng", "data_pos", "step"]), st.integers(min_value=0, max_value=7),
+       st.integers(min_value=1, max_value=1000))
+def test_any_single_perturbation_is_caught(seed, n, field_, slot, delta):
+    """Property: change any one value of a correct final state and the run no longer passes."""
+    ref = m.reference(seed, n)
+    if field_ in ("params", "momentum"):
+        vals = list(getattr(ref, field_))
+        vals[slot] = (vals[slot] + delta) % m.MOD
+        bad = replace(ref, **{field_: tuple(vals)})
+    else:
+        bad = replace(ref, **{field_: getattr(ref, field_) + delta})
+    hist = tuple(Applied(s, 1, (s,), 1) for s in range(1, n + 1))
+    run = RunOutcome(seed, (RankOutcome(0, "i", 1, bad, 0, hist),), n)
+    assert not judge(run).ok
+    assert judge(RunOutcome(seed, (RankOutcome(0, "i", 1, ref, 0, hist),), n)).ok
