@@ -44,7 +44,8 @@ EXIT_BY_VERDICT = {"healthy": EXIT_OK, "degraded": EXIT_WARNING, "reset": EXIT_C
 STATE_SCHEMA = "gpuguard.sweep-state/1"
 DRAIN_PREFIX = "gpu-doctor:"
 STATE_ENV = "GPUGUARD_STATE_DIR"
-MAX_HISTORY = 5000
+MAX_HISTORY = 2000
+PER_CODE_HISTORY = 20  # per GPU and Xid code: enough for every repeat rule, bounded under an Xid storm
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.I)
 _UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
 
@@ -315,6 +316,26 @@ def _event_from_record(rec: dict[str, Any]) -> Any:
                  severity=str(rec.get("severity") or "info"), diagnosis=str(rec.get("diagnosis") or ""))
 
 
+def cap_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest PER_CODE_HISTORY records per (GPU, kind, code), at most MAX_HISTORY, in log order.
+
+    An Xid storm (thousands of Xid 13 a day) must not make every later sweep slower; the exact
+    counts live on in `xid_totals`.
+    """
+    seen: dict[tuple[Any, ...], int] = {}
+    keep: list[dict[str, Any]] = []
+    for rec in reversed(records):
+        fields = rec.get("fields") or {}
+        key = (fields.get("pci_bus_id"), rec.get("kind"), fields.get("xid"), fields.get("sxid"))
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= PER_CODE_HISTORY:
+            keep.append(rec)
+            if len(keep) >= MAX_HISTORY:
+                break
+    keep.reverse()
+    return keep
+
+
 def _event_record(event: Any, seen_at: float) -> dict[str, Any]:
     return {"kind": event.kind, "line": event.line, "text": (event.text or "")[:400],
             "fields": {k: v for k, v in dict(event.fields).items() if isinstance(v, (str, int, float, bool, type(None)))},
@@ -504,7 +525,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
                 key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
                 state["xid_totals"][key] = state["xid_totals"].get(key, 0) + 1
         kept.extend(_event_record(e, now) for e in fresh)
-        state["events"] = kept[-MAX_HISTORY:]
+        state["events"] = cap_history(kept)
         if log.cursor is not None:
             state["cursor"] = log.cursor
         events = [_event_from_record(r) for r in state["events"]]

@@ -199,3 +199,13 @@ def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
     else:
         for rec in state["events"]:
             _event_from_record(rec)
+
+
+def test_history_is_bounded_per_gpu_and_code():
+    from gpuguard.cli.doctor_node import PER_CODE_HISTORY, cap_history
+
+    storm = [{"kind": "xid", "line": i, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 13}} for i in range(500)]
+    rare = [{"kind": "xid", "line": 1000, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 79}}]
+    kept = cap_history(rare + storm)
+    assert kept[0]["fields"]["xid"] == 79  # the rare, old drain evidence survives the storm
+    assert [r["line"] for r in kept[1:]] == list(range(500 - PER_CODE_HISTORY, 500))
