@@ -174,4 +174,5 @@ def test_manifest_format_roundtrips_with_the_same_digest(tmp_path_factory, entri
     path = write_manifest(man, d)
     back = load_manifest(path)
     assert back.digest == man.digest
+    assert all(e.canonical() == canonical_bytes(e.to_dict()) for e in man.entries)
     assert canonical_bytes(back.to_dict()) == canonical_bytes(man.to_dict())
