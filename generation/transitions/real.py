@@ -47,15 +47,16 @@ def _kill_pidfile(path: Path) -> None:
         pass
 
 
-def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float) -> tuple[int, str]:
+def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float,
+            workers: int = WORKERS) -> tuple[int, str]:
     """Run one torchrun job in its own process group; kill the whole group on timeout."""
     port = free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={WORKERS}",
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={workers}",
             "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=transitions-{port}", "--monitor-interval=0.1",
             "-m", "gpuguard.generation.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job),
             "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--fault", fault, "--boundary", boundary,
-            "--fault-step", str(FAULT_STEP), "--victim", str(WORKERS - 1), "--seed", str(seed)]
+            "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}
     if strategy == "restart-all":
         # the known fix for torchrun's stale gloo keys (reference/torchrun-gloo-findings.md, 1/9 resumes without)
@@ -78,21 +79,22 @@ def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, t
     return rc, tail
 
 
-def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float) -> tuple[int, str]:
+def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float,
+                  workers: int = WORKERS) -> tuple[int, str]:
     """communicator-only: the workers without torchrun (its agent would stop the survivors)."""
     port = free_port()
     procs = []
     logs = []
     try:
-        for r in range(WORKERS):
+        for r in range(workers):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": str(r),
-                   "WORLD_SIZE": str(WORKERS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                   "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             log = open(job / f"worker-{r}.log", "w")  # noqa: SIM115 - closed in finally
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gpuguard.generation.transitions.real_worker", "--strategy",
                  "communicator-only", "--job-dir", str(job), "--steps", str(STEPS), "--fault", fault, "--boundary",
-                 boundary, "--fault-step", str(FAULT_STEP), "--victim", str(WORKERS - 1), "--seed", str(seed)],
+                 boundary, "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         deadline = time.monotonic() + timeout_s
         rcs = []
@@ -108,7 +110,7 @@ def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s:
                 p.wait(timeout=10)
         for log in logs:
             log.close()
-    bad = [rc for i, rc in enumerate(rcs) if rc != 0 and i != WORKERS - 1]  # the victim dies by design
+    bad = [rc for i, rc in enumerate(rcs) if rc != 0 and i != workers - 1]  # the victim dies by design
     tail = (job / "worker-0.log").read_text(errors="replace")[-600:]
     return (bad[0] if bad else 0), tail
 
@@ -164,16 +166,16 @@ def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: i
 
 
 def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, timeout_s: float = 150.0,
-                 notes: list[str] | None = None) -> Row:
+                 notes: list[str] | None = None, workers: int = WORKERS) -> Row:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpuguard-transitions-real-") as tmp:
         job = Path(tmp)
         if strategy == "communicator-only":
-            rc, tail = run_plain_job(fault, boundary, job, seed=seed, timeout_s=timeout_s)
-            run, meas = outcome(strategy, job, rc, tail, seed, expected=WORKERS - 1)
+            rc, tail = run_plain_job(fault, boundary, job, seed=seed, timeout_s=timeout_s, workers=workers)
+            run, meas = outcome(strategy, job, rc, tail, seed, expected=workers - 1)
         else:
-            rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s)
-            run, meas = outcome(strategy, job, rc, tail, seed)
+            rc, tail = run_job(strategy, fault, boundary, job, seed=seed, timeout_s=timeout_s, workers=workers)
+            run, meas = outcome(strategy, job, rc, tail, seed, expected=workers)
     verdict = judge(run)
     if notes is not None and "phases" in meas:
         notes.append(f"{strategy} {fault}@{boundary}: new generation's activation phases (s): {meas['phases']}")
