@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from gpuguard.errors import GpuguardError
 from gpuguard.generation.certificate import check, issue
@@ -315,6 +314,3 @@ class Certified(_Base):
 
     def latency_s(self, sim: Sim, joined: int) -> float:
         return REGROUP_S + (SPAWN_S if joined else 0.0) + sim.recover_wall_s
-
-    def info(self) -> dict[str, Any]:
-        return {"fenced": self.ledger.fenced_count() if self.ledger else 0, "rejected": list(self.rejected)}

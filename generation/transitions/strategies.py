@@ -22,7 +22,6 @@ recovery work; `--real` mode measures it end to end.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +108,6 @@ class _Base:
 
     def __init__(self) -> None:
         self.ckpt: _PlainCheckpoint | None = None
-        self.fault_time = 0.0
 
     def initial_procs(self, sim: Sim) -> list[Proc]:
         w = sim.schedule.world
@@ -128,7 +126,7 @@ class _Base:
         sim.start(procs)
 
     def on_fault(self, sim: Sim) -> None:
-        self.fault_time = time.perf_counter()
+        """The fault struck (before any rank reacted): nothing to note for a plain script."""
 
     def commit(self, sim: Sim, p: Proc, step: int) -> None:
         """A plain script records nothing per step."""
