@@ -1,0 +1,472 @@
+"""Restart-free hot recovery: survivors switch from generation G to G+1 in place, certified.
+
+    rt = InPlaceRuntime.from_env(job_dir, layout=Layout(dp=world, global_batch=B))
+    state = rt.activate(model, optimizer)                 # the restart path's certified activation
+    last = rt.run(state, step_fn, until=N)                # step_fn(step, rank, world): fwd, bwd, all_reduce, update
+
+On a collective failure (peer closed, timeout) or an operator's abort (`request_abort`), every
+survivor, in this order (measured on torch 2.13 + gloo, see the findings reference, Q3-Q4):
+1. leaves the `except` scope, then destroys G's gloo group: that closes its sockets, which wakes a
+   survivor still blocked on a *live* neighbour (inside `except` the traceback keeps the group
+   alive: a 30 s stall);
+2. writes a report (rank, incarnation, committed step, digests of its local state snapshots) to
+   `<job-dir>/coord/inplace/g<G>/` — the job dir is the shared filesystem, so no single node's
+   store holds the decision;
+3. waits for the ledger to show a newer generation. The coordinator is the lowest old rank that
+   reported and is alive (`switch.choose_coordinator`); if it dies, the next one takes over. It
+   evicts members that are gone (pid + start time) at once, kills stopped (SIGSTOP) members and
+   members that did not report within the grace period, computes the frontier (never past the
+   last step *all* G members committed), checks that every survivor holds that state with one
+   digest, issues the certificate (`extra.switch = "in-place"`, phases, layout) and activates it
+   with the ledger's compare-and-swap: two coordinators racing -> one generation;
+4. verifies the certificate, rolls back to the frontier from its in-memory snapshot if it had
+   already committed a step past it (the mid-update case), and joins G+1's gloo group through a
+   fresh per-generation FileStore in the job dir. A member of G+1 that is gone or frozen makes
+   that group fail: the survivors repeat the protocol as G+1's survivors (a clean G+2).
+If the switch cannot happen in place (a TP/PP group lost a member, the survivors disagree on the
+state, a member on another host cannot be proved gone) the coordinator records why and every
+survivor exits with status 4: the restart path takes over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuguard.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.recovery import jobdir
+from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
+from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
+from gpuguard.recovery.switch import (Layout, Report, agree_on_state, choose_coordinator, dense_ranks, shrink_layout,
+                                      switch_reason)
+
+StepFn = Callable[[int, int, int], None]
+ABORT_FILE = "abort.json"
+
+
+def inplace_dir(job_dir: str | Path) -> Path:
+    return jobdir.coord_dir(job_dir) / "inplace"
+
+
+def request_abort(job_dir: str | Path, generation: int, why: str = "operator") -> Path:
+    """An operator's abort of generation `generation`: its members switch in place at the next step."""
+    path = inplace_dir(job_dir) / ABORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    jobdir.atomic_write_json(path, {"generation": generation, "why": why, "time": time.time()})
+    return path
+
+
+def read_reports(job_dir: str | Path, generation: int) -> dict[int, Report]:
+    """The reports of generation G's survivors by old rank (malformed or partial files are skipped)."""
+    out: dict[int, Report] = {}
+    d = inplace_dir(job_dir) / f"g{generation}"
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith("report-"):
+            continue
+        try:
+            rep = Report.from_dict(json.loads((d / name).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out[rep.rank] = rep
+    return out
+
+
+def _process_state(pid: int, start_time: float) -> str:
+    """'gone', 'stopped' (SIGSTOP / traced) or 'running' for this exact process (pid + create time)."""
+    import psutil  # noqa: PLC0415
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - start_time) >= 0.01:
+            return "gone"
+        st = proc.status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    if st == psutil.STATUS_ZOMBIE:
+        return "gone"
+    if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped"
+    return "running"
+
+
+def _kill_and_confirm(pid: int, start_time: float, timeout: float = 5.0) -> bool:
+    """SIGKILL this exact process and wait until it is gone (a stopped process dies on SIGKILL too)."""
+    if _process_state(pid, start_time) == "gone":
+        return True
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _process_state(pid, start_time) == "gone":
+            return True
+        time.sleep(0.005)
+    return False
+
+
+class InPlaceRuntime(Runtime):
+    """The Runtime plus the in-place switch (see the module docstring)."""
+
+    def __init__(self, *args: Any, layout: Layout | None = None, grace_s: float = 1.0,
+                 switch_timeout_s: float = 60.0, keep_local: int = 3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = layout or Layout(dp=self.world_size)
+        self.grace_s, self.switch_timeout_s = grace_s, switch_timeout_s
+        self.keep_local = max(2, keep_local)
+        self.committed: int | None = None
+        self._local: OrderedDict[int, tuple[dict[str, Any], str]] = OrderedDict()
+        self.switches: list[dict[str, Any]] = []
+        self._pending_first_commit: dict[str, Any] | None = None
+        self._killed: dict[str, str] = {}  # incarnation id -> eviction evidence (this process killed it)
+
+    # ------------------------------------------------------------------ local state
+    def replicated_digest(self, state: dict[str, Any] | None = None) -> str:
+        """Digest of what every data-parallel replica holds identically (model + optimizer)."""
+        state = state if state is not None else self.state_dict()
+        return state_digest({k: state[k] for k in ("model", "optim") if k in state})
+
+    def _remember(self, step: int) -> None:
+        snap = clone_state(self.state_dict())
+        self._local[step] = (snap, self.replicated_digest(snap))
+        while len(self._local) > self.keep_local:
+            self._local.popitem(last=False)
+
+    def _load_local(self, step: int) -> str:
+        import torch  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
+
+        loaded = clone_state(self._local[step][0])  # a fresh copy: the optimizer may alias what it loads
+        model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
+        if opt is not None:
+            set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        else:
+            model.load_state_dict(loaded["model"])
+        if sched is not None and "sched" in loaded:
+            sched.load_state_dict(loaded["sched"])
+        torch.set_rng_state(loaded["rng"]["torch"])
+        for k, v in (loaded.get("extra") or {}).items():
+            if k in self._objects["extra"] and hasattr(self._objects["extra"][k], "copy_"):
+                self._objects["extra"][k].copy_(v)
+        return self.replicated_digest()
+
+    # ------------------------------------------------------------------ activation and commits
+    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None,
+                 extra: Any = None) -> TrainState:
+        state = super().activate(model, optimizer, scheduler, extra)
+        self.committed = state.frontier_step
+        self._remember(state.frontier_step)
+        return state
+
+    def commit(self, step: int) -> None:
+        super().commit(step)
+        self.committed = step
+        self._remember(step)
+        if self._pending_first_commit is not None:
+            rec, self._pending_first_commit = self._pending_first_commit, None
+            rec["phases"]["first_commit"] = time.time()
+            rec["first_step"] = step
+            if self.rank == 0:
+                jobdir.atomic_write_json(inplace_dir(self.job_dir) / f"switch-g{self.generation}.json", rec)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, state: TrainState, step_fn: StepFn, until: int) -> int:
+        """Run steps state.start_step..until, switching generation in place on a failure.
+
+        Returns the last committed step. `step_fn(step, rank, world)` must use the default group.
+        """
+        step = state.start_step
+        while step <= until:
+            failure = self._try_step(step, step_fn)
+            if failure is None:
+                step += 1
+                continue
+            # outside the except scope: the failed group can really be torn down now
+            step = self.switch(failure)
+        return self.committed if self.committed is not None else state.frontier_step
+
+    def _abort_requested(self) -> bool:
+        path = inplace_dir(self.job_dir) / ABORT_FILE
+        if not path.exists():
+            return False
+        try:
+            return jobdir.read_json(path).get("generation") == self.generation
+        except GpuguardError:
+            return False
+
+    def _try_step(self, step: int, step_fn: StepFn) -> str | None:
+        """One step and its commit; the failure text (no exception object survives this frame)."""
+        if self._abort_requested():
+            return "operator abort"
+        self._step_t0 = time.perf_counter()
+        if self._steplog is not None:
+            self._steplog.begin_step(step)
+        try:
+            step_fn(step, self.rank, self.world_size)
+            self.commit(step)
+        except FencedError:
+            raise
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out waiting ..."
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return None
+
+    # ------------------------------------------------------------------ the switch (every survivor)
+    def switch(self, failure: str) -> int:
+        """Leave the failed generation and join the next one in place; the next step to run."""
+        t_detect = time.time()
+        generation = int(self.generation or 0)
+        operator = failure == "operator abort"
+        self._teardown()
+        while True:
+            cert, phases = self._agree(generation, failure, t_detect, operator)
+            joined = self._join(cert, phases)
+            if joined is None:
+                return int(self.committed if self.committed is not None else cert.frontier.step) + 1
+            self._log(f"generation {cert.generation} could not form ({joined}): switching again")
+            generation, failure, t_detect, operator = cert.generation, joined, time.time(), False
+            self._teardown()
+
+    def _teardown(self) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.pg = None
+
+    def _report(self, generation: int, failure: str) -> Report:
+        rep = Report(generation, self.rank, self.incarnation.id, os.getpid(), socket.gethostname(), self.committed,
+                     {s: d for s, (_, d) in self._local.items()}, failure, time.time())
+        d = inplace_dir(self.job_dir) / f"g{generation}"
+        d.mkdir(parents=True, exist_ok=True)
+        jobdir.atomic_write_json(d / f"report-{self.rank}-{self.incarnation.id}.json", rep.to_dict())
+        return rep
+
+    def _agree(self, generation: int, failure: str, t_detect: float, operator: bool) -> tuple[Any, dict[str, float]]:
+        """Report, then wait for the ledger to move past `generation` (coordinating when it is my turn)."""
+        phases: dict[str, float] = {"detect": t_detect}
+        me = self._report(generation, failure)
+        phases["reported"] = time.time()
+        self.fault("reported", generation)
+        ledger = self.ledger()
+        parent = ledger.get(generation)
+        refused = inplace_dir(self.job_dir) / f"g{generation}" / "refused.json"
+        deadline = time.monotonic() + self.switch_timeout_s
+        coordinating_since: float | None = None
+        while time.monotonic() < deadline:
+            active = ledger.require_active()
+            if active.generation > generation:
+                phases["decided"] = time.time()
+                return active, phases
+            if refused.exists():
+                self._refuse(f"in-place switch refused: {jobdir.read_json(refused).get('reason')}")
+            reports = read_reports(self.job_dir, generation)
+            members = parent.ranks
+            gone = [r for r, rep in reports.items() if rep.host == me.host
+                    and _process_state(rep.pid, members[r].start_time if r in members else 0.0) == "gone"]
+            if choose_coordinator(reports, gone) == self.rank:
+                if coordinating_since is None:
+                    coordinating_since = time.time()
+                    self.fault("coordinate", generation)
+                done = self._coordinate_switch(parent, reports, coordinating_since, operator, phases)
+                if done:
+                    continue
+            time.sleep(0.005)
+        raise UnavailableError(f"in-place switch from generation {generation}: no decision within "
+                               f"{self.switch_timeout_s:.0f} s")
+
+    def _refuse(self, why: str) -> None:
+        print(f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) stops: {why}",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_REFUSED)
+
+    # ------------------------------------------------------------------ the coordinator
+    def _coordinate_switch(self, parent: Any, reports: dict[int, Report], since: float, operator: bool,
+                           phases: dict[str, float]) -> bool:
+        """One pass of the decision; True once a certificate is active (mine or a racer's)."""
+        from gpuguard.generation.certificate import issue  # noqa: PLC0415
+        from gpuguard.generation.job import issuer  # noqa: PLC0415
+        from gpuguard.generation.records import Frontier, Member  # noqa: PLC0415
+        from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
+
+        host = socket.gethostname()
+        dead, killed, waiting, evidence = [], [], [], []
+        kept: list[int] = []
+        for m in parent.members:
+            inc, rep = m.incarnation, reports.get(m.rank)
+            if rep is not None and rep.incarnation_id != inc.id:
+                rep = None  # a report from another process on that rank number is not this member's
+            st = "remote" if inc.host != host else _process_state(inc.pid, inc.start_time)
+            overdue = rep is None and st != "remote" and time.time() - since > self.grace_s
+            if st == "gone" and inc.id in self._killed:  # killed in an earlier pass of this decision
+                killed.append(m.rank)
+                evidence.append(self._killed[inc.id])
+            elif st == "gone":
+                dead.append(m.rank)
+                evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {host} gone")
+            elif st == "stopped" or overdue:
+                why = "stopped (SIGSTOP)" if st == "stopped" else f"no report within {self.grace_s:g} s"
+                if not _kill_and_confirm(inc.pid, inc.start_time):
+                    self._log(f"could not kill rank {m.rank} pid {inc.pid}: waiting")
+                    return False
+                killed.append(m.rank)
+                self._killed[inc.id] = f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"
+                evidence.append(self._killed[inc.id])
+            elif rep is None:
+                waiting.append(m.rank)
+            else:
+                kept.append(m.rank)
+                evidence.append(f"rank {m.rank} incarnation {inc.id}: reported, tore down generation "
+                                f"{parent.generation}'s group")
+        if waiting:
+            if time.time() - since > max(self.grace_s, 5.0) and any(parent.ranks[r].host != host for r in waiting):
+                self._record_refusal(parent.generation, f"ranks {waiting} on other hosts neither reported nor can be "
+                                                        "proved gone from here")
+            return False
+        phases["evicted"] = time.time()
+        lost = dead + killed
+        shrink = shrink_layout(self.layout, lost)
+        if shrink.layout is None:
+            self._record_refusal(parent.generation, shrink.refused)
+            return False
+        kept = [r for r in kept if r in shrink.kept_ranks]
+        ledger = self.ledger()
+        committed = ledger.last_committed_by_all(parent.generation)
+        frontier = frontier_limit(parent, committed)
+        agreement = agree_on_state([reports[r] for r in kept], frontier)
+        if agreement.digest is None:
+            self._record_refusal(parent.generation, "; ".join(agreement.problems))
+            return False
+        manifest = ""
+        sel = select_restorable(self.job_dir, frontier)
+        if sel.chosen is not None and sel.chosen.step == frontier and sel.chosen.manifest_digest:
+            manifest = sel.chosen.manifest_digest
+        phases["frontier"] = time.time()
+        new_rank = dense_ranks(kept)
+        members = [Member(new_rank[r], parent.ranks[r]) for r in kept]
+        t0 = phases.get("detect", since)  # certificate phases: seconds after this coordinator saw the failure
+        ts = {k: round(v - t0, 6) for k, v in phases.items()}
+        cert = issue(parent=parent, job_id=parent.job_id, members=members,
+                     reason=switch_reason(dead=dead, killed=killed, operator=operator),
+                     frontier=Frontier(frontier, manifest), quiescence="proved",
+                     quiescence_evidence=evidence, issued_by=f"gpuguard-inplace {issuer()}", key=ledger.key,
+                     extra={"switch": "in-place", "phases": ts, "layout": shrink.layout.to_dict(),
+                            "previous_layout": self.layout.to_dict(), "evicted": {"dead": dead, "killed": killed},
+                            "rank_map": {str(old): new for old, new in new_rank.items()},
+                            "committed_by_all": committed, "replicated_state_digest": agreement.digest,
+                            "coordinator": {"rank": self.rank, "incarnation": self.incarnation.id},
+                            "rolled_back": sorted(r for r in kept if (reports[r].committed_step or 0) > frontier)})
+        try:
+            ledger.activate(cert, manifest_ok=True if manifest else None)
+        except RefusedError as exc:
+            active = ledger.active()
+            if active is not None and active.generation > parent.generation:
+                return True  # another coordinator won the compare-and-swap: follow it
+            self._record_refusal(parent.generation, str(exc))
+            return False
+        phases["certified"] = time.time()
+        self._log(f"in-place: generation {cert.generation} certified (world {len(members)}, frontier {frontier}, "
+                  f"evicted dead={dead} killed={killed})")
+        return True
+
+    def _record_refusal(self, generation: int, reason: str) -> None:
+        path = inplace_dir(self.job_dir) / f"g{generation}" / "refused.json"
+        jobdir.atomic_write_json(path, {"generation": generation, "reason": reason, "by": self.incarnation.id,
+                                        "time": time.time()})
+        self._refuse(f"in-place switch refused: {reason}")
+
+    # ------------------------------------------------------------------ joining the next generation
+    def _join(self, cert: Any, phases: dict[str, float]) -> str | None:
+        """Verify, roll back, form the new group. None when joined, else why the group failed."""
+        from gpuguard.generation.certificate import check_stored  # noqa: PLC0415
+
+        ledger = self.ledger()
+        parent = ledger.get(cert.parent_generation)
+        violations = check_stored(cert, parent=parent, key=ledger.key)
+        if violations:
+            self._refuse(f"certificate of generation {cert.generation} fails rule {violations[0].rule}: "
+                         f"{violations[0].message}")
+        mine = [m for m in cert.members if m.incarnation.id == self.incarnation.id]
+        if not mine:
+            self._refuse(f"evicted: generation {cert.generation} does not admit this incarnation")
+        self.fault("joining", cert.generation)
+        frontier = cert.frontier.step
+        want = cert.extra.get("replicated_state_digest")
+        if self.committed != frontier or self.replicated_digest() != want:
+            if frontier not in self._local:
+                self._refuse(f"no local state of frontier step {frontier} (have {sorted(self._local)})")
+            got = self._load_local(frontier)
+            if want is not None and got != want:
+                self._refuse(f"local state of step {frontier} has digest {got[:12]}, certified {str(want)[:12]}")
+            self.committed = frontier
+            while self._local and next(reversed(self._local)) > frontier:
+                self._local.popitem(last=True)
+        phases["restored"] = time.time()
+        host = socket.gethostname()
+        for m in cert.members:
+            inc = m.incarnation
+            if inc.host == host and _process_state(inc.pid, inc.start_time) != "running":
+                return f"member rank {m.rank} (pid {inc.pid}) of generation {cert.generation} is gone or stopped"
+        self.generation = cert.generation
+        self.rank, self.world_size = mine[0].rank, len(cert.members)
+        if cert.extra.get("layout"):
+            lay = cert.extra["layout"]
+            self.layout = Layout(int(lay["dp"]), int(lay["tp"]), int(lay["pp"]), lay.get("global_batch"))
+        failure = self._init_group(cert.generation)
+        if failure is not None:
+            return failure
+        phases["group_ready"] = time.time()
+        self._after_join(cert, phases)
+        return None
+
+    def _init_group(self, generation: int) -> str | None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        path = inplace_dir(self.job_dir) / f"g{generation}.store"
+        failure = None
+        try:
+            store = dist.FileStore(str(path), -1)
+            store.set_timeout(timedelta(seconds=self.pg_timeout_s))
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.pg_timeout_s))
+        except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+            failure = f"group of generation {generation} did not form: {type(exc).__name__}: {str(exc)[:200]}"
+        if failure is not None:
+            self._teardown()
+            return failure
+        self.pg = dist.group.WORLD
+        return None
+
+    def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
+        from gpuguard.recovery.steplog import StepLog  # noqa: PLC0415
+
+        if self._steplog is not None:
+            self._steplog.close()
+        self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
+        if self.rank == 0 and self._snapshotter is None:
+            self._snapshotter = _Snapshotter(self._write_snapshot)
+        self._write_incarnation(phases=phases, switch="in-place")
+        rec = {"schema": "gpuguard.inplace-switch/1", "generation": cert.generation,
+               "parent_generation": cert.parent_generation, "frontier_step": cert.frontier.step,
+               "world_size": self.world_size, "reason": cert.reason, "phases": dict(phases),
+               "certificate_phases": dict(cert.extra.get("phases") or {})}
+        self.switches.append(rec)
+        self._pending_first_commit = rec
+        self._log(f"generation {cert.generation} active in place: rank {self.rank} of {self.world_size}, "
+                  f"resuming at step {cert.frontier.step + 1}")
+
+
+__all__ = ["InPlaceRuntime", "Layout", "inplace_dir", "read_reports", "request_abort"]

@@ -1,0 +1,241 @@
+"""A tiny job that recovers in place, and a launcher for it (the tests, the bench and demos use both).
+
+The workload is a float64 linear regression with SGD + momentum (so the optimizer state matters on
+rollback). The global batch of step s is fixed (`GLOBAL_BATCH` samples, a function of s only);
+with W data-parallel replicas each takes a contiguous shard and the all-reduced gradient *sum* is
+divided by the global batch, so the mathematics do not depend on W: any run, however it shrank,
+must end equal (up to float summation order) to `reference(steps)`, a single-process run. That is
+the oracle.
+
+Workers are plain processes (no torchrun): the launcher hosts the TCPStore used by the first,
+restart-path activation only; every in-place generation rendezvouses through a FileStore in the
+job dir. Faults: `INPLACE_FAULTS="<orig-rank>:<step>:<point>:<kill|stop>,..."`, points
+`before_allreduce | before_update | before_commit` (step = the step), `reported | coordinate`
+(step = the generation being left) and `joining` (step = the generation being joined); the time of each fault is written to `<job>/faults/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GLOBAL_BATCH = 12
+DIM = 4
+LR = 0.05
+FAULTS_ENV = "INPLACE_FAULTS"
+
+
+def batch(step: int) -> tuple[Any, Any]:
+    import torch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
+    y = x @ torch.arange(1, DIM + 1, dtype=torch.float64).unsqueeze(1) + 0.1 * torch.randn(
+        GLOBAL_BATCH, 1, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def shard(rank: int, world: int) -> tuple[int, int]:
+    return rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world
+
+
+def make_model() -> tuple[Any, Any]:
+    import torch  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+    return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def local_grads(model: Any, opt: Any, step: int, rank: int, world: int) -> None:
+    x, y = batch(step)
+    lo, hi = shard(rank, world)
+    opt.zero_grad()
+    ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum().backward()
+
+
+def flat_params(model: Any) -> list[float]:
+    import torch  # noqa: PLC0415
+
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def reference(steps: int) -> list[float]:
+    """The oracle: `steps` steps on the whole global batch in one process."""
+    model, opt = make_model()
+    for step in range(1, steps + 1):
+        local_grads(model, opt, step, 0, 1)
+        for p in model.parameters():
+            p.grad /= GLOBAL_BATCH
+        opt.step()
+    return flat_params(model)
+
+
+def parse_faults(text: str) -> list[tuple[int, int, str, str]]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        r, s, point, action = part.split(":")
+        if action not in ("kill", "stop"):
+            raise ValueError(f"fault action must be kill or stop, not {action!r}")
+        out.append((int(r), int(s), point, action))
+    return out
+
+
+def worker_main() -> int:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from gpuguard.recovery.inplace import InPlaceRuntime  # noqa: PLC0415
+    from gpuguard.recovery.switch import Layout  # noqa: PLC0415
+
+    job_dir = Path(os.environ["GPUGUARD_JOB_DIR"])
+    orig = int(os.environ["RANK"])
+    faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
+    steps = int(os.environ.get("INPLACE_STEPS", "30"))
+    sleep = float(os.environ.get("INPLACE_STEP_SLEEP", "0.02"))
+
+    def hook(point: str, step: int) -> None:
+        for r, s, p, action in faults:
+            if r == orig and s == step and p == point:
+                d = job_dir / "faults"
+                d.mkdir(exist_ok=True)
+                (d / f"{orig}-{point}-{step}.json").write_text(json.dumps(
+                    {"rank": orig, "pid": os.getpid(), "point": point, "step": step, "action": action,
+                     "time": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+
+    world = int(os.environ["WORLD_SIZE"])
+    rt = InPlaceRuntime.from_env(job_dir, fault_hook=hook, layout=Layout(dp=world, global_batch=GLOBAL_BATCH),
+                                 pg_timeout_s=float(os.environ.get("GPUGUARD_PG_TIMEOUT", "5")),
+                                 grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")), checkpoint_every=0)
+    model, opt = make_model()
+    state = rt.activate(model, opt)
+
+    def step_fn(step: int, rank: int, world: int) -> None:
+        local_grads(model, opt, step, rank, world)
+        rt.fault("before_allreduce", step)
+        params = list(model.parameters())
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= GLOBAL_BATCH
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        rt.fault("before_update", step)
+        opt.step()
+        rt.fault("before_commit", step)
+        if sleep:
+            time.sleep(sleep)
+
+    last = rt.run(state, step_fn, until=steps)
+    out = job_dir / "results"
+    out.mkdir(exist_ok=True)
+    doc = {"orig_rank": orig, "pid": os.getpid(), "rank": rt.rank, "world": rt.world_size,
+           "generation": rt.generation, "last_step": last, "params": flat_params(model),
+           "digest": rt.replicated_digest(), "incarnation": rt.incarnation.id, "switches": rt.switches}
+    (out / f"{orig}.json").write_text(json.dumps(doc))
+    rt.close(timeout=10.0)
+    return 0
+
+
+@dataclass
+class Cluster:
+    """N worker processes of one job (each in its own session, so the whole tree can be killed)."""
+
+    job_dir: Path
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    store: Any = None
+
+    @classmethod
+    def launch(cls, job_dir: Path, n: int, *, steps: int = 30, faults: str = "", step_sleep: float = 0.02,
+               pg_timeout: float = 5.0, grace: float = 1.0, extra_env: dict[str, str] | None = None) -> "Cluster":
+        import torch.distributed as dist  # noqa: PLC0415
+        from datetime import timedelta  # noqa: PLC0415
+
+        job_dir.mkdir(parents=True, exist_ok=True)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        cluster = cls(job_dir, store=store)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
+        env.update({"GPUGUARD_JOB_DIR": str(job_dir), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RUN_ID": job_dir.name, "INPLACE_STEPS": str(steps), FAULTS_ENV: faults,
+                    "INPLACE_STEP_SLEEP": str(step_sleep), "GPUGUARD_PG_TIMEOUT": str(pg_timeout),
+                    "INPLACE_GRACE": str(grace), "PYTHONWARNINGS": "ignore", **(extra_env or {})})
+        logs = job_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        try:
+            for r in range(n):
+                with open(logs / f"worker-{r}.log", "wb") as log:
+                    cluster.procs[r] = subprocess.Popen(
+                        [sys.executable, "-m", "gpuguard.recovery.inplace_train"],
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+        except BaseException:
+            cluster.kill_all()
+            raise
+        return cluster
+
+    def wait(self, timeout: float) -> dict[int, int | None]:
+        """Exit codes by original rank once every worker has exited or is stopped (None: still there)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if all(p.poll() is not None or _stopped(p.pid) for p in self.procs.values()):
+                break
+            time.sleep(0.05)
+        return {r: p.poll() for r, p in self.procs.items()}
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for path in sorted((self.job_dir / "results").glob("*.json")):
+            doc = json.loads(path.read_text())
+            out[int(doc["orig_rank"])] = doc
+        return out
+
+    def log(self, rank: int) -> str:
+        try:
+            return (self.job_dir / "logs" / f"worker-{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.store = None
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
+
+
+def _stopped(pid: int) -> bool:
+    import psutil  # noqa: PLC0415
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
