@@ -143,15 +143,15 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     def diagnose_job(
         job_dir: str = job_dir_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
-        config: Optional[Path] = typer.Option(None, "--config", help="Vote thresholds YAML (default: built in)."),
-        window: int = typer.Option(20, "--window", min=1, help="Recent steps for the cohort comparison."),
-        log: list[Path] = typer.Option([], "--log", help="Training log(s) with step times (for ranks without StepLog)."),
-        log_spec: Optional[Path] = typer.Option(None, "--log-spec", help="YAML: step_log: {pattern: REGEX} "
+        config: Optional[Path] = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."),
+        window: int = typer.Option(20, "--window", min=1, metavar="N", help="Recent steps for the cohort comparison."),
+        log: list[Path] = typer.Option([], "--log", metavar="FILE", help="Training log(s) with step times (for ranks without StepLog)."),
+        log_spec: Optional[Path] = typer.Option(None, "--log-spec", metavar="YAML", help="YAML: step_log: {pattern: REGEX} "
                                                 "with named groups step, step_s|step_ms|ts, rank."),
-        log_regex: Optional[str] = typer.Option(None, "--log-regex", help="The same regex inline."),
-        node_report: list[Path] = typer.Option([], "--node-report", help="gpuguard.node/1 JSON from "
+        log_regex: Optional[str] = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
+        node_report: list[Path] = typer.Option([], "--node-report", metavar="JSON", help="gpuguard.node/1 JSON from "
                                                "`gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK)."),
-        torchrun_log: list[Path] = typer.Option([], "--torchrun-log", help="torchrun's own output: exit codes and "
+        torchrun_log: list[Path] = typer.Option([], "--torchrun-log", metavar="FILE", help="torchrun's own output: exit codes and "
                                                 "signals of workers that are gone."),
     ) -> int:
         """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
@@ -167,10 +167,10 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     @watch.command("job")
     def watch_job(
         job_dir: str = job_dir_option(),
-        interval: float = typer.Option(1.0, "--interval", min=0.05, help="Seconds between checks."),
+        interval: float = typer.Option(1.0, "--interval", min=0.05, metavar="S", help="Seconds between checks."),
         as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
-        config: Optional[Path] = typer.Option(None, "--config", help="Vote thresholds YAML."),
-        count: int = typer.Option(0, "--count", min=0, help="Stop after N checks (0: until Ctrl-C)."),
+        config: Optional[Path] = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
+        count: int = typer.Option(0, "--count", min=0, metavar="N", help="Stop after N checks (0: until Ctrl-C)."),
     ) -> int:
         """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
         import json as _json

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from gpuguard.diagnostics.jobmodel import BETWEEN, COLLECTIVE, RankObservation
 from gpuguard.diagnostics.jobstats import mad, median
 from gpuguard.diagnostics.voters import (
-    ABSTAIN, DEAD, HEALTHY, HUNG, SLOW, UNKNOWN, VOTERS, Cohort, Vote, VoteConfig,
+    ABSTAIN, DEAD, HEALTHY, HUNG, SLOW, UNKNOWN, VOTERS, Cohort, Vote, VoteConfig, pause_bound_s,
 )
 
 SCHEMA = "gpuguard.job/1"
@@ -212,16 +212,20 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
                     prelim[r] = (v, why + f" — every live rank is in collective {seq}: the collective itself is stuck "
                                  "(network / collective library), no rank to blame", pend, votes)
 
-    # a pause of the whole job (checkpoint, evaluation, a data stall) is nobody's slowness
+    # a pause of the whole job (checkpoint, evaluation, a data stall) is nobody's slowness: a rank is
+    # "paused" only if it has been idle for longer than the freshest rank by more than its pause bound
     active = [o for o in obs if o.has_records and not o.closed and prelim[o.rank][0] != DEAD]
-    if len(active) >= 2 and not blocked and all(prelim[o.rank][3][1].verdict == SLOW for o in active):
+    if len(active) >= 2 and not blocked and not any(prelim[o.rank][0] == HUNG for o in active):
+        freshest = min(o.phase_age_s for o in active)
         for o in active:
             v, why, pend, votes = prelim[o.rank]
-            if v == SLOW and not any(x.verdict == SLOW for x in votes if x.dimension != "progress") \
-                    and votes[0].verdict != HUNG:
+            if v != SLOW or votes[1].verdict != SLOW or any(
+                    x.verdict in (SLOW, HUNG, DEAD) for x in votes if x.dimension != "progress"):
+                continue
+            if o.phase_age_s - freshest <= pause_bound_s(o, cfg):
                 prelim[o.rank] = (HEALTHY, f"job-wide pause: every rank has been idle for about "
-                                  f"{o.phase_age_s:.1f} s (checkpoint, evaluation or input stall?), no rank to blame",
-                                  pend, votes)
+                                  f"{freshest:.1f} s or more (checkpoint, evaluation or input stall?), "
+                                  "no rank to blame", pend, votes)
 
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank

@@ -103,6 +103,11 @@ def hang_bound_s(obs: RankObservation, world: int, cfg: VoteConfig) -> float:
     return base + cfg.collective_k * expected_collective_s(obs.nbytes, world, cfg)
 
 
+def pause_bound_s(obs: RankObservation, cfg: VoteConfig) -> float:
+    """Idle longer than this (own P99.9 × pause_k, at least pause_floor_s) is a pause worth reporting."""
+    return max(cfg.pause_k * obs.period_p999_s, cfg.pause_floor_s)
+
+
 def confirm_window_s(cfg: VoteConfig) -> float:
     """M consecutive checks beyond the bound = the bound plus (M−1) check intervals of age."""
     return max(0, cfg.confirm_checks - 1) * cfg.check_interval_s
@@ -140,7 +145,7 @@ def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
         return Vote("progress", ABSTAIN, "log closed", {})
     bound = hang_bound_s(obs, cohort.world, cfg)
     confirm = confirm_window_s(cfg)
-    pause = max(cfg.pause_k * obs.period_p999_s, cfg.pause_floor_s)
+    pause = pause_bound_s(obs, cfg)
     age = obs.phase_age_s
     where = (f"waiting in collective {obs.phase_seq}" if obs.phase == COLLECTIVE
              else f"{obs.phase} step {obs.phase_step}" if obs.phase_step >= 0 else obs.phase)

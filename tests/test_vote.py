@@ -295,3 +295,12 @@ def test_coupling_property_waiters_are_never_blamed(n: int, data) -> None:
     assert set(job.culprits) <= {late}
     if job.by_rank()[late].verdict == "hung":
         assert job.culprits == (late,)
+
+
+def test_idle_together_at_the_pause_boundary_is_not_slow() -> None:
+    # a check that lands just as the whole job crosses the pause bound: ages 1.003 vs 0.999
+    obs = [ob(0, BETWEEN, 1.003, p999=0.01), ob(1, BETWEEN, 0.999, p999=0.01), ob(2, BETWEEN, 1.001, p999=0.01)]
+    assert set(verdicts(vote(obs, CFG)).values()) == {"healthy"}
+    # one rank idle while the others progress is paused
+    obs = [ob(0, BETWEEN, 2.5, p999=0.01), ob(1, BETWEEN, 0.01, p999=0.01), ob(2, COMPUTING, 0.02, p999=0.01)]
+    assert verdicts(vote(obs, CFG))[0] == "slow"
