@@ -232,7 +232,8 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
             sites = [_site_id(r[9], site_cache, interner) for r in grp]
         times = [r[10] for r in grp]
         streams.append(Stream(pg=pg_name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states,
-                              site_ids=sites, times_ns=times, pg_desc=desc))
+                              site_ids=sites, times_ns=times, pg_desc=desc,
+                              states_reliable=_states_reliable({r[2] for r in grp})))
     trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=tuple(streams), version=version,
                       world_size=None, pg_ranks=pg_ranks, skipped=skipped)
     return Loaded(trace, len(entries))
@@ -269,9 +270,13 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
     except KeyError:
         times = list(map(_GET_TIME, entries))
     first = entries[0]
+    try:  # type checks on the few distinct values, not on every entry
+        uniq_names, uniq_states = set(names), set(raw_states)
+    except TypeError:
+        return None
     if ("reset_epoch" in first or "generation" in first or set(map(type, seqs)) != {int}
-            or set(map(type, names)) != {str} or set(map(type, raw_states)) != {str}
-            or any(p2p) or any(_op_name(n) in _P2P_OPS for n in set(names))
+            or not all(type(x) is str for x in uniq_names | uniq_states)
+            or any(p2p) or any(_op_name(n) in _P2P_OPS for n in uniq_names)
             or pgvs.count(pgvs[0]) != len(pgvs) or not all(map(lt, seqs, seqs[1:]))
             or not set(map(type, times)) <= {int, _NONE}):
         return None
@@ -297,7 +302,12 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
     if None in times:
         times = [t or 0 for t in times]
     return Stream(pg=name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states, site_ids=sites,
-                  times_ns=times, pg_desc=desc)
+                  times_ns=times, pg_desc=desc, states_reliable=_states_reliable(uniq_names))
+
+
+def _states_reliable(names: Iterable[str]) -> bool:
+    """gloo's recorder completes entries late (after wait() returns) and on failure too."""
+    return not any(n.startswith("gloo:") for n in names)
 
 
 def _rows(entries: list, path: Path) -> list[tuple]:
@@ -552,7 +562,7 @@ def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
         Stream(pg=s.pg, generation=s.generation, seqs=s.seqs, sig_ids=[sig_map[i] for i in s.sig_ids],
                states=s.states,
                site_ids=None if s.site_ids is None else [site_map[i] if i >= 0 else -1 for i in s.site_ids],
-               times_ns=s.times_ns, pg_desc=s.pg_desc)
+               times_ns=s.times_ns, pg_desc=s.pg_desc, states_reliable=s.states_reliable)
         for s in loaded.trace.streams)
     t = loaded.trace
     return Loaded(RankTrace(rank=t.rank, source=t.source, format=t.format, streams=streams, version=t.version,

@@ -238,3 +238,21 @@ def test_reset_epochs_are_separate_timelines(tmp_path):
     report = check(traces, it)
     assert report.holds
     assert sorted((t.generation, t.first_seq, t.last_seq) for t in report.timelines) == [(0, 1, 4), (1, 1, 2)]
+
+
+@pytest.mark.parametrize("prefix,holds", [("nccl", False), ("gloo", True)])
+def test_state_mismatch_only_from_recorders_whose_states_mean_something(tmp_path, prefix, holds):
+    """NCCL's recorder knows a rank never started a collective; gloo's completes entries late."""
+    for rank in range(3):
+        entries = [jh.fr_entry(i + 1, prefix=prefix, state="scheduled" if (rank == 2 and i == 2) else "completed")
+                   for i in range(3)]
+        doc = jh.fr_doc(entries, ranks=range(3))
+        doc.pop("pg_status", None)
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(doc, protocol=2))
+    it = Interner()
+    report = check([x.trace for x in load_many(sorted(tmp_path.iterdir()), it)], it)
+    assert report.holds is holds
+    if not holds:
+        d = report.first_divergence
+        assert (d.kind, d.seq, d.ranks, d.majority.state, d.others[0].state) == (
+            "state_mismatch", 3, (2,), "completed", "scheduled")

@@ -100,7 +100,7 @@ def run(rec: Recorder, scenario: str, rank: int) -> None:
             rec.issue("broadcast", torch.zeros(64))
         bad = scenario == "size" and step == 4
         if bad and rank != 3:
-            time.sleep(0.5)  # let rank 3 snapshot its bad call before gloo aborts it
+            time.sleep(1.0)  # let rank 3 snapshot its bad call before gloo aborts it
         rec.issue("all_reduce", torch.ones(512 if bad and rank == 3 else 1024), reduce_op="sum")
         if "pair" in rec.groups and step % 2 == 0 and rank in (0, 1):
             rec.issue("all_reduce", torch.ones(16), "pair", reduce_op="max")
