@@ -33,6 +33,9 @@ JOB_DIR_ENV = "GPUGUARD_JOB_DIR"
 
 def make_app(name: str, help_text: str) -> typer.Typer:
     """A Typer app with `--version` and no shell-completion install flags (we ship our own)."""
+    from gpuguard.cli._fastparams import install as install_fast_params
+
+    install_fast_params()  # plain options without a pydantic import on every run
     app = typer.Typer(
         name=name,
         help=help_text,

@@ -23,7 +23,6 @@ from typing import Any, Optional
 import typer
 
 from gpuguard.cli._app import emit_json
-from gpuguard.cli._fastparams import install as _install_fast_params
 from gpuguard.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
@@ -33,7 +32,6 @@ from gpuguard.errors import (
     UsageError,
 )
 
-_install_fast_params()  # no pydantic import per run (see cli/_fastparams.py)
 
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
