@@ -180,8 +180,8 @@ class InPlaceRuntime(Runtime):
             rec, self._pending_first_commit = self._pending_first_commit, None
             rec["phases"]["first_commit"] = time.time()
             rec["first_step"] = step
-            if self.rank == 0:
-                jobdir.atomic_write_json(inplace_dir(self.job_dir) / f"switch-g{self.generation}.json", rec)
+            rec["rank"] = self.rank
+            jobdir.atomic_write_json(inplace_dir(self.job_dir) / f"switch-g{self.generation}-r{self.rank}.json", rec)
 
     # ------------------------------------------------------------------ the loop
     def run(self, state: TrainState, step_fn: StepFn, until: int) -> int:
