@@ -145,7 +145,8 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
         config: Optional[Path] = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."),
         window: int = typer.Option(20, "--window", min=1, metavar="N", help="Recent steps for the cohort comparison."),
-        log: list[Path] = typer.Option([], "--log", metavar="FILE", help="Training log(s) with step times (for ranks without StepLog)."),
+        log: list[Path] = typer.Option([], "--log", metavar="FILE", help="Training log(s): communication errors by "
+                                       "rank ([rank3]: prefixes), and step times with --log-spec/--log-regex."),
         log_spec: Optional[Path] = typer.Option(None, "--log-spec", metavar="YAML", help="YAML: step_log: {pattern: REGEX} "
                                                 "with named groups step, step_s|step_ms|ts, rank."),
         log_regex: Optional[str] = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
@@ -325,15 +326,15 @@ def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str])
 
     if spec_file is not None and regex is not None:
         raise UsageError("give --log-spec or --log-regex, not both")
-    if (spec_file is not None or regex is not None) != bool(logs):
-        raise UsageError("--log needs --log-spec or --log-regex, and they need --log")
-    if not logs:
-        return None
-    from gpuguard.collectors.steps import LogStepSpec
-
+    if (spec_file is not None or regex is not None) and not logs:
+        raise UsageError("--log-spec and --log-regex need --log")
     for p in logs:
         if not p.is_file():
             raise NoInputError(f"{p}: no such log file")
+    if spec_file is None and regex is None:
+        return None  # the logs only feed the communication-error dimension
+    from gpuguard.collectors.steps import LogStepSpec
+
     return LogStepSpec.from_yaml(spec_file) if spec_file is not None else LogStepSpec.compile(regex or "", where="--log-regex")
 
 

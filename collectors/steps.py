@@ -284,6 +284,37 @@ def exit_codes_from_logs(paths: Iterable[str | os.PathLike[str]]) -> dict[int, i
     return out
 
 
+_COMM_MARKERS = ("Watchdog caught collective operation timeout", "detected by watchdog", "Connection closed by peer", "Connection reset by peer",
+                 "NCCL error", "ncclRemoteError", "ncclSystemError", "ncclInternalError", "Timed out waiting",
+                 "Socket Timeout", "remote process exited", "Application timeout caused pair closure")
+_RANK_PREFIX = re.compile(r"\[(?:rank|Rank |PG \d+ Rank )(\d{1,7})\]")
+
+
+def comm_errors_from_logs(paths: Iterable[str | os.PathLike[str]], limit: int = 10_000) -> dict[int, list[str]]:
+    """rank -> communication error lines it printed (`[rank3]:` / `[Rank 3]` prefixes: torchrun's
+    per-rank prefixes, the NCCL watchdog's own). Lines without a rank are skipped: no one to attach them to."""
+    out: dict[int, list[str]] = {}
+    n = 0
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    if not any(m in line for m in _COMM_MARKERS):
+                        continue
+                    m = _RANK_PREFIX.search(line)
+                    if m is None:
+                        continue
+                    msgs = out.setdefault(int(m.group(1)), [])
+                    if len(msgs) < 8:
+                        msgs.append(line.strip()[:400])
+                    n += 1
+                    if n >= limit:
+                        return out
+        except OSError:
+            continue
+    return out
+
+
 def _with_exit(proc: ProcessState, pid: int | None, codes: dict[int, int]) -> ProcessState:
     if pid is None or pid not in codes or proc.state not in ("gone", "zombie", "unknown"):
         return proc
@@ -330,6 +361,9 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
     hardware = hardware_from_node_reports(
         node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
     codes = exit_codes_from_logs(launcher_logs)
+    from gpuguard.diagnostics.jobstats import comm_errors_from_text
+
+    comm = comm_errors_from_logs([*logs, *launcher_logs])
     here = local_host()
     now_w = time.time() if now_wall is None else now_wall
     now_m = time.monotonic()
@@ -339,8 +373,9 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
         proc = probe_process(series.pid, series.start_wall) if (probe and local) else ProcessState(
             "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
         proc = _with_exit(proc, series.pid, codes)
+        ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
         out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
-                           window=window, history=history, hardware=hardware.get(series.rank, ())))
+                           window=window, history=history, hardware=hardware.get(series.rank, ()), comm_errors=ce))
     from gpuguard.diagnostics.jobmodel import RankObservation
 
     for rank in records.silent_ranks[:100_000]:

@@ -77,7 +77,8 @@ class RankVerdict:
                         "own_step_s": {"p50": round(o.period_p50_s, 4), "p99": round(o.period_p99_s, 4),
                                        "p999": round(o.period_p999_s, 4)},
                         "own_compute_recent_s": round(o.recent_compute_s, 4), "notes": list(o.notes)})
-        doc["evidence"] = [v.to_json() for v in self.votes if v.verdict != ABSTAIN or v.dimension == "liveness"]
+        # every vote that carries something (an abstention with numbers explains itself too)
+        doc["evidence"] = [v.to_json() for v in self.votes if v.verdict != ABSTAIN or v.numbers]
         return doc
 
 

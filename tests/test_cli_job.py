@@ -165,7 +165,7 @@ def test_node_report_and_training_log_inputs(cli, tmp_path: Path, monkeypatch) -
     r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log", str(log), "--log-regex", rx, "--json")
     doc = json.loads(r.stdout)
     assert [x["rank"] for x in doc["ranks"]] == [0, 1, 2, 3] and doc["ranks"][1]["steps_recorded"] == 29
-    assert cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log", str(log)).returncode == 64
+    assert cli("gpu-doctor", "diagnose", "job", "--job-dir", str(logdir), "--log-regex", rx).returncode == 64
 
 
 def test_a_rank_that_never_wrote_is_unknown(cli, tmp_path: Path, monkeypatch) -> None:
@@ -177,3 +177,20 @@ def test_a_rank_that_never_wrote_is_unknown(cli, tmp_path: Path, monkeypatch) ->
     assert r.returncode == 3 and doc["verdict"] == "unknown"
     assert {x["rank"]: x["verdict"] for x in doc["ranks"]}[1] == "unknown"
     assert "no step records" in doc["ranks"][1]["reason"]
+
+
+def test_real_watchdog_log_marks_the_reporting_ranks_as_victims(cli, tmp_path: Path) -> None:
+    import os as _os
+
+    shared = Path(_os.environ.get("GPUGUARD_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+    for r in range(6):
+        _steps(StepLog(tmp_path, r, f"i{r}"), 3, 0.001)
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--json",
+            "--log", str(shared / "real-logs" / "051-watchdog.log"))
+    doc = json.loads(r.stdout)
+    assert r.returncode in (0, 1), r.stderr
+    comm = {x["rank"]: next((e for e in x["evidence"] if e["dimension"] == "communication"), None) for x in doc["ranks"]}
+    for rank in (0, 3, 4):  # the ranks whose NCCL watchdog fired in that log
+        assert comm[rank] is not None and comm[rank]["numbers"]["errors_seen_by_rank"] >= 1
+        assert "watchdog" in comm[rank]["reason"].lower()
+    assert comm[2] is None and comm[5] is None
