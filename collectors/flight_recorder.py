@@ -23,7 +23,6 @@ import stat
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from bisect import bisect_right
-from functools import partial
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -241,10 +240,11 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
 
 _COLS = {k: itemgetter(k) for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p",
                                     "frames", "time_created_ns")}
-_GET_FRAMES = methodcaller("get", "frames")
 _GET_TIME = methodcaller("get", "time_created_ns")
 _SIG5 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
+_SIG6 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "frames")
 _NONE = type(None)
+_NO_SITE = -1
 
 
 def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: Interner,
@@ -258,13 +258,12 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
         names = list(map(_COLS["profiling_name"], entries))
         raw_states = list(map(_COLS["state"], entries))
         p2p = list(map(_COLS["is_p2p"], entries))
-        sigs = list(map(_SIG5, entries))
     except (KeyError, TypeError, AttributeError):
         return None
     try:  # optional keys: itemgetter when every entry has them (faster), else dict.get
-        frames = list(map(_COLS["frames"], entries))
+        sigs = list(map(_SIG6, entries))
     except KeyError:
-        frames = list(map(_GET_FRAMES, entries))
+        sigs = list(map(_SIG5, entries))
     try:
         times = list(map(_COLS["time_created_ns"], entries))
     except KeyError:
@@ -282,7 +281,7 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
         return None
     pgv = pgvs[0]
     name, desc, pg_id, gen = _pg_key(tuple(pgv) if isinstance(pgv, list) else pgv, first.get("pg_id"), 0, path)
-    sig_ids = _intern_sigs(sigs, interner, path)
+    sig_ids, sites = _intern_with_sites(sigs, interner, path)
     st = status.get(str(pg_id)) or status.get(name)
     if st is not None:
         done, started = st
@@ -291,14 +290,8 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
                                     for s, x in zip(seqs[k:], raw_states[k:])]
     else:
         states = raw_states
-    sites = None
-    if set(map(type, frames)) == {list}:
-        keys = list(map(tuple, map(partial(map, id), frames)))
-        site_of = {k: interner.site(_format_frames(f)) for k, f in dict(zip(keys, frames)).items()}
-        sites = list(map(site_of.__getitem__, keys))
-    elif any(frames):
-        cache: dict[tuple[int, ...], int] = {}
-        sites = [_site_id(f, cache, interner) for f in frames]
+    if sites is not None and all(i == _NO_SITE for i in sites):
+        sites = None  # empty frame lists: no call sites to show
     if None in times:
         times = [t or 0 for t in times]
     return Stream(pg=name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states, site_ids=sites,
@@ -407,6 +400,15 @@ def _merge_coalesced(rows: list[tuple]) -> list[tuple]:
 
 def _intern_sigs(raw: list[tuple], interner: Interner, path: Path) -> list[int]:
     """Raw (name, sizes, dtypes, ...) tuples -> global ids; compares before it freezes (fast)."""
+    return _intern_with_sites(raw, interner, path)[0]
+
+
+def _intern_with_sites(raw: list[tuple], interner: Interner, path: Path) -> tuple[list[int], list[int] | None]:
+    """Like `_intern_sigs`; a 6th element (the frames list) also yields call-site ids.
+
+    Deduplicates with `list.index`, i.e. equality in C: the writer shares frame dicts between
+    entries, so comparing two stacks is a few identity checks, and no per-entry hashing is needed.
+    """
     uniq: list[tuple] = []
     local: list[int] = []
     append, index = local.append, uniq.index
@@ -416,8 +418,12 @@ def _intern_sigs(raw: list[tuple], interner: Interner, path: Path) -> list[int]:
         except ValueError:
             append(len(uniq))
             uniq.append(s)
-    gmap = [interner.sig(_freeze(s, path)) for s in uniq]
-    return [gmap[i] for i in local]
+    gmap = [interner.sig(_freeze(s[:5], path)) for s in uniq]
+    sig_ids = [gmap[i] for i in local]
+    if not uniq or len(uniq[0]) < 6:
+        return sig_ids, None
+    smap = [interner.site(_format_frames(s[5]) if isinstance(s[5], list) else None) for s in uniq]
+    return sig_ids, [smap[i] for i in local]
 
 
 def _freeze(s: tuple, path: Path) -> Signature:
