@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _run(tmp_path, faults: str, steps: int):
     job = tmp_path / "job"
-    with Cluster.launch(job, 4, steps=steps, faults=faults, step_sleep=0.01, pg_timeout=5.0, grace=1.0) as c:
+    with Cluster.launch(job, 4, steps=steps, faults=faults, step_sleep=0.01, pg_timeout=5.0, grace=3.0) as c:
         codes = c.wait(100)
         pids = {r: p.pid for r, p in c.procs.items()}
         logs = {r: c.log(r) for r in c.procs}
