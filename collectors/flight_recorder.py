@@ -210,14 +210,15 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     else:
         for r in rows:
             groups.setdefault(r[1], []).append(r)
-    site_cache: dict[tuple[int, ...], int] = {}
     streams = []
     for (pg_name, desc, pg_id, gen), grp in groups.items():
         seqs = [r[0] for r in grp]
         if any(a >= b for a, b in zip(seqs, seqs[1:])):
             grp = _merge_coalesced(sorted(grp, key=itemgetter(0)))
             seqs = [r[0] for r in grp]
-        sig_ids = _intern_sigs([_SIG(r) for r in grp], interner, path)
+        sig_ids, sites = _intern_with_sites([(*_SIG(r), r[9]) for r in grp], interner, path)
+        if sites is not None and all(i == _NO_SITE for i in sites):
+            sites = None
         st = status.get(str(pg_id)) or status.get(pg_name)
         raw_states = [r[7] for r in grp]
         if st is not None:
@@ -226,9 +227,6 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
                       for s, x in zip(seqs, raw_states)]
         else:
             states = raw_states
-        sites = None
-        if any(r[9] for r in grp):
-            sites = [_site_id(r[9], site_cache, interner) for r in grp]
         times = [r[10] for r in grp]
         streams.append(Stream(pg=pg_name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states,
                               site_ids=sites, times_ns=times, pg_desc=desc,
@@ -398,13 +396,9 @@ def _merge_coalesced(rows: list[tuple]) -> list[tuple]:
     return out
 
 
-def _intern_sigs(raw: list[tuple], interner: Interner, path: Path) -> list[int]:
-    """Raw (name, sizes, dtypes, ...) tuples -> global ids; compares before it freezes (fast)."""
-    return _intern_with_sites(raw, interner, path)[0]
-
-
 def _intern_with_sites(raw: list[tuple], interner: Interner, path: Path) -> tuple[list[int], list[int] | None]:
-    """Like `_intern_sigs`; a 6th element (the frames list) also yields call-site ids.
+    """Raw (name, sizes, dtypes, ..., [frames]) tuples -> global signature ids (and call-site ids when
+    a 6th element, the frames list, is present).
 
     Deduplicates with `list.index`, i.e. equality in C: the writer shares frame dicts between
     entries, so comparing two stacks is a few identity checks, and no per-entry hashing is needed.
@@ -449,16 +443,6 @@ def _dtypes(v: Any) -> tuple[str, ...] | None:
     if isinstance(v, str) or not all(isinstance(x, str) for x in v):
         raise TypeError("dtypes")
     return tuple(v)
-
-
-def _site_id(frames: Any, cache: dict[tuple[int, ...], int], interner: Interner) -> int:
-    if not frames or not isinstance(frames, list):
-        return -1
-    key = tuple(map(id, frames))
-    i = cache.get(key)
-    if i is None:
-        i = cache[key] = interner.site(_format_frames(frames))
-    return i
 
 
 def _format_frames(frames: list) -> str | None:
