@@ -50,6 +50,7 @@ from gpuguard.recovery.switch import (Layout, Report, agree_on_state, choose_coo
 
 StepFn = Callable[[int, int, int], None]
 ABORT_FILE = "abort.json"
+OPERATOR_ABORT = "operator abort"
 
 
 def inplace_dir(job_dir: str | Path) -> Path:
@@ -131,6 +132,7 @@ class InPlaceRuntime(Runtime):
         self.committed: int | None = None
         self._local: OrderedDict[int, tuple[dict[str, Any], str]] = OrderedDict()
         self.switches: list[dict[str, Any]] = []
+        self.remember_times: list[float] = []  # cost of the in-memory rollback snapshot, per commit
         self._pending_first_commit: dict[str, Any] | None = None
         self._killed: dict[str, str] = {}  # incarnation id -> eviction evidence (this process killed it)
 
@@ -175,7 +177,9 @@ class InPlaceRuntime(Runtime):
     def commit(self, step: int) -> None:
         super().commit(step)
         self.committed = step
+        t0 = time.perf_counter()
         self._remember(step)
+        self.remember_times.append(time.perf_counter() - t0)
         if self._pending_first_commit is not None:
             rec, self._pending_first_commit = self._pending_first_commit, None
             rec["phases"]["first_commit"] = time.time()
@@ -211,7 +215,7 @@ class InPlaceRuntime(Runtime):
     def _try_step(self, step: int, step_fn: StepFn) -> str | None:
         """One step and its commit; the failure text (no exception object survives this frame)."""
         if self._abort_requested():
-            return "operator abort"
+            return OPERATOR_ABORT
         self._step_t0 = time.perf_counter()
         if self._steplog is not None:
             self._steplog.begin_step(step)
@@ -229,7 +233,7 @@ class InPlaceRuntime(Runtime):
         """Leave the failed generation and join the next one in place; the next step to run."""
         t_detect = time.time()
         generation = int(self.generation or 0)
-        operator = failure == "operator abort"
+        operator = failure == OPERATOR_ABORT
         self._teardown()
         while True:
             cert, phases = self._agree(generation, failure, t_detect, operator)
@@ -303,6 +307,7 @@ class InPlaceRuntime(Runtime):
         from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
 
         host = socket.gethostname()
+        operator = operator or any(r.failure == OPERATOR_ABORT for r in reports.values())
         dead, killed, waiting, evidence = [], [], [], []
         kept: list[int] = []
         for m in parent.members:

@@ -141,7 +141,8 @@ def worker_main() -> int:
     out.mkdir(exist_ok=True)
     doc = {"orig_rank": orig, "pid": os.getpid(), "rank": rt.rank, "world": rt.world_size,
            "generation": rt.generation, "last_step": last, "params": flat_params(model),
-           "digest": rt.replicated_digest(), "incarnation": rt.incarnation.id, "switches": rt.switches}
+           "digest": rt.replicated_digest(), "incarnation": rt.incarnation.id, "switches": rt.switches,
+           "step_time_p50_s": _median(rt.step_times), "remember_p50_s": _median(rt.remember_times)}
     (out / f"{orig}.json").write_text(json.dumps(doc))
     rt.close(timeout=10.0)
     return 0
@@ -226,6 +227,12 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics  # noqa: PLC0415
+
+    return statistics.median(values) if values else None
 
 
 def _stopped(pid: int) -> bool:

@@ -3,7 +3,8 @@
 3 torchrun agents on localhost (c10d rendezvous, --nnodes=3, 1 worker each). Once the job commits
 steps, one agent that does not host the rendezvous store is SIGKILLed together with its worker
 (a node loss). The surviving agents see healthy workers and no new rendezvous round, so they restart
-nothing: the surviving workers certify generation 2 in place and finish, in the same processes.
+nothing: the surviving workers certify generation 2 in place and finish, in the same processes. An
+operator's abort of generation 2 then takes the same path: generation 3, same members.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ import psutil
 import pytest
 
 from gpuguard.generation.ledger import open_ledger
+from gpuguard.recovery.inplace import request_abort
 from gpuguard.recovery.inplace_train import reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import free_port  # noqa: E402
+from conftest import free_port, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 
 AGENTS = 3
-STEPS = 40
+STEPS = 60
 
 
 def _listener(port: int, pids: list[int]) -> int | None:
@@ -83,6 +85,10 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
         lost = {r for r, pid in first.items() if pid in {w.pid for w in vworkers}}
         assert len(lost) == 1
         survivors = sorted(set(first) - lost)
+        end = time.monotonic() + 60
+        while len(open_ledger(job).generations()) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        request_abort(job, 2, "test: operator abort")  # the operator's abort takes the same in-place path
         end = time.monotonic() + 90
         results = job / "results"
         while time.monotonic() < end and len(list(results.glob("*.json")) if results.exists() else []) < 2:
@@ -98,10 +104,16 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
             assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(doc["params"], ref))
         led = open_ledger(job)
         history = led.history()
-        assert led.generations() == list(range(len(history))) == [0, 1, 2], logs
-        g2 = history[2]
+        assert led.generations() == list(range(len(history))) == [0, 1, 2, 3], logs
+        g2, g3 = history[2], history[3]
         assert g2.extra["switch"] == "in-place" and g2.reason == "rank-failure" and g2.quiescence == "proved"
         assert sorted(m.incarnation.pid for m in g2.members) == sorted(first[r] for r in survivors)
+        assert g3.extra["switch"] == "in-place" and g3.reason == "operator" and g3.members == g2.members
+        assert not g3.admitted and g3.frontier.step >= g2.frontier.step
+        shown = run_cli("gpu-generation", "show", "--job-dir", str(job), "--json", timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        extra = json.loads(shown.stdout)["certificate"]["extra"]
+        assert extra["switch"] == "in-place" and {"detect", "evicted", "frontier"} <= set(extra["phases"])
         # no agent started a second worker: one incarnation record per original worker
         assert len(list((job / "incarnations").glob("*.json"))) == AGENTS
         for a in agents:
