@@ -14,6 +14,7 @@ freeze into hashable tuples, and many files are read by a small process pool.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -21,11 +22,12 @@ import pickle
 import re
 import stat
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from bisect import bisect_right
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from gpuguard.diagnostics.contract import COMPLETED, Interner, RankTrace, Signature, Stream
 from gpuguard.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
@@ -542,9 +544,23 @@ def _from_gpuguard(path: Path, doc: dict, interner: Interner) -> Loaded:
 # Many files
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Unpickling builds millions of acyclic dicts and lists: the cycle collector only burns CPU
+    rescanning them (torchfrtrace's loader disables it for the same reason)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _load_chunk(paths: list[str]) -> tuple[list[Loaded], list[Signature], list[str]]:
     interner = Interner()
-    return [load_dump(p, interner) for p in paths], interner.signatures, interner.sites
+    with _gc_paused():
+        return [load_dump(p, interner) for p in paths], interner.signatures, interner.sites
 
 
 def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
@@ -568,10 +584,11 @@ def load_many(files: Iterable[Path], interner: Interner, *, jobs: int | None = N
         jobs = min(os.cpu_count() or 1, 8) if len(paths) >= 64 else 1
     if jobs <= 1:
         out = []
-        for p in paths:
-            out.append(load_dump(p, interner))
-            if progress:
-                progress(1)
+        with _gc_paused():
+            for p in paths:
+                out.append(load_dump(p, interner))
+                if progress:
+                    progress(1)
         return out
     size = max(1, -(-len(paths) // (jobs * 4)))
     chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
@@ -579,7 +596,7 @@ def load_many(files: Iterable[Path], interner: Interner, *, jobs: int | None = N
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool, _gc_paused():
         for loaded, sigs, sites in pool.map(_load_chunk, chunks):
             sig_map = [interner.sig(s) for s in sigs]
             site_map = [interner.site(s) for s in sites]
