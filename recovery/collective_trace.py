@@ -25,9 +25,10 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Iterator
+
+from gpuguard.recovery.jobdir import atomic_write_bytes
 
 SCHEMA = "gpuguard.collective-trace/1"
 STATE_SCHEDULED = "scheduled"
@@ -119,20 +120,7 @@ class CollectiveTrace:
     def dump(self, path: str | os.PathLike[str], reason: str = "on demand") -> str:
         """Write the trace atomically to `path` (`{rank}` and `{generation}` are filled in)."""
         target = os.fspath(path).format(rank=self.rank, generation=self.generation)
-        directory = os.path.dirname(target) or "."
-        os.makedirs(directory, exist_ok=True)
-        data = json.dumps(self.to_json(reason), separators=(",", ":")).encode()
-        fd, tmp = tempfile.mkstemp(prefix=".trace-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(target, json.dumps(self.to_json(reason), separators=(",", ":")).encode())
         return target
 
     def install_signal_dump(self, path: str | os.PathLike[str], signum: int = signal.SIGUSR2) -> None:
