@@ -81,12 +81,30 @@ def run_job(argv: list[str], *, env: dict[str, str], timeout_s: float, on_line: 
         except subprocess.TimeoutExpired:
             raise UnavailableError(f"the demo job did not finish within {timeout_s:.0f} s (log: {log_path})") from None
         finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+            stop_job(proc, log_path.parent)
+
+
+def stop_job(proc: subprocess.Popen, job_dir: Path) -> None:
+    """Stop a torchrun job we started: SIGTERM its agent (which stops the workers), then SIGKILL,
+    then any worker still alive (workers run in their own sessions, so they outlive a killed agent):
+    found by their command line naming this job dir, killed by pid."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    import psutil  # noqa: PLC0415
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "gpuguard.recovery.demo_train" in cmd and str(job_dir) in cmd:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
 
 
 def summarize(job_dir: Path) -> DemoResult:

@@ -139,8 +139,8 @@ def run_gpuguard(args: argparse.Namespace) -> int:
     job_dir = Path(args.job_dir)
     rank = int(os.environ["RANK"])
     faults = Faults(job_dir, rank, args.kill)
-    rt = Runtime.from_env(job_dir, fault_hook=faults, snapshot_every=args.snapshot_every,
-                          checkpoint_every=args.checkpoint_every)
+    options = {} if args.checkpoint_every is None else {"checkpoint_every": args.checkpoint_every}
+    rt = Runtime.from_env(job_dir, fault_hook=faults, snapshot_every=args.snapshot_every, **options)
     model, opt = build()
     state = rt.activate(model, opt)
     out = Path(args.out) if args.out else job_dir / "demo-out"
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", type=parse_kill, action="append", default=[])
     p.add_argument("--mode", choices=("gpuguard", "plain"), default="gpuguard")
     p.add_argument("--snapshot-every", type=int, default=1)
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="durable checkpoint interval (default 50)")
     p.add_argument("--ckpt-every", type=int, default=5, help="plain mode: checkpoint interval")
     p.add_argument("--hashes", action="store_true", help="rank 0 records the state digest after every step")
     p.add_argument("--progress", action="store_true")

@@ -198,7 +198,7 @@ class Runtime:
         except (KeyError, ValueError) as exc:
             raise GpuguardError(f"not started by torchrun (missing or bad {exc})", exit_code=64) from None
         options.setdefault("snapshot_every", int(env.get(SNAPSHOT_EVERY_ENV, "1")))
-        options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "0")))
+        options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "50")))
         options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
         options.setdefault("ledger_url", env.get(LEDGER_ENV) or None)
         return cls(job_dir, rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", rank)),
@@ -380,7 +380,10 @@ class Runtime:
                         raise
                 self._ledger = None
             ledger = self.ledger()
-            parent = ledger.require_active()
+            parent = ledger.active()
+            if parent is None:
+                raise ActivationRefused(f"the ledger holds {len(ledger.generations())} certificate(s) but no valid "
+                                        "genesis: wrong signing key or tampered ledger")
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
 

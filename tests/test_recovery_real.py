@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,30 +40,12 @@ def launch(job_dir: Path, steps: int, kills: list[str] = (), timeout: float = 15
         out, _ = proc.communicate(timeout=timeout)
         lines.append(out)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        demo.stop_job(proc, job_dir)
         out, _ = proc.communicate(timeout=10)
         pytest.fail(f"torchrun job did not finish in {timeout} s:\n{out[-4000:]}")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        _kill_leftovers(job_dir)
+        demo.stop_job(proc, job_dir)
     return proc.returncode, "".join(lines)
-
-
-def _kill_leftovers(job_dir: Path) -> None:
-    """Workers run in their own sessions: kill any recorded incarnation still alive (pid + start time)."""
-    import psutil
-
-    from gpuguard.recovery.jobdir import read_incarnations
-
-    for rec in read_incarnations(job_dir):
-        try:
-            p = psutil.Process(rec.pid)
-            if abs(p.create_time() - rec.start_time) < 0.01:
-                p.kill()
-        except psutil.Error:
-            pass
 
 
 def records(path: Path) -> list[dict]:
@@ -192,3 +173,24 @@ print(json.dumps({"fenced_commits": rt.counters.fenced_commits, "fenced_snapshot
     counts = json.loads(lines[-1])
     assert counts == {"fenced_commits": 1, "fenced_snapshots": 1, "ledger_fenced": 1}
     assert not (job / "snapshots" / "step-99").exists()
+
+
+def test_members_refuse_to_start_when_the_certificate_cannot_be_verified(killed_job, tmp_path):
+    """A job dir whose signing key does not match its ledger: the members refuse, one line each, exit 4."""
+    import shutil
+
+    from gpuguard.generation.keys import KEY_FILE
+
+    job = tmp_path / "forged"
+    shutil.copytree(killed_job[0], job)
+    (job / KEY_FILE).write_text(os.urandom(32).hex() + "\n")
+    before = sorted(p.name for p in (job / "ledger").glob("gen-*.json"))
+    rc, out = launch(job, STEPS + 2, max_restarts=0, timeout=120)
+    assert rc != 0
+    refusals = [line for line in out.splitlines() if "refuses to start" in line]
+    # the first refusal makes torchrun stop the others (SIGTERM), so not every rank may get to say it
+    assert refusals, out[-3000:]
+    assert all(line.startswith("gpuguard: rank ") and "wrong signing key or tampered ledger" in line
+               for line in refusals), refusals
+    assert "exitcode: 4" in out
+    assert sorted(p.name for p in (job / "ledger").glob("gen-*.json")) == before  # nothing activated
