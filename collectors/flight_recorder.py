@@ -21,21 +21,24 @@ import os
 import pickle
 import re
 import stat
+import struct
+from bisect import bisect_right
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from bisect import bisect_right
+from dataclasses import dataclass, replace
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from gpuguard.diagnostics.contract import COMPLETED, Interner, RankTrace, Signature, Stream
 from gpuguard.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
+from gpuguard.recovery.collective_trace import PERSIST_MAGIC, decode_persisted
 
 GPUGUARD_SCHEMA = "gpuguard.collective-trace/1"
 FORMAT_FR_PICKLE = "fr-pickle"
 FORMAT_FR_JSON = "fr-json"
 FORMAT_GPUGUARD = "gpuguard"
+FORMAT_GPUGUARD_RING = "gpuguard-ring"
 MAX_BYTES = 1 << 30  # a 2,000-entry dump is well under 1 MiB; refuse absurd inputs
 _RANK_RE = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin|dump|trace))?$")
 _P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
@@ -111,6 +114,8 @@ def _sniff(path: Path) -> str | None:
         return None
     if head[:1] == b"\x80":
         return FORMAT_FR_PICKLE
+    if head[:8] == PERSIST_MAGIC:
+        return FORMAT_GPUGUARD_RING
     if head.lstrip()[:1] == b"{":
         return "json"
     return None
@@ -133,10 +138,17 @@ def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
             size = os.fstat(fh.fileno()).st_size
             if size > MAX_BYTES:
                 raise DataError(f"{p}: {size} bytes is too large for a collective trace")
-            head = fh.peek(1)[:1] if hasattr(fh, "peek") else b""
-            if head == b"\x80":
+            head = fh.peek(8)[:8] if hasattr(fh, "peek") else b""
+            if head[:1] == b"\x80":
                 return _from_fr(p, _unpickle(p, fh), FORMAT_FR_PICKLE, interner)
             data = fh.read()
+            if head == PERSIST_MAGIC:  # a crash-surviving CollectiveTrace ring (mmap file)
+                try:
+                    doc = decode_persisted(data)
+                except (ValueError, struct.error) as exc:
+                    raise DataError(f"{p}: corrupt gpuguard ring: {exc}") from None
+                loaded = _from_gpuguard(p, doc, interner)
+                return Loaded(replace(loaded.trace, format=FORMAT_GPUGUARD_RING), loaded.entries)
     except GpuguardError:
         raise
     except OSError as exc:

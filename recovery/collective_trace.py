@@ -23,7 +23,9 @@ import contextlib
 import json
 import os
 import signal
+import mmap
 import socket
+import struct
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -49,10 +51,11 @@ def call_site(depth: int = 1) -> str:
 class CollectiveTrace:
     """Ring buffer of the last `capacity` collectives issued by one rank in one generation."""
 
-    __slots__ = ("rank", "generation", "capacity", "world_size", "job_id", "_ring", "_next", "_clock")
+    __slots__ = ("rank", "generation", "capacity", "world_size", "job_id", "_ring", "_next", "_clock", "_mm")
 
     def __init__(self, rank: int, generation: int, capacity: int = 2000, *,
-                 world_size: int | None = None, job_id: str | None = None) -> None:
+                 world_size: int | None = None, job_id: str | None = None,
+                 persist: str | os.PathLike[str] | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.rank = int(rank)
@@ -63,12 +66,22 @@ class CollectiveTrace:
         self._ring: list[list[Any] | None] = [None] * self.capacity
         self._next = 0  # records ever made; the next slot is _next % capacity
         self._clock: Callable[[], int] = time.time_ns  # wall clock: comparable across ranks on a host
+        self._mm: mmap.mmap | None = None
+        if persist is not None:
+            self._mm = _open_persisted(os.fspath(persist).format(rank=self.rank, generation=self.generation),
+                                       self)
 
     def record(self, op: str, pg: str, seq: int, count: int, dtype: str,
                reduce_op: str | None = None, call_site: str | None = None) -> int:
         """Record one collective as it is issued (before the call); returns its record id."""
         n = self._next
-        self._ring[n % self.capacity] = [seq, pg, op, count, dtype, reduce_op, call_site, self._clock(), None]
+        t = self._clock()
+        self._ring[n % self.capacity] = [seq, pg, op, count, dtype, reduce_op, call_site, t, None]
+        if self._mm is not None:  # the page cache keeps it even if gloo SIGABRTs this process next
+            _SLOT.pack_into(self._mm, _HEADER.size + (n % self.capacity) * _SLOT.size, seq,
+                            -1 if count is None else count, t, 0, op.encode(), pg.encode(),
+                            (dtype or "").encode(), (reduce_op or "").encode(), (call_site or "").encode())
+            _NEXT.pack_into(self._mm, _NEXT_AT, n + 1)
         self._next = n + 1
         return n
 
@@ -79,6 +92,8 @@ class CollectiveTrace:
             slot = ring[i % cap]
             if slot is not None and slot[_SEQ] == seq and (pg is None or slot[_PG] == pg):
                 slot[_T1] = self._clock()
+                if self._mm is not None:
+                    _T1_FIELD.pack_into(self._mm, _HEADER.size + (i % cap) * _SLOT.size + 24, slot[_T1])
                 return True
         return False
 
@@ -152,3 +167,55 @@ def install_signal_dump(trace: CollectiveTrace, path: str | os.PathLike[str],
                         signum: int = signal.SIGUSR2) -> None:
     """Module-level spelling of `CollectiveTrace.install_signal_dump`."""
     trace.install_signal_dump(path, signum)
+
+
+# ----------------------------------------------------------------------------------------------
+# Crash-surviving ring: the same entries in a file-backed mmap.
+#
+# gloo answers a collective size mismatch with SIGABRT: no Python handler, no atexit, no dump. With
+# `persist=PATH` every record is also written into a fixed-size memory-mapped file, which the kernel
+# keeps when the process dies. `decode_persisted` turns it into the usual JSON document.
+
+PERSIST_MAGIC = b"GGCTRING"
+_HEADER = struct.Struct("<8sqqqqqq")  # magic, rank, generation, capacity, world_size (-1), next, slot size
+_NEXT_AT = 40
+_NEXT = struct.Struct("<q")
+_SLOT = struct.Struct("<qqqq24s24s16s16s144s")  # seq, count, time_ns, completed_ns, op, pg, dtype, reduce, site
+_T1_FIELD = struct.Struct("<q")
+
+
+def _open_persisted(path: str, trace: CollectiveTrace) -> mmap.mmap:
+    size = _HEADER.size + trace.capacity * _SLOT.size
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    _HEADER.pack_into(mm, 0, PERSIST_MAGIC, trace.rank, trace.generation, trace.capacity,
+                      -1 if trace.world_size is None else trace.world_size, 0, _SLOT.size)
+    return mm
+
+
+def decode_persisted(data: bytes) -> dict[str, Any]:
+    """A persisted ring (bytes) -> the `gpuguard.collective-trace/1` document. Raises ValueError."""
+    if len(data) < _HEADER.size or data[:8] != PERSIST_MAGIC:
+        raise ValueError("not a gpuguard persisted collective ring")
+    _, rank, generation, capacity, world, n, slot = _HEADER.unpack_from(data, 0)
+    if slot != _SLOT.size or capacity < 1 or rank < 0 or n < 0:
+        raise ValueError(f"bad header (capacity {capacity}, slot size {slot}, rank {rank}, records {n})")
+    if len(data) < _HEADER.size + capacity * slot:
+        raise ValueError(f"truncated: {len(data)} bytes for {capacity} slots")
+    entries = []
+    for i in range(max(n - capacity, 0), n):
+        seq, count, t0, t1, op, pg, dtype, red, site = _SLOT.unpack_from(data, _HEADER.size + (i % capacity) * slot)
+        text = [b.rstrip(b"\0").decode("utf-8", "replace") for b in (op, pg, dtype, red, site)]
+        entries.append({"seq": seq, "pg": text[1], "op": text[0], "count": None if count < 0 else count,
+                        "dtype": text[2] or None, "reduce_op": text[3] or None, "call_site": text[4] or None,
+                        "time_ns": t0, "completed_ns": t1 or None,
+                        "state": STATE_COMPLETED if t1 else STATE_SCHEDULED})
+    return {"schema": SCHEMA, "rank": rank, "generation": generation, "world_size": None if world < 0 else world,
+            "job_id": None, "capacity": capacity, "recorded": n, "dropped": max(n - capacity, 0),
+            "reason": "persisted ring (read after the fact; the process may have died)", "entries": entries}

@@ -59,7 +59,7 @@ def real_dumps(timeout: float = 150.0) -> dict[str, Path]:
                     pass
                 proc.wait(timeout=10)
     for name in SCENARIOS:
-        for sub in ("fr_pickle", "fr_json", "gg"):
+        for sub in ("fr_pickle", "fr_json", "gg", "gg_ring"):
             d = root / name / sub
             # a rank killed mid-snapshot may leave a temp file: count the dumps themselves
             if not d.is_dir() or len(list(d.glob("rank_*[0-9]*"))) - len(list(d.glob("*.tmp"))) != 4:

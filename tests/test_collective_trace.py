@@ -90,3 +90,48 @@ def test_dump_round_trips_through_the_contract_loader(tmp_path, rows, capacity):
         Signature(op=op, in_dtypes=(dt,), count=n, reduce_op=red) for op, n, dt, red, _ in kept]
     assert stream.states == ["completed" if d else "scheduled" for *_, d in kept]
     assert check([loaded.trace], it).holds
+
+
+def test_persisted_ring_survives_sigabrt(tmp_path):
+    """gloo SIGABRTs a rank on a size mismatch: the mmap ring is still there, and loads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from gpuguard.recovery.collective_trace import CollectiveTrace\n"
+        f"t = CollectiveTrace(3, 1, capacity=4, world_size=4, persist={str(tmp_path / 'rank_{rank}.ring')!r})\n"
+        "for s in range(1, 7):\n"
+        "    t.record('all_reduce', 'default', s, 512 if s == 6 else 1024, 'float32', 'sum', f'train.py:{s}')\n"
+        "    if s < 6:\n"
+        "        t.complete(s)\n"
+        "os.abort()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    it = Interner()
+    loaded = load_dump(tmp_path / "rank_3.ring", it)
+    (stream,) = loaded.trace.streams
+    assert loaded.trace.format == "gpuguard-ring" and loaded.trace.rank == 3 and loaded.trace.world_size == 4
+    assert stream.generation == 1 and stream.seqs == [3, 4, 5, 6]
+    assert stream.states == ["completed", "completed", "completed", "scheduled"]
+    assert it.signatures[stream.sig_ids[-1]] == Signature("all_reduce", in_dtypes=("float32",), count=512,
+                                                          reduce_op="sum")
+    assert it.sites[stream.site_ids[-1]] == "train.py:6"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=2000), st.integers(0, 64))
+def test_corrupt_rings_are_clear_errors(tmp_path, blob, keep):
+    from gpuguard.errors import DataError
+    from gpuguard.recovery.collective_trace import PERSIST_MAGIC
+
+    real = tmp_path / "real.ring"
+    t = CollectiveTrace(0, 0, capacity=2, persist=real)
+    t.record("all_reduce", "default", 1, 8, "float32")
+    good = real.read_bytes()
+    p = tmp_path / "rank_0.ring"
+    p.write_bytes(good[:keep] + blob if keep < len(good) else PERSIST_MAGIC + blob)
+    try:
+        load_dump(p, Interner())
+    except DataError as exc:
+        assert exc.exit_code == 65

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _jobhelpers_contract as jh  # noqa: E402
 
-SOURCES = ("fr_pickle", "fr_json", "gg")
+SOURCES = ("fr_pickle", "fr_json", "gg", "gg_ring")  # gg_ring: CollectiveTrace's mmap ring, no snapshots
 # Flight Recorder names process groups by creation order (the job makes 1-4 up front); gpuguard's
 # own trace uses the runtime's names.
 PG = {("clean", "fr"): ("1", "2"), ("skip", "fr"): ("3",), ("size", "fr"): ("4",),
@@ -24,7 +24,7 @@ PG = {("clean", "fr"): ("1", "2"), ("skip", "fr"): ("3",), ("size", "fr"): ("4",
 
 
 def _pg(scenario: str, source: str, i: int = 0) -> str:
-    return PG[(scenario, "gg" if source == "gg" else "fr")][i]
+    return PG[(scenario, "gg" if source.startswith("gg") else "fr")][i]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_size_mismatch_names_seq_rank_and_field(cli, dumps, source):
     d = doc["first_divergence"]
     assert (d["pg"], d["seq"], d["kind"], d["field"], d["ranks"]) == (_pg("size", source), 6, "size_mismatch",
                                                                       "count", [3])
-    assert d["pg_desc"] == ("size" if source != "gg" else "")
+    assert d["pg_desc"] == ("" if source.startswith("gg") else "size")
     assert d["expected"]["count"] == 1024 and d["actual"]["count"] == 512
     assert d["majority_ranks"] == [0, 1, 2]
 
@@ -65,6 +65,8 @@ def test_skipped_collective_is_the_hang_and_the_earlier_cause_is_named(cli, dump
     else:  # call sites show rank 2 one call ahead from #5, where it skipped sync_metrics
         assert "ahead" in hints and "#5" in hints and "later call #8" in hints
         assert ("sync_metrics" if source == "fr_pickle" else "contract_job.py:") in hints
+    if source == "gg_ring":  # read from the mmap rings the ranks left behind, not from any dump call
+        assert {i["format"] for i in doc["inputs"]} == {"gpuguard-ring"}
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -72,7 +74,7 @@ def test_clean_job_holds(cli, dumps, source):
     res, doc = _json(cli, dumps["clean"] / source)
     assert res.returncode == 0, res.stderr
     assert doc["holds"] is True and doc["first_divergence"] is None
-    assert {t["pg"] for t in doc["timelines"]} == set(PG[("clean", "gg" if source == "gg" else "fr")])
+    assert {t["pg"] for t in doc["timelines"]} == set(PG[("clean", "gg" if source.startswith("gg") else "fr")])
     assert all(t["sequences_checked"] > 0 for t in doc["timelines"])
     human = cli("gpu-doctor", "contract", str(dumps["clean"] / source))
     assert human.returncode == 0 and "contract holds" in human.stdout and "no divergence" in human.stdout

@@ -13,7 +13,8 @@ and after *enqueueing* each collective (async_op=True) it overwrites its snapsho
 gloo aborts writes nothing afterwards. The Flight Recorder buffer is per process, so each
 scenario's dump keeps that scenario's process groups only; `all/` keeps the whole buffer.
 
-Outputs under `--out`: <scenario>/{fr_pickle/rank_<r>, fr_json/rank_<r>.json, gg/rank_<r>.json},
+Outputs under `--out`: <scenario>/{fr_pickle/rank_<r>, fr_json/rank_<r>.json, gg/rank_<r>.json,
+gg_ring/rank_<r>.ring (CollectiveTrace's crash-surviving mmap ring: no snapshot needed)},
 all/fr_pickle/rank_<r>, done_<scenario>_<r>.
 """
 
@@ -57,7 +58,8 @@ class Recorder:
     def __init__(self, rank: int, world: int, out: str, scenario: str, groups: dict) -> None:
         self.rank, self.out, self.scenario, self.groups = rank, out, scenario, groups
         self.pg_names = {dist.distributed_c10d._get_process_group_name(g) for g in groups.values()}
-        self.trace = CollectiveTrace(rank, generation=0, world_size=world, job_id=f"contract-{scenario}")
+        self.trace = CollectiveTrace(rank, generation=0, world_size=world, job_id=f"contract-{scenario}",
+                                     persist=os.path.join(out, scenario, "gg_ring", f"rank_{rank}.ring"))
         self.seq: dict[str, int] = {}
 
     def snapshot(self, reason: str) -> None:
