@@ -6,7 +6,10 @@ pickles. This trace is the in-job runtime's record of every collective it issues
 call into a preallocated ring (no allocation growth, no locks, no torch import), so recording
 costs a few hundred nanoseconds. It is dumped on failure (`guard`), on a signal
 (`install_signal_dump`, chained with any previous handler) or on demand (`dump`), atomically
-(temp file + rename) so a reader never sees half a file. `gpu-doctor contract` reads the dumps.
+(temp file + rename) so a reader never sees half a file. With `persist=PATH` every record also
+goes into a fixed-size memory-mapped file that outlives the process: gloo answers a collective
+size mismatch with SIGABRT (no handler, no atexit), and the ring is still there afterwards.
+`gpu-doctor contract` reads the JSON dumps and the persisted rings alike.
 
 Dump schema `gpuguard.collective-trace/1`::
 
