@@ -112,7 +112,9 @@ def worker_main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
     world = int(os.environ["WORLD_SIZE"])
-    rt = InPlaceRuntime.from_env(job_dir, fault_hook=hook, layout=Layout(dp=world, global_batch=GLOBAL_BATCH),
+    tp = int(os.environ.get("INPLACE_TP", "1"))  # declares a TP layout (the model is not split): refusal tests
+    rt = InPlaceRuntime.from_env(job_dir, fault_hook=hook, layout=Layout(dp=world // tp, tp=tp,
+                                                                         global_batch=GLOBAL_BATCH),
                                  pg_timeout_s=float(os.environ.get("GPUGUARD_PG_TIMEOUT", "5")),
                                  grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")), checkpoint_every=0)
     model, opt = make_model()
