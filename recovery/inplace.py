@@ -425,6 +425,10 @@ class InPlaceRuntime(Runtime):
             inc = m.incarnation
             if inc.host == host and _process_state(inc.pid, inc.start_time) != "running":
                 return f"member rank {m.rank} (pid {inc.pid}) of generation {cert.generation} is gone or stopped"
+        if self._snapshotter is not None:
+            # a snapshot queued in the old generation is stamped with it (the writer reads the generation
+            # when it writes): let it finish, or be fenced, before the generation changes
+            self._snapshotter.flush(timeout=10.0)
         self.generation = cert.generation
         self.rank, self.world_size = mine[0].rank, len(cert.members)
         if cert.extra.get("layout"):
