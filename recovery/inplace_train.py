@@ -9,7 +9,7 @@ the oracle.
 
 Workers are plain processes (no torchrun): the launcher hosts the TCPStore used by the first,
 restart-path activation only; every in-place generation rendezvouses through a FileStore in the
-job dir. Faults: `INPLACE_FAULTS="<orig-rank>:<step>:<point>:<kill|stop>,..."`, points
+job dir. Faults: `INPLACE_FAULTS="<orig-rank>:<step>:<point>:<kill|stop|spin>,..."` (spin: a livelock), points
 `before_allreduce | before_update | before_commit` (step = the step), `reported | coordinate`
 (step = the generation being left) and `joining` (step = the generation being joined); the time of each fault is written to `<job>/faults/`.
 """
@@ -82,8 +82,8 @@ def parse_faults(text: str) -> list[tuple[int, int, str, str]]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         r, s, point, action = part.split(":")
-        if action not in ("kill", "stop"):
-            raise ValueError(f"fault action must be kill or stop, not {action!r}")
+        if action not in ("kill", "stop", "spin"):
+            raise ValueError(f"fault action must be kill, stop or spin, not {action!r}")
         out.append((int(r), int(s), point, action))
     return out
 
@@ -109,6 +109,9 @@ def worker_main() -> int:
                 (d / f"{orig}-{point}-{step}.json").write_text(json.dumps(
                     {"rank": orig, "pid": os.getpid(), "point": point, "step": step, "action": action,
                      "time": time.time()}))
+                if action == "spin":  # a livelock: alive, running, never reaching another collective
+                    while True:
+                        pass
                 os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
     world = int(os.environ["WORLD_SIZE"])

@@ -53,11 +53,13 @@ def _assert_oracle(results, survivors, steps, pids):
         assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(doc["params"], ref)), doc["params"]
 
 
-def test_mid_update_kill_then_a_member_dies_while_joining(tmp_path):
+def test_mid_update_kill_then_a_member_livelocks_while_joining(tmp_path):
     # rank 3 dies after its update of step 5, before committing it: ranks 0-2 had committed step 5,
-    # so they roll back to the frontier (4). Rank 2 then dies while joining generation 2: a clean generation 3.
+    # so they roll back to the frontier (4). Rank 2 then livelocks while joining generation 2 (running,
+    # never reporting): generation 2's group cannot form, its survivors report, the coordinator kills
+    # rank 2 after the grace period: a clean generation 3.
     steps = 12
-    job, codes, pids, logs, results = _run(tmp_path, "3:5:before_commit:kill,2:2:joining:kill", steps)
+    job, codes, pids, logs, results = _run(tmp_path, "3:5:before_commit:kill,2:2:joining:spin", steps)
     assert codes[3] == -9 and codes[2] == -9, logs
     assert codes[0] == 0 and codes[1] == 0, logs
     _assert_oracle(results, [0, 1], steps, pids)
@@ -68,6 +70,8 @@ def test_mid_update_kill_then_a_member_dies_while_joining(tmp_path):
     assert g2.extra["rolled_back"] and g2.extra["layout"]["dp"] == 3 and g2.extra["layout"]["global_batch"] == 12
     assert g2.quiescence == "proved" and any("gone" in e for e in g2.quiescence_evidence)
     assert g3.frontier.step == 4 and len(g3.members) == 2  # generation 2 committed nothing
+    assert g3.reason == "hang" and list(g3.extra["evicted"]["killed"]) == [2]
+    assert any("no report within 3 s, killed" in e for e in g3.quiescence_evidence)
     assert {m.incarnation.pid for m in g3.members} == {pids[0], pids[1]}
     assert set(g3.extra["phases"]) >= {"detect", "reported", "evicted", "frontier"}
 
