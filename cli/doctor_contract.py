@@ -80,8 +80,15 @@ def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
 
     bar = Progress(transient=True)
     task = bar.add_task("reading dumps", total=total)
-    bar.start()
-    return (lambda n: bar.advance(task, n)), bar.stop
+    started = []
+
+    def advance(n: int) -> None:
+        if not started:  # start the refresh thread only after the reader pool has forked
+            bar.start()
+            started.append(True)
+        bar.advance(task, n)
+
+    return advance, bar.stop
 
 
 def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files: int, out: Any) -> None:
