@@ -183,26 +183,28 @@ def _agent_fail_times(job: Path) -> list[float]:
 
 
 def _add_phases(job: Path, trials: list[Trial]) -> None:
-    """Split each gpuguard resume into detect / restart / start-up / activation / restore / first step."""
+    """Split each gpuguard resume into detect / restart / start-up / activation / restore / first step.
+
+    The generation that answered a kill is the first one certified after it (ledger activation
+    time); its rank-0 activation record has the in-process timestamps."""
+    from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+
     fails = _agent_fail_times(job)
+    history = open_ledger(job).history()
     for t in trials:
-        detect = next((f for f in fails if f >= t.kill_time - 0.01), None)
-        acts = []
-        for p in (job / "coord").glob("activation-g*.json"):
-            doc = json.loads(p.read_text())
-            if doc["phases"]["process_start"] > t.kill_time:
-                acts.append(doc)
-        if not acts or detect is None or t.resume_s is None:
+        cert = next((c for c in history if c.activation_time > t.kill_time), None)
+        detect = next((f for f in fails if f >= t.kill_time - 0.05), None)
+        path = job / "coord" / f"activation-g{cert.generation}.json" if cert is not None else None
+        if path is None or not path.exists() or detect is None or t.resume_s is None:
             continue
-        ph = min(acts, key=lambda d: d["phases"]["process_start"])["phases"]
-        first_step = t.kill_time + t.resume_s
+        ph = json.loads(path.read_text())["phases"]
         t.phases = {
-            "detect": detect - t.kill_time,                               # kill -> torchrun sees the exit
-            "abort_rendezvous": ph["process_start"] - detect,             # survivors stopped, re-rendezvous, spawn
-            "startup": ph["activate_called"] - ph["process_start"],       # import torch, build model/optimizer
-            "activation": ph["certificate"] - ph["activate_called"],      # attempt, hellos, frontier, certificate
-            "restore": ph["pg_ready"] - ph["certificate"],                # verify, DCP load, digest, gloo group
-            "first_step": first_step - ph["pg_ready"],
+            "detect": detect - t.kill_time,                              # kill -> torchrun logs the dead worker
+            "restart": ph["runtime_created"] - detect,                   # stop survivors, re-rendezvous, spawn, python
+            "startup": ph["activate_called"] - ph["runtime_created"],    # import torch, build model + optimizer
+            "activation": ph["certificate"] - ph["activate_called"],     # attempt, hellos, frontier, certificate (CAS)
+            "restore": ph["pg_ready"] - ph["certificate"],               # verify, DCP load + digest, gloo group
+            "first_step": t.kill_time + t.resume_s - ph["pg_ready"],     # first step committed by every rank
         }
 
 

@@ -162,7 +162,7 @@ def run_gpuguard(args: argparse.Namespace) -> int:
         if args.sleep:
             time.sleep(args.sleep)
     final = {"rank": rank, "step": args.steps, "hash": rt.state_hash(), "generation": rt.generation,
-             "loss": loss, "counters": vars(rt.counters), "step_times": rt.step_times}
+             "loss": loss, "counters": vars(rt.counters), "step_times": list(rt.step_times)}
     rt.close()
     _append(out / f"final-{rank}.jsonl", final)
     return 0

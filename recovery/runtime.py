@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -178,7 +179,7 @@ class Runtime:
         self._snapshotter: _Snapshotter | None = None
         self._steplog: Any = None
         self._step_t0: float | None = None
-        self.step_times: list[float] = []
+        self.step_times: deque[float] = deque(maxlen=4096)  # recent step durations (bounded)
         self._write_incarnation()
         self._snapshot_ledger: Any = None
         if self.rank == 0:  # the snapshot writer; every other rank keeps SIGTERM's default (instant) action
