@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import typer
 
@@ -47,6 +47,31 @@ def _emit_text(title: str, lines: list[str]) -> None:
             typer.echo(f"  {line}")
 
 
+def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
+    """How the generation came about: an in-place switch or a restart, its phases and layout."""
+    lines: list[str] = []
+    if extra.get("switch"):
+        lines.append(f"switch         {extra['switch']}")
+    phases = extra.get("phases")
+    if isinstance(phases, Mapping) and phases:
+        lines.append("phases         " + ", ".join(f"{k} {_seconds(v)}" for k, v in phases.items()))
+    layout, before = extra.get("layout"), extra.get("previous_layout")
+    if isinstance(layout, Mapping):
+        shown = _layout_text(layout)
+        if isinstance(before, Mapping):
+            shown = f"{_layout_text(before)} -> {shown}"
+        lines.append(f"layout         {shown}")
+    return lines
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f}s" if isinstance(value, (int, float)) else str(value)
+
+
+def _layout_text(layout: Mapping[str, Any]) -> str:
+    return " x ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp") if k in layout) or str(dict(layout))
+
+
 def _cert_lines(cert: Any) -> list[str]:
     f = cert.frontier
     lines = [
@@ -59,6 +84,7 @@ def _cert_lines(cert: Any) -> list[str]:
     if f.collective_seq:
         lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
     lines.append(f"ownership map  version {cert.ownership_map_version}")
+    lines += _switch_lines(cert.extra or {})
     forced = "  FORCED: quiescence of the old generation was not established" if cert.forced else ""
     lines.append(f"parent retired quiescence {cert.quiescence}{forced}")
     lines += [f"               - {e}" for e in cert.quiescence_evidence]
@@ -138,6 +164,7 @@ def history_cmd(
         "admitted": list(c.admitted), "frontier_step": c.frontier.step,
         "state_manifest_digest": c.frontier.state_manifest_digest, "quiescence": c.quiescence,
         "forced": c.forced, "activation_time": c.activation_time, "issued_by": c.issued_by,
+        "switch": (c.extra or {}).get("switch"),
     } for c in chain]
     stored = led.generations()
     beyond = sorted(n for n in stored if n > chain[-1].generation)
@@ -147,11 +174,13 @@ def history_cmd(
                    "fenced_commits": led.fenced_count(), "refusals": len(led.refusals())})
         return EXIT_OK
     typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
-    typer.echo(f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'members':>7}  {'step':>8}  quiescence  digest")
+    typer.echo(f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'members':>7}  {'step':>8}  "
+               "quiescence  digest")
     for c in chain:
         q = c.quiescence + (" FORCED" if c.forced else "")
-        typer.echo(f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {len(c.members):>7}  "
-                   f"{c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}")
+        switch = str((c.extra or {}).get("switch") or "-")
+        typer.echo(f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
+                   f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}")
     if beyond:
         typer.echo(f"warning: stored generation(s) {beyond} are not part of the verified chain: run `verify`")
     typer.echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")

@@ -240,3 +240,23 @@ def test_verify_and_show_never_import_torch(tmp_path, cli):
             "print('torch' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == "False", p
+
+
+def test_show_and_history_tell_an_in_place_switch_from_a_restart(tmp_path, cli):
+    jd = tmp_path / "job"
+    j(cli("gpu-generation", "init", "--job-dir", str(jd), "--json"))
+    led, cert = grow(jd, None, n=1)  # generation 1: a restart
+    mem = members(2)
+    switched = child(cert, mem, key=led.key, step=cert.frontier.step, extra={
+        "switch": "in-place", "phases": {"detect": 0.044, "certify": 0.051},
+        "layout": {"dp": 2, "tp": 1, "pp": 1}, "previous_layout": {"dp": 3, "tp": 1, "pp": 1}})
+    led.activate(switched)
+    show = cli("gpu-generation", "show", "--job-dir", str(jd))
+    assert show.returncode == 0, show.stderr
+    assert "switch         in-place" in show.stdout
+    assert "phases         certify 0.051s, detect 0.044s" in show.stdout  # canonical (sorted) order
+    assert "layout         dp=3 x tp=1 x pp=1 -> dp=2 x tp=1 x pp=1" in show.stdout
+    hist = j(cli("gpu-generation", "history", "--job-dir", str(jd), "--json"))
+    assert [g["switch"] for g in hist["generations"]] == [None, "restart", "in-place"]
+    text = cli("gpu-generation", "history", "--job-dir", str(jd)).stdout.splitlines()
+    assert " restart " in text[3] and " in-place " in text[4]
