@@ -232,6 +232,12 @@ def measure_overhead(steps: int, burn_s: float, work: Path) -> dict[str, float]:
         times = [r["time"] for r in read_jsonl(job / "demo-out" / "steps-0.jsonl")]
         deltas = [b - a for a, b in zip(times, times[1:])][5:]
         runs.setdefault(mode, []).append(statistics.median(deltas) if deltas else float("nan"))
+        if mode == "gpuguard":  # the runtime's own cost, independent of the machine's load
+            final = read_jsonl(job / "demo-out" / "final-0.jsonl")
+            if final:
+                c = final[-1]["counters"]
+                runs.setdefault("runtime_s_per_step", []).append(
+                    (c.get("commit_s", 0.0) + c.get("snapshot_cpu_s", 0.0)) / max(1, c.get("commits", 1)))
     return {mode: statistics.mean(values) for mode, values in runs.items()}
 
 
@@ -275,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                    "steps_lost_mean": statistics.mean(lost) if lost else None,
                    "overhead_fraction": (round(overhead, 4) if overhead is not None else None)
                    if method == "gpuguard" else 0.0}
+            if method == "gpuguard" and medians.get("runtime_s_per_step") is not None:
+                # commit() wall time + snapshot-writer CPU per step, over the plain step time
+                row["runtime_cost_fraction"] = round(medians["runtime_s_per_step"] / medians["plain"], 4)
             phased = [t.phases for t in ok if t.phases]
             if phased:
                 row["phases_p50_s"] = {k: round(statistics.median(ph[k] for ph in phased), 3) for k in phased[0]}

@@ -40,8 +40,8 @@ from gpuguard.errors import EXIT_REFUSED, GpuguardError, RefusedError, Unavailab
 from gpuguard.recovery import jobdir
 from gpuguard.recovery.activation import (Hello, check_hellos, choose_frontier, quiescence, reason)
 from gpuguard.recovery.attempt import Attempt, current_attempt
-from gpuguard.recovery.snapshot import (SnapshotInfo, clone_state, copy_to_checkpoint, load_snapshot, prune,
-                                        save_snapshot, select_restorable, state_digest)
+from gpuguard.recovery.snapshot import (Rejection, Selection, SnapshotInfo, clone_state, copy_to_checkpoint,
+                                        load_snapshot, prune, save_snapshot, select_restorable, state_digest)
 
 PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"
 SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"
@@ -79,6 +79,8 @@ class Counters:
     fenced_snapshots: int = 0
     snapshot_errors: int = 0
     skipped_snapshots: int = 0
+    commit_s: float = 0.0          # wall time spent in commit() (main thread)
+    snapshot_cpu_s: float = 0.0    # CPU time of the snapshot writer thread
 
 
 class _Snapshotter:
@@ -296,6 +298,10 @@ class Runtime:
             verdict = "ok"
         except (ActivationRefused, GpuguardError) as exc:
             state, verdict = None, str(exc)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            state, verdict = None, f"restore failed: {type(exc).__name__}: {_first_line(exc)}"
         ns.set(f"verdict/{self.rank}", verdict)
         phases["restored"] = time.time()
         for r in range(self.world_size):
@@ -393,6 +399,15 @@ class Runtime:
             if pin is not None:
                 bound = min(bound, pin)
             selection = select_restorable(self.job_dir, bound)
+            for _ in range(8):  # skip states a member already failed to load (bounded: no endless loop)
+                chosen = selection.chosen
+                if chosen is None or not _unrestorable(self.job_dir, chosen.manifest_digest):
+                    break
+                self._log(f"skipping step {chosen.step}: a member failed to load it before")
+                older = select_restorable(self.job_dir, chosen.step - 1)
+                selection = Selection(older.chosen, (
+                    *selection.rejected, Rejection(chosen.step, chosen.path, "unrestorable: a member failed to load it"),
+                    *(r for r in older.rejected if r.step < chosen.step)), bound)
             choice = choose_frontier(parent, committed, selection)
             q, evidence = quiescence(parent, hellos)
             members = [Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos]
@@ -446,8 +461,14 @@ class Runtime:
             if info is None or info.step != frontier.step:
                 why = "; ".join(f"step {r.step}: {r.reason}" for r in selection.rejected if r.step == frontier.step)
                 raise ActivationRefused(f"certified state of step {frontier.step} not found or does not verify ({why or 'missing'})")
-            loaded_digest = self._restore(info)
+            try:
+                loaded_digest = self._restore(info)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    _mark_unrestorable(self.job_dir, info, f"{type(exc).__name__}: {_first_line(exc)}")
+                raise
             if loaded_digest != info.state_digest:
+                _mark_unrestorable(self.job_dir, info, "loaded state digest differs from the snapshot's")
                 raise ActivationRefused(f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
                                         f"{str(info.state_digest)[:16]} (step {frontier.step})")
             restored_from = str(info.path)
@@ -511,6 +532,13 @@ class Runtime:
         """After the optimizer update of `step`: step record, commit record, snapshot every k."""
         if self.generation is None:
             raise RefusedError("commit() before activate()")
+        t0 = time.perf_counter()
+        try:
+            self._commit(step)
+        finally:
+            self.counters.commit_s += time.perf_counter() - t0
+
+    def _commit(self, step: int) -> None:
         if self._steplog is not None:
             self._steplog.end_step(step)
         if not self.ledger().record_commit(self.generation, step, self.rank, self.incarnation.id):
@@ -532,6 +560,13 @@ class Runtime:
         return active is not None and active.generation == self.generation
 
     def _write_snapshot(self, step: int, state: dict[str, Any]) -> None:
+        t0 = time.thread_time()
+        try:
+            self._write_snapshot_timed(step, state)
+        finally:
+            self.counters.snapshot_cpu_s += time.thread_time() - t0
+
+    def _write_snapshot_timed(self, step: int, state: dict[str, Any]) -> None:
         hook = self.fault_hook
         try:
             info = save_snapshot(self.job_dir, step, state, generation=int(self.generation or 0),
@@ -578,6 +613,31 @@ class Runtime:
 
     def _wait_json(self, ns: Any, key: str) -> dict[str, Any]:
         return json.loads(self._wait_raw(ns, key))
+
+
+def _first_line(exc: BaseException) -> str:
+    """DCP exceptions carry whole tracebacks: the last non-empty line says what went wrong."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
+def _unrestorable_path(job_dir: Path, manifest_digest: str | None) -> Path:
+    return jobdir.coord_dir(job_dir) / f"unrestorable-{str(manifest_digest)[:32]}.json"
+
+
+def _mark_unrestorable(job_dir: Path, info: SnapshotInfo, why: str) -> None:
+    """Remember that this exact state (manifest digest) could not be loaded, so the next
+    activation falls back to an older one instead of failing the same way forever."""
+    try:
+        jobdir.atomic_write_json(_unrestorable_path(job_dir, info.manifest_digest), {
+            "step": info.step, "path": str(info.path), "manifest_digest": info.manifest_digest,
+            "reason": why[:500], "time": time.time()})
+    except OSError:
+        pass
+
+
+def _unrestorable(job_dir: Path, manifest_digest: str | None) -> bool:
+    return _unrestorable_path(job_dir, manifest_digest).exists()
 
 
 def _read_restore_pin(job_dir: Path) -> int | None:

@@ -114,6 +114,9 @@ def test_certificates_verify_with_the_cli(killed_job, cli):
 
 
 def test_a_corrupted_snapshot_shard_is_rejected_and_the_previous_state_is_used(killed_job, reference):
+    """Step 16's shard is corrupted (the manifest catches it); step 15's DCP metadata is truncated
+    (the manifest does not cover it: the members fail to load it, refuse, and the next attempt
+    skips it). The job resumes from step 14, the newest state that verifies and loads."""
     from gpuguard.generation.ledger import open_ledger
 
     job, _ = killed_job
@@ -125,16 +128,21 @@ def test_a_corrupted_snapshot_shard_is_rejected_and_the_previous_state_is_used(k
     sel = select_restorable(job, STEPS)
     assert sel.chosen is not None and sel.chosen.step == STEPS - 1
     assert any(r.step == STEPS and "corrupt" in r.reason for r in sel.rejected)
+    meta = job / "snapshots" / f"step-{STEPS - 1}" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
 
     rc, out = launch(job, CONTINUE_TO)
     assert rc == 0, out[-4000:]
+    assert "refuses to start" in out and "restore failed" in out
     ledger = open_ledger(job)
-    cert = ledger.require_active()
-    assert cert.generation == 6
-    assert cert.frontier.step == STEPS - 1
-    assert any(f"step {STEPS}" in r and "corrupt" in r for r in cert.extra["rejected"])
+    refused, cert = ledger.get(6), ledger.require_active()
+    assert refused.frontier.step == STEPS - 1  # certified, then refused by its members: never ran
+    assert cert.generation == 7 and cert.frontier.step == STEPS - 2
+    assert any(f"step {STEPS}" in r and "corrupt" in r for r in refused.extra["rejected"])
+    assert any(f"step {STEPS - 1}" in r and "unrestorable" in r for r in cert.extra["rejected"])
+    assert not ledger.commits(6)[0]
     resume = records(job / "demo-out" / "resume-0.jsonl")[-1]
-    assert resume["hash"] == reference[STEPS - 1]
+    assert resume["hash"] == reference[STEPS - 2]
     finals = [records(job / "demo-out" / f"final-{rank}.jsonl")[-1] for rank in range(4)]
     assert {f["hash"] for f in finals} == {reference[CONTINUE_TO]}
 
