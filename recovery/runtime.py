@@ -184,6 +184,7 @@ class Runtime:
         self.step_times: deque[float] = deque(maxlen=4096)  # recent step durations (bounded)
         self._write_incarnation()
         self._snapshot_ledger: Any = None
+        self._frontier_step = -1
         if self.rank == 0:  # the snapshot writer; every other rank keeps SIGTERM's default (instant) action
             self._install_sigterm_flush()
 
@@ -311,6 +312,7 @@ class Runtime:
                                         if r != self.rank else other)
         assert state is not None
         self.generation = state.generation
+        self._frontier_step = state.frontier_step
         pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
         dist.init_process_group("gloo", store=pg_store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.pg_timeout_s))
@@ -583,7 +585,7 @@ class Runtime:
         self.counters.snapshots += 1
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             copy_to_checkpoint(self.job_dir, info)
-        prune(self.job_dir, self.keep_snapshots)
+        prune(self.job_dir, self.keep_snapshots, protect=frozenset({self._frontier_step}))
 
     def fault(self, point: str, step: int) -> None:
         """Call the test/demo fault hook at a named point of a step (no-op without one)."""

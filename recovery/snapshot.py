@@ -281,12 +281,17 @@ def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, 
     return state
 
 
-def prune(job_dir: str | Path, keep: int, kind: str = "snapshots") -> list[int]:
-    """Delete all but the newest `keep` step dirs of `kind` (and stale temp dirs); the removed steps."""
+def prune(job_dir: str | Path, keep: int, kind: str = "snapshots", protect: frozenset[int] = frozenset()) -> list[int]:
+    """Delete all but the newest `keep` step dirs of `kind` (and stale temp dirs); the removed steps.
+
+    `protect`: steps never deleted (the active generation's certified frontier, so that
+    `gpu-generation verify --deep` can always check it)."""
     parent = Path(job_dir) / kind
     steps = jobdir.step_dirs(parent)
     removed = []
     for step, path in steps[:-keep] if keep > 0 else steps:
+        if step in protect:
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(step)
     now = time.time()

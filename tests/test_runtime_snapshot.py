@@ -80,3 +80,8 @@ def test_replayed_step_replaces_and_prune_keeps_the_newest(job):
     assert ck.kind == "checkpoints"
     assert {(s.step, s.kind) for s in snap.list_snapshots(job)} == {(3, "snapshots"), (2, "snapshots"),
                                                                     (3, "checkpoints")}
+
+
+def test_prune_never_deletes_a_protected_frontier(job):
+    assert snap.prune(job, keep=1, protect=frozenset({1})) == [2]
+    assert sorted(s.step for s in snap.list_snapshots(job)) == [1, 3]
