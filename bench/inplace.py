@@ -114,6 +114,44 @@ def restart_baseline(trials: int, timeout: float) -> dict | None:
         return None
 
 
+def measure(trials: int, timeout: float, work: Path, log=lambda msg: None) -> dict:
+    """The `in-place` row: `trials` kills in place (3 per launch of 4 workers), job dirs under `work`.
+
+    Same shape as bench/recovery.py's rows (method, trials, recovered, resume p50/p90, steps lost,
+    overhead fraction, phases), plus steps redone and oracle violations."""
+    records: list[dict] = []
+    violations = launches = 0
+    costs: list[tuple[float, float]] = []
+    left, i = trials, 0
+    while left > 0:
+        kills = min(3, left)
+        spec, faults = plan(kills, i)
+        steps = KILL_EVERY * kills + 4
+        log(f"launch {i + 1}: {spec}")
+        res = measure_launch(work / f"job{i}", faults, spec, steps, timeout)
+        launches += 1
+        violations += 0 if res["oracle_ok"] else 1
+        records += res["trials"]
+        costs += res["costs"]
+        left -= kills
+        i += 1
+    ok = [t for t in records if t["recovered"]]
+    resumes = [t["resume_s"] for t in ok]
+    row = {"method": "in-place", "trials": len(records), "recovered": len(ok),
+           "resume_p50_s": pct(resumes, 0.5), "resume_p90_s": pct(resumes, 0.9),
+           "steps_lost_mean": statistics.mean(t["steps_lost"] for t in ok) if ok else None,
+           "overhead_fraction": (round(statistics.median(r for r, _ in costs) / statistics.median(t for _, t in costs), 4)
+                                 if costs else None),
+           "steps_redone_mean": statistics.mean(t["steps_redone"] for t in ok) if ok else None,
+           "oracle_violations": violations, "launches": launches}
+    if ok:
+        row["phases_p50_s"] = {k: round(statistics.median(t["phases"][k] for t in ok), 4) for k in ok[0]["phases"]}
+    if costs:
+        row["snapshot_s_per_commit"] = statistics.median(r for r, _ in costs)
+        row["step_s"] = statistics.median(t for _, t in costs)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
@@ -125,41 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
     work = Path(tempfile.mkdtemp(prefix="gpuguard-bench-inplace-"))
     t0 = time.monotonic()
-    trials: list[dict] = []
-    violations = launches = 0
-    costs: list[tuple[float, float]] = []
     notes: list[str] = []
     try:
-        left, i = args.trials, 0
-        while left > 0:
-            kills = min(3, left)
-            spec, faults = plan(kills, i)
-            steps = KILL_EVERY * kills + 4
-            log(f"launch {i + 1}: {spec}")
-            res = measure_launch(work / f"job{i}", faults, spec, steps, args.timeout)
-            launches += 1
-            violations += 0 if res["oracle_ok"] else 1
-            trials += res["trials"]
-            costs += res["costs"]
-            left -= kills
-            i += 1
+        row = measure(args.trials, args.timeout, work, log)
         base = restart_baseline(args.baseline_trials, 600) if args.baseline_trials else None
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             notes.append(f"job dirs kept in {work}")
-    ok = [t for t in trials if t["recovered"]]
-    resumes = [t["resume_s"] for t in ok]
-    row = {"method": "in-place", "trials": len(trials), "recovered": len(ok),
-           "resume_p50_s": pct(resumes, 0.5), "resume_p90_s": pct(resumes, 0.9),
-           "steps_lost_mean": statistics.mean(t["steps_lost"] for t in ok) if ok else None,
-           "overhead_fraction": (round(statistics.median(r for r, _ in costs) / statistics.median(t for _, t in costs), 4)
-                                 if costs else None),
-           "steps_redone_mean": statistics.mean(t["steps_redone"] for t in ok) if ok else None,
-           "oracle_violations": violations, "launches": launches}
-    if ok:
-        row["phases_p50_s"] = {k: round(statistics.median(t["phases"][k] for t in ok), 4) for k in ok[0]["phases"]}
     rows = [row]
     if base is not None:
         # its overhead run is cut to 5 steps here (not the figure to read): see bench/recovery.py for it
@@ -169,13 +181,19 @@ def main(argv: list[str] | None = None) -> int:
                          f"(median {row['resume_p50_s']:.3f} s vs {base['resume_p50_s']:.2f} s)")
     elif args.baseline_trials:
         notes.append("restart baseline (bench/recovery.py) did not produce a row")
-    if costs:
-        notes.append(f"overhead_fraction: the in-memory rollback snapshot (clone + digest of model and optimizer) "
-                     f"takes {statistics.median(r for r, _ in costs) * 1e3:.2f} ms per commit against a "
-                     f"{statistics.median(t for _, t in costs) * 1e3:.1f} ms step (20 ms stand-in compute, tiny model)")
+    notes += overhead_notes(row)
     notes.append(f"{WORKERS} gloo workers per launch; wall time {time.monotonic() - t0:.0f} s")
     emit("inplace", rows, args.json, notes)
     return 0
+
+
+def overhead_notes(row: dict) -> list[str]:
+    """What the in-place row's overhead_fraction measures (shared with bench/recovery.py)."""
+    if row.get("snapshot_s_per_commit") is None:
+        return []
+    return [f"in-place overhead_fraction: the in-memory rollback snapshot (clone + digest of model and optimizer) "
+            f"takes {row['snapshot_s_per_commit'] * 1e3:.2f} ms per commit against a "
+            f"{row['step_s'] * 1e3:.1f} ms step (20 ms stand-in compute, tiny model)"]
 
 
 if __name__ == "__main__":

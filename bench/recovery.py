@@ -9,7 +9,9 @@ all-reduce, one kill every 6 steps):
 - `torchrun-default`: the seed recipe (`plain` mode: env:// gloo group, rank 0 checkpoints every 5
   steps, resume from it) under torch's defaults (the shared store);
 - `torchrun-noshare`: the same with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`;
-- `gpuguard`: the runtime (per-attempt group namespaces, certified activation, snapshot every step).
+- `gpuguard`: the runtime (per-attempt group namespaces, certified activation, snapshot every step);
+- `in-place`: the survivors switch generation in place, no restart (`bench/inplace.py`'s measurement:
+  its own float64 job of 4 plain gloo workers, kills cycling through the step; oracle checked).
 
 Per kill: recovered = every rank finished a step after the kill within `--resume-timeout` s (a
 hung restart otherwise waits 30 min); resume = kill -> first step finished by all ranks; steps
@@ -36,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+import inplace as inplace_bench  # noqa: E402  (bench/inplace.py)
 
 from gpuguard.recovery import demo  # noqa: E402
 
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a kill not followed by a step on every rank within this is not recovered")
     p.add_argument("--overhead-steps", type=int, default=60, help="0: skip the overhead runs")
     p.add_argument("--burn", type=float, default=0.1, help="stand-in compute per step for the overhead run")
-    p.add_argument("--methods", default="gpuguard,torchrun-noshare,torchrun-default")
+    p.add_argument("--methods", default="gpuguard,torchrun-noshare,torchrun-default,in-place")
     p.add_argument("--keep", action="store_true", help="keep the job dirs")
     args = p.parse_args(argv)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -265,13 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     notes = []
     try:
-        medians = measure_overhead(args.overhead_steps, args.burn, work) if args.overhead_steps > 0 else {}
+        methods = args.methods.split(",")
+        unknown = set(methods) - {"gpuguard", "torchrun-noshare", "torchrun-default", "in-place"}
+        if unknown:
+            p.error(f"unknown method(s): {', '.join(sorted(unknown))}")
+        # the overhead runs only feed the gpuguard row
+        medians = (measure_overhead(args.overhead_steps, args.burn, work)
+                   if args.overhead_steps > 0 and "gpuguard" in methods else {})
         overhead = medians["gpuguard"] / medians["plain"] - 1 if medians else None
         if medians:
             log(f"step time: plain {medians['plain'] * 1e3:.1f} ms, gpuguard {medians['gpuguard'] * 1e3:.1f} ms "
                 f"-> overhead {overhead * 100:+.1f} %")
-        for method in args.methods.split(","):
+        for method in methods:
             log(f"{method}: {args.trials} kills")
+            if method == "in-place":
+                row = inplace_bench.measure(args.trials, 120.0, work / "in-place", log)
+                notes += inplace_bench.overhead_notes(row)
+                rows.append(row)
+                continue
             trials = run_series(method, args.trials, args.resume_timeout, work, log)
             ok = [t for t in trials if t.recovered]
             resumes = [t.resume_s for t in ok if t.resume_s is not None]
