@@ -19,6 +19,7 @@ dir records it (and the kill time, for the benchmark).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -97,8 +98,11 @@ def burn(seconds: float) -> None:
         a = torch.tanh(a @ a * 1e-3)
 
 
-def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0) -> float:
-    """One data-parallel step with the fault points in their places."""
+def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0,
+               collective=None) -> float:
+    """One data-parallel step with the fault points in their places.
+
+    `collective(op, nbytes)` (the runtime's) marks the all-reduce in the step records."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -110,7 +114,9 @@ def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: floa
     loss.backward()
     fault("before-allreduce", step)
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    dist.all_reduce(flat)
+    with (collective("all_reduce", flat.numel() * flat.element_size()) if collective
+          else contextlib.nullcontext()):
+        dist.all_reduce(flat)
     flat /= world
     fault("after-allreduce", step)
     offset = 0
@@ -151,7 +157,7 @@ def run_gpuguard(args: argparse.Namespace) -> int:
         "phases": state.phases})
     loss = float("nan")
     for step in rt.steps(state, until=args.steps):
-        loss = train_step(model, opt, step, rank, rt.world_size, faults, args.burn)
+        loss = train_step(model, opt, step, rank, rt.world_size, faults, args.burn, collective=rt.collective)
         rt.commit(step)
         if args.hashes and rank == 0:
             _append(out / "hashes.jsonl", {"step": step, "hash": state_digest(rt.state_dict())})

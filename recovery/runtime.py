@@ -23,6 +23,7 @@ Why each piece (measured on torch 2.13 + gloo, see the findings reference):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -180,6 +181,7 @@ class Runtime:
         self._objects: dict[str, Any] = {}
         self._snapshotter: _Snapshotter | None = None
         self._steplog: Any = None
+        self._collective_seq = 0
         self._step_t0: float | None = None
         self.step_times: deque[float] = deque(maxlen=4096)  # recent step durations (bounded)
         self._write_incarnation()
@@ -529,6 +531,18 @@ class Runtime:
                 self._steplog.begin_step(step)
             yield step
             step += 1
+
+    def collective(self, op: str = "all_reduce", nbytes: int = 0) -> Any:
+        """`with rt.collective("all_reduce", t.nbytes): dist.all_reduce(t)`.
+
+        Marks this rank as *waiting in collective N* in its step records, separately from its own
+        compute time, so `gpu-doctor diagnose job` can name the rank that never arrived instead of
+        calling every waiting rank hung. Sequence numbers restart with each generation's processes.
+        """
+        self._collective_seq += 1
+        if self._steplog is None:
+            return contextlib.nullcontext()
+        return self._steplog.collective(self._collective_seq, op, nbytes)
 
     def commit(self, step: int) -> None:
         """After the optimizer update of `step`: step record, commit record, snapshot every k."""

@@ -93,6 +93,20 @@ def test_every_kill_point_resumes_at_the_certified_frontier_with_the_reference_s
     assert {f["hash"] for f in finals} == {reference[STEPS]}
 
 
+def test_step_records_separate_collective_wait_from_compute(killed_job):
+    """The runtime marks the all-reduce, so the vote can name the rank that never arrived."""
+    from gpuguard.collectors.steps import read_job
+
+    job, _ = killed_job
+    ranks = read_job(job).ranks
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for series in ranks.values():
+        assert series.steps, f"rank {series.rank} wrote no step records"
+        # every finished step carries the bytes of its all-reduce (the demo model's gradients)
+        assert all(s.nbytes > 0 for s in series.steps), series.steps[-3:]
+        assert series.steps[-1].step == STEPS
+
+
 def test_a_kill_during_the_snapshot_never_publishes_a_partial_one(killed_job):
     from gpuguard.generation.ledger import open_ledger
 
