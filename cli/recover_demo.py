@@ -1,12 +1,16 @@
-"""`gpu-recover demo`: kill a worker of a real torchrun job mid optimizer step; watch gpuguard bring it back."""
+"""`gpu-recover demo`: kill a worker of a real torchrun job mid optimizer step; watch gpuguard bring it back.
+
+`--scenario node-loss`: lose a whole node of a 3-agent torchrun job; the survivors switch in place."""
 
 from __future__ import annotations
 
 import re
 import tempfile
 import time
+from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -27,6 +31,75 @@ def _progress(line: str) -> str | None:
     return None
 
 
+class Scenario(str, Enum):
+    restart = "restart"
+    node_loss = "node-loss"
+
+
+@contextmanager
+def _spinner(out, as_json: bool) -> Iterator[None]:
+    """A status spinner while the job runs, on a terminal only."""
+    if not stdout_is_terminal() or as_json:
+        yield
+        return
+    with out.status("running the job..."):
+        yield
+
+
+def _show_and_verify(out, job: Path, as_json: bool) -> int:
+    """Print `gpu-generation show` + `verify` of the job (not with --json); verify's exit code."""
+    from gpuguard.recovery import demo as d  # noqa: PLC0415
+
+    show_rc, show_text = d.gpu_generation("show", "--job-dir", str(job))
+    ver_rc, ver_text = d.gpu_generation("verify", "--job-dir", str(job))
+    if "No such command" in show_text + ver_text:  # gpu-generation show/verify not installed yet
+        ver_rc, ver_text = d.ledger_summary(job)
+        show_text = ""
+    if not as_json:
+        if show_text:
+            out.print("\n$ gpu-generation show --job-dir " + str(job), markup=False, soft_wrap=True)
+            out.print(show_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        out.print("\n$ gpu-generation verify --job-dir " + str(job), markup=False, soft_wrap=True)
+        out.print(ver_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
+    return ver_rc
+
+
+def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+    from gpuguard.recovery import demo_node_loss as nl  # noqa: PLC0415
+
+    out = console(stderr=as_json)
+    out.print(f"[bold]gpuguard demo[/] (node loss): {nl.LAUNCHER}; job dir {job}")
+    out.print(f"  the node running rank 0 (agent + worker) will be SIGKILLed once step {kill_step} is committed")
+    t0 = time.monotonic()
+
+    def on_event(text: str) -> None:
+        out.print(f"  {time.monotonic() - t0:6.1f}s  {text}", markup=False, highlight=False, soft_wrap=True)
+
+    with _spinner(out, as_json):
+        res = nl.run_node_loss(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event)
+    if res.resume_s is not None and not as_json:
+        out.print(f"\nin place: the survivors committed their first step of generation 2 "
+                  f"{res.resume_s:.2f} s after the kill; no process restarted")
+    ver_rc = _show_and_verify(out, job, as_json)
+    return _finish(out, as_json, t0, "node loss survived in place, certified", {
+        "scenario": "node-loss", "launcher": res.launcher, "job_dir": str(job), "recovered": res.recovered,
+        "kill": res.kill, "generations": res.generations, "switch": res.switch, "reason": res.reason,
+        "frontier": res.frontier, "resume_s": res.resume_s, "survivors": res.survivors,
+        "pids_unchanged": res.pids_unchanged, "matches_reference": res.matches_reference,
+        "agents_restarted_nothing": res.agents_restarted_nothing, "verify_rc": ver_rc,
+        "ok": res.recovered and ver_rc == 0})
+
+
+def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:
+    """The last word: the gpuguard.demo/1 document, or one line; exit 0 when the demo's `ok`."""
+    if as_json:
+        emit_json({"schema": "gpuguard.demo/1", **doc})
+    else:
+        out.print(f"\n{f'[green]{success}[/]' if doc['ok'] else '[red]demo failed[/]'} "
+                  f"in {time.monotonic() - t0:.0f} s; job dir kept: {doc['job_dir']}")
+    return 0 if doc["ok"] else 1
+
+
 def register(*, app: typer.Typer) -> None:
     """Add the `demo` command to the gpu-recover app."""
 
@@ -35,11 +108,18 @@ def register(*, app: typer.Typer) -> None:
         job_dir: Optional[Path] = typer.Option(None, "--job-dir", help="Where the job lives (default: a new temp dir)."),
         workers: int = typer.Option(4, "--workers", min=2, max=8, help="gloo workers."),
         steps: int = typer.Option(14, "--steps", min=4, help="Training steps."),
-        kill_step: int = typer.Option(6, "--kill-step", min=2, help="Step at which rank 2 is SIGKILLed."),
+        kill_step: int = typer.Option(6, "--kill-step", min=2, help="Step at which rank 2 is SIGKILLed (node-loss: the node goes once this step is committed)."),
         timeout: float = typer.Option(180.0, "--timeout", help="Give up after this many seconds."),
         as_json: bool = typer.Option(False, "--json", help="One gpuguard.demo/1 document."),
+        scenario: Scenario = typer.Option(
+            Scenario.restart, "--scenario",
+            help="restart: a worker SIGKILLed, certified restart. node-loss: 3 torchrun agents, one node (agent + "
+                 "worker) SIGKILLed, the survivors switch generation in place (--workers is ignored; --kill-step: "
+                 "kill once that step is committed)."),
     ) -> int:
-        """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate."""
+        """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
+
+        With --scenario node-loss: lose a whole node; the survivors continue in place, no restart."""
         from gpuguard.recovery import demo as d  # noqa: PLC0415
 
         if kill_step >= steps:
@@ -52,6 +132,8 @@ def register(*, app: typer.Typer) -> None:
 
             raise UsageError(f"{job} is not empty: pick a new --job-dir")
         job.mkdir(parents=True, exist_ok=True)
+        if scenario is Scenario.node_loss:
+            return _node_loss(job, steps, kill_step, timeout, as_json)
         out = console(stderr=as_json)
         victim = min(2, workers - 1)
         argv = d.torchrun_argv(job, workers=workers, steps=steps, kills=[f"{victim}:{kill_step}:mid-update"],
@@ -66,15 +148,9 @@ def register(*, app: typer.Typer) -> None:
             if text:
                 out.print(f"  {time.monotonic() - t0:6.1f}s  {text}", markup=False, highlight=False, soft_wrap=True)
 
-        status = out.status("running the job...") if stdout_is_terminal() and not as_json else None
-        if status is not None:
-            status.start()
-        try:
+        with _spinner(out, as_json):
             rc = d.run_job(argv, env=d.worker_env(), timeout_s=timeout, on_line=on_line,
                            log_path=job / "torchrun.log")
-        finally:
-            if status is not None:
-                status.stop()
         res = d.summarize(job)
         res.returncode = rc
         recovered = rc == 0 and len(res.generations) >= 2 and res.final_hashes_equal
@@ -86,25 +162,9 @@ def register(*, app: typer.Typer) -> None:
             out.print(f"resumed at step {res.resumed_at} from the certified frontier (step {res.frontier}){took}; "
                       f"generations {res.generations}")
         out.print(f"every rank ended with the same state digest: {'yes' if res.final_hashes_equal else 'NO'}")
-        show_rc, show_text = d.gpu_generation("show", "--job-dir", str(job))
-        ver_rc, ver_text = d.gpu_generation("verify", "--job-dir", str(job))
-        if "No such command" in show_text + ver_text:  # gpu-generation show/verify not installed yet
-            ver_rc, ver_text = d.ledger_summary(job)
-            show_text = ""
-        res.verify_rc = ver_rc
-        if not as_json:
-            if show_text:
-                out.print("\n$ gpu-generation show --job-dir " + str(job), markup=False, soft_wrap=True)
-                out.print(show_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
-            out.print("\n$ gpu-generation verify --job-dir " + str(job), markup=False, soft_wrap=True)
-            out.print(ver_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
-        ok = recovered and ver_rc == 0
-        if as_json:
-            emit_json({"schema": "gpuguard.demo/1", "job_dir": str(job), "returncode": rc, "recovered": recovered,
-                       "generations": res.generations, "kill": res.kill, "resumed_at": res.resumed_at,
-                       "frontier": res.frontier, "resume_s": res.resume_s,
-                       "final_hashes_equal": res.final_hashes_equal, "verify_rc": ver_rc, "ok": ok})
-        else:
-            out.print(f"\n{'[green]recovered and certified[/]' if ok else '[red]demo failed[/]'} "
-                      f"in {time.monotonic() - t0:.0f} s; job dir kept: {job}")
-        return 0 if ok else 1
+        res.verify_rc = ver_rc = _show_and_verify(out, job, as_json)
+        return _finish(out, as_json, t0, "recovered and certified", {
+            "scenario": "restart", "job_dir": str(job), "returncode": rc, "recovered": recovered,
+            "generations": res.generations, "kill": res.kill, "resumed_at": res.resumed_at,
+            "frontier": res.frontier, "resume_s": res.resume_s,
+            "final_hashes_equal": res.final_hashes_equal, "verify_rc": ver_rc, "ok": recovered and ver_rc == 0})
