@@ -72,7 +72,7 @@ def _layout_text(layout: Mapping[str, Any]) -> str:
     return " x ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp") if k in layout) or str(dict(layout))
 
 
-def _cert_lines(cert: Any) -> list[str]:
+def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
     f = cert.frontier
     lines = [
         f"job            {cert.job_id}",
@@ -90,9 +90,14 @@ def _cert_lines(cert: Any) -> list[str]:
     lines += [f"               - {e}" for e in cert.quiescence_evidence]
     lines.append(f"members        {len(cert.members)}")
     admitted = set(cert.admitted)
+    parent_rank = {p.incarnation.id: p.rank for p in parent.members} if parent is not None else {}
     for m in cert.members:
         i = m.incarnation
-        tag = "  (new incarnation, admitted)" if m.rank in admitted else ""
+        tag = ""
+        if i.id in parent_rank and parent_rank[i.id] != m.rank:
+            tag = f"  (same incarnation, renumbered from rank {parent_rank[i.id]})"
+        elif m.rank in admitted:
+            tag = "  (new incarnation, admitted)"
         gpu = f" gpu {i.gpu_uuid}" if i.gpu_uuid else ""
         lines.append(f"  rank {m.rank:<4} {i.id[:12]} {i.host} pid {i.pid}{gpu}{tag}")
     lines.append(f"digest         {cert.digest()}")
@@ -138,7 +143,8 @@ def show_cmd(
         emit_json({"schema": CERT_SCHEMA, "ledger": led.url, "active": True, "digest": cert.digest(),
                    "signature_checked": led.key is not None, "certificate": cert.to_dict()})
     else:
-        lines = _cert_lines(cert)
+        parent = led.get(cert.parent_generation) if cert.parent_generation is not None else None
+        lines = _cert_lines(cert, parent)
         if led.key is None:
             lines.append("warning: no signing key in the job directory: signatures were not checked")
         _emit_text(f"active generation {cert.generation} — {led.url}", lines)

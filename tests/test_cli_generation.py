@@ -246,8 +246,8 @@ def test_show_and_history_tell_an_in_place_switch_from_a_restart(tmp_path, cli):
     jd = tmp_path / "job"
     j(cli("gpu-generation", "init", "--job-dir", str(jd), "--json"))
     led, cert = grow(jd, None, n=1)  # generation 1: a restart
-    mem = members(2)
-    switched = child(cert, mem, key=led.key, step=cert.frontier.step, extra={
+    survivor = cert.members[1]  # rank 0's node is lost: rank 1 carries on, renumbered to rank 0
+    switched = child(cert, (Member(0, survivor.incarnation),), key=led.key, step=cert.frontier.step, extra={
         "switch": "in-place", "phases": {"detect": 0.044, "certify": 0.051},
         "layout": {"dp": 2, "tp": 1, "pp": 1}, "previous_layout": {"dp": 3, "tp": 1, "pp": 1}})
     led.activate(switched)
@@ -256,6 +256,8 @@ def test_show_and_history_tell_an_in_place_switch_from_a_restart(tmp_path, cli):
     assert "switch         in-place" in show.stdout
     assert "phases         certify 0.051s, detect 0.044s" in show.stdout  # canonical (sorted) order
     assert "layout         dp=3 x tp=1 x pp=1 -> dp=2 x tp=1 x pp=1" in show.stdout
+    assert "(same incarnation, renumbered from rank 1)" in show.stdout
+    assert "new incarnation" not in show.stdout
     hist = j(cli("gpu-generation", "history", "--job-dir", str(jd), "--json"))
     assert [g["switch"] for g in hist["generations"]] == [None, "restart", "in-place"]
     text = cli("gpu-generation", "history", "--job-dir", str(jd)).stdout.splitlines()
