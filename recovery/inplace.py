@@ -149,21 +149,8 @@ class InPlaceRuntime(Runtime):
             self._local.popitem(last=False)
 
     def _load_local(self, step: int) -> str:
-        import torch  # noqa: PLC0415
-        from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
-
-        loaded = clone_state(self._local[step][0])  # a fresh copy: the optimizer may alias what it loads
-        model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
-        if opt is not None:
-            set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        else:
-            model.load_state_dict(loaded["model"])
-        if sched is not None and "sched" in loaded:
-            sched.load_state_dict(loaded["sched"])
-        torch.set_rng_state(loaded["rng"]["torch"])
-        for k, v in (loaded.get("extra") or {}).items():
-            if k in self._objects["extra"] and hasattr(self._objects["extra"][k], "copy_"):
-                self._objects["extra"][k].copy_(v)
+        # a fresh copy: the optimizer may alias what it loads
+        self._apply_state(clone_state(self._local[step][0]))
         return self.replicated_digest()
 
     # ------------------------------------------------------------------ activation and commits

@@ -499,10 +499,14 @@ class Runtime:
         return state
 
     def _restore(self, info: SnapshotInfo) -> str:
+        self._apply_state(load_snapshot(info, self.state_dict()))
+        return state_digest(self.state_dict())
+
+    def _apply_state(self, loaded: Mapping[str, Any]) -> None:
+        """Put a loaded state (model, optimizer, scheduler, RNG, extra) into the live objects."""
         import torch  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
 
-        loaded = load_snapshot(info, self.state_dict())
         model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
         if opt is not None:
             set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
@@ -515,7 +519,6 @@ class Runtime:
         for k, v in (loaded.get("extra") or {}).items():
             if k in extra and hasattr(extra[k], "copy_"):
                 extra[k].copy_(v)
-        return state_digest(self.state_dict())
 
     def state_hash(self) -> str:
         """The digest of this rank's current state (what snapshots and the certificate bind)."""
