@@ -231,6 +231,17 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
 
+    # A culprit named by the previous check that is now dead stays the cause: ranks that die after it
+    # without evidence of their own are its collateral (torchrun tearing the group down), even when the
+    # culprit had already entered the collective it stalled and so no longer looks "missing".
+    sticky = {r for r in (previous.culprits if previous else ()) if prelim.get(r, (None,))[0] == DEAD}
+    for o in obs:
+        if o.rank in sticky:
+            blocked.pop(o.rank, None)
+            culprits.add(o.rank)
+        elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank):
+            blocked[o.rank] = tuple(sorted(sticky))
+
     victims = _victims(obs, prelim)
     verdicts = []
     for o in obs:

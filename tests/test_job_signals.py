@@ -32,10 +32,11 @@ def check(job_dir: Path, previous=None):
     return vote(obs, CFG, previous)
 
 
-def wait_for(job_dir: Path, predicate, timeout: float, every: float = 0.1, forbid=None):
-    """Poll the vote until predicate(job) holds; `forbid(job)` returning a message fails at once."""
+def wait_for(job_dir: Path, predicate, timeout: float, every: float = 0.1, forbid=None, previous=None):
+    """Poll the vote until predicate(job) holds; `forbid(job)` returning a message fails at once.
+    `previous`: the last check's verdict, as a watcher carries it from one check to the next."""
     deadline = time.monotonic() + timeout
-    job = None
+    job = previous
     seen = []
     while time.monotonic() < deadline:
         job = check(job_dir, job)
@@ -78,6 +79,16 @@ def job(tmp_path_factory):
             pass
         proc.wait(timeout=30)
         log.close()
+
+
+def process_alive(pid: int) -> bool:
+    """True while the OS still runs `pid` (a zombie has exited: only its parent's reap is left)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def pids(job_dir: Path) -> dict[int, int]:
@@ -125,7 +136,7 @@ def test_held_sigstop_is_hung_and_names_the_stopped_rank_then_sigkill_is_dead(jo
         t0 = time.monotonic()
         hung, _ = wait_for(job, lambda j: j.by_rank()[3].verdict == "hung", timeout=45, forbid=never_dead)
         took = time.monotonic() - t0
-        assert hung.culprits == (3,)
+        assert hung.culprits == (3,), [hung.by_rank()[r] for r in hung.culprits]
         for r in (0, 1, 2):
             assert hung.by_rank()[r].verdict == "healthy" and hung.by_rank()[r].blocked_by == (3,), hung
         assert hung.exit_code == 2
@@ -143,11 +154,17 @@ def test_held_sigstop_is_hung_and_names_the_stopped_rank_then_sigkill_is_dead(jo
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # SIGKILL is asynchronous: the kernel still has to run the exit. "The next check" is the
+    # first one after the OS shows the process gone (or a zombie awaiting its agent's reap).
+    gone_by = time.monotonic() + 10
+    while time.monotonic() < gone_by and process_alive(pid):
+        time.sleep(0.01)
     dead = check(job, hung)
     assert dead.by_rank()[3].verdict == "dead", dead.by_rank()[3]
     assert 3 in dead.culprits
     # torchrun then tears the survivors down: they are dead too, but as collateral, not culprits
-    after, _ = wait_for(job, lambda j: all(r.verdict == "dead" for r in j.ranks), timeout=30, every=0.2)
+    after, _ = wait_for(job, lambda j: all(r.verdict == "dead" for r in j.ranks), timeout=30, every=0.2,
+                        previous=dead)
     assert after.culprits == (3,)
     for r in (0, 1, 2):
         assert "collateral" in after.by_rank()[r].reason and not after.by_rank()[r].culprit

@@ -304,3 +304,23 @@ def test_idle_together_at_the_pause_boundary_is_not_slow() -> None:
     # one rank idle while the others progress is paused
     obs = [ob(0, BETWEEN, 2.5, p999=0.01), ob(1, BETWEEN, 0.01, p999=0.01), ob(2, COMPUTING, 0.02, p999=0.01)]
     assert verdicts(vote(obs, CFG))[0] == "slow"
+
+
+def test_a_named_culprit_that_dies_stays_the_cause_of_later_silent_deaths() -> None:
+    """Rank 1 was stopped inside the collective (named hung), then SIGKILLed; torchrun's SIGTERM then
+    takes the others down before they report anything. Nothing in the final picture tells the
+    culprit apart (all four died silently inside the same collective) except the previous check."""
+    stopped = ProcessState("stopped", "pid 9 status stopped")
+    before = vote([ob(r, COLLECTIVE, 30.0) for r in (0, 2, 3)] + [ob(1, COLLECTIVE, 30.0, alive=stopped)], CFG)
+    assert before.culprits == (1,)
+    gone = ProcessState("gone", "gone")
+    all_dead = [ob(r, COLLECTIVE, 31.0, alive=gone) for r in range(4)]
+    without_memory = vote(all_dead, CFG)
+    assert set(verdicts(without_memory).values()) == {"dead"}
+    assert without_memory.culprits == (0, 1, 2, 3)  # the picture alone cannot tell them apart
+    job = vote(all_dead, CFG, previous=before)
+    assert set(verdicts(job).values()) == {"dead"}
+    assert job.culprits == (1,)
+    assert all("collateral" in job.by_rank()[r].reason for r in (0, 2, 3))
+    # and it carries on from check to check
+    assert vote(all_dead, CFG, previous=job).culprits == (1,)
