@@ -164,7 +164,7 @@ def bench_torchfrtrace(root: Path, world: int, n: int, bad_seq: int, culprit: in
 
 
 def bench_record(calls: int = 1_000_000, persist: str | None = None) -> dict:
-    from gpuguard.recovery.collective_trace import CollectiveTrace
+    from gpuguard.foundation.collective_trace import CollectiveTrace
 
     t = CollectiveTrace(rank=0, generation=0, capacity=2000, persist=persist)
     rec = t.record

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.diagnostics.jobmodel import COLLECTIVE, COMPUTING, ProcessState, RankObservation  # noqa: E402
+from gpuguard.foundation.observations import COLLECTIVE, COMPUTING, ProcessState, RankObservation  # noqa: E402
 from gpuguard.diagnostics.jobstats import quantile  # noqa: E402
 from gpuguard.diagnostics.vote import load_config, vote  # noqa: E402
 from gpuguard.diagnostics.voters import Cohort, cohort_speed, confirm_window_s  # noqa: E402

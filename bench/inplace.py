@@ -2,7 +2,7 @@
 
     python bench/inplace.py [--json] [--trials N] [--baseline-trials N]
 
-The job is `gpuguard.recovery.inplace_train` (4 plain gloo workers on loopback, float64 linear model,
+The job is `gpuguard.examples.inplace_train` (4 plain gloo workers on loopback, float64 linear model,
 fixed global batch). Each launch takes up to 3 kills (4 -> 3 -> 2 -> 1 workers), one every
 `KILL_EVERY` steps, cycling the kill point through the step (before the all-reduce, before the
 update, before the commit: the mid-update case). Per kill:
@@ -34,7 +34,7 @@ from _common import emit  # noqa: E402
 
 from gpuguard.generation.ledger import open_ledger  # noqa: E402
 from gpuguard.recovery.inplace import inplace_dir  # noqa: E402
-from gpuguard.recovery.inplace_train import Cluster, reference  # noqa: E402
+from gpuguard.examples.inplace_train import Cluster, reference  # noqa: E402
 
 WORKERS = 4
 KILL_EVERY = 6

@@ -162,7 +162,7 @@ def main() -> None:
              "xid_lines": xid_events, "events": doc["summary"]["events"], "exit_code": d_rc},
         ]
         # In-process, without interpreter start-up and JSON output.
-        from gpuguard.diagnostics.logscan import LogScan
+        from gpuguard.collectors.logscan import LogScan
 
         for accelerated, limit in ((True, size), (False, min(size, 32 << 20))):
             with open(path, "rb") as fh:

@@ -2,7 +2,7 @@
 
     python bench/recovery.py [--json] [--trials N] [--overhead-steps N]
 
-Same job for every method (`gpuguard.recovery.demo_train`: 4 gloo workers, a small MLP, a
+Same job for every method (`gpuguard.examples.demo_train`: 4 gloo workers, a small MLP, a
 deterministic data-parallel step), killed N times (rank 1-3 in turn, right after a gradient
 all-reduce, one kill every 6 steps):
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 import inplace as inplace_bench  # noqa: E402  (bench/inplace.py)
 
-from gpuguard.recovery import demo  # noqa: E402
+from gpuguard.examples import demo  # noqa: E402
 
 WORKERS = 4
 KILL_EVERY = 6
@@ -137,7 +137,7 @@ def run_series(method: str, n: int, resume_timeout: float, work: Path, log) -> l
 
 def _watch_one(method: str, job: Path, proc: subprocess.Popen, rank: int, step: int,
                resume_timeout: float) -> Trial | None:
-    from gpuguard.recovery.demo_train import kill_marker  # noqa: PLC0415
+    from gpuguard.examples.demo_train import kill_marker  # noqa: PLC0415
 
     marker = kill_marker(job, rank, step, "after-allreduce")
     deadline = time.monotonic() + 180  # reaching the kill: start-up under load

@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.collectors.steps import read_job  # noqa: E402
-from gpuguard.recovery.steplog import StepLog  # noqa: E402
+from gpuguard.collectors.step_records import read_job  # noqa: E402
+from gpuguard.foundation.steplog import StepLog  # noqa: E402
 
 
 def run_steplog(d: str, steps: int) -> tuple[float, float]:

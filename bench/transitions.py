@@ -15,9 +15,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from gpuguard.cli.generation_bench import run_bench
-    from gpuguard.generation.transitions import report
-    from gpuguard.generation.transitions.model import LAYOUTS
-    from gpuguard.generation.transitions.strategies import STRATEGIES
+    from gpuguard.transitions import report
+    from gpuguard.transitions.model import LAYOUTS
+    from gpuguard.transitions.strategies import STRATEGIES
 
     ap = argparse.ArgumentParser(prog="bench/transitions.py", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the gpuguard.bench/1 document")

@@ -2,7 +2,7 @@
 
 Typer/click would print a traceback for an unexpected exception and exit 2 on a usage error,
 which collides with the health code "critical". `run` maps every failure to one stderr line and
-the documented exit code (see `gpuguard.errors`).
+the documented exit code (see `gpuguard.foundation.errors`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
 
 from gpuguard import __version__
-from gpuguard.errors import (
+from gpuguard.foundation.errors import (
     EXIT_INTERRUPTED,
     EXIT_SOFTWARE,
     EXIT_USAGE,

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from gpuguard.errors import EXIT_OK, EXIT_WARNING
+from gpuguard.foundation.errors import EXIT_OK, EXIT_WARNING
 
 _PROGRESS_MIN_FILES = 64
 

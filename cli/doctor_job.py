@@ -16,7 +16,7 @@ from typing import Any, Optional
 import typer
 
 from gpuguard.cli._app import emit_json, job_dir_option, stdout_is_terminal
-from gpuguard.errors import NoInputError
+from gpuguard.foundation.errors import NoInputError
 
 _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red", "unknown": "magenta"}
 _BARS = "▁▂▃▄▅▆▇█"
@@ -26,7 +26,7 @@ def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any 
            window: int = 20, logs: tuple[Path, ...] = (), log_spec: Any = None,
            node_reports: tuple[Path, ...] = (), launcher_logs: tuple[Path, ...] = ()) -> tuple[Any, dict[str, Any], Any]:
     """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
-    from gpuguard.collectors.steps import observe_job
+    from gpuguard.cli.job_observation import observe_job
     from gpuguard.diagnostics.jobstats import distribution
     from gpuguard.diagnostics.vote import load_config, to_json, vote
 
@@ -222,7 +222,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         from gpuguard.diagnostics.planners import checkpoint_plan, failure_rate_per_hour
 
         if failures_per_hour is not None and (mtbf_hours is not None or gpus is not None):
-            from gpuguard.errors import UsageError
+            from gpuguard.foundation.errors import UsageError
 
             raise UsageError("give either --failures-per-hour or --mtbf-hours with --gpus, not both")
         lam = failure_rate_per_hour(failures_per_hour, mtbf_hours, gpus)
@@ -308,7 +308,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
 def _load_report(path: Path) -> dict[str, Any]:
     import json
 
-    from gpuguard.errors import DataError
+    from gpuguard.foundation.errors import DataError
 
     try:
         doc = json.loads(path.read_text())
@@ -322,7 +322,7 @@ def _load_report(path: Path) -> dict[str, Any]:
 
 
 def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str]) -> Any:
-    from gpuguard.errors import UsageError
+    from gpuguard.foundation.errors import UsageError
 
     if spec_file is not None and regex is not None:
         raise UsageError("give --log-spec or --log-regex, not both")
@@ -333,7 +333,7 @@ def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str])
             raise NoInputError(f"{p}: no such log file")
     if spec_file is None and regex is None:
         return None  # the logs only feed the communication-error dimension
-    from gpuguard.collectors.steps import LogStepSpec
+    from gpuguard.collectors.log_steps import LogStepSpec
 
     return LogStepSpec.from_yaml(spec_file) if spec_file is not None else LogStepSpec.compile(regex or "", where="--log-regex")
 

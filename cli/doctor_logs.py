@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Iterator
 
 import typer
 
-from gpuguard.errors import (
+from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     DataError,
     EXIT_OK,
@@ -105,7 +105,7 @@ def _progress(total: int) -> Any:
 
 
 def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, Any]]) -> Iterator[Any]:
-    from gpuguard.diagnostics.logscan import LogScan
+    from gpuguard.collectors.logscan import LogScan
 
     show_progress = sys.stderr.isatty() and any((size or 0) >= _PROGRESS_MIN_BYTES for *_, size in opened)
     progress = _progress(sum(size or 0 for *_, size in opened)) if show_progress else None
@@ -161,7 +161,7 @@ class _Summary:
         return {"critical": EXIT_CRITICAL, "warning": EXIT_WARNING}.get(self.worst, EXIT_OK)
 
     def gpus(self) -> dict[str, dict[str, Any]]:
-        from gpuguard.diagnostics.xid_catalog import resolution_for
+        from gpuguard.foundation.xid_catalog import resolution_for
 
         return {gpu: {**resolution_for(evs).to_json(), **self.identity.get(gpu, {})}
                 for gpu, evs in sorted(self.gpu_events.items())}
@@ -188,7 +188,7 @@ def run_logs(paths: list[str], *, as_json: bool, min_severity: str = "info") -> 
 
 def _write_json(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
     """Stream the document: events are written as they are found, never all held in memory."""
-    from gpuguard.diagnostics.events import EVENTS_SCHEMA
+    from gpuguard.foundation.events import EVENTS_SCHEMA
 
     out = sys.stdout
     out.write('{"schema": %s,\n "events": [' % json.dumps(EVENTS_SCHEMA))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import typer
 
 from gpuguard.cli._app import emit_json
-from gpuguard.errors import (
+from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
     EXIT_UNKNOWN,
@@ -270,7 +270,7 @@ def _load_state(path: Path) -> tuple[dict[str, Any], list[str]]:
     except FileNotFoundError:
         return empty, notes
     except OSError as exc:
-        from gpuguard.errors import from_os_error
+        from gpuguard.foundation.errors import from_os_error
 
         raise from_os_error(exc, f"sweep state {path}") from None
     try:
@@ -307,7 +307,7 @@ def _clean_record(rec: Any) -> dict[str, Any] | None:
 
 
 def _event_from_record(rec: dict[str, Any]) -> Any:
-    from gpuguard.diagnostics.events import Event
+    from gpuguard.foundation.events import Event
 
     return Event(kind=rec["kind"], line=int(rec.get("line") or 0), text=str(rec.get("text") or ""),
                  fields=dict(rec.get("fields") or {}), timestamp=rec.get("timestamp"), source=rec.get("source"),
@@ -344,8 +344,8 @@ def _event_record(event: Any, seen_at: float) -> dict[str, Any]:
 def _save_state(path: Path, state: dict[str, Any]) -> None:
     import json
 
-    from gpuguard.recovery.jobdir import atomic_write_bytes
-    from gpuguard.errors import from_os_error
+    from gpuguard.foundation.jobdir import atomic_write_bytes
+    from gpuguard.foundation.errors import from_os_error
 
     doc = {"schema": STATE_SCHEMA, "cursor": state["cursor"].to_json() if state.get("cursor") else None,
            "events": state["events"], "xid_totals": state["xid_totals"], "last_verdict": state.get("last_verdict")}
@@ -441,7 +441,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
             _warn(f"kernel log not read: {log.reason}")
         snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
         if dump_nvml:
-            from gpuguard.recovery.jobdir import atomic_write_bytes
+            from gpuguard.foundation.jobdir import atomic_write_bytes
 
             import json
 
@@ -606,7 +606,7 @@ class _sweep_lock:  # noqa: N801 - used as a context manager
     def __enter__(self) -> "_sweep_lock":
         import fcntl
 
-        from gpuguard.errors import UnavailableError, from_os_error
+        from gpuguard.foundation.errors import UnavailableError, from_os_error
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -636,6 +636,6 @@ def _failed(info: Any) -> Any:
 
 
 def _budget_spent() -> str:
-    from gpuguard.errors import UnavailableError
+    from gpuguard.foundation.errors import UnavailableError
 
     raise UnavailableError("output budget spent before this plugin ran")

@@ -6,6 +6,8 @@ running with the run id `none`. psutil + the job dir only: never imports torch.
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 from typing import Optional
 
@@ -29,11 +31,12 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         Exit 0: none; 1: warnings; 2: critical.
         """
         from gpuguard.collectors.torchrun import gather
-        from gpuguard.errors import NoInputError
+        from gpuguard.diagnostics.torchrun_hazards import assess_facts
+        from gpuguard.foundation.errors import NoInputError
 
         if job_dir is not None and not job_dir.is_dir():
             raise NoInputError(f"{job_dir}: no such job directory")
-        assessment = gather(job_dir, init_timeout_s=init_timeout)
+        assessment = assess_facts(gather(job_dir), now=time.time(), init_timeout_s=init_timeout)
         if as_json:
             emit_json({"schema": "gpuguard.torchrun-hazards/1", "job_dir": str(job_dir) if job_dir else None,
                        "verdict": assessment.verdict, "live_workers": assessment.live_workers,

@@ -14,7 +14,7 @@ import typer
 
 from gpuguard.cli import generation_bench
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, stdout_is_terminal
-from gpuguard.errors import EXIT_CRITICAL, EXIT_OK
+from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK
 
 app = make_app(
     "gpu-generation",
@@ -200,7 +200,7 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
     The target generation's state must be there; older frontiers' states may have been pruned
     (a note), but any state still stored must verify.
     """
-    from gpuguard.errors import GpuguardError
+    from gpuguard.foundation.errors import GpuguardError
     from gpuguard.generation.manifest import find_manifests, load_manifest, verify_manifest
     from gpuguard.generation.verify import Finding
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from gpuguard.cli._app import console, emit_json, stdout_is_terminal
-from gpuguard.errors import EXIT_OK, EXIT_WARNING, UsageError
+from gpuguard.foundation.errors import EXIT_OK, EXIT_WARNING, UsageError
 
 
 def register(*, app: typer.Typer) -> None:
@@ -28,9 +28,9 @@ def register(*, app: typer.Typer) -> None:
         layout: list[str] = typer.Option([], "--layout", help="dp or zero1 (repeatable; default both)."),
     ) -> int:
         """Every fault at every boundary against every strategy; semantic failures first."""
-        from gpuguard.generation.transitions import report
-        from gpuguard.generation.transitions.model import LAYOUTS
-        from gpuguard.generation.transitions.strategies import STRATEGIES
+        from gpuguard.transitions import report
+        from gpuguard.transitions.model import LAYOUTS
+        from gpuguard.transitions.strategies import STRATEGIES
 
         names = strategy or list(STRATEGIES)
         bad = [n for n in names if n not in STRATEGIES]
@@ -53,10 +53,10 @@ def register(*, app: typer.Typer) -> None:
 def run_bench(*, real: bool, strategies: list[str], layouts: list[str], seed: int,
               show_progress: bool = False) -> tuple[list, list[str]]:
     """Rows and notes for the simulated matrix or the real subset (shared with bench/transitions.py)."""
-    from gpuguard.generation.transitions.runner import run_matrix
+    from gpuguard.transitions.runner import run_matrix
 
     if real:
-        from gpuguard.generation.transitions.real import run_real
+        from gpuguard.transitions.real import run_real
 
         return run_real(strategies=strategies, seed=seed)
     notes = ["simulated: recovery_s is modelled from measurements on this machine "

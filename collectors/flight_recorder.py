@@ -30,9 +30,10 @@ from operator import itemgetter, lt, methodcaller
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from gpuguard.diagnostics.contract import COMPLETED, Interner, RankTrace, Signature, Stream
-from gpuguard.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
-from gpuguard.recovery.collective_trace import PERSIST_MAGIC, decode_persisted
+from gpuguard.foundation import unpickle
+from gpuguard.foundation.traces import COMPLETED, Interner, RankTrace, Signature, Stream
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
+from gpuguard.foundation.collective_trace import PERSIST_MAGIC, decode_persisted
 
 GPUGUARD_SCHEMA = "gpuguard.collective-trace/1"
 FORMAT_FR_PICKLE = "fr-pickle"
@@ -44,23 +45,9 @@ _RANK_RE = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin|dump|trace))?$")
 _P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 
 
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles plain containers and scalars only: every class or callable lookup is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle's hook
-        raise _Refused(f"references {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _Refused("uses a persistent id")
-
-
 def restricted_loads(data: bytes) -> Any:
     """`pickle.loads` that refuses anything but plain data (raises pickle.UnpicklingError)."""
-    return RestrictedUnpickler(io.BufferedReader(io.BytesIO(data))).load()  # type: ignore[arg-type]
+    return unpickle.restricted_loads(data, what="a Flight Recorder dump")
 
 
 @dataclass(frozen=True)
@@ -170,9 +157,9 @@ def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
 
 def _unpickle(p: Path, fh: Any) -> Any:
     try:
-        return RestrictedUnpickler(fh).load()
-    except _Refused as exc:
-        raise DataError(f"{p}: unsafe pickle refused: it {exc}; Flight Recorder dumps hold only "
+        return unpickle.RestrictedUnpickler(fh, what="a Flight Recorder dump").load()
+    except unpickle.Refused as exc:
+        raise DataError(f"{p}: unsafe pickle refused: {exc}; Flight Recorder dumps hold only "
                         "plain containers and scalars") from None
     except EOFError:
         raise DataError(f"{p}: truncated pickle (ends before its STOP opcode)") from None

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
-from gpuguard.diagnostics.events import Event
-from gpuguard.errors import DataError, from_os_error
-from gpuguard.recovery.jobdir import atomic_write_bytes
+from gpuguard.foundation.events import Event
+from gpuguard.foundation.errors import DataError, from_os_error
+from gpuguard.foundation.jobdir import atomic_write_bytes
 
 CURSOR_SCHEMA = "gpuguard.kernel-log-cursor/1"
 KEYWORDS = (b"NVRM", b"Xid")
@@ -214,7 +214,7 @@ def _runs(candidates: list[tuple[int, bytes]]) -> Iterable[tuple[int, list[str]]
 
 def parse_candidates(candidates: list[tuple[int, bytes]], source: str | None) -> tuple[Event, ...]:
     """Run the log parser over the candidate lines, keeping their real line numbers."""
-    from gpuguard.diagnostics.logparse import iter_events
+    from gpuguard.collectors.logparse import iter_events
 
     events: list[Event] = []
     for first, lines in _runs(candidates):

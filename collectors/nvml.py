@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from gpuguard.errors import DataError, from_os_error
+from gpuguard.foundation.errors import DataError, from_os_error
 
 SCHEMA = "gpuguard.nvml/1"
 DEFAULT_TIMEOUT_S = 10.0

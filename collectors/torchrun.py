@@ -1,78 +1,84 @@
 """What the OS says about a torchrun job's processes (psutil; no torch).
 
-Joins the job dir's incarnation records with the live process table, so that recovery actions and
-`gpu-doctor diagnose torchrun` never act on a PID that now belongs to another process: a process is
-the recorded incarnation only if its create time matches the record.
+Finds the torchrun agents on this host by their command line and joins the job dir's incarnation
+records with the live process table, so that recovery actions and `gpu-doctor diagnose torchrun`
+never act on a PID that now belongs to another process (`foundation.identity`).
 """
 
 from __future__ import annotations
 
+import os
 import socket
-import time
 from pathlib import Path
-from typing import Any
 
-from gpuguard.recovery.hazards import AgentFacts, Assessment, WorkerFacts, assess
+import psutil
 
-CREATE_TIME_TOLERANCE_S = 0.5
+from gpuguard.collectors.step_records import read_job
+from gpuguard.foundation.identity import matching_process, pid_alive
+from gpuguard.foundation.jobdir import iter_incarnations
+from gpuguard.foundation.steplog import safe_incarnation
+from gpuguard.foundation.torchrun_facts import AgentFacts, TorchrunFacts, WorkerFacts
 
 
-def matching_process(pid: int, start_time: float) -> Any | None:
-    """The live psutil.Process for (pid, create_time), or None (gone, zombie, or a reused pid)."""
-    import psutil
+def _torchrun_index(argv: list[str]) -> int | None:
+    """Index of the torchrun token in an agent's argv (`torchrun`, `python torchrun`, `python -m torch.distributed.run`)."""
+    base = [os.path.basename(a) for a in argv[:3]]
+    if base and base[0] == "torchrun":
+        return 0
+    if len(base) > 1 and base[0].startswith("python"):
+        if base[1] == "torchrun":
+            return 1
+        if base[1] == "-m" and len(argv) > 2 and argv[2] in ("torch.distributed.run", "torch.distributed.launch"):
+            return 2
+    return None
 
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - start_time) > CREATE_TIME_TOLERANCE_S:
-            return None
-        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return None
-        return proc
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+
+def parse_torchrun_cmdline(argv: list[str]) -> dict[str, str] | None:
+    """torchrun's rendezvous options from an agent's argv; None when it is not a torchrun agent."""
+    start = _torchrun_index(argv)
+    if start is None:
         return None
+    opts: dict[str, str] = {}
+    wanted = {"rdzv_endpoint", "rdzv_id", "rdzv_backend", "nnodes", "max_restarts", "signals_to_handle"}
+    flags = {"standalone", "no_python", "module", "m", "run_path", "no-python"}
+    i = start + 1
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-") or arg == "--":
+            break  # the training script: the rest are its arguments
+        name, eq, value = arg.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if name in flags:
+            if name == "standalone":
+                opts["standalone"] = "1"
+        elif eq:
+            if name in wanted:
+                opts[name] = value
+        elif i + 1 < len(argv):
+            i += 1
+            if name in wanted:
+                opts[name] = argv[i]
+        i += 1
+    return opts
 
 
-def pid_state(pid: int, start_time: float) -> str:
-    """alive | gone | zombie | reused: what happened to a recorded process."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - start_time) > CREATE_TIME_TOLERANCE_S:
-            return "reused"
-        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return "zombie"
-        return "alive"
-    except psutil.ZombieProcess:
-        return "zombie"
-    except psutil.NoSuchProcess:
-        return "gone"
+def torchrun_agents() -> list[tuple[int, list[str], dict[str, str]]]:
+    """Live torchrun agents on this host: (pid, argv, rendezvous options)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info.get("cmdline") or []
+        opts = parse_torchrun_cmdline(argv) if argv else None
+        if opts is not None:
+            found.append((proc.info["pid"], argv, opts))
+    return found
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-
-
-def gather(job_dir: Path | None, *, init_timeout_s: float, now: float | None = None) -> Assessment:
-    """Agents on this host + the job's recorded workers on this host → hazards."""
-    import psutil
-
-    from gpuguard.recovery.rendezvous import torchrun_agents
-
-    now = time.time() if now is None else now
+def gather(job_dir: Path | None) -> TorchrunFacts:
+    """Agents on this host + the job's recorded workers on this host, joined with the process table."""
     notes: list[str] = []
     agents = [AgentFacts(pid, opts) for pid, _argv, opts in torchrun_agents()]
     workers: list[WorkerFacts] = []
     if job_dir is not None:
-        from gpuguard.collectors.steps import read_job
-        from gpuguard.recovery.jobdir import iter_incarnations
-        from gpuguard.recovery.steplog import safe_incarnation
-
         series = read_job(job_dir).ranks
         host = socket.gethostname()
         records = []
@@ -98,6 +104,6 @@ def gather(job_dir: Path | None, *, init_timeout_s: float, now: float | None = N
             if steps == -1 and s is None:
                 steps = 0  # the rank never wrote a record at all
             workers.append(WorkerFacts(rec.rank, rec.incarnation_id, rec.pid, proc is not None, rec.agent_pid,
-                                       _alive(rec.agent_pid), ppid, rec.start_time, steps, rec.restart_count,
+                                       pid_alive(rec.agent_pid), ppid, rec.start_time, steps, rec.restart_count,
                                        rec.run_id))
-    return assess(agents, workers, now=now, init_timeout_s=init_timeout_s, notes=notes)
+    return TorchrunFacts(tuple(agents), tuple(workers), tuple(notes))

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from gpuguard.foundation.traces import ABSENT, COMPLETED, SCHEDULED, Interner, RankTrace, Signature, Stream
 
 SCHEMA = "gpuguard.contract/1"
 
@@ -31,108 +33,7 @@ REDUCE_OP_MISMATCH = "reduce_op_mismatch"
 STATE_MISMATCH = "state_mismatch"
 KINDS = (MISSING_PARTICIPANT, OP_MISMATCH, SIZE_MISMATCH, DTYPE_MISMATCH, REDUCE_OP_MISMATCH, STATE_MISMATCH)
 
-COMPLETED = "completed"
-SCHEDULED = "scheduled"
-_ABSENT = -1  # "this rank never issued this sequence id"
 DEFAULT_PG_NAMES = frozenset({"0", "default", "default_pg"})
-
-
-class Signature(NamedTuple):
-    """What the contract compares. `None` means "not recorded by this trace format"."""
-
-    op: str
-    in_sizes: tuple[tuple[int, ...], ...] | None = None
-    in_dtypes: tuple[str, ...] | None = None
-    out_sizes: tuple[tuple[int, ...], ...] | None = None
-    out_dtypes: tuple[str, ...] | None = None
-    count: int | None = None
-    reduce_op: str | None = None
-
-    def numel(self) -> int | None:
-        if self.count is not None:
-            return self.count
-        if self.in_sizes is None:
-            return None
-        total = 0
-        for shape in self.in_sizes:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "op": self.op,
-            "count": self.numel(),
-            "dtype": ",".join(self.in_dtypes) if self.in_dtypes else None,
-            "reduce_op": self.reduce_op,
-            "input_sizes": [list(s) for s in self.in_sizes] if self.in_sizes is not None else None,
-            "output_sizes": [list(s) for s in self.out_sizes] if self.out_sizes is not None else None,
-        }
-
-
-class Interner:
-    """Maps signatures and call sites to small ints, so ranks compare ints, not structures."""
-
-    def __init__(self) -> None:
-        self.signatures: list[Signature] = []
-        self.sites: list[str] = []
-        self._sig_ids: dict[Signature, int] = {}
-        self._site_ids: dict[str, int] = {}
-
-    def sig(self, signature: Signature) -> int:
-        i = self._sig_ids.get(signature)
-        if i is None:
-            i = self._sig_ids[signature] = len(self.signatures)
-            self.signatures.append(signature)
-        return i
-
-    def site(self, site: str | None) -> int:
-        if site is None:
-            return _ABSENT
-        i = self._site_ids.get(site)
-        if i is None:
-            i = self._site_ids[site] = len(self.sites)
-            self.sites.append(site)
-        return i
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One rank's collectives on one process group in one generation, ascending by sequence id."""
-
-    pg: str
-    generation: int
-    seqs: Sequence[int]
-    sig_ids: Sequence[int]
-    states: Sequence[str]
-    site_ids: Sequence[int] | None = None
-    times_ns: Sequence[int] | None = None
-    pg_desc: str = ""
-    # False when the recorder's completion states lag or lie (gloo's Flight Recorder marks completion
-    # asynchronously, after wait() returns, and also on failure): no state mismatch is derived then.
-    states_reliable: bool = True
-
-    def __post_init__(self) -> None:
-        n = len(self.seqs)
-        if len(self.sig_ids) != n or len(self.states) != n:
-            raise ValueError("stream columns differ in length")
-
-
-@dataclass(frozen=True)
-class RankTrace:
-    """Everything one rank's dump says, in compact form."""
-
-    rank: int
-    source: str
-    format: str
-    streams: tuple[Stream, ...]
-    version: str = ""
-    world_size: int | None = None
-    pg_ranks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    skipped: int = 0  # entries the contract does not cover (p2p)
-    dropped: int = 0  # entries the ring buffer overwrote before the dump
 
 
 @dataclass(frozen=True)
@@ -441,11 +342,11 @@ def _scan_general(streams: dict[int, Stream | None], order: list[int], start: in
     checked = 0
     cands: set[int] = set()
     for seq in range(start, last + 1):
-        vals = [c.get(seq, _ABSENT) for c in cols]
+        vals = [c.get(seq, ABSENT) for c in cols]
         first = vals[0]
         if vals.count(first) != len(vals):
             return seq, cands, checked
-        if first == _ABSENT:
+        if first == ABSENT:
             continue  # a sequence id nobody holds
         checked += 1
         if len({d.get(seq) for d in sts}) > 1:
@@ -457,7 +358,7 @@ def _site_at(stream: Stream | None, seq: int, interner: Interner) -> str | None:
     if stream is None or stream.site_ids is None:
         return None
     i = _index(stream, seq)
-    if i is None or stream.site_ids[i] == _ABSENT:
+    if i is None or stream.site_ids[i] == ABSENT:
         return None
     return interner.sites[stream.site_ids[i]]
 
@@ -481,7 +382,7 @@ def _index(stream: Stream, seq: int) -> int | None:
 
 def _vote(groups: dict[Any, list[int]]) -> tuple[Any, bool]:
     """The majority key; ties go to the side that issued the call, then to the lowest rank."""
-    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0] == _ABSENT, min(kv[1])))
+    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0] == ABSENT, min(kv[1])))
     ambiguous = len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1])
     return ranked[0][0], ambiguous
 
@@ -515,13 +416,13 @@ def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _
               interner: Interner) -> Divergence:
     groups: dict[int, list[int]] = {}
     for r in order:
-        groups.setdefault(cols[r].get(seq, _ABSENT), []).append(r)
+        groups.setdefault(cols[r].get(seq, ABSENT), []).append(r)
     major_key, ambiguous = _vote(groups)
     sigs = interner.signatures
 
     def side(key: int, members: list[int]) -> Side:
         rep = members[0]
-        return Side(tuple(members), sigs[key] if key != _ABSENT else None,
+        return Side(tuple(members), sigs[key] if key != ABSENT else None,
                     states[rep].get(seq), _site_at(streams[rep], seq, interner))
 
     majority = side(major_key, groups[major_key])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from gpuguard.diagnostics.jobmodel import HardwareEvidence
+from gpuguard.foundation.observations import HardwareEvidence
 
 FATAL_VERDICTS = ("reset", "drain")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from gpuguard.diagnostics.jobmodel import (
+from gpuguard.foundation.observations import (
     CLOSED, CommError, HardwareEvidence, ProcessState, RankObservation, RankSeries,
 )
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from gpuguard.errors import UsageError, from_os_error
+from gpuguard.foundation.errors import UsageError, from_os_error
 
 SCHEMA = "gpuguard.node-thresholds/1"
 DEFAULTS_PATH = Path(__file__).resolve().parent / "data" / "node-thresholds.yaml"

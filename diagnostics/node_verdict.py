@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from gpuguard.diagnostics.events import Event
+from gpuguard.foundation.events import Event
 from gpuguard.diagnostics.node_thresholds import Thresholds
 
 SCHEMA = "gpuguard.node/1"
@@ -25,7 +25,7 @@ ACTIONS = {
     "drain": "drain the node (let jobs finish elsewhere), reboot; if it recurs, run field diagnostics / RMA",
     "unknown": "state could not be determined: check the driver and rerun",
 }
-# Catalog severity (gpuguard.diagnostics.xid_catalog.SEVERITIES) -> verdict; `review` is configurable.
+# Catalog severity (gpuguard.foundation.xid_catalog.SEVERITIES) -> verdict; `review` is configurable.
 SEVERITY_VERDICT = {"info": "healthy", "warning": "degraded", "reset": "reset", "drain": "drain"}
 KERNEL_KINDS = ("xid", "gpu_lost")
 
@@ -133,7 +133,7 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
         add("drain", "retired_pages.total", f"{total} retired pages")
     action = gpu.get("recovery_action")
     if action:
-        from gpuguard.diagnostics.xid_catalog import recovery_action
+        from gpuguard.foundation.xid_catalog import recovery_action
 
         act = recovery_action(action)
         add(_verdict_of(act.severity, t), "recovery_action", f"driver recovery action: {act.name} ({action})")
@@ -175,7 +175,7 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
     attach to their primary); the thresholds add: ignored codes, codes forced to drain / reset /
     degraded, and application-level Xids that only degrade a GPU when they repeat.
     """
-    from gpuguard.diagnostics import xid_catalog as catalog
+    from gpuguard.foundation import xid_catalog as catalog
 
     ignore = set(t.get("xid", "ignore"))
     evs = [e for e in events if e.kind == "gpu_lost" or (e.kind == "xid" and isinstance(e.fields.get("xid"), int)

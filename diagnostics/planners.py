@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpuguard.diagnostics.voters import ring_allreduce_s, tree_allreduce_s
-from gpuguard.errors import UsageError
+from gpuguard.foundation.errors import UsageError
 
 SCHEMA = "gpuguard.plan/1"
 

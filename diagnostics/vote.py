@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from gpuguard.diagnostics.jobmodel import BETWEEN, COLLECTIVE, RankObservation
+from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservation
 from gpuguard.diagnostics.jobstats import mad, median
 from gpuguard.diagnostics.voters import (
     ABSTAIN, DEAD, HEALTHY, HUNG, SLOW, UNKNOWN, VOTERS, Cohort, Vote, VoteConfig, pause_bound_s,
@@ -33,7 +33,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     """The YAML thresholds (package default, or `path`), validated: unknown keys and non-numbers refuse."""
     import yaml
 
-    from gpuguard.errors import DataError
+    from gpuguard.foundation.errors import DataError
 
     p = Path(path) if path else DATA
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from gpuguard.diagnostics.jobmodel import COLLECTIVE, STARTING, RankObservation
+from gpuguard.foundation.observations import COLLECTIVE, STARTING, RankObservation
 
 DEAD, HUNG, SLOW, HEALTHY, ABSTAIN = "dead", "hung", "slow", "healthy", "abstain"
 UNKNOWN = "unknown"

@@ -12,7 +12,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from gpuguard.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.unpickle import restricted_loads
+from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 
 _DCP_METADATA = {
     "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
@@ -29,19 +30,19 @@ _ALLOWED: dict[str, set[str]] = {
 }
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        import importlib
+def _resolve(module: str, name: str) -> Any:
+    """The DCP metadata classes, torch.Size and torch's dtype/layout/memory-format constants only."""
+    import importlib
 
-        if name in _ALLOWED.get(module, ()):
-            return getattr(importlib.import_module(module), name)
-        if module == "torch":
-            import torch
+    if name in _ALLOWED.get(module, ()):
+        return getattr(importlib.import_module(module), name)
+    if module == "torch":
+        import torch
 
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return obj
+    return None
 
 
 def load_metadata(checkpoint_dir: str | Path) -> Any:
@@ -54,7 +55,7 @@ def load_metadata(checkpoint_dir: str | Path) -> Any:
     except OSError as exc:
         raise from_os_error(exc, str(path)) from None
     try:
-        meta = RestrictedUnpickler(io.BytesIO(data)).load()
+        meta = restricted_loads(data, _resolve, what="DCP metadata")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is bad input
         raise DataError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
     if type(meta).__name__ != "Metadata" or not hasattr(meta, "storage_data"):

@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuguard.errors import GpuguardError, from_os_error
+from gpuguard.foundation.errors import GpuguardError, from_os_error
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
 from gpuguard.generation.ledger import Ledger, open_ledger

@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from gpuguard.errors import DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, from_os_error
 
 KEY_FILE = "generation.key"
 KEY_BYTES = 32

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuguard.errors import DataError, NoInputError, RefusedError
+from gpuguard.foundation.errors import DataError, NoInputError, RefusedError
 from gpuguard.generation import rules
 from gpuguard.generation.canonical import canonical_bytes, parse_canonical
 from gpuguard.generation.certificate import check
@@ -327,7 +327,7 @@ def open_ledger(job_dir: str | Path, url: str | None = None, *, key: bytes | Non
         from gpuguard.generation.ledger_etcd import EtcdLedger
 
         return EtcdLedger.from_url(url, key=key, timeout=timeout)
-    from gpuguard.errors import UsageError
+    from gpuguard.foundation.errors import UsageError
 
     raise UsageError(f"unsupported ledger URL {url!r} (use a directory default or etcd://host:port/prefix)")
 

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpuguard.errors import from_os_error
+from gpuguard.foundation.errors import from_os_error
 from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
 
 _GEN = re.compile(r"^gen-(\d+)\.json$")

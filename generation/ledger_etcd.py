@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuguard.errors import DataError, UnavailableError, UsageError
+from gpuguard.foundation.errors import DataError, UnavailableError, UsageError
 from gpuguard.generation.ledger import Ledger, dumps_record
 
 API_PATH = "/v3/"

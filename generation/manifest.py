@@ -25,7 +25,7 @@ from typing import Any
 
 import blake3
 
-from gpuguard.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 from gpuguard.generation.canonical import canonical_bytes, normalize, parse_canonical
 from gpuguard.generation.merkle import leaf, merkle_root
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from gpuguard.foundation.identity import own_start_time
 from gpuguard.generation.canonical import canonical_bytes, normalize, sha256_hex
 
 CERTIFICATE_SCHEMA = "gpuguard.certificate/1"
@@ -80,10 +81,7 @@ class Incarnation:
     @classmethod
     def current(cls, gpu_uuid: str | None = None) -> Incarnation:
         """This process: a fresh random id, hostname, pid and the OS's process start time."""
-        import psutil
-
-        start = psutil.Process(os.getpid()).create_time()
-        return cls(uuid.uuid4().hex, socket.gethostname(), os.getpid(), float(start), gpu_uuid)
+        return cls(uuid.uuid4().hex, socket.gethostname(), os.getpid(), own_start_time(), gpu_uuid)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -16,7 +16,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from gpuguard.errors import (
+from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
     EXIT_UNKNOWN,
@@ -241,7 +241,7 @@ class JsonOutput(Output):
         if not path:
             sys.stdout.write(text)
             return "stdout"
-        from gpuguard.recovery.jobdir import atomic_write_bytes
+        from gpuguard.foundation.jobdir import atomic_write_bytes
 
         atomic_write_bytes(path, text.encode())
         return path

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gpuguard.errors import (
+from gpuguard.collectors.torchrun import gather
+from gpuguard.diagnostics.torchrun_hazards import assess_facts
+from gpuguard.foundation.errors import (
     EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, GpuguardError, NoInputError, RefusedError, UnavailableError, UsageError,
 )
+from gpuguard.foundation.identity import ALIVE_STATES, matching_process, process_status
 
 SCHEMA = "gpuguard.action/1"
 MUTATING = frozenset({"abort", "rendezvous", "restore"})
@@ -41,9 +44,7 @@ class ActionResult:
 
 def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionResult:
     """Hazards + verdict of the job (orphaned | hung | dead | healthy | unknown) and its active generation."""
-    from gpuguard.collectors.torchrun import gather
-
-    assessment = gather(job_dir, init_timeout_s=init_timeout_s)
+    assessment = assess_facts(gather(job_dir), now=time.time(), init_timeout_s=init_timeout_s)
     generation = _active_generation(job_dir) if job_dir is not None else None
     snapshots = 0
     if job_dir is not None:
@@ -82,8 +83,7 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
     pid is reported and left alone. `generation` limits it to incarnations of that generation or
     older (records without a generation count as old); `ranks` to those ranks.
     """
-    from gpuguard.collectors.torchrun import matching_process, pid_state
-    from gpuguard.recovery.jobdir import read_incarnations
+    from gpuguard.foundation.jobdir import read_incarnations
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
@@ -99,8 +99,8 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
         if rec.host and rec.host not in (host, _hostname()):
             unknown.append(f"{who} on {rec.host}: not on this host, not verified")
             continue
-        state = pid_state(rec.pid, rec.start_time)
-        if state == "alive":
+        state = process_status(rec.pid, rec.start_time)
+        if state in ALIVE_STATES:
             proc = matching_process(rec.pid, rec.start_time)
             if proc is not None:
                 targets.append((rec, proc))
@@ -124,8 +124,8 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
     still = _wait_gone(alive, 5.0)
     for rec, _ in targets:
         how = "SIGKILL" if rec.pid in killed else "SIGTERM"
-        state = pid_state(rec.pid, rec.start_time)
-        if state == "alive":
+        state = process_status(rec.pid, rec.start_time)
+        if state in ALIVE_STATES:
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: STILL ALIVE after {how}")
         else:
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} "
@@ -149,7 +149,7 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
 def _write_quiescence(job_dir: Path, records: list[Any], *, unknown_ids: set[str], alive_ids: set[str]) -> Path:
     """`coord/quiescence-abort-<ns>.json`: which incarnations this host saw gone (pid + create time), for
     whoever certifies the next generation (e.g. a drained node's workers no new member can check)."""
-    from gpuguard.recovery import jobdir
+    from gpuguard.foundation import jobdir
 
     gone = [r.incarnation_id for r in records if r.incarnation_id not in unknown_ids | alive_ids]
     path = jobdir.coord_dir(job_dir) / f"quiescence-abort-{time.time_ns()}.json"
@@ -160,11 +160,9 @@ def _write_quiescence(job_dir: Path, records: list[Any], *, unknown_ids: set[str
 
 def _wait_gone(targets: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any, Any]]:
     """Poll until every target is gone or a zombie (its parent may reap it later); return the rest."""
-    from gpuguard.collectors.torchrun import pid_state
-
     end = time.monotonic() + timeout
     while True:
-        rest = [(rec, proc) for rec, proc in targets if pid_state(rec.pid, rec.start_time) == "alive"]
+        rest = [(rec, proc) for rec, proc in targets if process_status(rec.pid, rec.start_time) in ALIVE_STATES]
         if not rest or time.monotonic() >= end:
             return rest
         time.sleep(0.05)
@@ -184,7 +182,7 @@ def _signal(proc: Any, sig: int) -> None:
     except psutil.NoSuchProcess:
         pass
     except psutil.AccessDenied:
-        from gpuguard.errors import PermissionDeniedError
+        from gpuguard.foundation.errors import PermissionDeniedError
 
         raise PermissionDeniedError(f"pid {proc.pid}: not allowed to send signal {sig}") from None
 
@@ -233,7 +231,8 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
     Corrupt or incomplete candidates are rejected with the reason and the next older one is tried,
     at most `max_tries` times. The choice is written to `<job-dir>/restore.json` for the runtime.
     """
-    from gpuguard.recovery import jobdir, snapshot
+    from gpuguard.recovery import snapshot
+    from gpuguard.foundation import jobdir
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")

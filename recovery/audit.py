@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from gpuguard.errors import from_os_error
-from gpuguard.recovery.jobdir import audit_log_path
+from gpuguard.foundation.errors import from_os_error
+from gpuguard.foundation.jobdir import audit_log_path
 
 SCHEMA = "gpuguard.audit/1"
 MAX_RECORD_BYTES = 64 * 1024  # one line; details beyond this are cut, never the record

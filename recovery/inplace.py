@@ -41,8 +41,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuguard.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
-from gpuguard.recovery import jobdir
+from gpuguard.foundation.identity import GONE_STATES, process_status
+from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation import jobdir
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
 from gpuguard.recovery.switch import (Layout, Report, agree_on_state, choose_coordinator, dense_ranks, shrink_layout,
@@ -85,21 +86,11 @@ def read_reports(job_dir: str | Path, generation: int) -> dict[int, Report]:
 
 
 def _process_state(pid: int, start_time: float) -> str:
-    """'gone', 'stopped' (SIGSTOP / traced) or 'running' for this exact process (pid + create time)."""
-    import psutil  # noqa: PLC0415
-
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - start_time) >= 0.01:
-            return "gone"
-        st = proc.status()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    """'gone', 'stopped' (SIGSTOP / traced) or 'running' for this exact process (pid + start time)."""
+    status = process_status(pid, start_time)
+    if status in GONE_STATES or status == "unknown":
         return "gone"
-    if st == psutil.STATUS_ZOMBIE:
-        return "gone"
-    if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return "stopped"
-    return "running"
+    return "stopped" if status == "stopped" else "running"
 
 
 def _kill_and_confirm(pid: int, start_time: float, timeout: float = 5.0) -> bool:
@@ -447,7 +438,7 @@ class InPlaceRuntime(Runtime):
         return None
 
     def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
-        from gpuguard.recovery.steplog import StepLog  # noqa: PLC0415
+        from gpuguard.foundation.steplog import StepLog  # noqa: PLC0415
 
         if self._steplog is not None:
             self._steplog.close()

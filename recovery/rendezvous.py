@@ -26,7 +26,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuguard.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
+from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
+from gpuguard.foundation.unpickle import admit, restricted_loads
+from gpuguard.collectors.torchrun import parse_torchrun_cmdline, torchrun_agents
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -94,14 +96,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 _TORCH_NAMES = {NodeDesc: (TORCH_MODULE, "_NodeDesc"), RendezvousState: (TORCH_MODULE, "_RendezvousState")}
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name}") from None
-
-
 class _TorchNamePickler(pickle._Pickler):  # type: ignore[name-defined]  # pure-Python pickler: save_global is overridable
     def save_global(self, obj: Any, name: str | None = None) -> None:
         target = _TORCH_NAMES.get(obj)
@@ -123,7 +117,7 @@ def decode_state(raw: bytes) -> RendezvousState | None:
     except (binascii.Error, ValueError):
         raise DataError("rendezvous state is not base64") from None
     try:
-        state = _RestrictedUnpickler(io.BytesIO(data)).load()
+        state = restricted_loads(data, admit(_ALLOWED), what="rendezvous state")
     except Exception as exc:  # any malformed pickle: one clear error
         raise DataError(f"rendezvous state cannot be decoded: {exc}") from None
     if not isinstance(state, RendezvousState) or not hasattr(state, "round"):
@@ -156,61 +150,6 @@ class Endpoint:
     def to_json(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "run_id": self.run_id, "agent_pid": self.agent_pid,
                 "source": self.source}
-
-
-def _torchrun_index(argv: list[str]) -> int | None:
-    """Index of the torchrun token in an agent's argv (`torchrun`, `python torchrun`, `python -m torch.distributed.run`)."""
-    base = [os.path.basename(a) for a in argv[:3]]
-    if base and base[0] == "torchrun":
-        return 0
-    if len(base) > 1 and base[0].startswith("python"):
-        if base[1] == "torchrun":
-            return 1
-        if base[1] == "-m" and len(argv) > 2 and argv[2] in ("torch.distributed.run", "torch.distributed.launch"):
-            return 2
-    return None
-
-
-def parse_torchrun_cmdline(argv: list[str]) -> dict[str, str] | None:
-    """torchrun's rendezvous options from an agent's argv; None when it is not a torchrun agent."""
-    start = _torchrun_index(argv)
-    if start is None:
-        return None
-    opts: dict[str, str] = {}
-    wanted = {"rdzv_endpoint", "rdzv_id", "rdzv_backend", "nnodes", "max_restarts", "signals_to_handle"}
-    flags = {"standalone", "no_python", "module", "m", "run_path", "no-python"}
-    i = start + 1
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("-") or arg == "--":
-            break  # the training script: the rest are its arguments
-        name, eq, value = arg.lstrip("-").partition("=")
-        name = name.replace("-", "_")
-        if name in flags:
-            if name == "standalone":
-                opts["standalone"] = "1"
-        elif eq:
-            if name in wanted:
-                opts[name] = value
-        elif i + 1 < len(argv):
-            i += 1
-            if name in wanted:
-                opts[name] = argv[i]
-        i += 1
-    return opts
-
-
-def torchrun_agents() -> list[tuple[int, list[str], dict[str, str]]]:
-    """Live torchrun agents on this host: (pid, argv, rendezvous options)."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        argv = proc.info.get("cmdline") or []
-        opts = parse_torchrun_cmdline(argv) if argv else None
-        if opts is not None:
-            found.append((proc.info["pid"], argv, opts))
-    return found
 
 
 def find_endpoint(*, endpoint: str | None = None, run_id: str | None = None, job_dir: Path | None = None,
@@ -246,7 +185,7 @@ def find_endpoint(*, endpoint: str | None = None, run_id: str | None = None, job
 
 def _agent_from_job_dir(job_dir: Path) -> tuple[int | None, str | None]:
     """The newest recorded incarnation's agent pid and run id."""
-    from gpuguard.recovery.jobdir import read_incarnations
+    from gpuguard.foundation.jobdir import read_incarnations
 
     records = read_incarnations(job_dir)  # oldest file first
     if not records:

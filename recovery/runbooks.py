@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gpuguard.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, UsageError
+from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, UsageError
 from gpuguard.recovery import conditions
 
 BUILTIN_DIR = "runbooks"
@@ -98,7 +98,7 @@ def locate(name_or_file: str) -> tuple[str, str]:
     except UnicodeDecodeError:
         raise RunbookError(f"{path}: not a text file") from None
     except OSError as exc:
-        from gpuguard.errors import from_os_error
+        from gpuguard.foundation.errors import from_os_error
 
         raise from_os_error(exc, str(path)) from None
 

@@ -37,8 +37,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from gpuguard.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
-from gpuguard.recovery import jobdir
+from gpuguard.foundation.identity import same_process
+from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation import jobdir
 from gpuguard.recovery.activation import (Hello, check_hellos, choose_frontier, quiescence, reason)
 from gpuguard.recovery.attempt import Attempt, current_attempt
 from gpuguard.recovery.snapshot import (Rejection, Selection, SnapshotInfo, clone_state, copy_to_checkpoint,
@@ -322,7 +323,7 @@ class Runtime:
         phases["pg_ready"] = time.time()
         state.phases = phases
         self._write_incarnation(phases=phases)
-        from gpuguard.recovery.steplog import StepLog  # noqa: PLC0415
+        from gpuguard.foundation.steplog import StepLog  # noqa: PLC0415
 
         self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
         if self.rank == 0:
@@ -364,9 +365,9 @@ class Runtime:
                 inc = m.incarnation
                 if inc.host != host:
                     continue
-                while _running(psutil, inc.pid, inc.start_time) and time.monotonic() < deadline:
+                while same_process(inc.pid, inc.start_time) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                (alive if _running(psutil, inc.pid, inc.start_time) else gone).append(inc.id)
+                (alive if same_process(inc.pid, inc.start_time) else gone).append(inc.id)
         return Hello(self.rank, self.incarnation.to_dict(), host, tuple(gone), tuple(alive))
 
     def _coordinate(self, ns: Any, phases: dict[str, float]) -> None:
@@ -672,10 +673,3 @@ def _read_restore_pin(job_dir: Path) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
-def _running(psutil: Any, pid: int, start_time: float) -> bool:
-    """Is this exact process (pid + create time, so a reused pid is not it) still running?"""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - start_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gpuguard.errors import DataError, NoInputError
-from gpuguard.recovery import jobdir
+from gpuguard.foundation.errors import DataError, NoInputError
+from gpuguard.foundation import jobdir
 
 STATE_FILE = "state.json"
 STATE_SCHEMA = "gpuguard.snapshot-state/1"

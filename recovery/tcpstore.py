@@ -13,7 +13,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from gpuguard.errors import DataError, UnavailableError
+from gpuguard.foundation.errors import DataError, UnavailableError
 
 # c10d::detail::QueryType (TCPStoreBackend.hpp)
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY = range(9)

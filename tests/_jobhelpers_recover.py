@@ -41,8 +41,8 @@ class Job:
 
     def worker_pids(self) -> set[int]:
         """The live processes of every recorded incarnation (orphans included), pid + create time checked."""
-        from gpuguard.collectors.torchrun import matching_process
-        from gpuguard.recovery.jobdir import read_incarnations
+        from gpuguard.foundation.identity import matching_process
+        from gpuguard.foundation.jobdir import read_incarnations
 
         return {r.pid for r in read_incarnations(self.job_dir) if matching_process(r.pid, r.start_time) is not None}
 

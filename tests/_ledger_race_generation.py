@@ -11,7 +11,7 @@ from _jobhelpers_generation import KEY, child, members  # noqa: E402
 
 
 def _racer(job_dir: str, url: str | None, rounds: int, start, ready, results) -> None:
-    from gpuguard.errors import RefusedError
+    from gpuguard.foundation.errors import RefusedError
     from gpuguard.generation.ledger import open_ledger
 
     ledger = open_ledger(job_dir, url, key=KEY)

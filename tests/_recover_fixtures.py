@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from gpuguard.recovery.jobdir import IncarnationRecord, write_incarnation
+from gpuguard.foundation.jobdir import IncarnationRecord, write_incarnation
 
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuguard import __version__
-from gpuguard.errors import EXIT_USAGE
+from gpuguard.foundation.errors import EXIT_USAGE
 
 COMMANDS = ["gpu-doctor", "gpu-generation", "gpu-recover"]
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _jobhelpers_generation import child, members  # noqa: E402
 from conftest import free_port  # noqa: E402
 
-from gpuguard.errors import RefusedError
+from gpuguard.foundation.errors import RefusedError
 from gpuguard.generation.job import open_job_ledger
 from gpuguard.generation.records import Member
 
@@ -217,7 +217,7 @@ def test_ledger_without_write_permission(cli):
         script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                   "from _jobhelpers_generation import child, members\n"
                   "from gpuguard.generation.job import open_job_ledger\n"
-                  "from gpuguard.errors import GpuguardError\n"
+                  "from gpuguard.foundation.errors import GpuguardError\n"
                   f"led = open_job_ledger({str(jd)!r})\n"
                   "try:\n    led.activate(child(led.require_active(), members(1), key=led.key))\n"
                   "except GpuguardError as e:\n    print(e); sys.exit(e.exit_code)\n")

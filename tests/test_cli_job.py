@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpuguard.recovery.steplog import StepLog, segment_name
+from gpuguard.foundation.steplog import StepLog, segment_name
 
 
 def _steps(log: StepLog, n: int, compute: float, start: int = 0) -> None:
@@ -85,7 +85,7 @@ def test_diagnose_healthy_slow_and_dead_with_bad_files(cli, tmp_path: Path) -> N
     assert {x["rank"]: x["verdict"] for x in doc["ranks"]} == {0: "healthy", 1: "healthy", 2: "slow", 3: "healthy"}
 
     # a rank whose process is gone (a real child that wrote steps and was killed), plus a torn file and junk
-    code = (f"import sys,time; from gpuguard.recovery.steplog import StepLog; l=StepLog({str(tmp_path)!r}, 4, 'child');"
+    code = (f"import sys,time; from gpuguard.foundation.steplog import StepLog; l=StepLog({str(tmp_path)!r}, 4, 'child');"
             "[(l.begin_step(s), l.enter_collective(s,'all_reduce',8), l.exit_collective(s), l.end_step(s)) for s in range(40)];"
             "l.begin_step(40); print('ready', flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

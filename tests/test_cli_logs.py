@@ -149,5 +149,5 @@ def test_logs_never_imports_torch():
                            str(REAL_LOGS / "051-watchdog.log")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-500:]
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "gpuguard.diagnostics.logscan" in imported  # the measurement sees our modules...
+    assert "gpuguard.collectors.logscan" in imported  # the measurement sees our modules...
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}  # ...and no torch

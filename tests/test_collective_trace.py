@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpuguard.collectors.flight_recorder import load_dump
 from gpuguard.diagnostics.contract import Interner, Signature, check
-from gpuguard.recovery.collective_trace import SCHEMA, CollectiveTrace, call_site, install_signal_dump
+from gpuguard.foundation.collective_trace import SCHEMA, CollectiveTrace, call_site, install_signal_dump
 
 
 def test_ring_keeps_the_newest_entries_oldest_first(tmp_path):
@@ -99,7 +99,7 @@ def test_persisted_ring_survives_sigabrt(tmp_path):
 
     code = (
         "import os\n"
-        "from gpuguard.recovery.collective_trace import CollectiveTrace\n"
+        "from gpuguard.foundation.collective_trace import CollectiveTrace\n"
         f"t = CollectiveTrace(3, 1, capacity=4, world_size=4, persist={str(tmp_path / 'rank_{rank}.ring')!r})\n"
         "for s in range(1, 7):\n"
         "    t.record('all_reduce', 'default', s, 512 if s == 6 else 1024, 'float32', 'sum', f'train.py:{s}')\n"
@@ -122,8 +122,8 @@ def test_persisted_ring_survives_sigabrt(tmp_path):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=2000), st.integers(0, 64))
 def test_corrupt_rings_are_clear_errors(tmp_path, blob, keep):
-    from gpuguard.errors import DataError
-    from gpuguard.recovery.collective_trace import PERSIST_MAGIC
+    from gpuguard.foundation.errors import DataError
+    from gpuguard.foundation.collective_trace import PERSIST_MAGIC
 
     real = tmp_path / "real.ring"
     t = CollectiveTrace(0, 0, capacity=2, persist=real)

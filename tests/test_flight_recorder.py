@@ -23,7 +23,7 @@ from gpuguard.collectors.flight_recorder import (  # noqa: E402
     restricted_loads,
 )
 from gpuguard.diagnostics.contract import Interner, check  # noqa: E402
-from gpuguard.errors import DataError, NoInputError  # noqa: E402
+from gpuguard.foundation.errors import DataError, NoInputError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

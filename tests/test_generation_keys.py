@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from gpuguard.errors import DataError, GpuguardError, NoInputError
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError
 from gpuguard.generation.keys import create_key, key_path, load_key, sign, signature_ok
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from gpuguard.recovery.hazards import AgentFacts, WorkerFacts, assess
-from gpuguard.recovery.rendezvous import parse_torchrun_cmdline
+from gpuguard.diagnostics.torchrun_hazards import assess
+from gpuguard.foundation.torchrun_facts import AgentFacts, WorkerFacts
+from gpuguard.collectors.torchrun import parse_torchrun_cmdline
 
 NOW = 1_000_000.0
 

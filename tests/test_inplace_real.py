@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpuguard.generation.ledger import open_ledger
-from gpuguard.recovery.inplace_train import Cluster, reference
+from gpuguard.examples.inplace_train import Cluster, reference
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,7 +29,7 @@ import pytest
 
 from gpuguard.generation.ledger import open_ledger
 from gpuguard.recovery.inplace import request_abort
-from gpuguard.recovery.inplace_train import reference
+from gpuguard.examples.inplace_train import reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import free_port, run_cli  # noqa: E402
@@ -76,7 +76,7 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
             agents.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--nproc-per-node", "1",
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "inplace",
-                 "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "gpuguard.recovery.inplace_train"],
+                 "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "gpuguard.examples.inplace_train"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
         end = time.monotonic() + 90

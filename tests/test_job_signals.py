@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.collectors.steps import observe_job
+from gpuguard.cli.job_observation import observe_job
 from gpuguard.diagnostics.vote import load_config, vote
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuguard.collectors import kernel_log as kl
-from gpuguard.errors import DataError, NoInputError
+from gpuguard.foundation.errors import DataError, NoInputError
 
 XID = "[ 1843.30] NVRM: Xid (PCI:0000:2b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
 XID13 = "[ 1900.10] NVRM: Xid (PCI:0000:cb:00): 13, pid=12, name=python, Graphics SM Warp Exception\n"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _jobhelpers_generation import KEY, child, genesis, members  # noqa: E402
 from _ledger_race_generation import race, writer_source  # noqa: E402
 
-from gpuguard.errors import RefusedError
+from gpuguard.foundation.errors import RefusedError
 from gpuguard.generation.ledger import open_ledger
 from gpuguard.generation.verify import verify_ledger
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _jobhelpers_generation import KEY, child, genesis, members  # noqa: E402
 from _ledger_race_generation import race  # noqa: E402
 
-from gpuguard.errors import RefusedError, UnavailableError
+from gpuguard.foundation.errors import RefusedError, UnavailableError
 from gpuguard.generation.ledger import open_ledger
 from gpuguard.generation.verify import verify_ledger
 from conftest import free_port  # noqa: E402

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.diagnostics.logparse import iter_events, parse_line
-from gpuguard.diagnostics.logrules_kernel import normalize_pci
-from gpuguard.diagnostics.logtime import line_time, utc
+from gpuguard.collectors.logparse import iter_events, parse_line
+from gpuguard.collectors.logrules_kernel import normalize_pci
+from gpuguard.collectors.logtime import line_time, utc
 
 
 @pytest.mark.parametrize("line, fields", [

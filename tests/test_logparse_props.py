@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import REAL_LOGS  # noqa: E402
 
-from gpuguard.diagnostics.logparse import MARKERS, has_marker, iter_events, parse_line  # noqa: E402
-from gpuguard.diagnostics.logscan import LogScan  # noqa: E402
-from gpuguard.diagnostics.logtime import line_time  # noqa: E402
+from gpuguard.collectors.logparse import MARKERS, has_marker, iter_events, parse_line  # noqa: E402
+from gpuguard.collectors.logscan import LogScan  # noqa: E402
+from gpuguard.collectors.logtime import line_time  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

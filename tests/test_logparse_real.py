@@ -18,8 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import REAL_LOGS  # noqa: E402
 
-from gpuguard.diagnostics.logparse import iter_events  # noqa: E402
-from gpuguard.diagnostics.logscan import LogScan, iter_file_events  # noqa: E402
+from gpuguard.collectors.logparse import iter_events  # noqa: E402
+from gpuguard.collectors.logscan import LogScan, iter_file_events  # noqa: E402
 
 XID_13 = {"xid": 13, "pci_bus_id": "0000:cb:00.0", "pid": None, "process": None}
 WT_055 = {"op": "ALLREDUCE", "timeout_ms": 1800000}

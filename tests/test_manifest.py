@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.errors import DataError, NoInputError
+from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation.dcp_metadata import load_metadata
 from gpuguard.generation.manifest import (
     MANIFEST_FILE, build_manifest, coverage, load_manifest, verify_manifest, write_manifest,

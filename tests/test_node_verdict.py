@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.diagnostics import node_thresholds
-from gpuguard.diagnostics.logparse import iter_events
+from gpuguard.collectors.logparse import iter_events
 from gpuguard.diagnostics.node_verdict import judge
-from gpuguard.errors import UsageError
+from gpuguard.foundation.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _nodehelpers_node import REPO, healthy_gpu, sample_snapshot, snapshot  # noqa: E402

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.collectors import nvml
-from gpuguard.errors import DataError
+from gpuguard.foundation.errors import DataError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _nodehelpers_node import (  # noqa: E402

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gpuguard.diagnostics.planners import (
     checkpoint_plan, collective_plan, failure_rate_per_hour, layout_plan, parse_quantity,
 )
-from gpuguard.errors import UsageError
+from gpuguard.foundation.errors import UsageError
 
 
 def test_seed_example_sync_checkpoint() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.recovery import demo
+from gpuguard.examples import demo
 from gpuguard.recovery.snapshot import select_restorable
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_every_kill_point_resumes_at_the_certified_frontier_with_the_reference_s
 
 def test_step_records_separate_collective_wait_from_compute(killed_job):
     """The runtime marks the all-reduce, so the vote can name the rank that never arrived."""
-    from gpuguard.collectors.steps import read_job
+    from gpuguard.collectors.step_records import read_job
 
     job, _ = killed_job
     ranks = read_job(job).ranks
@@ -168,7 +168,7 @@ def test_a_stale_incarnation_cannot_commit_or_publish_a_snapshot(killed_job):
 import json, sys, torch
 from gpuguard.recovery.runtime import Runtime, FencedError
 from gpuguard.generation.ledger import open_ledger
-from gpuguard.recovery.demo_train import build
+from gpuguard.examples.demo_train import build
 job = sys.argv[1]
 rt = Runtime(job, rank=1, world_size=4, local_rank=1, master_addr="127.0.0.1", master_port=1, run_id="x",
              restart_count=0, use_agent_store=True)

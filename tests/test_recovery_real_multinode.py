@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.recovery import demo
-from gpuguard.recovery.jobdir import read_incarnations
+from gpuguard.examples import demo
+from gpuguard.foundation.jobdir import read_incarnations
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _agent(job: Path, port: int, name: str, env: dict[str, str]) -> subprocess.P
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
             "--max-restarts=5", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=mn{os.getpid()}", "--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=1,join_timeout=120",
-            "-m", "gpuguard.recovery.demo_train", "--job-dir", str(job), "--steps", "50", "--sleep", "0.25"]
+            "-m", "gpuguard.examples.demo_train", "--job-dir", str(job), "--steps", "50", "--sleep", "0.25"]
     log = open(job / f"agent-{name}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

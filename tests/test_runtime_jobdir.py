@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.errors import DataError, NoInputError
-from gpuguard.recovery import jobdir
+from gpuguard.foundation.errors import DataError, NoInputError
+from gpuguard.foundation import jobdir
 
 ids = st.text(alphabet="0123456789abcdef", min_size=1, max_size=32)
 

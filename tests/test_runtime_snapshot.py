@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpuguard.recovery import snapshot as snap
-from gpuguard.recovery.demo_train import build
+from gpuguard.examples.demo_train import build
 
 
 def state(seed: int = 0) -> dict:

@@ -10,9 +10,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuguard.collectors.steps import parse_lines, read_job
-from gpuguard.diagnostics.jobmodel import BETWEEN, CLOSED, COLLECTIVE, COMPUTING, STARTING
-from gpuguard.recovery.steplog import StepLog, safe_incarnation, segment_name
+from gpuguard.foundation.steplog import decode_lines as parse_lines
+from gpuguard.collectors.step_records import read_job
+from gpuguard.foundation.observations import BETWEEN, CLOSED, COLLECTIVE, COMPUTING, STARTING
+from gpuguard.foundation.steplog import StepLog, safe_incarnation, segment_name
 
 
 def _one_step(log: StepLog, step: int, compute: float = 0.0, wait: float = 0.0, nbytes: int = 1024) -> None:
@@ -211,8 +212,8 @@ def test_records_round_trip_the_numbers(tmp_path: Path, steps: list[tuple[float,
 def test_step_times_from_an_ordinary_log(tmp_path: Path) -> None:
     import pytest
 
-    from gpuguard.collectors.steps import LogStepSpec, read_log_steps
-    from gpuguard.errors import DataError
+    from gpuguard.collectors.log_steps import LogStepSpec, read_log_steps
+    from gpuguard.foundation.errors import DataError
 
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text("step_log:\n  pattern: '^(?P<ts>\\S+) \\[rank(?P<rank>\\d+)\\] step (?P<step>\\d+)'\n")
@@ -237,7 +238,7 @@ def test_step_times_from_an_ordinary_log(tmp_path: Path) -> None:
 @given(st.lists(st.text(max_size=50), max_size=30))
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_log_collector_never_raises(tmp_path: Path, lines: list[str]) -> None:
-    from gpuguard.collectors.steps import LogStepSpec, read_log_steps
+    from gpuguard.collectors.log_steps import LogStepSpec, read_log_steps
 
     log = tmp_path / "fuzz.log"
     log.write_bytes("\n".join(lines).encode("utf-8", "surrogatepass"))
@@ -292,7 +293,7 @@ def test_doctor_path_does_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_exit_codes_from_torchrun_lines(tmp_path: Path) -> None:
-    from gpuguard.collectors.steps import exit_codes_from_logs
+    from gpuguard.collectors.liveness import exit_codes_from_logs
 
     real = Path(os.environ.get("GPUGUARD_SHARED", Path(__file__).resolve().parents[1].parent / "shared")) / "real-logs"
     log = tmp_path / "t.log"

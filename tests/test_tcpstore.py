@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpuguard.errors import DataError, UnavailableError
+from gpuguard.foundation.errors import DataError, UnavailableError
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.generation.transitions import report, runner
-from gpuguard.generation.transitions.certified import Certified
-from gpuguard.generation.transitions.schedules import BOUNDARIES, FAULTS, Schedule
+from gpuguard.transitions import report, runner
+from gpuguard.transitions.certified import Certified
+from gpuguard.transitions.schedules import BOUNDARIES, FAULTS, Schedule
 
 
 SHM = Path("/dev/shm")
@@ -96,9 +96,9 @@ def test_the_document_and_the_exit_decision(rows):
 
 def test_the_ledger_gpuguard_left_behind_verifies(tmp_path):
     """The simulator drives the real ledger: its chain verifies, the late writers are on record."""
-    from gpuguard.generation.transitions import strategies
-    from gpuguard.generation.transitions.oracle import judge
-    from gpuguard.generation.transitions.sim import Sim
+    from gpuguard.transitions import strategies
+    from gpuguard.transitions.oracle import judge
+    from gpuguard.transitions.sim import Sim
     from gpuguard.generation.verify import verify_ledger
 
     s = strategies.make("gpuguard")

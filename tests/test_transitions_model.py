@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.generation.transitions import model as m
+from gpuguard.transitions import model as m
 
 seeds = st.integers(min_value=0, max_value=2**32)
 

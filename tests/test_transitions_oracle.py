@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.generation.transitions import model as m
-from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
+from gpuguard.transitions import model as m
+from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
 
 SEED, N, WORLD = 3, 6, 3
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguard.generation.transitions.real import FAULT_STEP, run_real_one
+from gpuguard.transitions.real import FAULT_STEP, run_real_one
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.diagnostics.jobmodel import (
+from gpuguard.foundation.observations import (
     BETWEEN, COLLECTIVE, COMPUTING, STARTING, CommError, HardwareEvidence, ProcessState, RankObservation,
 )
 from gpuguard.diagnostics.vote import load_config, to_json, vote
 from gpuguard.diagnostics.voters import VoteConfig, expected_collective_s, hang_bound_s
-from gpuguard.errors import DataError
+from gpuguard.foundation.errors import DataError
 
 CFG = VoteConfig()
 ALIVE = ProcessState("running", "pid 1")

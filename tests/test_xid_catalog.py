@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.diagnostics import xid_catalog as catalog
-from gpuguard.diagnostics.events import Event
+from gpuguard.foundation import xid_catalog as catalog
+from gpuguard.foundation.events import Event
 
 
 def xid(code: int, **fields) -> Event:

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpuguard.recovery.collective_trace import CollectiveTrace
+from gpuguard.foundation.collective_trace import CollectiveTrace
 
 STEPS = 6
 

@@ -18,8 +18,8 @@ from datetime import timedelta
 
 import psutil
 
-from gpuguard.recovery.jobdir import IncarnationRecord, write_incarnation
-from gpuguard.recovery.steplog import StepLog
+from gpuguard.foundation.jobdir import IncarnationRecord, write_incarnation
+from gpuguard.foundation.steplog import StepLog
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gpuguard.recovery.steplog import StepLog
+from gpuguard.foundation.steplog import StepLog
 
 
 def main() -> int:

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from gpuguard.generation.transitions import strategies as strat
-from gpuguard.generation.transitions.model import LAYOUTS
-from gpuguard.generation.transitions.oracle import judge
-from gpuguard.generation.transitions.schedules import Schedule, matrix
-from gpuguard.generation.transitions.sim import Sim
+from gpuguard.transitions import strategies as strat
+from gpuguard.transitions.model import LAYOUTS
+from gpuguard.transitions.oracle import judge
+from gpuguard.transitions.schedules import Schedule, matrix
+from gpuguard.transitions.sim import Sim
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Layout::
 
     <job-dir>/job.json                        job id (gpu-generation init, or the runtime's first start)
     <job-dir>/ledger/ + key                   generation ledger and signing key (generation/)
-    <job-dir>/ranks/                          per-rank step records (recovery/steplog.py)
+    <job-dir>/ranks/                          per-rank step records (foundation/steplog.py)
     <job-dir>/incarnations/<id>.json          one per worker process (this module)
     <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshot.py)
     <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from gpuguard.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 
 JOB_JSON = "job.json"
 JOB_SCHEMA = "gpuguard.job-dir/1"

@@ -1,6 +1,6 @@
 """The real-mode worker: the benchmark's mini-training as a torchrun/gloo job, one strategy per job.
 
-    torchrun --nproc-per-node=3 --max-restarts=1 ... -m gpuguard.generation.transitions.real_worker \
+    torchrun --nproc-per-node=3 --max-restarts=1 ... -m gpuguard.transitions.real_worker \
         --strategy gpuguard --job-dir DIR --fault process-death --boundary mid-optimizer-write
 
 The state is int64 tensors (parameters and momentum as module buffers; RNG, data position and step
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpuguard.generation.transitions import model as m
+from gpuguard.transitions import model as m
 
 POINTS = ("before-allreduce", "mid-optimizer-write", "before-commit")
 
@@ -139,7 +139,7 @@ def spawn_late_writer(a: argparse.Namespace, rank: int, step: int, holder: Holde
     (job / "bench-faults").mkdir(parents=True, exist_ok=True)
     spec = job / "bench-faults" / "late.json"
     spec.write_text(json.dumps(payload))
-    proc = subprocess.Popen([sys.executable, "-m", "gpuguard.generation.transitions.real_worker", "--late", str(spec)],
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguard.transitions.real_worker", "--late", str(spec)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     (job / "bench-faults" / "late.pid").write_text(str(proc.pid))
 

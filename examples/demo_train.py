@@ -1,6 +1,6 @@
 """A tiny deterministic data-parallel training job, for the demo, the tests and the benchmark.
 
-    torchrun --nproc-per-node=4 ... -m gpuguard.recovery.demo_train --job-dir DIR --steps 30 [--kill R:S:POINT ...]
+    torchrun --nproc-per-node=4 ... -m gpuguard.examples.demo_train --job-dir DIR --steps 30 [--kill R:S:POINT ...]
 
 Every rank holds the same small MLP (seeded), draws its batch from a generator seeded by
 (step, rank), all-reduces the gradients with gloo and steps SGD with momentum: the state after
@@ -213,7 +213,7 @@ def run_plain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpuguard.recovery.demo_train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gpuguard.examples.demo_train", description=__doc__.split("\n")[0])
     p.add_argument("--job-dir", default=os.environ.get("GPUGUARD_JOB_DIR"), required="GPUGUARD_JOB_DIR" not in os.environ)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")

@@ -136,7 +136,7 @@ class XidInfo:
 
 @lru_cache(maxsize=1)
 def _table() -> dict[int, XidInfo]:
-    text = resources.files("gpuguard.diagnostics").joinpath("data/xid_catalog.csv").read_text("utf-8")
+    text = resources.files("gpuguard.foundation").joinpath("data/xid_catalog.csv").read_text("utf-8")
     table: dict[int, XidInfo] = {}
     for row in csv.DictReader(text.splitlines()):
         code = int(row["code"])

@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuguard.generation.transitions import model as m
-from gpuguard.generation.transitions.sim import Late, Proc, Sim, new_incarnation
+from gpuguard.transitions import model as m
+from gpuguard.transitions.sim import Late, Proc, Sim, new_incarnation
 
 # Measured on this machine (reference/torchrun-gloo-findings.md, torch 2.13, gloo, 4 workers):
 RESTART_ALL_S = 8.20  # SIGKILL of 1 of 4 workers -> first step done by all restarted ranks (median, n=8)
@@ -226,7 +226,7 @@ def make(name: str) -> Any:
     if name == "communicator-only":
         return CommunicatorOnly()
     if name == "gpuguard":
-        from gpuguard.generation.transitions.certified import Certified
+        from gpuguard.transitions.certified import Certified
 
         return Certified()
     raise ValueError(f"unknown strategy {name!r} (one of {', '.join(STRATEGIES)})")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuguard.generation.transitions.model import LAYOUTS
+from gpuguard.transitions.model import LAYOUTS
 
 # boundary -> (site, whether the `ahead` ranks got past it)
 BOUNDARIES: dict[str, tuple[str, bool]] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gpuguard.diagnostics.logrule import Found, ParseState, Rule
+from gpuguard.collectors.logrule import Found, ParseState, Rule
 
 _RANK_IN_PG = re.compile(r"\bRank (\d+)\]")
 _RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterator
 
-from gpuguard.diagnostics.events import Event
-from gpuguard.diagnostics.logparse import MARKERS, MAX_LINE, LogParser
+from gpuguard.foundation.events import Event
+from gpuguard.collectors.logparse import MARKERS, MAX_LINE, LogParser
 
 CHUNK = 8 << 20
 MAX_LINE_BYTES = 4 * MAX_LINE  # >= MAX_LINE characters after decoding, so both paths cut alike

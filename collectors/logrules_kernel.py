@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from gpuguard.diagnostics import xid_catalog as catalog
-from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
-from gpuguard.diagnostics.logtime import line_time
+from gpuguard.foundation import xid_catalog as catalog
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logtime import line_time
 
 _PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
 _PCI_RE = re.compile(r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$")

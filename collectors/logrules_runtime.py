@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 import signal as _signal
 
-from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
-from gpuguard.diagnostics.logrules_comm import rank_of
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logrules_comm import rank_of
 
 
 def signal_name(exitcode: int | None) -> str | None:

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Generator
 
 from gpuguard.generation.records import Incarnation
-from gpuguard.generation.transitions import model as m
-from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome
-from gpuguard.generation.transitions.schedules import Schedule
+from gpuguard.transitions import model as m
+from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome
+from gpuguard.transitions.schedules import Schedule
 
 
 class CommError(Exception):

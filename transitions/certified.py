@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from gpuguard.errors import GpuguardError
+from gpuguard.foundation.errors import GpuguardError
 from gpuguard.generation.certificate import check, issue
 from gpuguard.generation.job import init_job
 from gpuguard.generation.keys import load_key
@@ -30,9 +30,9 @@ from gpuguard.generation.manifest import (
     write_manifest,
 )
 from gpuguard.generation.records import Certificate, Frontier, Member
-from gpuguard.generation.transitions import model as m
-from gpuguard.generation.transitions.sim import Late, Proc, Sim, new_incarnation
-from gpuguard.generation.transitions.strategies import REGROUP_S, SPAWN_S, _Base
+from gpuguard.transitions import model as m
+from gpuguard.transitions.sim import Late, Proc, Sim, new_incarnation
+from gpuguard.transitions.strategies import REGROUP_S, SPAWN_S, _Base
 
 ISSUER = "gpuguard-bench"
 SNAPSHOTS_KEPT = 3

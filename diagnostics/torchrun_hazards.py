@@ -14,35 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from gpuguard.errors import EXIT_CRITICAL, EXIT_OK, EXIT_WARNING
+from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_WARNING
+from gpuguard.foundation.torchrun_facts import AgentFacts, TorchrunFacts, WorkerFacts
 
 WARNING, CRITICAL = "warning", "critical"
 DEFAULT_INIT_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class AgentFacts:
-    """A torchrun agent process seen on this host."""
-
-    pid: int
-    options: Mapping[str, str]  # parsed rendezvous options (recovery.rendezvous.parse_torchrun_cmdline)
-
-
-@dataclass(frozen=True)
-class WorkerFacts:
-    """One recorded worker incarnation joined with what the OS and its step records say."""
-
-    rank: int
-    incarnation_id: str
-    pid: int
-    alive: bool  # the pid exists AND its create_time matches the record (a reused pid is not alive)
-    agent_pid: int
-    agent_alive: bool
-    ppid: int | None
-    started: float  # process create time (wall)
-    steps: int  # steps this incarnation recorded
-    restart_count: int = 0
-    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,3 +96,8 @@ def assess(agents: Iterable[AgentFacts], workers: Iterable[WorkerFacts], *, now:
             fix="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (or gpuguard's runtime); gpu-recover abort to restart"))
     agent_pids = {a.pid for a in agents} | {w.agent_pid for w in live if w.agent_alive}
     return Assessment(tuple(hazards), len(live), len(agent_pids), tuple(notes))
+
+
+def assess_facts(facts: TorchrunFacts, *, now: float, init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> Assessment:
+    """`assess` over what `collectors.torchrun.gather` found."""
+    return assess(facts.agents, facts.workers, now=now, init_timeout_s=init_timeout_s, notes=facts.notes)

@@ -36,6 +36,19 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterable
+
+from gpuguard.foundation.identity import own_start_time
+from gpuguard.foundation.observations import (
+    BETWEEN,
+    CLOSED,
+    COLLECTIVE,
+    COMPUTING,
+    STARTING,
+    Phase,
+    RankSeries,
+    StepSample,
+)
 
 FORMAT_VERSION = 1
 SUFFIX = ".steplog"
@@ -72,6 +85,7 @@ class StepLog:
         self.max_bytes = max(4096, int(max_bytes))
         self.keep = max(1, int(keep))
         self.pid = os.getpid()
+        self.start_time = own_start_time()  # the process identity (foundation.identity)
         self.host = socket.gethostname()
         lr = os.environ.get("LOCAL_RANK", "")
         self.local_rank = int(lr) if lr.isdigit() else None  # = the GPU index on most launchers
@@ -109,7 +123,7 @@ class StepLog:
             "v": FORMAT_VERSION, "rank": self.rank, "incarnation": self.incarnation,
             "generation": self.generation, "pid": self.pid, "host": self.host, "local_rank": self.local_rank,
             "world_size": self.world_size,
-            "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
+            "start_time": self.start_time, "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
         }
         self._raw(("H " + json.dumps(header, separators=(",", ":")) + "\n").encode())
         old = self._segment - self.keep
@@ -225,3 +239,133 @@ class _Collective:
             self.log.error(f"{self.op} {self.seq}: {exc}")
             return
         self.log.exit_collective(self.seq)
+
+
+# -- the reader side: segment names and records back into a RankSeries -----------------------------
+SEGMENT_NAME = re.compile(r"^(\d{1,7})\.([A-Za-z0-9_-]{1,64})\.(\d{6,})" + re.escape(SUFFIX) + r"$")
+CLOCK_JUMP_S = 1.0  # wall vs monotonic disagreement that counts as a clock jump
+MAX_STEPS = 4096  # most recent step samples kept per rank
+MAX_ERRORS = 8
+
+
+def parse_segment_name(name: str) -> tuple[int, str, int] | None:
+    """(rank, incarnation, segment) of a segment file name, or None for anything else."""
+    m = SEGMENT_NAME.match(name)
+    return (int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+def _start_time(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def _f(tok: str) -> float:
+    v = float(tok)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError("not finite")
+    return v
+
+
+def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str,
+                max_steps: int = MAX_STEPS) -> RankSeries:
+    """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises."""
+    header: dict = {}
+    steps: list[StepSample] = []
+    phase = Phase(STARTING)
+    errors: list[str] = []
+    bad = jumps = 0
+    last_wall = last_mono = 0.0
+    prev_wall = prev_mono = None
+    prev_end_mono: float | None = None
+    last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
+    for line in lines:
+        if not line:
+            continue
+        kind = line[0]
+        try:
+            if kind == "H":
+                h = json.loads(line[2:])
+                if not isinstance(h, dict):
+                    raise ValueError("header is not an object")
+                if not header:
+                    header = h
+                w, m = _f(str(h.get("wall", 0))), _f(str(h.get("mono", 0)))
+                if phase.kind == STARTING:
+                    phase = Phase(STARTING, since_wall=w, since_mono=m)
+            else:
+                t = line[2:].split(" ")
+                if kind == "S":
+                    if len(t) != 3:
+                        raise ValueError
+                    step, w, m = int(t[0]), _f(t[1]), _f(t[2])
+                    phase = Phase(COMPUTING, step=step, seq=last_seq, since_wall=w, since_mono=m)
+                elif kind == "C":
+                    if len(t) != 6:
+                        raise ValueError
+                    seq, step, w, m, nb = int(t[0]), int(t[1]), _f(t[2]), _f(t[3]), int(t[4])
+                    phase = Phase(COLLECTIVE, step=step, seq=seq, op=t[5], nbytes=nb, since_wall=w, since_mono=m)
+                elif kind == "X":
+                    if len(t) != 4:
+                        raise ValueError
+                    seq, w, m = int(t[0]), _f(t[1]), _f(t[2])
+                    _f(t[3])
+                    last_seq = max(last_seq, seq)
+                    phase = Phase(COMPUTING, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
+                elif kind == "E":
+                    if len(t) != 6:
+                        raise ValueError
+                    step, w, m, comp, wait, nb = int(t[0]), _f(t[1]), _f(t[2]), _f(t[3]), _f(t[4]), int(t[5])
+                    if comp < 0 or wait < 0:
+                        raise ValueError
+                    interval = (m - prev_end_mono) if prev_end_mono is not None and m > prev_end_mono else None
+                    steps.append(StepSample(step, w, m, comp, wait, nb, interval))
+                    if len(steps) > 2 * max_steps:
+                        del steps[: len(steps) - max_steps]
+                    prev_end_mono = m
+                    phase = Phase(BETWEEN, step=step, seq=last_seq, since_wall=w, since_mono=m)
+                elif kind == "B":
+                    if len(t) != 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                elif kind == "F":
+                    if len(t) < 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                    errors.append(" ".join(t[2:]))
+                    del errors[:-MAX_ERRORS]
+                elif kind == "Z":
+                    if len(t) != 2:
+                        raise ValueError
+                    w, m = _f(t[0]), _f(t[1])
+                    phase = Phase(CLOSED, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
+                else:
+                    raise ValueError
+                if prev_wall is not None and abs((w - prev_wall) - (m - prev_mono)) > CLOCK_JUMP_S:
+                    jumps += 1
+                prev_wall, prev_mono = w, m
+                last_wall, last_mono = w, m
+        except (ValueError, IndexError, TypeError, OverflowError):
+            bad += 1
+    pid = header.get("pid")
+    lr = header.get("local_rank")
+    ws = header.get("world_size")
+    return RankSeries(
+        rank=rank,
+        incarnation=incarnation,
+        generation=int(header.get("generation", 0)) if isinstance(header.get("generation", 0), int) else 0,
+        pid=pid if isinstance(pid, int) and pid > 0 else None,
+        host=str(header.get("host", "")),
+        local_rank=lr if isinstance(lr, int) and not isinstance(lr, bool) and lr >= 0 else None,
+        world_size=ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 10_000_000 else None,
+        start_time=_start_time(header.get("start_time")),
+        start_wall=float(header.get("wall", 0) or 0) if isinstance(header.get("wall", 0), (int, float)) else 0.0,
+        start_mono=float(header.get("mono", 0) or 0) if isinstance(header.get("mono", 0), (int, float)) else 0.0,
+        steps=tuple(steps[-max_steps:]),
+        phase=phase,
+        last_wall=last_wall or (phase.since_wall if phase.kind == STARTING else 0.0),
+        last_mono=last_mono or (phase.since_mono if phase.kind == STARTING else 0.0),
+        errors=tuple(errors),
+        bad_lines=bad,
+        clock_jumps=jumps,
+    )
+
+

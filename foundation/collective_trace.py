@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-from gpuguard.recovery.jobdir import atomic_write_bytes
+from gpuguard.foundation.jobdir import atomic_write_bytes
 
 SCHEMA = "gpuguard.collective-trace/1"
 STATE_SCHEDULED = "scheduled"

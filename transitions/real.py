@@ -19,12 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuguard.errors import UnavailableError
-from gpuguard.generation.transitions.model import TrainState
-from gpuguard.generation.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
-from gpuguard.generation.transitions.runner import Row
-from gpuguard.recovery.demo import free_port
-from gpuguard.recovery.demo import run_job as run_torchrun
+from gpuguard.foundation.errors import UnavailableError
+from gpuguard.transitions.model import TrainState
+from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
+from gpuguard.transitions.runner import Row
+from gpuguard.examples.demo import free_port
+from gpuguard.examples.demo import run_job as run_torchrun
 
 REAL_SCHEDULES = {
     "restart-all": (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
@@ -54,7 +54,7 @@ def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, t
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={workers}",
             "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=transitions-{port}", "--monitor-interval=0.1",
-            "-m", "gpuguard.generation.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job),
+            "-m", "gpuguard.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job),
             "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--fault", fault, "--boundary", boundary,
             "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}
@@ -92,7 +92,7 @@ def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s:
             log = open(job / f"worker-{r}.log", "w")  # noqa: SIM115 - closed in finally
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gpuguard.generation.transitions.real_worker", "--strategy",
+                [sys.executable, "-m", "gpuguard.transitions.real_worker", "--strategy",
                  "communicator-only", "--job-dir", str(job), "--steps", str(STEPS), "--fault", fault, "--boundary",
                  boundary, "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))

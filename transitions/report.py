@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
-from gpuguard.generation.transitions.runner import Row
-from gpuguard.generation.transitions.schedules import BOUNDARIES, FAULTS
+from gpuguard.transitions.runner import Row
+from gpuguard.transitions.schedules import BOUNDARIES, FAULTS
 
 SCHEMA = "gpuguard.bench/1"
 BENCH = "transitions"

@@ -57,6 +57,7 @@ class RankSeries:
     host: str = ""
     local_rank: int | None = None  # the GPU index on its host, when the launcher set LOCAL_RANK
     world_size: int | None = None  # WORLD_SIZE as the rank saw it
+    start_time: float | None = None  # the process's create time (foundation.identity), if recorded
     start_wall: float = 0.0
     start_mono: float = 0.0
     steps: tuple[StepSample, ...] = ()

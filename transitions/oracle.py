@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from gpuguard.generation.transitions.model import N_PARAMS, TrainState, reference
+from gpuguard.transitions.model import N_PARAMS, TrainState, reference
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`gpu-recover demo --scenario node-loss`: a node dies and the survivors switch generation in place.
 
 Three real `torchrun` agents (`--nnodes=3`, one gloo worker each, c10d rendezvous) run
-`gpuguard.recovery.inplace_train` on this host as three "nodes". The rendezvous TCPStore lives in
+`gpuguard.examples.inplace_train` on this host as three "nodes". The rendezvous TCPStore lives in
 this process, a host that runs no training: with the agent-hosted default, losing the node that
 hosts it makes every surviving agent kill its workers (see tests/test_inplace_torchrun.py). Once
 the job has committed `kill_step` steps, the node whose worker is rank 0 (the first coordinator
@@ -25,8 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuguard.errors import UnavailableError
-from gpuguard.recovery.demo import _first_commit_time, free_port
+from gpuguard.foundation.errors import UnavailableError
+from gpuguard.examples.demo import _first_commit_time, free_port
 
 AGENTS = 3
 LAUNCHER = f"torchrun: {AGENTS} agents (--nnodes={AGENTS}, 1 gloo worker each), rendezvous store off the training nodes"
@@ -119,7 +119,7 @@ def run_node_loss(job: Path, *, steps: int, kill_step: int, timeout_s: float,
         warnings.simplefilter("ignore")
         import torch.distributed as dist  # noqa: PLC0415
 
-    from gpuguard.recovery.inplace_train import reference  # noqa: PLC0415
+    from gpuguard.examples.inplace_train import reference  # noqa: PLC0415
 
     res = NodeLossResult(job)
     port = free_port()
@@ -134,7 +134,7 @@ def run_node_loss(job: Path, *, steps: int, kill_step: int, timeout_s: float,
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--nproc-per-node", "1",
                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"demo-{job.name}",
-                     "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "gpuguard.recovery.inplace_train"],
+                     "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "gpuguard.examples.inplace_train"],
                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         on_event(f"started {AGENTS} agents (pids {', '.join(str(a.pid) for a in agents)}); "
                  f"rendezvous store on 127.0.0.1:{port} in this process")

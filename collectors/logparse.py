@@ -43,14 +43,14 @@ from __future__ import annotations
 import re
 from typing import Iterable, Iterator
 
-from gpuguard.diagnostics.events import EVENTS_SCHEMA, Event
-from gpuguard.diagnostics.logrule import ABSORBED, Found, ParseState, Rule
-from gpuguard.diagnostics.logrules_comm import RULES as _COMM
-from gpuguard.diagnostics.logrules_kernel import RULES as _KERNEL
-from gpuguard.diagnostics.logrules_runtime import CUDA_RULES as _CUDA
-from gpuguard.diagnostics.logrules_runtime import HOST_RULES as _HOST
-from gpuguard.diagnostics.logrules_runtime import RULES as _RUNTIME
-from gpuguard.diagnostics.logtime import line_time
+from gpuguard.foundation.events import EVENTS_SCHEMA, Event
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logrules_comm import RULES as _COMM
+from gpuguard.collectors.logrules_kernel import RULES as _KERNEL
+from gpuguard.collectors.logrules_runtime import CUDA_RULES as _CUDA
+from gpuguard.collectors.logrules_runtime import HOST_RULES as _HOST
+from gpuguard.collectors.logrules_runtime import RULES as _RUNTIME
+from gpuguard.collectors.logtime import line_time
 
 __all__ = ["EVENTS_SCHEMA", "MARKERS", "MAX_LINE", "LogParser", "LogScan", "RULES", "has_marker", "iter_events",
            "iter_file_events", "parse_line", "records"]
@@ -188,7 +188,7 @@ def iter_events(lines: Iterable[str | bytes], *, source: str | None = None, star
 def __getattr__(name: str):
     """`iter_file_events` / `LogScan` live in `logscan` (which builds on this module); re-exported lazily."""
     if name in ("iter_file_events", "LogScan"):
-        from gpuguard.diagnostics import logscan
+        from gpuguard.collectors import logscan
 
         return getattr(logscan, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

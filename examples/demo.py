@@ -1,6 +1,6 @@
 """`gpu-recover demo`: a real torchrun job loses a worker mid optimizer step and comes back, certified.
 
-It starts 4 gloo workers of `gpuguard.recovery.demo_train` under plain `torchrun` (torch's
+It starts 4 gloo workers of `gpuguard.examples.demo_train` under plain `torchrun` (torch's
 defaults: the shared store that makes unguarded restarts hang), SIGKILLs rank 2 in the middle of
 its optimizer update, lets torchrun restart the group and the gpuguard runtime agree on the
 frontier, verify the certificate and restore, then shows the certified generation with
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpuguard.errors import UnavailableError
+from gpuguard.foundation.errors import UnavailableError
 
 
 @dataclass
@@ -49,7 +49,7 @@ def torchrun_argv(job_dir: Path, *, workers: int, steps: int, kills: list[str], 
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={workers}",
             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={run_id}", "--monitor-interval=0.1",
-            "-m", "gpuguard.recovery.demo_train", "--job-dir", str(job_dir), "--steps", str(steps)]
+            "-m", "gpuguard.examples.demo_train", "--job-dir", str(job_dir), "--steps", str(steps)]
     for k in kills:
         argv += ["--kill", k]
     return argv + list(extra)
@@ -100,7 +100,7 @@ def stop_job(proc: subprocess.Popen, job_dir: Path) -> None:
 
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if "gpuguard.recovery.demo_train" in cmd and str(job_dir) in cmd:
+        if "gpuguard.examples.demo_train" in cmd and str(job_dir) in cmd:
             try:
                 p.kill()
             except psutil.Error:

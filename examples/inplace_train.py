@@ -183,7 +183,7 @@ class Cluster:
             for r in range(n):
                 with open(logs / f"worker-{r}.log", "wb") as log:
                     cluster.procs[r] = subprocess.Popen(
-                        [sys.executable, "-m", "gpuguard.recovery.inplace_train"],
+                        [sys.executable, "-m", "gpuguard.examples.inplace_train"],
                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True)
         except BaseException:

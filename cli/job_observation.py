@@ -1,0 +1,65 @@
+"""Readers in, vote features out: the join `diagnose job` and `watch job` run before the vote.
+
+Readers (`collectors`) and judges (`diagnostics`) never import each other, so the one place that
+reads the step records, the process table and the launcher's logs and hands them to the judges'
+feature extraction is here, above both. The clock is read here too: the judges take `now` as data.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from gpuguard.collectors.liveness import (
+    comm_errors_from_logs,
+    exit_codes_from_logs,
+    local_host,
+    probe_process,
+    with_exit_code,
+)
+from gpuguard.collectors.log_steps import LogStepSpec, read_log_steps
+from gpuguard.collectors.step_records import JobRecords, read_job
+from gpuguard.diagnostics.jobevidence import hardware_from_node_reports
+from gpuguard.diagnostics.jobstats import comm_errors_from_text, observe
+from gpuguard.foundation.observations import ProcessState, RankObservation
+
+
+def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: int = 2000,
+                now_wall: float | None = None, probe: bool = True,
+                logs: Iterable[str | os.PathLike[str]] = (), log_spec: LogStepSpec | None = None,
+                node_reports: Iterable[dict[str, Any]] = (), launcher_logs: Iterable[str | os.PathLike[str]] = (),
+                ) -> tuple[JobRecords, list[RankObservation]]:
+    """Read the records and the process table; return (records, observations) ready for the vote.
+
+    With `logs` and `log_spec`, ranks that wrote no StepLog records are read from training logs instead.
+
+    Ages use the monotonic clock for ranks written on this host (immune to wall-clock jumps), the wall
+    clock otherwise; processes are probed only on this host (a pid means nothing elsewhere).
+    """
+    records = read_job(job_dir, max_steps=history)
+    if log_spec is not None:
+        from_logs = read_log_steps(logs, log_spec, max_steps=history)
+        merged = {**from_logs, **records.ranks}
+        records = JobRecords(records.job_dir, dict(sorted(merged.items())), records.skipped_files)
+    hardware = hardware_from_node_reports(
+        node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
+    codes = exit_codes_from_logs(launcher_logs)
+    comm = comm_errors_from_logs([*logs, *launcher_logs])
+    here = local_host()
+    now_w = time.time() if now_wall is None else now_wall
+    now_m = time.monotonic()
+    out = []
+    for series in records.ranks.values():
+        local = series.host == here and now_wall is None
+        proc = probe_process(series.pid, series.start_time, series.start_wall) if (probe and local) else ProcessState(
+            "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
+        proc = with_exit_code(proc, series.pid, codes)
+        ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
+        out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
+                           window=window, history=history, hardware=hardware.get(series.rank, ()), comm_errors=ce))
+    for rank in records.silent_ranks[:100_000]:
+        out.append(RankObservation(rank=rank, has_records=False,
+                                   notes=(f"WORLD_SIZE is {records.expected_world} but rank {rank} wrote no records",)))
+    return records, out
