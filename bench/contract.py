@@ -32,19 +32,33 @@ from _common import emit, wants_json  # noqa: E402
 BIN = Path(sys.executable).parent
 FIRST_SEQ = 48_001
 FRAMES = {
-    name: [{"name": "all_reduce" if "reduce" in name else name,
-            "filename": "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", "line": 3245},
-           {"name": "wrapper", "filename": "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py",
-            "line": 83},
-           {"name": fn, "filename": "/job/train.py", "line": line}]
-    for name, fn, line in (("all_gather_into_tensor", "fsdp_unshard", 120), ("reduce_scatter_tensor", "fsdp_reshard", 141),
-                           ("all_reduce", "clip_grad_norm", 207), ("broadcast", "sync_rng", 33))
+    name: [
+        {
+            "name": "all_reduce" if "reduce" in name else name,
+            "filename": "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+            "line": 3245,
+        },
+        {
+            "name": "wrapper",
+            "filename": "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py",
+            "line": 83,
+        },
+        {"name": fn, "filename": "/job/train.py", "line": line},
+    ]
+    for name, fn, line in (
+        ("all_gather_into_tensor", "fsdp_unshard", 120),
+        ("reduce_scatter_tensor", "fsdp_reshard", 141),
+        ("all_reduce", "clip_grad_norm", 207),
+        ("broadcast", "sync_rng", 33),
+    )
 }
 # (profiling name, frames key, input numel, output numel as a multiple of the world size or 1)
-PATTERN = (("_all_gather_base", "all_gather_into_tensor", 4096, "world"),
-           ("_reduce_scatter_base", "reduce_scatter_tensor", 4096, "shard"),
-           ("all_reduce", "all_reduce", 1024, None),
-           ("broadcast", "broadcast", 2, None))
+PATTERN = (
+    ("_all_gather_base", "all_gather_into_tensor", 4096, "world"),
+    ("_reduce_scatter_base", "reduce_scatter_tensor", 4096, "shard"),
+    ("all_reduce", "all_reduce", 1024, None),
+    ("broadcast", "broadcast", 2, None),
+)
 
 
 def make_entries(n: int, rank: int, world: int) -> list[dict]:
@@ -59,16 +73,31 @@ def make_entries(n: int, rank: int, world: int) -> list[dict]:
         insz = [[numel * world]] if kind == "shard" else [[numel]]
         outsz = [[numel * world]] if kind == "world" else [[numel]]
         last = i == n - 1
-        entries.append({
-            "record_id": seq - 1, "pg_id": 0, "process_group": pg, "thread_name": "python", "thread_id": "1",
-            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{op}",
-            "time_created_ns": t0 + i * 1_000_000, "input_sizes": insz, "input_dtypes": ["BFloat16"],
-            "output_sizes": outsz, "output_dtypes": ["BFloat16"],
-            "state": "started" if last else "completed",
-            "time_discovered_started_ns": t0 + i * 1_000_000 + 10, "time_discovered_completed_ns":
-                None if last else t0 + i * 1_000_000 + 900_000,
-            "retired": not last, "timeout_ms": 600_000, "is_p2p": False,
-            "frames": list(FRAMES[fname])})  # a new list of shared frame dicts, as the C++ writer emits
+        entries.append(
+            {
+                "record_id": seq - 1,
+                "pg_id": 0,
+                "process_group": pg,
+                "thread_name": "python",
+                "thread_id": "1",
+                "collective_seq_id": seq,
+                "p2p_seq_id": 0,
+                "op_id": seq,
+                "profiling_name": f"nccl:{op}",
+                "time_created_ns": t0 + i * 1_000_000,
+                "input_sizes": insz,
+                "input_dtypes": ["BFloat16"],
+                "output_sizes": outsz,
+                "output_dtypes": ["BFloat16"],
+                "state": "started" if last else "completed",
+                "time_discovered_started_ns": t0 + i * 1_000_000 + 10,
+                "time_discovered_completed_ns": None if last else t0 + i * 1_000_000 + 900_000,
+                "retired": not last,
+                "timeout_ms": 600_000,
+                "is_p2p": False,
+                "frames": list(FRAMES[fname]),
+            }
+        )  # a new list of shared frame dicts, as the C++ writer emits
     return entries
 
 
@@ -84,10 +113,19 @@ def write_dumps(root: Path, world: int, n: int, culprit: int) -> int:
         entries = base
         if rank == culprit:
             entries = base[:-1] + [dict(base[-1], input_sizes=[[512]], output_sizes=[[512]])]
-        doc = {"version": "2.10", "pg_config": cfg, "comm_lib_version": "2.27.3",
-               "pg_status": {"0": {"last_enqueued_collective": bad_seq, "last_started_collective": bad_seq,
-                                   "last_completed_collective": bad_seq - 1}},
-               "entries": entries}
+        doc = {
+            "version": "2.10",
+            "pg_config": cfg,
+            "comm_lib_version": "2.27.3",
+            "pg_status": {
+                "0": {
+                    "last_enqueued_collective": bad_seq,
+                    "last_started_collective": bad_seq,
+                    "last_completed_collective": bad_seq - 1,
+                }
+            },
+            "entries": entries,
+        }
         (root / f"rank_{rank}").write_bytes(pickle.dumps(doc, protocol=2))
     return bad_seq
 
@@ -141,9 +179,16 @@ def bench_gpuguard(root: Path, world: int, n: int, bad_seq: int, culprit: int, l
     if rc in (0, 1):
         d = json.loads(text).get("first_divergence") or {}
         found = d.get("seq") == bad_seq and d.get("ranks") == [culprit] and d.get("kind") == "size_mismatch"
-    return {"method": "gpu-doctor contract", "ranks": world, "entries": n, "seconds": round(secs, 3),
-            "peak_mb": round(peak, 1), "found": found, "cpu_s": round(cpu, 2),
-            "status": f"exit {rc}" if rc is not None else "timeout"}
+    return {
+        "method": "gpu-doctor contract",
+        "ranks": world,
+        "entries": n,
+        "seconds": round(secs, 3),
+        "peak_mb": round(peak, 1),
+        "found": found,
+        "cpu_s": round(cpu, 2),
+        "status": f"exit {rc}" if rc is not None else "timeout",
+    }
 
 
 def bench_torchfrtrace(root: Path, world: int, n: int, bad_seq: int, culprit: int, limit: float) -> dict:
@@ -158,9 +203,16 @@ def bench_torchfrtrace(root: Path, world: int, n: int, bad_seq: int, culprit: in
         status = f"crashed (exit {rc}): {last[0][:100]}"
     else:
         status = "exit 0"
-    return {"method": "torchfrtrace", "ranks": world, "entries": n,
-            "seconds": round(secs, 3) if rc is not None else None, "peak_mb": round(peak, 1), "found": found,
-            "cpu_s": round(cpu, 2), "status": status}
+    return {
+        "method": "torchfrtrace",
+        "ranks": world,
+        "entries": n,
+        "seconds": round(secs, 3) if rc is not None else None,
+        "peak_mb": round(peak, 1),
+        "found": found,
+        "cpu_s": round(cpu, 2),
+        "status": status,
+    }
 
 
 def bench_record(calls: int = 1_000_000, persist: str | None = None) -> dict:
@@ -173,8 +225,15 @@ def bench_record(calls: int = 1_000_000, persist: str | None = None) -> dict:
         rec("all_reduce", "default", i, 1024, "bfloat16", "sum", "train.py:207")
     elapsed = time.perf_counter_ns() - t0
     name = "CollectiveTrace.record" + (" (persist=mmap ring)" if persist else "")
-    return {"method": name, "ranks": 1, "entries": calls, "seconds": round(elapsed / 1e9, 3),
-            "peak_mb": None, "found": None, "status": f"{elapsed / calls:.0f} ns per record"}
+    return {
+        "method": name,
+        "ranks": 1,
+        "entries": calls,
+        "seconds": round(elapsed / 1e9, 3),
+        "peak_mb": None,
+        "found": None,
+        "status": f"{elapsed / calls:.0f} ns per record",
+    }
 
 
 def main() -> int:
@@ -196,23 +255,29 @@ def main() -> int:
             d = root / f"w{world}"
             t0 = time.perf_counter()
             bad_seq = write_dumps(d, world, args.entries, culprit)
-            notes.append(f"{world} ranks: wrote {world} dumps ({sum(f.stat().st_size for f in d.iterdir()) / 2**20:.0f}"
-                         f" MiB) in {time.perf_counter() - t0:.1f} s; planted size mismatch on rank {culprit} at "
-                         f"seq {bad_seq}")
+            notes.append(
+                f"{world} ranks: wrote {world} dumps ({sum(f.stat().st_size for f in d.iterdir()) / 2**20:.0f}"
+                f" MiB) in {time.perf_counter() - t0:.1f} s; planted size mismatch on rank {culprit} at "
+                f"seq {bad_seq}"
+            )
             results.append(bench_gpuguard(d, world, args.entries, bad_seq, culprit, args.limit))
             if not args.no_baseline:
                 results.append(bench_torchfrtrace(d, world, args.entries, bad_seq, culprit, args.limit))
                 g, f = results[-2], results[-1]
                 if g["seconds"] and f["seconds"] and f["status"] == "exit 0":
-                    notes.append(f"{world} ranks: torchfrtrace / gpu-doctor: {f['seconds'] / g['seconds']:.1f}x wall "
-                                 f"time, {f['cpu_s'] / max(g['cpu_s'], 1e-9):.1f}x CPU time")
+                    notes.append(
+                        f"{world} ranks: torchfrtrace / gpu-doctor: {f['seconds'] / g['seconds']:.1f}x wall "
+                        f"time, {f['cpu_s'] / max(g['cpu_s'], 1e-9):.1f}x CPU time"
+                    )
             shutil.rmtree(d, ignore_errors=True)
         results.append(bench_record())
         results.append(bench_record(persist=str(root / "rank_0.ring")))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    notes.append("peak_mb: sampled RSS (50 ms) of the tool's whole process tree; torchfrtrace unpickles the dumps "
-                 "unrestricted, gpu-doctor with a restricted unpickler")
+    notes.append(
+        "peak_mb: sampled RSS (50 ms) of the tool's whole process tree; torchfrtrace unpickles the dumps "
+        "unrestricted, gpu-doctor with a restricted unpickler"
+    )
     emit("contract", results, args.json or wants_json(), notes)
     return 0
 

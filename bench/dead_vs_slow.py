@@ -41,10 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.foundation.observations import COLLECTIVE, COMPUTING, ProcessState, RankObservation  # noqa: E402
 from gpuguard.diagnostics.jobstats import quantile  # noqa: E402
 from gpuguard.diagnostics.vote import load_config, vote  # noqa: E402
 from gpuguard.diagnostics.voters import Cohort, cohort_speed, confirm_window_s  # noqa: E402
+from gpuguard.foundation.observations import COLLECTIVE, COMPUTING, ProcessState, RankObservation  # noqa: E402
 
 ND = statistics.NormalDist()
 RUNNING = ProcessState("running", "simulated")
@@ -106,8 +106,12 @@ class Sim:
         self.consistent = True
         self.targets: list[float] = []
         spread = 1.4826 * 0.674 * p.sigma * 1.2533 / math.sqrt(p.window)  # MAD of window medians (log space)
-        self.cohort = Cohort(world=p.ranks, compute_median_s=p.median_s,
-                             compute_mad_s=p.median_s * spread / 1.4826, ranks_with_steps=p.ranks)
+        self.cohort = Cohort(
+            world=p.ranks,
+            compute_median_s=p.median_s,
+            compute_mad_s=p.median_s * spread / 1.4826,
+            ranks_with_steps=p.ranks,
+        )
 
     # -- random pieces ----------------------------------------------------------------------------
     def compute(self, rank: int) -> float:
@@ -141,18 +145,31 @@ class Sim:
         return quantile(s, 0.5), quantile(s, 0.99), quantile(s, 0.999)
 
     # -- observations ------------------------------------------------------------------------------
-    def obs(self, rank: int, phase: str, age: float, step: int, alive: ProcessState = RUNNING,
-            compute: float | None = None) -> RankObservation:
+    def obs(
+        self, rank: int, phase: str, age: float, step: int, alive: ProcessState = RUNNING, compute: float | None = None
+    ) -> RankObservation:
         p50, p99, p999 = self.quantiles()
         c = compute if compute is not None else self.p.median_s * self.stragglers.get(rank, 1.0)
-        return RankObservation(rank=rank, alive=alive, phase=phase, phase_step=step,
-                               phase_seq=step if phase == COLLECTIVE else step - 1, phase_age_s=max(age, 0.0),
-                               progress_age_s=max(age, 0.0), n_steps=len(self.periods), period_p50_s=p50,
-                               period_p99_s=p99, period_p999_s=p999, compute_p50_s=c, recent_compute_s=c,
-                               recent_period_s=p50)
+        return RankObservation(
+            rank=rank,
+            alive=alive,
+            phase=phase,
+            phase_step=step,
+            phase_seq=step if phase == COLLECTIVE else step - 1,
+            phase_age_s=max(age, 0.0),
+            progress_age_s=max(age, 0.0),
+            n_steps=len(self.periods),
+            period_p50_s=p50,
+            period_p99_s=p99,
+            period_p999_s=p999,
+            compute_p50_s=c,
+            recent_compute_s=c,
+            recent_period_s=p50,
+        )
 
-    def instant_obs(self, t_rel: float, step: int, explicit: dict[int, float], fault: tuple | None,
-                    t_fault_rel: float = math.inf) -> list[RankObservation]:
+    def instant_obs(
+        self, t_rel: float, step: int, explicit: dict[int, float], fault: tuple | None, t_fault_rel: float = math.inf
+    ) -> list[RankObservation]:
         """Every rank still computing at t_rel into the step, plus a sample of waiters."""
         out = []
         for r, c in explicit.items():
@@ -190,8 +207,10 @@ class Sim:
         kinds = ["death"] * p.deaths + ["node-loss"] * p.node_losses + ["hang"] * p.hangs
         rng.shuffle(kinds)
         faults = {s: k for s, k in zip(fault_steps, kinds)}
-        strag_at = {s: rng.uniform(p.straggler_lo, p.straggler_hi)
-                    for s in rng.sample(range(p.warm, p.steps - 2 * p.window), p.stragglers)}
+        strag_at = {
+            s: rng.uniform(p.straggler_lo, p.straggler_hi)
+            for s in rng.sample(range(p.warm, p.steps - 2 * p.window), p.stragglers)
+        }
         strag_since: dict[int, int] = {}
         min_kick_age = min(self.cfg.hang_floor_s, self.cfg.initial_timeout_s) + confirm_window_s(self.cfg)
         t = rng.uniform(0, p.interval_s)
@@ -288,8 +307,9 @@ class Sim:
         stall = max(detected.values(), default=p.horizon_s)
         return t + t_f_rel + min(stall, p.horizon_s) + 10.0  # + restart
 
-    def time_full_vote(self, rel: float, s: int, explicit: dict[int, float], fault: tuple, t_f_rel: float,
-                       prev, expected: str) -> None:
+    def time_full_vote(
+        self, rel: float, s: int, explicit: dict[int, float], fault: tuple, t_f_rel: float, prev, expected: str
+    ) -> None:
         """One vote over every rank at a real instant: its time, and that it agrees with the reduced vote."""
         full = []
         for r in range(self.p.ranks):
@@ -394,15 +414,22 @@ def main(argv: list[str] | None = None) -> int:
     for m in METHODS:
         tl = total[m]
         detects = m in ("vote", "nvrx-5x-max")
-        rows.append({
-            "method": m, "false_kicks": tl.false_kicks, "missed": tl.missed,
-            "hang_latency_p50_s": pct(tl.hang_lat, 0.5), "hang_latency_p99_s": pct(tl.hang_lat, 0.99),
-            "death_latency_p50_s": pct(tl.death_lat, 0.5), "death_latency_p99_s": pct(tl.death_lat, 0.99),
-            "hangs_within_target": f"{tl.hang_within_target}/{tl.hang_events}",
-            "straggler_recall": (round(tl.stragglers_found / tl.stragglers_total, 3)
-                                 if detects and tl.stragglers_total else 0.0),
-            "straggler_false_positives": tl.straggler_fp if detects else 0,
-        })
+        rows.append(
+            {
+                "method": m,
+                "false_kicks": tl.false_kicks,
+                "missed": tl.missed,
+                "hang_latency_p50_s": pct(tl.hang_lat, 0.5),
+                "hang_latency_p99_s": pct(tl.hang_lat, 0.99),
+                "death_latency_p50_s": pct(tl.death_lat, 0.5),
+                "death_latency_p99_s": pct(tl.death_lat, 0.99),
+                "hangs_within_target": f"{tl.hang_within_target}/{tl.hang_events}",
+                "straggler_recall": (
+                    round(tl.stragglers_found / tl.stragglers_total, 3) if detects and tl.stragglers_total else 0.0
+                ),
+                "straggler_false_positives": tl.straggler_fp if detects else 0,
+            }
+        )
     notes = [
         f"{args.seeds} seed(s) × {p.ranks} ranks × {p.steps} steps; per seed {p.deaths} process deaths, "
         f"{p.node_losses} node losses, {p.hangs} hangs, {p.stragglers} stragglers; checks every {p.interval_s:g} s",

@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.generation.ledger import open_ledger  # noqa: E402
-from gpuguard.recovery.inplace import inplace_dir  # noqa: E402
 from gpuguard.examples.inplace_train import Cluster, reference  # noqa: E402
+from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
+from gpuguard.recovery.inplace import inplace_dir  # noqa: E402
 
 WORKERS = 4
 KILL_EVERY = 6
@@ -63,9 +63,15 @@ def measure_launch(job: Path, faults: list[tuple[int, int, str]], spec: str, ste
         results = c.results()
     survivors = [r for r in range(WORKERS) if r not in {f[0] for f in faults}]
     ref = reference(steps)
-    oracle_ok = (sorted(results) == survivors and codes and all(codes[r] == 0 for r in survivors)
-                 and all(all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(d["params"], ref))
-                         for d in results.values()))
+    oracle_ok = (
+        sorted(results) == survivors
+        and codes
+        and all(codes[r] == 0 for r in survivors)
+        and all(
+            all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(d["params"], ref))
+            for d in results.values()
+        )
+    )
     led = open_ledger(job)
     history = led.history()
     trials = []
@@ -86,26 +92,45 @@ def measure_launch(job: Path, faults: list[tuple[int, int, str]], spec: str, ste
         last = max(recs, key=lambda r: r["phases"]["first_commit"])["phases"]
         commits, _ = led.commits(gen - 1)
         by_all = led.last_committed_by_all(gen - 1)
-        trial.update({
-            "recovered": True, "resume_s": first - kill_t,
-            "steps_lost": max(0, (by_all if by_all is not None else cert.frontier.step) - cert.frontier.step),
-            "steps_redone": max([c.step for c in commits] + [cert.frontier.step]) - cert.frontier.step,
-            "phases": {"detect": ph["detect"] - kill_t,
-                       "decide": last["decided"] - ph["detect"],
-                       "restore": last["restored"] - last["decided"],
-                       "reform_group": last["group_ready"] - last["restored"],
-                       "first_step": last["first_commit"] - last["group_ready"]},
-            "certify_phases": dict(cert.extra.get("phases") or {}),
-        })
-    costs = [(d["remember_p50_s"], d["step_time_p50_s"]) for d in results.values()
-             if d.get("remember_p50_s") is not None and d.get("step_time_p50_s")]
+        trial.update(
+            {
+                "recovered": True,
+                "resume_s": first - kill_t,
+                "steps_lost": max(0, (by_all if by_all is not None else cert.frontier.step) - cert.frontier.step),
+                "steps_redone": max([c.step for c in commits] + [cert.frontier.step]) - cert.frontier.step,
+                "phases": {
+                    "detect": ph["detect"] - kill_t,
+                    "decide": last["decided"] - ph["detect"],
+                    "restore": last["restored"] - last["decided"],
+                    "reform_group": last["group_ready"] - last["restored"],
+                    "first_step": last["first_commit"] - last["group_ready"],
+                },
+                "certify_phases": dict(cert.extra.get("phases") or {}),
+            }
+        )
+    costs = [
+        (d["remember_p50_s"], d["step_time_p50_s"])
+        for d in results.values()
+        if d.get("remember_p50_s") is not None and d.get("step_time_p50_s")
+    ]
     return {"oracle_ok": bool(oracle_ok), "trials": trials, "generations": len(history) - 1, "costs": costs}
 
 
 def restart_baseline(trials: int, timeout: float) -> dict | None:
     """The restart path's row from bench/recovery.py, run now (same machine, same load)."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "recovery.py"), "--json", "--methods", "gpuguard",
-           "--trials", str(trials), "--overhead-steps", "5", "--burn", "0.01"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "recovery.py"),
+        "--json",
+        "--methods",
+        "gpuguard",
+        "--trials",
+        str(trials),
+        "--overhead-steps",
+        "5",
+        "--burn",
+        "0.01",
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         doc = json.loads(out.stdout)
@@ -137,13 +162,20 @@ def measure(trials: int, timeout: float, work: Path, log=lambda msg: None) -> di
         i += 1
     ok = [t for t in records if t["recovered"]]
     resumes = [t["resume_s"] for t in ok]
-    row = {"method": "in-place", "trials": len(records), "recovered": len(ok),
-           "resume_p50_s": pct(resumes, 0.5), "resume_p90_s": pct(resumes, 0.9),
-           "steps_lost_mean": statistics.mean(t["steps_lost"] for t in ok) if ok else None,
-           "overhead_fraction": (round(statistics.median(r for r, _ in costs) / statistics.median(t for _, t in costs), 4)
-                                 if costs else None),
-           "steps_redone_mean": statistics.mean(t["steps_redone"] for t in ok) if ok else None,
-           "oracle_violations": violations, "launches": launches}
+    row = {
+        "method": "in-place",
+        "trials": len(records),
+        "recovered": len(ok),
+        "resume_p50_s": pct(resumes, 0.5),
+        "resume_p90_s": pct(resumes, 0.9),
+        "steps_lost_mean": statistics.mean(t["steps_lost"] for t in ok) if ok else None,
+        "overhead_fraction": (
+            round(statistics.median(r for r, _ in costs) / statistics.median(t for _, t in costs), 4) if costs else None
+        ),
+        "steps_redone_mean": statistics.mean(t["steps_redone"] for t in ok) if ok else None,
+        "oracle_violations": violations,
+        "launches": launches,
+    }
     if ok:
         row["phases_p50_s"] = {k: round(statistics.median(t["phases"][k] for t in ok), 4) for k in ok[0]["phases"]}
     if costs:
@@ -160,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per launch")
     p.add_argument("--keep", action="store_true", help="keep the job dirs")
     args = p.parse_args(argv)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     work = Path(tempfile.mkdtemp(prefix="gpuguard-bench-inplace-"))
     t0 = time.monotonic()
     notes: list[str] = []
@@ -177,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         # its overhead run is cut to 5 steps here (not the figure to read): see bench/recovery.py for it
         rows.append({**base, "method": "restart (gpuguard runtime)", "overhead_fraction": None})
         if base.get("resume_p50_s") and row["resume_p50_s"]:
-            notes.append(f"in place is {base['resume_p50_s'] / row['resume_p50_s']:.0f}x faster than the restart path "
-                         f"(median {row['resume_p50_s']:.3f} s vs {base['resume_p50_s']:.2f} s)")
+            notes.append(
+                f"in place is {base['resume_p50_s'] / row['resume_p50_s']:.0f}x faster than the restart path "
+                f"(median {row['resume_p50_s']:.3f} s vs {base['resume_p50_s']:.2f} s)"
+            )
     elif args.baseline_trials:
         notes.append("restart baseline (bench/recovery.py) did not produce a row")
     notes += overhead_notes(row)
@@ -191,9 +228,11 @@ def overhead_notes(row: dict) -> list[str]:
     """What the in-place row's overhead_fraction measures (shared with bench/recovery.py)."""
     if row.get("snapshot_s_per_commit") is None:
         return []
-    return [f"in-place overhead_fraction: the in-memory rollback snapshot (clone + digest of model and optimizer) "
-            f"takes {row['snapshot_s_per_commit'] * 1e3:.2f} ms per commit against a "
-            f"{row['step_s'] * 1e3:.1f} ms step (20 ms stand-in compute, tiny model)"]
+    return [
+        f"in-place overhead_fraction: the in-memory rollback snapshot (clone + digest of model and optimizer) "
+        f"takes {row['snapshot_s_per_commit'] * 1e3:.2f} ms per commit against a "
+        f"{row['step_s'] * 1e3:.1f} ms step (20 ms stand-in compute, tiny model)"
+    ]
 
 
 if __name__ == "__main__":

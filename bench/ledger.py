@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, wants_json  # noqa: E402
 
 from gpuguard.generation.certificate import issue  # noqa: E402
-from gpuguard.generation.ledger import open_ledger  # noqa: E402
+from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 from gpuguard.generation.records import Frontier, Incarnation, Member  # noqa: E402
 
 KEY = os.urandom(32)
@@ -53,10 +53,26 @@ def etcd_server():
     data = tempfile.mkdtemp(prefix="bench-etcd-")
     port, peer = _port(), _port()
     proc = subprocess.Popen(
-        [etcd, "--name", "b", "--data-dir", data, "--listen-client-urls", f"http://127.0.0.1:{port}",
-         "--advertise-client-urls", f"http://127.0.0.1:{port}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster", f"b=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            etcd,
+            "--name",
+            "b",
+            "--data-dir",
+            data,
+            "--listen-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"b=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -81,20 +97,42 @@ def activation_latency(backend: str, url: str | None, n: int) -> dict:
         if hasattr(led, "create_root"):
             led.create_root()
         mem = tuple(Member(r, Incarnation(uuid.uuid4().hex, "h", 100 + r, 1.0)) for r in range(8))
-        cert = issue(parent=None, job_id="bench", members=(), reason="genesis", frontier=Frontier(0),
-                     quiescence="proved", issued_by="bench", key=KEY)
+        cert = issue(
+            parent=None,
+            job_id="bench",
+            members=(),
+            reason="genesis",
+            frontier=Frontier(0),
+            quiescence="proved",
+            issued_by="bench",
+            key=KEY,
+        )
         led.initialize(cert)
         times = []
         for _ in range(n):
-            nxt = issue(parent=cert, job_id="bench", members=mem, reason="operator", frontier=Frontier(0),
-                        quiescence="proved", issued_by="bench", key=KEY)
+            nxt = issue(
+                parent=cert,
+                job_id="bench",
+                members=mem,
+                reason="operator",
+                frontier=Frontier(0),
+                quiescence="proved",
+                issued_by="bench",
+                key=KEY,
+            )
             t = time.perf_counter()
             led.activate(nxt)
             times.append(time.perf_counter() - t)
             cert = nxt
         q = statistics.quantiles(times, n=100)
-        return {"metric": f"activation latency ({backend})", "n": n, "p50_ms": round(q[49] * 1e3, 3),
-                "p99_ms": round(q[98] * 1e3, 3), "baseline": "-", "ratio": None}
+        return {
+            "metric": f"activation latency ({backend})",
+            "n": n,
+            "p50_ms": round(q[49] * 1e3, 3),
+            "p99_ms": round(q[98] * 1e3, 3),
+            "baseline": "-",
+            "ratio": None,
+        }
     finally:
         shutil.rmtree(job, ignore_errors=True)
 
@@ -111,7 +149,9 @@ def deep_verify(size_gib: float) -> list[dict]:
     need = int(size_gib * 2**30)
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if free < need * 1.5:
-        raise SystemExit(f"bench: {free / 2**30:.1f} GiB free in {tempfile.gettempdir()}, need {need * 1.5 / 2**30:.1f}")
+        raise SystemExit(
+            f"bench: {free / 2**30:.1f} GiB free in {tempfile.gettempdir()}, need {need * 1.5 / 2**30:.1f}"
+        )
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     try:
         n_tensors = 4
@@ -124,12 +164,16 @@ def deep_verify(size_gib: float) -> list[dict]:
         files = sorted(str(p) for p in root.glob("*.distcp"))
         total = sum(os.path.getsize(f) for f in files)
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # into the page cache
-        cat_s = min(_timed(lambda: subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True))
-                    for _ in range(3))
+        cat_s = min(
+            _timed(lambda: subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)) for _ in range(3)
+        )
         ver_s = min(_timed(lambda: _assert_ok(verify_manifest(man, root))) for _ in range(3))
         job = root / "job"
-        subprocess.run([str(Path(sys.executable).parent / "gpu-generation"), "init", "--job-dir", str(job)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "gpu-generation"), "init", "--job-dir", str(job)],
+            check=True,
+            capture_output=True,
+        )
         led = open_ledger(job)
         g0 = led.require_active()
         ck = job / "ckpt"
@@ -138,18 +182,47 @@ def deep_verify(size_gib: float) -> list[dict]:
             if p.is_file():
                 os.link(p, ck / p.name)
         mem = (Member(0, Incarnation(uuid.uuid4().hex, "h", 1, 1.0)),)
-        led.activate(issue(parent=g0, job_id=g0.job_id, members=mem, reason="start", frontier=Frontier(0, man.digest),
-                           quiescence="proved", issued_by="bench", key=led.key), manifest_ok=True)
+        led.activate(
+            issue(
+                parent=g0,
+                job_id=g0.job_id,
+                members=mem,
+                reason="start",
+                frontier=Frontier(0, man.digest),
+                quiescence="proved",
+                issued_by="bench",
+                key=led.key,
+            ),
+            manifest_ok=True,
+        )
         cli = [str(Path(sys.executable).parent / "gpu-generation"), "verify", "--deep", "--job-dir", str(job)]
         cli_s = min(_timed(lambda: subprocess.run(cli, check=True, capture_output=True)) for _ in range(2))
         gb = total / 1e9
         return [
-            {"metric": "cat FILES > /dev/null (page cache)", "bytes": total, "seconds": round(cat_s, 3),
-             "GB_per_s": round(gb / cat_s, 2), "baseline": "-", "ratio": None},
-            {"metric": "verify_manifest (BLAKE3 re-hash)", "bytes": total, "seconds": round(ver_s, 3),
-             "GB_per_s": round(gb / ver_s, 2), "baseline": "cat", "ratio": round(cat_s / ver_s, 3)},
-            {"metric": "gpu-generation verify --deep (whole command)", "bytes": total, "seconds": round(cli_s, 3),
-             "GB_per_s": round(gb / cli_s, 2), "baseline": "cat", "ratio": round(cat_s / cli_s, 3)},
+            {
+                "metric": "cat FILES > /dev/null (page cache)",
+                "bytes": total,
+                "seconds": round(cat_s, 3),
+                "GB_per_s": round(gb / cat_s, 2),
+                "baseline": "-",
+                "ratio": None,
+            },
+            {
+                "metric": "verify_manifest (BLAKE3 re-hash)",
+                "bytes": total,
+                "seconds": round(ver_s, 3),
+                "GB_per_s": round(gb / ver_s, 2),
+                "baseline": "cat",
+                "ratio": round(cat_s / ver_s, 3),
+            },
+            {
+                "metric": "gpu-generation verify --deep (whole command)",
+                "bytes": total,
+                "seconds": round(cli_s, 3),
+                "GB_per_s": round(gb / cli_s, 2),
+                "baseline": "cat",
+                "ratio": round(cat_s / cli_s, 3),
+            },
         ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -171,7 +244,11 @@ def manifest_build(n: int) -> dict:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
     )
 
     from gpuguard.generation.manifest import build_manifest
@@ -183,16 +260,25 @@ def manifest_build(n: int) -> dict:
         sdm, storage = {}, {}
         for i in range(n):
             fqn = f"model.layers.{i // 8}.p{i % 8}"
-            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([64]),
-                                             [ChunkStorageMetadata(torch.Size([0]), torch.Size([64]))])
+            sdm[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([64]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([64]))],
+            )
             storage[MetadataIndex(fqn, torch.Size([0]), 0)] = _StorageInfo("__0_0.distcp", i * item, item)
         meta = Metadata(state_dict_metadata=sdm, storage_data=storage)
         t = time.perf_counter()
         man = build_manifest(root, step=1, generation=1, owners={0: "inc"}, metadata=meta)
         _ = man.digest
         s = time.perf_counter() - t
-        return {"metric": f"manifest build ({n} objects, incl. Merkle root)", "n": n, "seconds": round(s, 3),
-                "objects_per_s": round(n / s), "baseline": "-", "ratio": None}
+        return {
+            "metric": f"manifest build ({n} objects, incl. Merkle root)",
+            "n": n,
+            "seconds": round(s, 3),
+            "objects_per_s": round(n / s),
+            "baseline": "-",
+            "ratio": None,
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -205,11 +291,16 @@ def main() -> None:
         results.append(activation_latency("etcd", f"etcd://{u}/bench-{uuid.uuid4().hex}", n))
     results += deep_verify(_arg("--size-gib", 2.0))
     results.append(manifest_build(int(_arg("--objects", 100_000))))
-    emit("ledger", results, wants_json(), notes=[
-        f"{os.cpu_count()} CPUs; shared machine, figures are noisy",
-        "directory activation = temp write + fsync + link + directory fsync; etcd = one v3 transaction",
-        "ratio = cat time / our time (>= 0.5 is the target for verify --deep)",
-    ])
+    emit(
+        "ledger",
+        results,
+        wants_json(),
+        notes=[
+            f"{os.cpu_count()} CPUs; shared machine, figures are noisy",
+            "directory activation = temp write + fsync + link + directory fsync; etcd = one v3 transaction",
+            "ratio = cat time / our time (>= 0.5 is the target for verify --deep)",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ BIN = Path(sys.executable).parent
 NOISE = [
     "[{t:>12.6f}] eth{n}: Link is Up - 100Gbps/Full - flow control off",
     "[{t:>12.6f}] mlx5_core 0000:{b:02x}:00.0: mlx5_fw_tracer_handle_traces:773:(pid {p}): FW tracer event",
-    "[{t:>12.6f}] audit: type=1400 audit({e}.{n}:{p}): apparmor=\"DENIED\" operation=\"open\" profile=\"snap.lxd\" name=\"/proc/{p}/mounts\" pid={p} comm=\"python3\"",
+    '[{t:>12.6f}] audit: type=1400 audit({e}.{n}:{p}): apparmor="DENIED" operation="open" profile="snap.lxd" name="/proc/{p}/mounts" pid={p} comm="python3"',
     "[{t:>12.6f}] usb 1-{n}: new high-speed USB device number {n} using xhci_hcd",
     "[{t:>12.6f}] systemd[1]: Started Session {p} of User root.",
     "[{t:>12.6f}] IPv6: ADDRCONF(NETDEV_CHANGE): ib{n}: link becomes ready",
@@ -65,8 +65,13 @@ def _line(rng: random.Random, t: float) -> str:
     r = rng.random()
     pool = XID if r < 0.001 else RARE if r < 0.0014 else NOISE
     tmpl = rng.choice(pool)
-    return tmpl.format(t=t, n=rng.randrange(8), b=rng.choice((0x1b, 0x3b, 0x5d, 0x9a, 0xcb, 0xdb)),
-                       p=rng.randrange(1000, 10**6), e=1700000000 + int(t))
+    return tmpl.format(
+        t=t,
+        n=rng.randrange(8),
+        b=rng.choice((0x1B, 0x3B, 0x5D, 0x9A, 0xCB, 0xDB)),
+        p=rng.randrange(1000, 10**6),
+        e=1700000000 + int(t),
+    )
 
 
 def generate(path: Path, size: int, seed: int = 7) -> None:
@@ -153,13 +158,28 @@ def main() -> None:
             return round(cpu / grep_cpu, 2) if cpu and grep_cpu else None
 
         results = [
-            {"tool": "grep -c 'NVRM: Xid'", "seconds": round(grep_best, 3), "MB_per_s": round(mb / grep_best, 1),
-             "ratio_to_grep": 1.0, "cpu_s": grep_cpu, "cpu_ratio": 1.0,
-             "peak_rss_MiB": round(g_rss / 1024, 1) if g_rss else None, "xid_lines": grep_count},
-            {"tool": "gpu-doctor logs --json", "seconds": round(d_wall, 3), "MB_per_s": round(mb / d_wall, 1),
-             "ratio_to_grep": round(d_wall / grep_best, 2), "cpu_s": d_cpu, "cpu_ratio": cpu_ratio(d_cpu),
-             "peak_rss_MiB": round(d_rss / 1024, 1) if d_rss else None,
-             "xid_lines": xid_events, "events": doc["summary"]["events"], "exit_code": d_rc},
+            {
+                "tool": "grep -c 'NVRM: Xid'",
+                "seconds": round(grep_best, 3),
+                "MB_per_s": round(mb / grep_best, 1),
+                "ratio_to_grep": 1.0,
+                "cpu_s": grep_cpu,
+                "cpu_ratio": 1.0,
+                "peak_rss_MiB": round(g_rss / 1024, 1) if g_rss else None,
+                "xid_lines": grep_count,
+            },
+            {
+                "tool": "gpu-doctor logs --json",
+                "seconds": round(d_wall, 3),
+                "MB_per_s": round(mb / d_wall, 1),
+                "ratio_to_grep": round(d_wall / grep_best, 2),
+                "cpu_s": d_cpu,
+                "cpu_ratio": cpu_ratio(d_cpu),
+                "peak_rss_MiB": round(d_rss / 1024, 1) if d_rss else None,
+                "xid_lines": xid_events,
+                "events": doc["summary"]["events"],
+                "exit_code": d_rc,
+            },
         ]
         # In-process, without interpreter start-up and JSON output.
         from gpuguard.collectors.logscan import LogScan
@@ -171,16 +191,25 @@ def main() -> None:
                 n = sum(1 for _ in LogScan(data, accelerated=accelerated))  # type: ignore[arg-type]
                 wall, cpu = time.perf_counter() - t, time.process_time() - c
             scale = size / limit
-            results.append({"tool": f"iter_file_events ({'ahocorasick_rs' if accelerated else 'find fallback'})",
-                            "seconds": round(wall * scale, 3), "MB_per_s": round(limit / 1e6 / wall, 1),
-                            "ratio_to_grep": round(wall * scale / grep_best, 2), "cpu_s": round(cpu * scale, 2),
-                            "cpu_ratio": cpu_ratio(cpu * scale), "events": int(n * scale),
-                            "extrapolated": limit != size})
+            results.append(
+                {
+                    "tool": f"iter_file_events ({'ahocorasick_rs' if accelerated else 'find fallback'})",
+                    "seconds": round(wall * scale, 3),
+                    "MB_per_s": round(limit / 1e6 / wall, 1),
+                    "ratio_to_grep": round(wall * scale / grep_best, 2),
+                    "cpu_s": round(cpu * scale, 2),
+                    "cpu_ratio": cpu_ratio(cpu * scale),
+                    "events": int(n * scale),
+                    "extrapolated": limit != size,
+                }
+            )
         if grep_count != xid_events:
             notes.append(f"xid counts differ: grep {grep_count}, gpu-doctor {xid_events}")
         notes.append(f"file {size / (1 << 30):.2f} GiB, page-cached; target: gpu-doctor <= 4x grep")
-        notes.append(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall ratios are "
-                     "noisy under contention; cpu_ratio compares CPU seconds)")
+        notes.append(
+            f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall ratios are "
+            "noisy under contention; cpu_ratio compares CPU seconds)"
+        )
         emit("logs", results, as_json, notes)
     finally:
         if not keep:

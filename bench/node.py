@@ -68,33 +68,51 @@ def bench_diagnose(runs: int) -> tuple[list[dict], list[str]]:
         samples["doctor"].append((wall, rss))
     med = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     rss = {k: max(r for _, r in v) for k, v in samples.items()}
-    rows.append({"case": "diagnose node --json (sample log, live NVML)", "runs": runs,
-                 "median_s": round(med["doctor"], 4), "p_max_s": round(max(w for w, _ in samples["doctor"]), 4),
-                 "peak_rss_mb": round(rss["doctor"] / 2**20, 1), "baseline": "python3 -c pass",
-                 "baseline_median_s": round(med["baseline"], 4), "baseline_rss_mb": round(rss["baseline"] / 2**20, 1),
-                 "ratio_time": round(med["doctor"] / med["baseline"], 2),
-                 "median_cpu_s": round(statistics.median(CPU[tuple(doctor)]), 4),
-                 "baseline_median_cpu_s": round(statistics.median(CPU[tuple(baseline)]), 4),
-                 "ratio_cpu": round(statistics.median(CPU[tuple(doctor)]) / statistics.median(CPU[tuple(baseline)]), 2),
-                 "ratio_rss": round(rss["doctor"] / rss["baseline"], 2),
-                 "target": "median <= 0.35 s, <= 60 MB",
-                 "meets_target": med["doctor"] <= 0.35 and rss["doctor"] <= 60 * 2**20, "exit_code": code})
-    code = ("import sys; from gpuguard.cli.doctor import app; from gpuguard.cli._app import run; "
-            f"sys.exit(run(app, 'gpu-doctor', {doctor[1:]!r}))")
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    rows.append(
+        {
+            "case": "diagnose node --json (sample log, live NVML)",
+            "runs": runs,
+            "median_s": round(med["doctor"], 4),
+            "p_max_s": round(max(w for w, _ in samples["doctor"]), 4),
+            "peak_rss_mb": round(rss["doctor"] / 2**20, 1),
+            "baseline": "python3 -c pass",
+            "baseline_median_s": round(med["baseline"], 4),
+            "baseline_rss_mb": round(rss["baseline"] / 2**20, 1),
+            "ratio_time": round(med["doctor"] / med["baseline"], 2),
+            "median_cpu_s": round(statistics.median(CPU[tuple(doctor)]), 4),
+            "baseline_median_cpu_s": round(statistics.median(CPU[tuple(baseline)]), 4),
+            "ratio_cpu": round(statistics.median(CPU[tuple(doctor)]) / statistics.median(CPU[tuple(baseline)]), 2),
+            "ratio_rss": round(rss["doctor"] / rss["baseline"], 2),
+            "target": "median <= 0.35 s, <= 60 MB",
+            "meets_target": med["doctor"] <= 0.35 and rss["doctor"] <= 60 * 2**20,
+            "exit_code": code,
+        }
+    )
+    code = (
+        "import sys; from gpuguard.cli.doctor import app; from gpuguard.cli._app import run; "
+        f"sys.exit(run(app, 'gpu-doctor', {doctor[1:]!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120)
     modules = [ln.split("|")[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
     torch = [m for m in modules if m == "torch" or m.startswith("torch.")]
-    heavy = sorted({m.split(".")[0] for m in modules} & {"torch", "numpy", "pydantic", "rich", "requests",
-                                                          "prometheus_client", "psutil"})
-    rows.append({"case": "python -X importtime (diagnose node --json)", "modules_imported": len(modules),
-                 "torch_imported": bool(torch), "heavy_imported": ",".join(heavy) or "none"})
+    heavy = sorted(
+        {m.split(".")[0] for m in modules}
+        & {"torch", "numpy", "pydantic", "rich", "requests", "prometheus_client", "psutil"}
+    )
+    rows.append(
+        {
+            "case": "python -X importtime (diagnose node --json)",
+            "modules_imported": len(modules),
+            "torch_imported": bool(torch),
+            "heavy_imported": ",".join(heavy) or "none",
+        }
+    )
     notes.append("NVML is live here: on a machine without a driver pynvml answers LibraryNotFound in < 1 ms")
     return rows, notes
 
 
 LINES = [
-    "[{t:12.6f}] audit: type=1400 audit({t:.3f}:{n}): apparmor=\"STATUS\" operation=\"profile_replace\" name=\"snap\"\n",
+    '[{t:12.6f}] audit: type=1400 audit({t:.3f}:{n}): apparmor="STATUS" operation="profile_replace" name="snap"\n',
     "[{t:12.6f}] IPv4: martian source 10.0.{a}.{b} from 10.0.0.1, on dev ib0\n",
     "[{t:12.6f}] EXT4-fs (nvme0n1p2): re-mounted. Opts: (null). Quota mode: none.\n",
     "[{t:12.6f}] nvidia-nvlink: Nvlink Core is being initialized, major device number 511\n",
@@ -140,8 +158,19 @@ def bench_sweep(size_mb: int) -> tuple[list[dict], list[str]]:
         log = tmp / "kern.log"
         xids = make_log(log, size_mb * 2**20)
         size = log.stat().st_size
-        sweep = [str(BIN / "gpu-doctor"), "sweep", "--kernel-log", str(log), "--nvml-snapshot", str(SAMPLE_NVML),
-                 "--state-dir", str(tmp / "state"), "--json", "--timeout", "600"]
+        sweep = [
+            str(BIN / "gpu-doctor"),
+            "sweep",
+            "--kernel-log",
+            str(log),
+            "--nvml-snapshot",
+            str(SAMPLE_NVML),
+            "--state-dir",
+            str(tmp / "state"),
+            "--json",
+            "--timeout",
+            "600",
+        ]
         grep_cmd = ["grep", "-c", "NVRM: Xid", str(log)]
         grep = timed(grep_cmd)[0]
         first = timed(sweep)
@@ -155,22 +184,40 @@ def bench_sweep(size_mb: int) -> tuple[list[dict], list[str]]:
             incremental.append(time.perf_counter() - t0)
             assert got.lines_read == 0
         med2 = statistics.median(w for w, _, _ in second)
-        rows.append({"case": f"first sweep over {size / 2**20:.0f} MiB kernel log ({xids} Xid lines)",
-                     "seconds": round(first[0], 3), "peak_rss_mb": round(first[1] / 2**20, 1),
-                     "MiB_per_s": round(size / 2**20 / first[0], 1), "baseline": "grep -c 'NVRM: Xid'",
-                     "baseline_s": round(grep, 3), "ratio": round(first[0] / grep, 2),
-                     "cpu_s": round(CPU[tuple(sweep)][0], 3),
-                     "baseline_cpu_s": round(CPU[tuple(grep_cmd)][0], 3),
-                     "ratio_cpu": round(CPU[tuple(sweep)][0] / max(CPU[tuple(grep_cmd)][0], 1e-3), 2)})
-        rows.append({"case": "second sweep, unchanged file (whole CLI process, median of 5)",
-                     "seconds": round(med2, 4), "peak_rss_mb": round(max(r for _, r, _ in second) / 2**20, 1),
-                     "cpu_s": round(statistics.median(CPU[tuple(sweep)][1:]), 4),
-                     "baseline": "gpu-doctor --version (process start)",
-                     "baseline_s": round(statistics.median(start_only), 4),
-                     "ratio": round(med2 / statistics.median(start_only), 2)})
+        rows.append(
+            {
+                "case": f"first sweep over {size / 2**20:.0f} MiB kernel log ({xids} Xid lines)",
+                "seconds": round(first[0], 3),
+                "peak_rss_mb": round(first[1] / 2**20, 1),
+                "MiB_per_s": round(size / 2**20 / first[0], 1),
+                "baseline": "grep -c 'NVRM: Xid'",
+                "baseline_s": round(grep, 3),
+                "ratio": round(first[0] / grep, 2),
+                "cpu_s": round(CPU[tuple(sweep)][0], 3),
+                "baseline_cpu_s": round(CPU[tuple(grep_cmd)][0], 3),
+                "ratio_cpu": round(CPU[tuple(sweep)][0] / max(CPU[tuple(grep_cmd)][0], 1e-3), 2),
+            }
+        )
+        rows.append(
+            {
+                "case": "second sweep, unchanged file (whole CLI process, median of 5)",
+                "seconds": round(med2, 4),
+                "peak_rss_mb": round(max(r for _, r, _ in second) / 2**20, 1),
+                "cpu_s": round(statistics.median(CPU[tuple(sweep)][1:]), 4),
+                "baseline": "gpu-doctor --version (process start)",
+                "baseline_s": round(statistics.median(start_only), 4),
+                "ratio": round(med2 / statistics.median(start_only), 2),
+            }
+        )
         inc = statistics.median(incremental)
-        rows.append({"case": "second sweep, kernel-log read with the cursor (in process, median of 20)",
-                     "seconds": round(inc, 6), "target": "< 0.050 s", "meets_target": inc < 0.05})
+        rows.append(
+            {
+                "case": "second sweep, kernel-log read with the cursor (in process, median of 20)",
+                "seconds": round(inc, 6),
+                "target": "< 0.050 s",
+                "meets_target": inc < 0.05,
+            }
+        )
         notes.append(f"generated log deleted afterwards ({tmp})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

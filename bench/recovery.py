@@ -37,8 +37,8 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
 import inplace as inplace_bench  # noqa: E402  (bench/inplace.py)
+from _common import emit  # noqa: E402
 
 from gpuguard.examples import demo  # noqa: E402
 
@@ -94,10 +94,16 @@ def run_series(method: str, n: int, resume_timeout: float, work: Path, log) -> l
         extra = ["--step-log", "--sleep", str(SLEEP)]
         if method != "gpuguard":
             extra += ["--mode", "plain", "--ckpt-every", "5"]
-        argv = demo.torchrun_argv(job, workers=WORKERS, steps=steps,
-                                  kills=[f"{r}:{s}:after-allreduce" for r, s in kills],
-                                  max_restarts=remaining + 2, port=demo.free_port(), run_id=f"b-{method}-{attempt}",
-                                  extra=extra)
+        argv = demo.torchrun_argv(
+            job,
+            workers=WORKERS,
+            steps=steps,
+            kills=[f"{r}:{s}:after-allreduce" for r, s in kills],
+            max_restarts=remaining + 2,
+            port=demo.free_port(),
+            run_id=f"b-{method}-{attempt}",
+            extra=extra,
+        )
         env = demo.worker_env()
         env["GPUGUARD_PG_TIMEOUT"] = "30"
         if method == "torchrun-noshare":
@@ -113,9 +119,14 @@ def run_series(method: str, n: int, resume_timeout: float, work: Path, log) -> l
                     break
                 trials.append(trial)
                 done_kills += 1
-                log(f"  {method}: kill {len(trials)}/{n} at step {kill_step}: "
-                    + (f"resumed in {trial.resume_s:.1f} s, {trial.steps_lost} step(s) lost"
-                       if trial.recovered else "NOT recovered"))
+                log(
+                    f"  {method}: kill {len(trials)}/{n} at step {kill_step}: "
+                    + (
+                        f"resumed in {trial.resume_s:.1f} s, {trial.steps_lost} step(s) lost"
+                        if trial.recovered
+                        else "NOT recovered"
+                    )
+                )
                 if not trial.recovered:
                     break
             if done_kills == len(kills):
@@ -135,8 +146,9 @@ def run_series(method: str, n: int, resume_timeout: float, work: Path, log) -> l
     return trials
 
 
-def _watch_one(method: str, job: Path, proc: subprocess.Popen, rank: int, step: int,
-               resume_timeout: float) -> Trial | None:
+def _watch_one(
+    method: str, job: Path, proc: subprocess.Popen, rank: int, step: int, resume_timeout: float
+) -> Trial | None:
     from gpuguard.examples.demo_train import kill_marker  # noqa: PLC0415
 
     marker = kill_marker(job, rank, step, "after-allreduce")
@@ -150,8 +162,9 @@ def _watch_one(method: str, job: Path, proc: subprocess.Popen, rank: int, step: 
     t_kill = kill["time"]
     out = job / "demo-out"
     before = step_times(out)
-    last_by_all = min((max((r["step"] for r in recs if r["time"] < t_kill), default=0)
-                       for recs in before.values()), default=0)
+    last_by_all = min(
+        (max((r["step"] for r in recs if r["time"] < t_kill), default=0) for recs in before.values()), default=0
+    )
     trial = Trial(method, step, t_kill)
     deadline = time.monotonic() + resume_timeout
     while time.monotonic() < deadline:
@@ -190,7 +203,7 @@ def _add_phases(job: Path, trials: list[Trial]) -> None:
 
     The generation that answered a kill is the first one certified after it (ledger activation
     time); its rank-0 activation record has the in-process timestamps."""
-    from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+    from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
 
     fails = _agent_fail_times(job)
     history = open_ledger(job).history()
@@ -202,12 +215,12 @@ def _add_phases(job: Path, trials: list[Trial]) -> None:
             continue
         ph = json.loads(path.read_text())["phases"]
         t.phases = {
-            "detect": detect - t.kill_time,                              # kill -> torchrun logs the dead worker
-            "restart": ph["runtime_created"] - detect,                   # stop survivors, re-rendezvous, spawn, python
-            "startup": ph["activate_called"] - ph["runtime_created"],    # import torch, build model + optimizer
-            "activation": ph["certificate"] - ph["activate_called"],     # attempt, hellos, frontier, certificate (CAS)
-            "restore": ph["pg_ready"] - ph["certificate"],               # verify, DCP load + digest, gloo group
-            "first_step": t.kill_time + t.resume_s - ph["pg_ready"],     # first step committed by every rank
+            "detect": detect - t.kill_time,  # kill -> torchrun logs the dead worker
+            "restart": ph["runtime_created"] - detect,  # stop survivors, re-rendezvous, spawn, python
+            "startup": ph["activate_called"] - ph["runtime_created"],  # import torch, build model + optimizer
+            "activation": ph["certificate"] - ph["activate_called"],  # attempt, hellos, frontier, certificate (CAS)
+            "restore": ph["pg_ready"] - ph["certificate"],  # verify, DCP load + digest, gloo group
+            "first_step": t.kill_time + t.resume_s - ph["pg_ready"],  # first step committed by every rank
         }
 
 
@@ -218,14 +231,32 @@ def measure_overhead(steps: int, burn_s: float, work: Path) -> dict[str, float]:
     # interleaved, twice each: the machine is shared and its load drifts
     for i, (mode, every) in enumerate([("plain", 1), ("gpuguard", 1), ("gpuguard-k5", 5)] * 2):
         job = work / f"overhead-{mode}-{i}"
-        extra = ["--step-log", "--burn", str(burn_s), "--mode", mode.split("-")[0], "--ckpt-every", str(10 ** 9),
-                 "--snapshot-every", str(every)]
-        argv = demo.torchrun_argv(job, workers=WORKERS, steps=steps, kills=[], max_restarts=0,
-                                  port=demo.free_port(), run_id=f"b-ovh-{mode}-{i}", extra=extra)
+        extra = [
+            "--step-log",
+            "--burn",
+            str(burn_s),
+            "--mode",
+            mode.split("-")[0],
+            "--ckpt-every",
+            str(10**9),
+            "--snapshot-every",
+            str(every),
+        ]
+        argv = demo.torchrun_argv(
+            job,
+            workers=WORKERS,
+            steps=steps,
+            kills=[],
+            max_restarts=0,
+            port=demo.free_port(),
+            run_id=f"b-ovh-{mode}-{i}",
+            extra=extra,
+        )
         job.mkdir(parents=True)
         with open(job / "torchrun.log", "w") as logf:
-            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=demo.worker_env(),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=logf, stderr=subprocess.STDOUT, env=demo.worker_env(), start_new_session=True
+            )
             try:
                 proc.wait(timeout=300)
             except subprocess.TimeoutExpired:
@@ -240,7 +271,8 @@ def measure_overhead(steps: int, burn_s: float, work: Path) -> dict[str, float]:
             if final:
                 c = final[-1]["counters"]
                 runs.setdefault("runtime_s_per_step", []).append(
-                    (c.get("commit_s", 0.0) + c.get("snapshot_cpu_s", 0.0)) / max(1, c.get("commits", 1)))
+                    (c.get("commit_s", 0.0) + c.get("snapshot_cpu_s", 0.0)) / max(1, c.get("commits", 1))
+                )
     return {mode: statistics.mean(values) for mode, values in runs.items()}
 
 
@@ -255,14 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--trials", type=int, default=10, help="kills per method (>= 10 for the figures)")
-    p.add_argument("--resume-timeout", type=float, default=40.0,
-                   help="a kill not followed by a step on every rank within this is not recovered")
+    p.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=40.0,
+        help="a kill not followed by a step on every rank within this is not recovered",
+    )
     p.add_argument("--overhead-steps", type=int, default=60, help="0: skip the overhead runs")
     p.add_argument("--burn", type=float, default=0.1, help="stand-in compute per step for the overhead run")
     p.add_argument("--methods", default="gpuguard,torchrun-noshare,torchrun-default,in-place")
     p.add_argument("--keep", action="store_true", help="keep the job dirs")
     args = p.parse_args(argv)
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     work = Path(tempfile.mkdtemp(prefix="gpuguard-bench-recovery-"))
     t0 = time.monotonic()
     rows = []
@@ -273,12 +312,17 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown method(s): {', '.join(sorted(unknown))}")
         # the overhead runs only feed the gpuguard row
-        medians = (measure_overhead(args.overhead_steps, args.burn, work)
-                   if args.overhead_steps > 0 and "gpuguard" in methods else {})
+        medians = (
+            measure_overhead(args.overhead_steps, args.burn, work)
+            if args.overhead_steps > 0 and "gpuguard" in methods
+            else {}
+        )
         overhead = medians["gpuguard"] / medians["plain"] - 1 if medians else None
         if medians:
-            log(f"step time: plain {medians['plain'] * 1e3:.1f} ms, gpuguard {medians['gpuguard'] * 1e3:.1f} ms "
-                f"-> overhead {overhead * 100:+.1f} %")
+            log(
+                f"step time: plain {medians['plain'] * 1e3:.1f} ms, gpuguard {medians['gpuguard'] * 1e3:.1f} ms "
+                f"-> overhead {overhead * 100:+.1f} %"
+            )
         for method in methods:
             log(f"{method}: {args.trials} kills")
             if method == "in-place":
@@ -290,11 +334,17 @@ def main(argv: list[str] | None = None) -> int:
             ok = [t for t in trials if t.recovered]
             resumes = [t.resume_s for t in ok if t.resume_s is not None]
             lost = [t.steps_lost for t in ok if t.steps_lost is not None]
-            row = {"method": method, "trials": len(trials), "recovered": len(ok),
-                   "resume_p50_s": pct(resumes, 0.5), "resume_p90_s": pct(resumes, 0.9),
-                   "steps_lost_mean": statistics.mean(lost) if lost else None,
-                   "overhead_fraction": (round(overhead, 4) if overhead is not None else None)
-                   if method == "gpuguard" else 0.0}
+            row = {
+                "method": method,
+                "trials": len(trials),
+                "recovered": len(ok),
+                "resume_p50_s": pct(resumes, 0.5),
+                "resume_p90_s": pct(resumes, 0.9),
+                "steps_lost_mean": statistics.mean(lost) if lost else None,
+                "overhead_fraction": (round(overhead, 4) if overhead is not None else None)
+                if method == "gpuguard"
+                else 0.0,
+            }
             if method == "gpuguard" and medians.get("runtime_s_per_step") is not None:
                 # commit() wall time + snapshot-writer CPU per step, over the plain step time
                 row["runtime_cost_fraction"] = round(medians["runtime_s_per_step"] / medians["plain"], 4)
@@ -305,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         base = next((r for r in rows if r["method"] == "torchrun-default"), None)
         gg = next((r for r in rows if r["method"] == "gpuguard"), None)
         if base and gg and base["trials"] and gg["trials"]:
-            notes.append(f"recovery rate: gpuguard {gg['recovered']}/{gg['trials']} vs torchrun defaults "
-                         f"{base['recovered']}/{base['trials']}")
+            notes.append(
+                f"recovery rate: gpuguard {gg['recovered']}/{gg['trials']} vs torchrun defaults "
+                f"{base['recovered']}/{base['trials']}"
+            )
         if medians:
-            notes.append(f"overhead measured on a {args.burn * 1e3:.0f} ms stand-in compute step: plain "
-                         f"{medians['plain'] * 1e3:.1f} ms, gpuguard {medians['gpuguard'] * 1e3:.1f} ms per step "
-                         f"(median), gpuguard snapshotting every 5th step {medians['gpuguard-k5'] * 1e3:.1f} ms "
-                         f"({medians['gpuguard-k5'] / medians['plain'] - 1:+.1%})")
+            notes.append(
+                f"overhead measured on a {args.burn * 1e3:.0f} ms stand-in compute step: plain "
+                f"{medians['plain'] * 1e3:.1f} ms, gpuguard {medians['gpuguard'] * 1e3:.1f} ms per step "
+                f"(median), gpuguard snapshotting every 5th step {medians['gpuguard-k5'] * 1e3:.1f} ms "
+                f"({medians['gpuguard-k5'] / medians['plain'] - 1:+.1%})"
+            )
         notes.append(f"{WORKERS} gloo workers on {os.cpu_count()} CPUs; wall time {time.monotonic() - t0:.0f} s")
     finally:
         if not args.keep:

@@ -26,11 +26,15 @@ from _common import emit  # noqa: E402
 
 RUN_ID = "bench"
 
-GPUGUARD = ("from gpuguard.recovery.rendezvous import Endpoint, read; import sys; "
-            "st = read(Endpoint('127.0.0.1', int(sys.argv[1]), 'bench')); assert st.round == 3")
-TORCH = ("import sys, pickle, base64; from datetime import timedelta; from torch.distributed import TCPStore; "
-         "s = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5)); "
-         "st = pickle.loads(base64.b64decode(s.get('torch.rendezvous.bench'))); assert st.round == 3")
+GPUGUARD = (
+    "from gpuguard.recovery.rendezvous import Endpoint, read; import sys; "
+    "st = read(Endpoint('127.0.0.1', int(sys.argv[1]), 'bench')); assert st.round == 3"
+)
+TORCH = (
+    "import sys, pickle, base64; from datetime import timedelta; from torch.distributed import TCPStore; "
+    "s = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5)); "
+    "st = pickle.loads(base64.b64decode(s.get('torch.rendezvous.bench'))); assert st.round == 3"
+)
 
 
 def _serve():
@@ -50,8 +54,13 @@ def _serve():
 
 def _wall(code: str, port: int) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, str(port)], check=True, timeout=120,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", code, str(port)],
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t0
 
 
@@ -68,8 +77,14 @@ def main() -> None:
         _wall(code, port)  # warm the page cache
         runs = [_wall(code, port) for _ in range(args.runs)]
         walls[name] = statistics.median(runs)
-        rows.append({"method": name, "runs": args.runs, "process_wall_p50_s": round(walls[name], 4),
-                     "process_wall_max_s": round(max(runs), 4)})
+        rows.append(
+            {
+                "method": name,
+                "runs": args.runs,
+                "process_wall_p50_s": round(walls[name], 4),
+                "process_wall_max_s": round(max(runs), 4),
+            }
+        )
     for row in rows:
         row["ratio_vs_torch"] = round(row["process_wall_p50_s"] / walls["torch"], 4)
 
@@ -83,10 +98,20 @@ def main() -> None:
             read_state(client, RUN_ID)
             lat.append(time.perf_counter() - t0)
     lat.sort()
-    rows.append({"method": "gpuguard in-process read", "runs": len(lat),
-                 "read_p50_ms": round(lat[len(lat) // 2] * 1e3, 3), "read_p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3)})
-    emit("rendezvous_read", rows, args.json, notes=[
-        "fresh interpreter per run: what a CLI call or cron probe pays; the machine may be shared (noisy)"])
+    rows.append(
+        {
+            "method": "gpuguard in-process read",
+            "runs": len(lat),
+            "read_p50_ms": round(lat[len(lat) // 2] * 1e3, 3),
+            "read_p99_ms": round(lat[int(len(lat) * 0.99)] * 1e3, 3),
+        }
+    )
+    emit(
+        "rendezvous_read",
+        rows,
+        args.json,
+        notes=["fresh interpreter per run: what a CLI call or cron probe pays; the machine may be shared (noisy)"],
+    )
     store.delete_key(f"torch.rendezvous.{RUN_ID}")  # keeps the server alive until here
 
 

@@ -74,14 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     s_us, l_us = statistics.median(x for x, _ in sl) * 1e6, statistics.median(x for x, _ in lg) * 1e6
     s_cpu, l_cpu = statistics.median(c for _, c in sl) * 1e6, statistics.median(c for _, c in lg) * 1e6
     rows = [
-        {"method": "steplog", "us_per_call_median": round(s_us, 2), "us_per_call_min": round(min(sl)[0] * 1e6, 2),
-         "cpu_us_per_call": round(s_cpu, 2), "visible_to_readers": "at once (one write per call)",
-         "ratio_vs_logging": round(s_us / l_us, 3)},
-        {"method": "logging.FileHandler", "us_per_call_median": round(l_us, 2), "us_per_call_min": round(min(lg)[0] * 1e6, 2),
-         "cpu_us_per_call": round(l_cpu, 2), "visible_to_readers": "at once (flush per record)", "ratio_vs_logging": 1.0},
+        {
+            "method": "steplog",
+            "us_per_call_median": round(s_us, 2),
+            "us_per_call_min": round(min(sl)[0] * 1e6, 2),
+            "cpu_us_per_call": round(s_cpu, 2),
+            "visible_to_readers": "at once (one write per call)",
+            "ratio_vs_logging": round(s_us / l_us, 3),
+        },
+        {
+            "method": "logging.FileHandler",
+            "us_per_call_median": round(l_us, 2),
+            "us_per_call_min": round(min(lg)[0] * 1e6, 2),
+            "cpu_us_per_call": round(l_cpu, 2),
+            "visible_to_readers": "at once (flush per record)",
+            "ratio_vs_logging": 1.0,
+        },
     ]
-    notes = [f"{args.steps} steps × 4 calls, {args.repeats} repeats (median shown); target < 20 µs per call",
-             f"reading back one rank's rotated stream ({kept} steps kept): {read_s * 1e3:.1f} ms"]
+    notes = [
+        f"{args.steps} steps × 4 calls, {args.repeats} repeats (median shown); target < 20 µs per call",
+        f"reading back one rank's rotated stream ({kept} steps kept): {read_s * 1e3:.1f} ms",
+    ]
     emit("steplog_cost", rows, args.json, notes)
     return 0
 

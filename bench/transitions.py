@@ -26,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", action="append", choices=LAYOUTS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    rows, notes = run_bench(real=args.real, strategies=args.strategy or list(STRATEGIES),
-                            layouts=args.layout or list(LAYOUTS), seed=args.seed)
+    rows, notes = run_bench(
+        real=args.real,
+        strategies=args.strategy or list(STRATEGIES),
+        layouts=args.layout or list(LAYOUTS),
+        seed=args.seed,
+    )
     if args.json:
         doc = report.document(rows, notes, {"mode": "real" if args.real else "sim", "seed": args.seed})
         print(json.dumps(doc, indent=2))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import typer
 

@@ -14,8 +14,20 @@ from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin
 
 _SIMPLE = (str, int, float, bool)
-_BOOL = {"1": True, "true": True, "t": True, "yes": True, "y": True, "on": True,
-         "0": False, "false": False, "f": False, "no": False, "n": False, "off": False}
+_BOOL = {
+    "1": True,
+    "true": True,
+    "t": True,
+    "yes": True,
+    "y": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "f": False,
+    "no": False,
+    "n": False,
+    "off": False,
+}
 _installed = False
 
 
@@ -75,9 +87,15 @@ def install() -> None:
     def build(descriptor: Any) -> Any:
         plain = _plain(descriptor.annotation)
         info = descriptor.parameter_info
-        if (plain is None or descriptor.file_annotation is not None or getattr(info, "parser", None) is not None
-                or getattr(info, "click_type", None) is not None or descriptor.is_ranged or descriptor.is_choice
-                or descriptor.is_path):
+        if (
+            plain is None
+            or descriptor.file_annotation is not None
+            or getattr(info, "parser", None) is not None
+            or getattr(info, "click_type", None) is not None
+            or descriptor.is_ranged
+            or descriptor.is_choice
+            or descriptor.is_path
+        ):
             return original(descriptor)
         return PlainRuntimeParam(parameter_info=info, annotation=descriptor.annotation, kind=plain[0], many=plain[1])
 

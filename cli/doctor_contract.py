@@ -26,12 +26,12 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
 
     @app.command("contract")
     def contract(
-        paths: list[str] = typer.Argument(..., metavar="PATH...",
-                                          help="Per-rank dumps, or directories holding them."),
+        paths: list[str] = typer.Argument(..., metavar="PATH...", help="Per-rank dumps, or directories holding them."),
         as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.contract/1 JSON document."),
         pg: str = typer.Option(None, "--pg", help="Check only this process group (name or description)."),
-        world_size: int = typer.Option(None, "--world-size", min=1,
-                                       help="Expected ranks 0..N-1 (finds missing dumps of the last ranks)."),
+        world_size: int = typer.Option(
+            None, "--world-size", min=1, help="Expected ranks 0..N-1 (finds missing dumps of the last ranks)."
+        ),
         jobs: int = typer.Option(None, "--jobs", min=1, help="Processes that read dumps (default: auto)."),
     ) -> int:
         """Check the collective contract (same order, op, count, dtype, reduce op on every rank).
@@ -42,8 +42,14 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         return run_contract(paths, as_json=as_json, pg=pg, world_size=world_size, jobs=jobs)
 
 
-def run_contract(paths: list[str], *, as_json: bool = False, pg: str | None = None,
-                 world_size: int | None = None, jobs: int | None = None) -> int:
+def run_contract(
+    paths: list[str],
+    *,
+    as_json: bool = False,
+    pg: str | None = None,
+    world_size: int | None = None,
+    jobs: int | None = None,
+) -> int:
     from gpuguard.cli._app import console, emit_json, stdout_is_terminal
     from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_many
     from gpuguard.diagnostics.contract import Interner, check, report_to_json
@@ -60,9 +66,17 @@ def run_contract(paths: list[str], *, as_json: bool = False, pg: str | None = No
         names = {n for t in traces for s in t.streams for n in (s.pg, s.pg_desc, f"{s.pg}:{s.pg_desc}") if n}
         check_usage_pg(names, pg)
     report = check(traces, interner, pg=pg, world_size=world_size)
-    inputs = [{"path": item.trace.source, "rank": item.trace.rank, "format": item.trace.format,
-               "version": item.trace.version, "entries": item.entries, "skipped_p2p": item.trace.skipped}
-              for item in loaded]
+    inputs = [
+        {
+            "path": item.trace.source,
+            "rank": item.trace.rank,
+            "format": item.trace.format,
+            "version": item.trace.version,
+            "entries": item.entries,
+            "skipped_p2p": item.trace.skipped,
+        }
+        for item in loaded
+    ]
     doc = report_to_json(report, inputs)
     doc["notes"] = notes
     code = EXIT_OK if report.holds else EXIT_WARNING
@@ -103,20 +117,29 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
     checked = sum(t.checked for t in report.timelines)
     div = report.first_divergence
     if div is None:
-        out.print(f"[bold green]contract holds[/]{label}: {len(report.timelines)} process group timeline(s), "
-                  f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
-                  markup=True)
+        out.print(
+            f"[bold green]contract holds[/]{label}: {len(report.timelines)} process group timeline(s), "
+            f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
+            markup=True,
+        )
         table = Table("pg", "generation", "ranks", "window", "checked")
         for t in report.timelines:
             window = f"#{t.first_seq}..#{t.last_seq}" if t.first_seq is not None else "empty"
-            table.add_row(f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else ""), str(t.generation),
-                          format_ranks(t.ranks), window, str(t.checked))
+            table.add_row(
+                f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else ""),
+                str(t.generation),
+                format_ranks(t.ranks),
+                window,
+                str(t.checked),
+            )
         out.print(table)
         return
     where = f"pg {div.pg}" + (f" ({_desc(report, div)})" if _desc(report, div) else "")
-    out.print(f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
-              f"seq #{div.seq}: [bold]{div.kind}[/] ({div.field}), culprit rank(s) {format_ranks(div.ranks)}",
-              markup=True)
+    out.print(
+        f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
+        f"seq #{div.seq}: [bold]{div.kind}[/] ({div.field}), culprit rank(s) {format_ranks(div.ranks)}",
+        markup=True,
+    )
     table = Table(title=None)
     table.add_column("seq", justify="right")
     sides = (div.majority, *div.others)
@@ -135,9 +158,11 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
         out.print(f"hint: {hint}", markup=False)
     rest = report.divergences[1:]
     if rest:
-        out.print(f"{len(rest)} other process group(s) diverge too: "
-                  + "; ".join(f"pg {d.pg} #{d.seq} {d.kind} rank(s) {format_ranks(d.ranks)}" for d in rest),
-                  markup=False)
+        out.print(
+            f"{len(rest)} other process group(s) diverge too: "
+            + "; ".join(f"pg {d.pg} #{d.seq} {d.kind} rank(s) {format_ranks(d.ranks)}" for d in rest),
+            markup=False,
+        )
 
 
 def _desc(report: Any, div: Any) -> str:

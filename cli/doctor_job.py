@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -22,9 +22,17 @@ _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any = None,
-           window: int = 20, logs: tuple[Path, ...] = (), log_spec: Any = None,
-           node_reports: tuple[Path, ...] = (), launcher_logs: tuple[Path, ...] = ()) -> tuple[Any, dict[str, Any], Any]:
+def assess(
+    job_dir: str | Path,
+    *,
+    config: Path | None = None,
+    previous: Any = None,
+    window: int = 20,
+    logs: tuple[Path, ...] = (),
+    log_spec: Any = None,
+    node_reports: tuple[Path, ...] = (),
+    launcher_logs: tuple[Path, ...] = (),
+) -> tuple[Any, dict[str, Any], Any]:
     """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
     from gpuguard.cli.job_observation import observe_job
     from gpuguard.diagnostics.jobstats import distribution
@@ -38,17 +46,23 @@ def assess(job_dir: str | Path, *, config: Optional[Path] = None, previous: Any 
     for p in launcher_logs:
         if not p.is_file():
             raise NoInputError(f"{p}: no such torchrun log")
-    records, observations = observe_job(path, window=window, logs=logs, log_spec=log_spec, node_reports=reports,
-                                        launcher_logs=launcher_logs)
+    records, observations = observe_job(
+        path, window=window, logs=logs, log_spec=log_spec, node_reports=reports, launcher_logs=launcher_logs
+    )
     job = vote(observations, cfg, previous)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
-    doc = to_json(job, job_dir=str(path), cohort_steps={"period": _rounded(distribution(periods)),
-                                                         "compute": _rounded(distribution(computes))}, config=cfg)
+    doc = to_json(
+        job,
+        job_dir=str(path),
+        cohort_steps={"period": _rounded(distribution(periods)), "compute": _rounded(distribution(computes))},
+        config=cfg,
+    )
     for rank_doc in doc["ranks"]:
         series = records.ranks.get(rank_doc["rank"])
-        rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in (series.steps[-40:] if series else ())
-                                        if s.interval_s]
+        rank_doc["recent_periods_s"] = [
+            round(s.interval_s, 4) for s in (series.steps[-40:] if series else ()) if s.interval_s
+        ]
     if records.skipped_files:
         doc["skipped_files"] = list(records.skipped_files)
     return job, doc, records
@@ -73,7 +87,9 @@ def render(doc: dict[str, Any]):  # -> rich renderable
     per = doc["cohort_step_s"]["period"]
     comp = doc["cohort_step_s"]["compute"]
     head = Text.assemble(
-        ("job ", "bold"), (doc["verdict"].upper(), _COLOR.get(doc["verdict"], "")), f"  {doc['reason']}\n",
+        ("job ", "bold"),
+        (doc["verdict"].upper(), _COLOR.get(doc["verdict"], "")),
+        f"  {doc['reason']}\n",
         f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
         f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
     )
@@ -90,10 +106,16 @@ def render(doc: dict[str, Any]):  # -> rich renderable
         elif r.get("step", -1) >= 0:
             phase = f"{phase} {r['step']}"
         mark = " *" if r.get("culprit") else ""
-        table.add_row(str(r["rank"]), Text(r["verdict"] + mark, _COLOR.get(r["verdict"], "")), phase,
-                      f"{r.get('phase_age_s', 0):.1f}s",
-                      f"{own.get('p50', 0):.3f}/{own.get('p99', 0):.3f}", f"{r.get('own_compute_recent_s', 0):.3f}",
-                      sparkline(r.get("recent_periods_s", [])[-30:], top), r["reason"])
+        table.add_row(
+            str(r["rank"]),
+            Text(r["verdict"] + mark, _COLOR.get(r["verdict"], "")),
+            phase,
+            f"{r.get('phase_age_s', 0):.1f}s",
+            f"{own.get('p50', 0):.3f}/{own.get('p99', 0):.3f}",
+            f"{r.get('own_compute_recent_s', 0):.3f}",
+            sparkline(r.get("recent_periods_s", [])[-30:], top),
+            r["reason"],
+        )
     if hidden:
         table.add_row("…", Text("healthy", "green"), "", "", "", "", "", f"{hidden} more healthy rank(s) not shown")
     steps = Text("next: " + "\n      ".join(doc["next_steps"]))
@@ -121,15 +143,19 @@ def _print_human(doc: dict[str, Any]) -> None:
         return
     per, comp = doc["cohort_step_s"]["period"], doc["cohort_step_s"]["compute"]
     print(f"job {doc['verdict'].upper()}: {doc['reason']}")
-    print(f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
-          f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s")
+    print(
+        f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
+        f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s"
+    )
     top = per["p99"] * 1.5 or 1.0
     shown, hidden = _rows_to_show(doc["ranks"])
     for r in shown:
         mark = " (culprit)" if r.get("culprit") else ""
-        print(f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
-              f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
-              f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}")
+        print(
+            f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
+            f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
+            f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}"
+        )
     if hidden:
         print(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
     for step in doc["next_steps"]:
@@ -143,22 +169,48 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     def diagnose_job(
         job_dir: str = job_dir_option(),
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
-        config: Optional[Path] = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."),
+        config: Path | None = typer.Option(
+            None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."
+        ),
         window: int = typer.Option(20, "--window", min=1, metavar="N", help="Recent steps for the cohort comparison."),
-        log: list[Path] = typer.Option([], "--log", metavar="FILE", help="Training log(s): communication errors by "
-                                       "rank ([rank3]: prefixes), and step times with --log-spec/--log-regex."),
-        log_spec: Optional[Path] = typer.Option(None, "--log-spec", metavar="YAML", help="YAML: step_log: {pattern: REGEX} "
-                                                "with named groups step, step_s|step_ms|ts, rank."),
-        log_regex: Optional[str] = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
-        node_report: list[Path] = typer.Option([], "--node-report", metavar="JSON", help="gpuguard.node/1 JSON from "
-                                               "`gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK)."),
-        torchrun_log: list[Path] = typer.Option([], "--torchrun-log", metavar="FILE", help="torchrun's own output: exit codes and "
-                                                "signals of workers that are gone."),
+        log: list[Path] = typer.Option(
+            [],
+            "--log",
+            metavar="FILE",
+            help="Training log(s): communication errors by "
+            "rank ([rank3]: prefixes), and step times with --log-spec/--log-regex.",
+        ),
+        log_spec: Path | None = typer.Option(
+            None,
+            "--log-spec",
+            metavar="YAML",
+            help="YAML: step_log: {pattern: REGEX} with named groups step, step_s|step_ms|ts, rank.",
+        ),
+        log_regex: str | None = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
+        node_report: list[Path] = typer.Option(
+            [],
+            "--node-report",
+            metavar="JSON",
+            help="gpuguard.node/1 JSON from `gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK).",
+        ),
+        torchrun_log: list[Path] = typer.Option(
+            [],
+            "--torchrun-log",
+            metavar="FILE",
+            help="torchrun's own output: exit codes and signals of workers that are gone.",
+        ),
     ) -> int:
         """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
         spec = _log_spec(log, log_spec, log_regex)
-        job, doc, _ = assess(job_dir, config=config, window=window, logs=tuple(log), log_spec=spec,
-                             node_reports=tuple(node_report), launcher_logs=tuple(torchrun_log))
+        job, doc, _ = assess(
+            job_dir,
+            config=config,
+            window=window,
+            logs=tuple(log),
+            log_spec=spec,
+            node_reports=tuple(node_report),
+            launcher_logs=tuple(torchrun_log),
+        )
         if as_json:
             emit_json(doc)
         else:
@@ -170,7 +222,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         job_dir: str = job_dir_option(),
         interval: float = typer.Option(1.0, "--interval", min=0.05, metavar="S", help="Seconds between checks."),
         as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
-        config: Optional[Path] = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
+        config: Path | None = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
         count: int = typer.Option(0, "--count", min=0, metavar="N", help="Stop after N checks (0: until Ctrl-C)."),
     ) -> int:
         """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
@@ -211,11 +263,12 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     @plan.command("checkpoint")
     def plan_checkpoint(
         cost: float = typer.Option(..., "--cost", help="Seconds one checkpoint costs (write time)."),
-        failures_per_hour: Optional[float] = typer.Option(None, "--failures-per-hour", help="Job failure rate λ."),
-        mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", help="Per-GPU MTBF in hours (with --gpus)."),
-        gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the job (with --mtbf-hours)."),
-        async_blocking: Optional[float] = typer.Option(
-            None, "--async-blocking", help="Async checkpointing: seconds of the cost that block training."),
+        failures_per_hour: float | None = typer.Option(None, "--failures-per-hour", help="Job failure rate λ."),
+        mtbf_hours: float | None = typer.Option(None, "--mtbf-hours", help="Per-GPU MTBF in hours (with --gpus)."),
+        gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the job (with --mtbf-hours)."),
+        async_blocking: float | None = typer.Option(
+            None, "--async-blocking", help="Async checkpointing: seconds of the cost that block training."
+        ),
         as_json: bool = typer.Option(False, "--json"),
     ) -> int:
         """Young/Daly checkpoint interval Δt* ≈ √(2c/λ) and the overhead at the optimum."""
@@ -230,11 +283,17 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         if as_json:
             emit_json(p.to_json())
             return 0
-        mode = "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
+        mode = (
+            "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
+        )
         print(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
-        print(f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s")
-        print(f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
-              f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)")
+        print(
+            f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s"
+        )
+        print(
+            f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
+            f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)"
+        )
         print(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
         for note in p.notes:
             print(f"  note: {note}")
@@ -246,7 +305,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         pp: int = typer.Option(..., "--pp", help="Pipeline-parallel size."),
         dp: int = typer.Option(..., "--dp", help="Data-parallel size."),
         failed_rank: int = typer.Option(..., "--failed-rank", help="The rank that failed."),
-        global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Global batch size (samples)."),
+        global_batch: int | None = typer.Option(None, "--global-batch", help="Global batch size (samples)."),
         as_json: bool = typer.Option(False, "--json"),
     ) -> int:
         """Rank R's TP/PP/DP groups; hot spare vs shrink (TP/PP cannot shrink: a whole DP replica goes)."""
@@ -266,8 +325,10 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         h, s = p.hot_spare, p.shrink
         print(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
         if s["possible"]:
-            print(f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
-                  f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}")
+            print(
+                f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
+                f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}"
+            )
         else:
             print("shrink: impossible (dp = 1: there is no other replica)")
         print(f"  why: {s['why_not_tp_or_pp']}")
@@ -292,14 +353,19 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         """All-reduce time: ring 2(N−1)/N · S/BW + 2(N−1)α vs tree 2·S/BW + 2⌈log2 N⌉α."""
         from gpuguard.diagnostics.planners import collective_plan, parse_quantity
 
-        p = collective_plan(ranks, parse_quantity(nbytes, what="--bytes"),
-                            parse_quantity(bandwidth, what="--bandwidth"), latency)
+        p = collective_plan(
+            ranks, parse_quantity(nbytes, what="--bytes"), parse_quantity(bandwidth, what="--bandwidth"), latency
+        )
         if as_json:
             emit_json(p.to_json())
             return 0
-        print(f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s")
-        print(f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
-              f"latency {p.ring_latency_term_s * 1e3:.3f} ms)")
+        print(
+            f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s"
+        )
+        print(
+            f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
+            f"latency {p.ring_latency_term_s * 1e3:.3f} ms)"
+        )
         print(f"  tree: {p.tree_s * 1e3:.3f} ms")
         print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
         return 0
@@ -321,7 +387,7 @@ def _load_report(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str]) -> Any:
+def _log_spec(logs: list[Path], spec_file: Path | None, regex: str | None) -> Any:
     from gpuguard.foundation.errors import UsageError
 
     if spec_file is not None and regex is not None:
@@ -335,7 +401,11 @@ def _log_spec(logs: list[Path], spec_file: Optional[Path], regex: Optional[str])
         return None  # the logs only feed the communication-error dimension
     from gpuguard.collectors.log_steps import LogStepSpec
 
-    return LogStepSpec.from_yaml(spec_file) if spec_file is not None else LogStepSpec.compile(regex or "", where="--log-regex")
+    return (
+        LogStepSpec.from_yaml(spec_file)
+        if spec_file is not None
+        else LogStepSpec.compile(regex or "", where="--log-regex")
+    )
 
 
 def _span(ranks: tuple[int, ...]) -> str:

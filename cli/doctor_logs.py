@@ -18,15 +18,16 @@ import stat
 import sys
 import zlib
 from collections import Counter
-from typing import Any, BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import typer
 
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
-    DataError,
     EXIT_OK,
     EXIT_WARNING,
+    DataError,
     NoInputError,
     UsageError,
     from_os_error,
@@ -100,8 +101,15 @@ def _progress(total: int) -> Any:
 
     from gpuguard.cli._app import console
 
-    return Progress(TextColumn("[bold]scanning"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=console(stderr=True), transient=True)
+    return Progress(
+        TextColumn("[bold]scanning"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+        transient=True,
+    )
 
 
 def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, Any]]) -> Iterator[Any]:
@@ -163,12 +171,19 @@ class _Summary:
     def gpus(self) -> dict[str, dict[str, Any]]:
         from gpuguard.foundation.xid_catalog import resolution_for
 
-        return {gpu: {**resolution_for(evs).to_json(), **self.identity.get(gpu, {})}
-                for gpu, evs in sorted(self.gpu_events.items())}
+        return {
+            gpu: {**resolution_for(evs).to_json(), **self.identity.get(gpu, {})}
+            for gpu, evs in sorted(self.gpu_events.items())
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"events": sum(self.by_kind.values()), "worst": self.worst if self.by_kind else None,
-                "by_kind": dict(self.by_kind), "by_severity": dict(self.by_severity), "gpus": self.gpus()}
+        return {
+            "events": sum(self.by_kind.values()),
+            "worst": self.worst if self.by_kind else None,
+            "by_kind": dict(self.by_kind),
+            "by_severity": dict(self.by_severity),
+            "gpus": self.gpus(),
+        }
 
 
 def run_logs(paths: list[str], *, as_json: bool, min_severity: str = "info") -> int:
@@ -191,16 +206,16 @@ def _write_json(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
     from gpuguard.foundation.events import EVENTS_SCHEMA
 
     out = sys.stdout
-    out.write('{"schema": %s,\n "events": [' % json.dumps(EVENTS_SCHEMA))
+    out.write(f'{{"schema": {json.dumps(EVENTS_SCHEMA)},\n "events": [')
     first = True
     for event in events:
         summary.add(event)
         out.write(("\n  " if first else ",\n  ") + json.dumps(event.to_json(), default=str))
         first = False
     out.write("\n ],\n")
-    out.write(' "files": %s,\n' % json.dumps(stats))
-    out.write(' "summary": %s,\n' % json.dumps(summary.to_json()))
-    out.write(' "exit_code": %d\n}\n' % summary.exit_code())
+    out.write(f' "files": {json.dumps(stats)},\n')
+    out.write(f' "summary": {json.dumps(summary.to_json())},\n')
+    out.write(f' "exit_code": {summary.exit_code():d}\n}}\n')
     out.flush()
 
 
@@ -229,7 +244,9 @@ def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     out = sys.stdout
     total = sum(summary.by_kind.values())
     lines = sum(s["lines"] for s in stats)
-    out.write(f"summary: {total} events in {lines} lines of {len(stats)} file(s); worst: {summary.worst if total else 'none'}\n")
+    out.write(
+        f"summary: {total} events in {lines} lines of {len(stats)} file(s); worst: {summary.worst if total else 'none'}\n"
+    )
     if summary.by_kind:
         out.write("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()) + "\n")
     for gpu, res in summary.gpus().items():
@@ -252,8 +269,13 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         summary.add(event)
         if shown < _TABLE_ROWS:
             style = _SEVERITY_STYLE.get(event.severity, "")
-            table.add_row(f"{os.path.basename(event.source or '-')}:{event.line}", Text(event.severity, style=style),
-                          event.kind, brief(event), event.diagnosis)
+            table.add_row(
+                f"{os.path.basename(event.source or '-')}:{event.line}",
+                Text(event.severity, style=style),
+                event.kind,
+                brief(event),
+                event.diagnosis,
+            )
             shown += 1
     total = sum(summary.by_kind.values())
     if total:
@@ -262,8 +284,10 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         con.print(f"[dim]... {total - shown} more events (use --json for all)[/dim]")
     lines = sum(s["lines"] for s in stats)
     worst = summary.worst if total else "none"
-    con.print(f"[bold]summary[/bold]: {total} events in {lines} lines of {len(stats)} file(s); worst: "
-              f"[{_SEVERITY_STYLE.get(worst, '')}]{worst}[/]")
+    con.print(
+        f"[bold]summary[/bold]: {total} events in {lines} lines of {len(stats)} file(s); worst: "
+        f"[{_SEVERITY_STYLE.get(worst, '')}]{worst}[/]"
+    )
     if summary.by_kind:
         con.print("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()))
     gpus = summary.gpus()
@@ -272,6 +296,10 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         for col in ("GPU", "severity", "action", "reason"):
             gt.add_column(col, overflow="fold")
         for gpu, res in gpus.items():
-            name = gpu + (f"\n{res['uuid']}" if res.get("uuid") else "") + (f"\nserial {res['serial']}" if res.get("serial") else "")
+            name = (
+                gpu
+                + (f"\n{res['uuid']}" if res.get("uuid") else "")
+                + (f"\nserial {res['serial']}" if res.get("serial") else "")
+            )
             gt.add_row(name, res["severity"], res["action"], res["reason"])
         con.print(gt)

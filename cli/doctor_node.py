@@ -18,7 +18,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -32,13 +32,17 @@ from gpuguard.foundation.errors import (
     UsageError,
 )
 
-
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
 SAMPLE_NVML = DATA / "sample-nvml.json"
 FORMATS = ("human", "json", "npd", "nagios")
-EXIT_BY_VERDICT = {"healthy": EXIT_OK, "degraded": EXIT_WARNING, "reset": EXIT_CRITICAL, "drain": EXIT_CRITICAL,
-                   "unknown": EXIT_UNKNOWN}
+EXIT_BY_VERDICT = {
+    "healthy": EXIT_OK,
+    "degraded": EXIT_WARNING,
+    "reset": EXIT_CRITICAL,
+    "drain": EXIT_CRITICAL,
+    "unknown": EXIT_UNKNOWN,
+}
 STATE_SCHEMA = "gpuguard.sweep-state/1"
 DRAIN_PREFIX = "gpu-doctor:"
 STATE_ENV = "GPUGUARD_STATE_DIR"
@@ -83,6 +87,7 @@ def _warn(message: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Collect + judge (shared by diagnose node and sweep)
 
+
 def _nvml_snapshot(path: str | None, timeout: float) -> tuple[dict[str, Any], str]:
     from gpuguard.collectors import nvml
 
@@ -123,13 +128,19 @@ class _ProgressBar:
 
         from gpuguard.cli._app import console
 
-        self.progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                 TimeRemainingColumn(), console=console(stderr=True), transient=True)
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=console(stderr=True),
+            transient=True,
+        )
         self.progress.start()
         task = self.progress.add_task(self.label, total=total)
         return lambda n: self.progress.advance(task, n)
 
-    def __enter__(self) -> "_ProgressBar":
+    def __enter__(self) -> _ProgressBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -146,31 +157,55 @@ def _processes() -> dict[str, Any]:
         return {"schema": "gpuguard.processes/1", "status": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
 
 
-def build_document(snapshot: dict[str, Any], nvml_source: str, log: Any, events: list[Any], thresholds: Any,
-                   since: float | None, started: float, processes: dict[str, Any] | None = None,
-                   extra_sections: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+def build_document(
+    snapshot: dict[str, Any],
+    nvml_source: str,
+    log: Any,
+    events: list[Any],
+    thresholds: Any,
+    since: float | None,
+    started: float,
+    processes: dict[str, Any] | None = None,
+    extra_sections: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], Any]:
     """Judge and assemble the `gpuguard.node/1` document."""
     from gpuguard.diagnostics import node_verdict
 
-    verdict = node_verdict.judge(snapshot, events, thresholds, since=since,
-                                 kernel_log_status="ok" if log.status == "ok" else (log.reason or log.status))
+    verdict = node_verdict.judge(
+        snapshot,
+        events,
+        thresholds,
+        since=since,
+        kernel_log_status="ok" if log.status == "ok" else (log.reason or log.status),
+    )
     now = time.time()
-    doc: dict[str, Any] = {"schema": node_verdict.SCHEMA, "node": socket.gethostname(),
-                           "generated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-                           "generated_at_unix": round(now, 3)}
+    doc: dict[str, Any] = {
+        "schema": node_verdict.SCHEMA,
+        "node": socket.gethostname(),
+        "generated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+        "generated_at_unix": round(now, 3),
+    }
     doc.update(verdict.to_json())
     doc["exit_code"] = EXIT_BY_VERDICT[verdict.verdict]
     sections: dict[str, Any] = {
-        "nvml": {"status": snapshot.get("status"), "reason": snapshot.get("reason"), "source": nvml_source,
-                 "driver_version": snapshot.get("driver_version"), "gpu_count": len(snapshot.get("gpus") or [])},
+        "nvml": {
+            "status": snapshot.get("status"),
+            "reason": snapshot.get("reason"),
+            "source": nvml_source,
+            "driver_version": snapshot.get("driver_version"),
+            "gpu_count": len(snapshot.get("gpus") or []),
+        },
         "kernel_log": log.section(),
         "config": {"status": "ok", "source": thresholds.source},
     }
     if since is not None:
         sections["kernel_log"]["since"] = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
     if processes is not None:
-        sections["processes"] = {"status": processes.get("status"), "reason": processes.get("reason"),
-                                 "count": len(processes.get("processes") or [])}
+        sections["processes"] = {
+            "status": processes.get("status"),
+            "reason": processes.get("reason"),
+            "count": len(processes.get("processes") or []),
+        }
     sections.update(extra_sections or {})
     doc["sections"] = sections
     kernel_kinds = ("xid", "sxid", "gpu_lost")
@@ -221,8 +256,9 @@ def _render_human(doc: dict[str, Any]) -> None:
     for g in doc["gpus"]:
         label = f"GPU{g['index']}" if g["index"] is not None else "GPU?"
         name = f"  {g['name']}" if g.get("name") else ""
-        out.print(f"\n[bold]{label}[/bold] {g['pci_bus_id'] or '?'}{escape(name)}  "
-                  f"[{_STYLE[g['verdict']]}]{g['verdict']}[/]")
+        out.print(
+            f"\n[bold]{label}[/bold] {g['pci_bus_id'] or '?'}{escape(name)}  [{_STYLE[g['verdict']]}]{g['verdict']}[/]"
+        )
         ev = g["evidence"]
         shown = [e for e in ev if e["verdict"] != "healthy"] + [e for e in ev if e["verdict"] == "healthy"]
         for e in shown[:6]:
@@ -243,11 +279,14 @@ def _render_human(doc: dict[str, Any]) -> None:
     out.print(f"\n[bold]action[/bold]: {escape(doc['action'])}")
     drain = doc.get("drain")
     if drain:
-        out.print(f"drain: {escape(' '.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else ""))
+        out.print(
+            f"drain: {escape(' '.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Sweep state: kernel-log cursor + retained events, one file, written atomically.
+
 
 def _default_state_dir() -> Path:
     env = os.environ.get(STATE_ENV)
@@ -283,8 +322,13 @@ def _load_state(path: Path) -> tuple[dict[str, Any], list[str]]:
     except (ValueError, TypeError, AttributeError, OverflowError, DataError) as exc:
         notes.append(f"sweep state {path} unreadable ({str(exc)[:80]}): starting over from the start of the log")
         return empty, notes
-    return {**empty, "cursor": cursor, "events": events, "xid_totals": totals,
-            "last_verdict": doc.get("last_verdict")}, notes
+    return {
+        **empty,
+        "cursor": cursor,
+        "events": events,
+        "xid_totals": totals,
+        "last_verdict": doc.get("last_verdict"),
+    }, notes
 
 
 def _number(value: Any) -> float | None:
@@ -298,20 +342,32 @@ def _clean_record(rec: Any) -> dict[str, Any] | None:
         return None
     line = rec.get("line")
     fields = rec.get("fields") if isinstance(rec.get("fields"), dict) else {}
-    return {"kind": rec["kind"], "line": line if isinstance(line, int) and not isinstance(line, bool) and line >= 0 else 0,
-            "text": str(rec.get("text") or "")[:400],
-            "fields": {str(k): v for k, v in fields.items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "timestamp": _number(rec.get("timestamp")), "source": rec.get("source") if isinstance(rec.get("source"), str) else None,
-            "severity": str(rec.get("severity") or "info"), "diagnosis": str(rec.get("diagnosis") or "")[:200],
-            "seen_at": _number(rec.get("seen_at"))}
+    return {
+        "kind": rec["kind"],
+        "line": line if isinstance(line, int) and not isinstance(line, bool) and line >= 0 else 0,
+        "text": str(rec.get("text") or "")[:400],
+        "fields": {str(k): v for k, v in fields.items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "timestamp": _number(rec.get("timestamp")),
+        "source": rec.get("source") if isinstance(rec.get("source"), str) else None,
+        "severity": str(rec.get("severity") or "info"),
+        "diagnosis": str(rec.get("diagnosis") or "")[:200],
+        "seen_at": _number(rec.get("seen_at")),
+    }
 
 
 def _event_from_record(rec: dict[str, Any]) -> Any:
     from gpuguard.foundation.events import Event
 
-    return Event(kind=rec["kind"], line=int(rec.get("line") or 0), text=str(rec.get("text") or ""),
-                 fields=dict(rec.get("fields") or {}), timestamp=rec.get("timestamp"), source=rec.get("source"),
-                 severity=str(rec.get("severity") or "info"), diagnosis=str(rec.get("diagnosis") or ""))
+    return Event(
+        kind=rec["kind"],
+        line=int(rec.get("line") or 0),
+        text=str(rec.get("text") or ""),
+        fields=dict(rec.get("fields") or {}),
+        timestamp=rec.get("timestamp"),
+        source=rec.get("source"),
+        severity=str(rec.get("severity") or "info"),
+        diagnosis=str(rec.get("diagnosis") or ""),
+    )
 
 
 def cap_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -335,20 +391,32 @@ def cap_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _event_record(event: Any, seen_at: float) -> dict[str, Any]:
-    return {"kind": event.kind, "line": event.line, "text": (event.text or "")[:400],
-            "fields": {k: v for k, v in dict(event.fields).items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "timestamp": event.timestamp, "source": event.source, "severity": event.severity,
-            "diagnosis": (event.diagnosis or "")[:200], "seen_at": seen_at}
+    return {
+        "kind": event.kind,
+        "line": event.line,
+        "text": (event.text or "")[:400],
+        "fields": {k: v for k, v in dict(event.fields).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "timestamp": event.timestamp,
+        "source": event.source,
+        "severity": event.severity,
+        "diagnosis": (event.diagnosis or "")[:200],
+        "seen_at": seen_at,
+    }
 
 
 def _save_state(path: Path, state: dict[str, Any]) -> None:
     import json
 
-    from gpuguard.foundation.jobdir import atomic_write_bytes
     from gpuguard.foundation.errors import from_os_error
+    from gpuguard.foundation.jobdir import atomic_write_bytes
 
-    doc = {"schema": STATE_SCHEMA, "cursor": state["cursor"].to_json() if state.get("cursor") else None,
-           "events": state["events"], "xid_totals": state["xid_totals"], "last_verdict": state.get("last_verdict")}
+    doc = {
+        "schema": STATE_SCHEMA,
+        "cursor": state["cursor"].to_json() if state.get("cursor") else None,
+        "events": state["events"],
+        "xid_totals": state["xid_totals"],
+        "last_verdict": state.get("last_verdict"),
+    }
     try:
         atomic_write_bytes(path, (json.dumps(doc, default=str) + "\n").encode(), mode=0o600)
     except OSError as exc:
@@ -357,6 +425,7 @@ def _save_state(path: Path, state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Slurm drain
+
 
 def drain_command(node: str, summary: str) -> list[str]:
     reason = f"{DRAIN_PREFIX} {summary}"[:200].replace("\n", " ")
@@ -372,13 +441,20 @@ def _run_drain(command: list[str], node: str, timeout: float) -> str:
     if exe is None:
         return "not run: scontrol is not installed"
     try:
-        show = subprocess.run([exe, "show", "node", node, "-o"], capture_output=True, text=True, timeout=timeout,
-                              check=False, stdin=subprocess.DEVNULL)
+        show = subprocess.run(
+            [exe, "show", "node", node, "-o"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
         reason = re.search(r"\bReason=(.*?)(?: \w+=|$)", show.stdout or "")
         if reason and reason.group(1) not in ("(null)", "") and not reason.group(1).startswith(DRAIN_PREFIX):
             return f"not run: node already has a reason set by someone else ({reason.group(1)[:60]})"
-        proc = subprocess.run([exe, *command[1:]], capture_output=True, text=True, timeout=timeout, check=False,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [exe, *command[1:]], capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         return f"failed: scontrol timed out after {timeout:g} s"
     except OSError as exc:
@@ -389,6 +465,7 @@ def _run_drain(command: list[str], node: str, timeout: float) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Commands
+
 
 def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
     """`--output-option webhook.url=http://...` -> {"webhook": {"url": ...}}."""
@@ -407,22 +484,32 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
 
     @diagnose.command("node")
     def diagnose_node(
-        kernel_log: Optional[str] = typer.Option(None, "--kernel-log", metavar="FILE|-",
-                                                 help="Kernel log to read (a file, or - for stdin). "
-                                                      "Default: dmesg, else journalctl -k, else /var/log/kern.log."),
-        nvml_snapshot: Optional[str] = typer.Option(None, "--nvml-snapshot", metavar="FILE",
-                                                    help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."),
-        since: Optional[str] = typer.Option(None, "--since", metavar="D",
-                                            help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). "
-                                                 "A log file is judged whole otherwise."),
-        config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        kernel_log: str | None = typer.Option(
+            None,
+            "--kernel-log",
+            metavar="FILE|-",
+            help="Kernel log to read (a file, or - for stdin). "
+            "Default: dmesg, else journalctl -k, else /var/log/kern.log.",
+        ),
+        nvml_snapshot: str | None = typer.Option(
+            None, "--nvml-snapshot", metavar="FILE", help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."
+        ),
+        since: str | None = typer.Option(
+            None,
+            "--since",
+            metavar="D",
+            help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). A log file is judged whole otherwise.",
+        ),
+        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
         json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-        fmt: Optional[str] = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
         demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
-        dump_nvml: Optional[str] = typer.Option(None, "--dump-nvml", metavar="FILE",
-                                                help="Also save the NVML snapshot (replay it with --nvml-snapshot)."),
-        processes: Optional[bool] = typer.Option(None, "--processes/--no-processes",
-                                                 help="List torchrun agents/workers (default: on for live runs)."),
+        dump_nvml: str | None = typer.Option(
+            None, "--dump-nvml", metavar="FILE", help="Also save the NVML snapshot (replay it with --nvml-snapshot)."
+        ),
+        processes: bool | None = typer.Option(
+            None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
+        ),
         nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
         timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
     ) -> int:
@@ -441,9 +528,9 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
             _warn(f"kernel log not read: {log.reason}")
         snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
         if dump_nvml:
-            from gpuguard.foundation.jobdir import atomic_write_bytes
-
             import json
+
+            from gpuguard.foundation.jobdir import atomic_write_bytes
 
             atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
         live = nvml_snapshot is None and not demo
@@ -453,33 +540,49 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
 
     @app.command("sweep")
     def sweep(
-        kernel_log: Optional[str] = typer.Option(None, "--kernel-log", metavar="FILE",
-                                                 help="Kernel log file (read incrementally). Default: live sources."),
-        nvml_snapshot: Optional[str] = typer.Option(None, "--nvml-snapshot", metavar="FILE",
-                                                    help="A recorded NVML snapshot instead of live NVML."),
-        config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-        state_dir: Optional[str] = typer.Option(None, "--state-dir", metavar="DIR", envvar=STATE_ENV,
-                                                help="Where the kernel-log cursor and recent events are kept "
-                                                     "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard)."),
-        retain: str = typer.Option("24h", "--retain", metavar="D",
-                                   help="How long a kernel-log event keeps counting after the sweep that saw it."),
-        textfile: Optional[str] = typer.Option(None, "--textfile", metavar="FILE.prom",
-                                               help="Write Prometheus metrics here (atomic rename)."),
-        webhook: Optional[str] = typer.Option(None, "--webhook", metavar="URL",
-                                              help="POST an Alertmanager-style payload when unhealthy or recovered."),
+        kernel_log: str | None = typer.Option(
+            None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
+        ),
+        nvml_snapshot: str | None = typer.Option(
+            None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
+        ),
+        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        state_dir: str | None = typer.Option(
+            None,
+            "--state-dir",
+            metavar="DIR",
+            envvar=STATE_ENV,
+            help="Where the kernel-log cursor and recent events are kept "
+            "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
+        ),
+        retain: str = typer.Option(
+            "24h",
+            "--retain",
+            metavar="D",
+            help="How long a kernel-log event keeps counting after the sweep that saw it.",
+        ),
+        textfile: str | None = typer.Option(
+            None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
+        ),
+        webhook: str | None = typer.Option(
+            None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
+        ),
         webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
         webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
-        budget: float = typer.Option(30.0, "--budget", metavar="S",
-                                     help="Total time the outputs (webhook, plugins) may take."),
-        output: list[str] = typer.Option([], "--output", metavar="NAME",
-                                         help="Also run this gpuguard.outputs plugin (repeatable)."),
-        output_option: list[str] = typer.Option([], "--output-option", metavar="NAME.KEY=VALUE",
-                                                help="An option for an output plugin (repeatable)."),
+        budget: float = typer.Option(
+            30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
+        ),
+        output: list[str] = typer.Option(
+            [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
+        ),
+        output_option: list[str] = typer.Option(
+            [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
+        ),
         drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
         run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
-        node: Optional[str] = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
         json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-        fmt: Optional[str] = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
         nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
         timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
     ) -> int:
@@ -497,17 +600,49 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         state_file = state_path / "sweep-state.json"
         with _sweep_lock(state_path, wait=min(10.0, budget)):
             return _sweep_locked(
-                state_file=state_file, kernel_log=kernel_log, timeout=timeout, retain_s=retain_s,
-                nvml_snapshot=nvml_snapshot, nvml_timeout=nvml_timeout, thresholds=thresholds, started=started,
-                budget=budget, textfile=textfile, webhook=webhook, webhook_timeout=webhook_timeout,
-                webhook_retries=webhook_retries, output=output, opts=opts, drain=drain, run_drain=run_drain,
-                node=node, out_fmt=out_fmt)
+                state_file=state_file,
+                kernel_log=kernel_log,
+                timeout=timeout,
+                retain_s=retain_s,
+                nvml_snapshot=nvml_snapshot,
+                nvml_timeout=nvml_timeout,
+                thresholds=thresholds,
+                started=started,
+                budget=budget,
+                textfile=textfile,
+                webhook=webhook,
+                webhook_timeout=webhook_timeout,
+                webhook_retries=webhook_retries,
+                output=output,
+                opts=opts,
+                drain=drain,
+                run_drain=run_drain,
+                node=node,
+                out_fmt=out_fmt,
+            )
 
-    def _sweep_locked(*, state_file: Path, kernel_log: str | None, timeout: float, retain_s: float,
-                      nvml_snapshot: str | None, nvml_timeout: float, thresholds: Any, started: float,
-                      budget: float, textfile: str | None, webhook: str | None, webhook_timeout: float,
-                      webhook_retries: int, output: list[str], opts: dict[str, dict[str, str]], drain: bool,
-                      run_drain: bool, node: str | None, out_fmt: str) -> int:
+    def _sweep_locked(
+        *,
+        state_file: Path,
+        kernel_log: str | None,
+        timeout: float,
+        retain_s: float,
+        nvml_snapshot: str | None,
+        nvml_timeout: float,
+        thresholds: Any,
+        started: float,
+        budget: float,
+        textfile: str | None,
+        webhook: str | None,
+        webhook_timeout: float,
+        webhook_retries: int,
+        output: list[str],
+        opts: dict[str, dict[str, str]],
+        drain: bool,
+        run_drain: bool,
+        node: str | None,
+        out_fmt: str,
+    ) -> int:
         """The sweep proper, under the state directory's lock."""
         state, notes = _load_state(state_file)
         for note in notes:
@@ -528,10 +663,12 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
             state["cursor"] = log.cursor
         events = [_event_from_record(r) for r in state["events"]]
         snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
-        extra = {"state": {"status": "ok", "path": str(state_file), "retained_events": len(events),
-                           "new_events": len(fresh)}}
-        doc, verdict = build_document(snapshot, nvml_source, log, events, thresholds, None, started,
-                                      extra_sections=extra)
+        extra = {
+            "state": {"status": "ok", "path": str(state_file), "retained_events": len(events), "new_events": len(fresh)}
+        }
+        doc, verdict = build_document(
+            snapshot, nvml_source, log, events, thresholds, None, started, extra_sections=extra
+        )
         doc["xid_totals"] = dict(state["xid_totals"])
         previous = state.get("last_verdict")
         state["last_verdict"] = verdict.verdict
@@ -543,13 +680,28 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         from gpuguard.plugins.registry import load, run_safely
 
         if textfile:
-            results.append(run_safely("gpuguard.outputs", "prometheus",
-                                      lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc)))
+            results.append(
+                run_safely(
+                    "gpuguard.outputs",
+                    "prometheus",
+                    lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc),
+                )
+            )
         if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):
             left = max(0.1, deadline - time.monotonic())
-            results.append(run_safely("gpuguard.outputs", "webhook", lambda: builtin.post_webhook(
-                webhook, builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
-                timeout=webhook_timeout, retries=webhook_retries, budget=left)))
+            results.append(
+                run_safely(
+                    "gpuguard.outputs",
+                    "webhook",
+                    lambda: builtin.post_webhook(
+                        webhook,
+                        builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
+                        timeout=webhook_timeout,
+                        retries=webhook_retries,
+                        budget=left,
+                    ),
+                )
+            )
         if output:
             plugins, failures = load("gpuguard.outputs", list(dict.fromkeys(output)))
             for f in failures:
@@ -558,17 +710,20 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
                 if time.monotonic() > deadline:
                     results.append(run_safely("gpuguard.outputs", name, _budget_spent))
                     continue
-                results.append(run_safely("gpuguard.outputs", name,
-                                          lambda cls=cls, name=name: cls(opts.get(name, {})).emit(doc)))
+                results.append(
+                    run_safely("gpuguard.outputs", name, lambda cls=cls, name=name: cls(opts.get(name, {})).emit(doc))
+                )
         doc["outputs"] = [r.to_json() for r in results]
         for r in results:
             if r.status != "ok":
                 _warn(f"output {r.name} failed: {r.message}")
         if (drain or run_drain) and verdict.verdict == "drain":
             cmd = drain_command(node or socket.gethostname().split(".")[0], verdict.summary)
-            doc["drain"] = {"command": cmd, "ran": run_drain,
-                            "result": _run_drain(cmd, node or socket.gethostname().split(".")[0], 10.0)
-                            if run_drain else None}
+            doc["drain"] = {
+                "command": cmd,
+                "ran": run_drain,
+                "result": _run_drain(cmd, node or socket.gethostname().split(".")[0], 10.0) if run_drain else None,
+            }
             if out_fmt in ("npd", "nagios"):
                 print(f"gpu-doctor: drain: {' '.join(cmd)}", file=sys.stderr)
         doc["duration_s"] = round(time.monotonic() - started, 4)
@@ -603,7 +758,7 @@ class _sweep_lock:  # noqa: N801 - used as a context manager
         self.wait = wait
         self.fd: int | None = None
 
-    def __enter__(self) -> "_sweep_lock":
+    def __enter__(self) -> _sweep_lock:
         import fcntl
 
         from gpuguard.foundation.errors import UnavailableError, from_os_error

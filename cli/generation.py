@@ -7,8 +7,9 @@ Exit codes: 0 ok/verified, 2 verification failed, 4 refused, 64 usage, 65 malfor
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import typer
 
@@ -24,8 +25,13 @@ app = make_app(
 CERT_SCHEMA = "gpuguard.certificate/1"
 LEDGER_SCHEMA = "gpuguard.ledger/1"
 
-LEDGER_OPTION = typer.Option(None, "--ledger", envvar="GPUGUARD_LEDGER", show_envvar=True,
-                             help="Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or what init recorded).")
+LEDGER_OPTION = typer.Option(
+    None,
+    "--ledger",
+    envvar="GPUGUARD_LEDGER",
+    show_envvar=True,
+    help="Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or what init recorded).",
+)
 JSON_OPTION = typer.Option(False, "--json", help="Print a JSON document instead of text.")
 TIMEOUT_OPTION = typer.Option(5.0, "--timeout", min=0.1, help="Seconds to wait for the ledger (etcd).")
 
@@ -107,8 +113,8 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
 @app.command("init")
 def init_cmd(
     job_dir: Path = job_dir_option(),
-    ledger: Optional[str] = LEDGER_OPTION,
-    job_id: Optional[str] = typer.Option(None, "--job-id", help="Job id (default: the job directory's name)."),
+    ledger: str | None = LEDGER_OPTION,
+    job_id: str | None = typer.Option(None, "--job-id", help="Job id (default: the job directory's name)."),
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> int:
@@ -119,18 +125,27 @@ def init_cmd(
     result = init_job(job_dir, url=ledger, job_id=job_id, timeout=timeout)
     g = result.genesis
     if as_json:
-        emit_json({"schema": CERT_SCHEMA, "ledger": result.ledger.url, "key": str(key_path(job_dir)),
-                   "digest": g.digest(), "certificate": g.to_dict()})
+        emit_json(
+            {
+                "schema": CERT_SCHEMA,
+                "ledger": result.ledger.url,
+                "key": str(key_path(job_dir)),
+                "digest": g.digest(),
+                "certificate": g.to_dict(),
+            }
+        )
     else:
-        typer.echo(f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
-                   f"generation 0 {g.digest()[:16]}")
+        typer.echo(
+            f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
+            f"generation 0 {g.digest()[:16]}"
+        )
     return EXIT_OK
 
 
 @app.command("show")
 def show_cmd(
     job_dir: Path = job_dir_option(),
-    ledger: Optional[str] = LEDGER_OPTION,
+    ledger: str | None = LEDGER_OPTION,
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> int:
@@ -140,8 +155,16 @@ def show_cmd(
     led = open_job_ledger(job_dir, ledger, timeout=timeout)
     cert = led.require_active()
     if as_json:
-        emit_json({"schema": CERT_SCHEMA, "ledger": led.url, "active": True, "digest": cert.digest(),
-                   "signature_checked": led.key is not None, "certificate": cert.to_dict()})
+        emit_json(
+            {
+                "schema": CERT_SCHEMA,
+                "ledger": led.url,
+                "active": True,
+                "digest": cert.digest(),
+                "signature_checked": led.key is not None,
+                "certificate": cert.to_dict(),
+            }
+        )
     else:
         parent = led.get(cert.parent_generation) if cert.parent_generation is not None else None
         lines = _cert_lines(cert, parent)
@@ -154,7 +177,7 @@ def show_cmd(
 @app.command("history")
 def history_cmd(
     job_dir: Path = job_dir_option(),
-    ledger: Optional[str] = LEDGER_OPTION,
+    ledger: str | None = LEDGER_OPTION,
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> int:
@@ -165,36 +188,58 @@ def history_cmd(
     chain = led.history()
     if not chain:
         led.require_active()
-    rows = [{
-        "generation": c.generation, "digest": c.digest(), "reason": c.reason, "members": len(c.members),
-        "admitted": list(c.admitted), "frontier_step": c.frontier.step,
-        "state_manifest_digest": c.frontier.state_manifest_digest, "quiescence": c.quiescence,
-        "forced": c.forced, "activation_time": c.activation_time, "issued_by": c.issued_by,
-        "switch": (c.extra or {}).get("switch"),
-    } for c in chain]
+    rows = [
+        {
+            "generation": c.generation,
+            "digest": c.digest(),
+            "reason": c.reason,
+            "members": len(c.members),
+            "admitted": list(c.admitted),
+            "frontier_step": c.frontier.step,
+            "state_manifest_digest": c.frontier.state_manifest_digest,
+            "quiescence": c.quiescence,
+            "forced": c.forced,
+            "activation_time": c.activation_time,
+            "issued_by": c.issued_by,
+            "switch": (c.extra or {}).get("switch"),
+        }
+        for c in chain
+    ]
     stored = led.generations()
     beyond = sorted(n for n in stored if n > chain[-1].generation)
     if as_json:
-        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "active": chain[-1].generation,
-                   "generations": rows, "unverified_after_active": beyond,
-                   "fenced_commits": led.fenced_count(), "refusals": len(led.refusals())})
+        emit_json(
+            {
+                "schema": LEDGER_SCHEMA,
+                "ledger": led.url,
+                "active": chain[-1].generation,
+                "generations": rows,
+                "unverified_after_active": beyond,
+                "fenced_commits": led.fenced_count(),
+                "refusals": len(led.refusals()),
+            }
+        )
         return EXIT_OK
     typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
-    typer.echo(f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'members':>7}  {'step':>8}  "
-               "quiescence  digest")
+    typer.echo(
+        f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'members':>7}  {'step':>8}  quiescence  digest"
+    )
     for c in chain:
         q = c.quiescence + (" FORCED" if c.forced else "")
         switch = str((c.extra or {}).get("switch") or "-")
-        typer.echo(f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
-                   f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}")
+        typer.echo(
+            f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
+            f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
+        )
     if beyond:
         typer.echo(f"warning: stored generation(s) {beyond} are not part of the verified chain: run `verify`")
     typer.echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")
     return EXIT_OK
 
 
-def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
-                show_progress: bool) -> tuple[list[Any], dict[str, Any], list[str]]:
+def _deep_check(
+    job_dir: Path, certs: dict[int, Any], target: int, show_progress: bool
+) -> tuple[list[Any], dict[str, Any], list[str]]:
     """Re-hash the checkpoint of every checked frontier against its manifest.
 
     The target generation's state must be there; older frontiers' states may have been pruned
@@ -221,8 +266,14 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
     if show_progress and total:
         from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-        progress_cm = Progress("re-hashing", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                               console=console(stderr=True), transient=True)
+        progress_cm = Progress(
+            "re-hashing",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=console(stderr=True),
+            transient=True,
+        )
     task = None
     try:
         if progress_cm:
@@ -231,8 +282,13 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
         for digest, n in sorted(wanted.items(), key=lambda kv: kv[1]):
             if digest not in manifests:
                 if n == target:
-                    findings.append(Finding(f"generation {n}", "frontier-state",
-                                            f"no manifest with digest {digest[:16]}… under {job_dir}"))
+                    findings.append(
+                        Finding(
+                            f"generation {n}",
+                            "frontier-state",
+                            f"no manifest with digest {digest[:16]}… under {job_dir}",
+                        )
+                    )
                 else:
                     notes.append(f"state of generation {n} ({digest[:16]}…) is no longer stored")
                 continue
@@ -252,8 +308,8 @@ def _deep_check(job_dir: Path, certs: dict[int, Any], target: int,
 @app.command("verify")
 def verify_cmd(
     job_dir: Path = job_dir_option(),
-    ledger: Optional[str] = LEDGER_OPTION,
-    generation: Optional[int] = typer.Option(None, "--generation", min=0, help="Verify only this generation."),
+    ledger: str | None = LEDGER_OPTION,
+    generation: int | None = typer.Option(None, "--generation", min=0, help="Verify only this generation."),
     deep: bool = typer.Option(False, "--deep", help="Also re-hash the checkpoint files against their manifests."),
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -274,17 +330,31 @@ def verify_cmd(
         report.findings += more
         report.notes += notes
     if as_json:
-        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "ok": report.ok, "checked": report.checked,
-                   "findings": [f.to_dict() for f in report.findings], "notes": report.notes,
-                   "deep": deep_stats})
+        emit_json(
+            {
+                "schema": LEDGER_SCHEMA,
+                "ledger": led.url,
+                "ok": report.ok,
+                "checked": report.checked,
+                "findings": [f.to_dict() for f in report.findings],
+                "notes": report.notes,
+                "deep": deep_stats,
+            }
+        )
     else:
         for f in report.findings:
             typer.echo(f"FAIL {f}")
         for note in report.notes:
             typer.echo(f"note: {note}")
         what = f"generation {generation}" if generation is not None else f"{len(report.checked)} generation(s)"
-        extra = (f"; state: {deep_stats['manifests']} manifest(s), {deep_stats['objects']} objects, "
-                 f"{deep_stats['bytes']} bytes re-hashed") if deep_stats else ""
+        extra = (
+            (
+                f"; state: {deep_stats['manifests']} manifest(s), {deep_stats['objects']} objects, "
+                f"{deep_stats['bytes']} bytes re-hashed"
+            )
+            if deep_stats
+            else ""
+        )
         typer.echo(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}")
     return EXIT_OK if report.ok else EXIT_CRITICAL
 
@@ -292,9 +362,10 @@ def verify_cmd(
 @app.command("explain")
 def explain_cmd(
     job_dir: Path = job_dir_option(),
-    ledger: Optional[str] = LEDGER_OPTION,
-    generation: Optional[int] = typer.Option(None, "--generation", min=0,
-                                             help="Explain the refusals of this generation (default: the latest)."),
+    ledger: str | None = LEDGER_OPTION,
+    generation: int | None = typer.Option(
+        None, "--generation", min=0, help="Explain the refusals of this generation (default: the latest)."
+    ),
     show_all: bool = typer.Option(False, "--all", help="Every recorded refusal, not only the latest."),
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
@@ -315,8 +386,10 @@ def explain_cmd(
         typer.echo(f"no refused activation recorded in {led.url}")
         return EXIT_OK
     for r in refusals:
-        typer.echo(f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
-                   f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:")
+        typer.echo(
+            f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
+            f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:"
+        )
         for v in r.violations:
             who = f" rank {v.member}:" if v.member is not None else ""
             typer.echo(f"  rule {v.rule}:{who} {v.message}")

@@ -23,7 +23,8 @@ def register(*, app: typer.Typer) -> None:
         real: bool = typer.Option(False, "--real", help="Run a representative subset as real torchrun/gloo jobs."),
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.bench/1 document."),
         strategy: list[str] = typer.Option(
-            [], "--strategy", help="restart-all, communicator-only or gpuguard (repeatable; default all)."),
+            [], "--strategy", help="restart-all, communicator-only or gpuguard (repeatable; default all)."
+        ),
         seed: int = typer.Option(0, "--seed", help="Seed of the deterministic mini-training."),
         layout: list[str] = typer.Option([], "--layout", help="dp or zero1 (repeatable; default both)."),
     ) -> int:
@@ -41,8 +42,9 @@ def register(*, app: typer.Typer) -> None:
             raise UsageError(f"unknown layout (one of {', '.join(LAYOUTS)})")
         if seed < 0:
             raise UsageError("--seed must be >= 0")
-        rows, notes = run_bench(real=real, strategies=names, layouts=layouts, seed=seed,
-                                show_progress=not as_json and stdout_is_terminal())
+        rows, notes = run_bench(
+            real=real, strategies=names, layouts=layouts, seed=seed, show_progress=not as_json and stdout_is_terminal()
+        )
         if as_json:
             emit_json(report.document(rows, notes, {"mode": "real" if real else "sim", "seed": seed}))
         else:
@@ -50,8 +52,9 @@ def register(*, app: typer.Typer) -> None:
         return EXIT_WARNING if report.gpuguard_failures(rows) else EXIT_OK
 
 
-def run_bench(*, real: bool, strategies: list[str], layouts: list[str], seed: int,
-              show_progress: bool = False) -> tuple[list, list[str]]:
+def run_bench(
+    *, real: bool, strategies: list[str], layouts: list[str], seed: int, show_progress: bool = False
+) -> tuple[list, list[str]]:
     """Rows and notes for the simulated matrix or the real subset (shared with bench/transitions.py)."""
     from gpuguard.transitions.runner import run_matrix
 
@@ -59,16 +62,19 @@ def run_bench(*, real: bool, strategies: list[str], layouts: list[str], seed: in
         from gpuguard.transitions.real import run_real
 
         return run_real(strategies=strategies, seed=seed)
-    notes = ["simulated: recovery_s is modelled from measurements on this machine "
-             "(restart-all 8.20 s, survivors regroup 0.077 s, a new worker 4.45 s: "
-             "reference/torchrun-gloo-findings.md) plus the measured wall time of each strategy's own "
-             "recovery work; --real measures it end to end"]
+    notes = [
+        "simulated: recovery_s is modelled from measurements on this machine "
+        "(restart-all 8.20 s, survivors regroup 0.077 s, a new worker 4.45 s: "
+        "reference/torchrun-gloo-findings.md) plus the measured wall time of each strategy's own "
+        "recovery work; --real measures it end to end"
+    ]
     if not show_progress:
         return run_matrix(strategies, layouts, seed), notes
     from rich.progress import Progress
 
     with Progress(console=console(stderr=True), transient=True) as bar:
         task = bar.add_task("schedules", total=None)
-        rows = run_matrix(strategies, layouts, seed,
-                          progress=lambda done, total: bar.update(task, completed=done, total=total))
+        rows = run_matrix(
+            strategies, layouts, seed, progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )
     return rows, notes

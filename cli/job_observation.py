@@ -26,11 +26,18 @@ from gpuguard.diagnostics.jobstats import comm_errors_from_text, observe
 from gpuguard.foundation.observations import ProcessState, RankObservation
 
 
-def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: int = 2000,
-                now_wall: float | None = None, probe: bool = True,
-                logs: Iterable[str | os.PathLike[str]] = (), log_spec: LogStepSpec | None = None,
-                node_reports: Iterable[dict[str, Any]] = (), launcher_logs: Iterable[str | os.PathLike[str]] = (),
-                ) -> tuple[JobRecords, list[RankObservation]]:
+def observe_job(
+    job_dir: str | os.PathLike[str],
+    *,
+    window: int = 20,
+    history: int = 2000,
+    now_wall: float | None = None,
+    probe: bool = True,
+    logs: Iterable[str | os.PathLike[str]] = (),
+    log_spec: LogStepSpec | None = None,
+    node_reports: Iterable[dict[str, Any]] = (),
+    launcher_logs: Iterable[str | os.PathLike[str]] = (),
+) -> tuple[JobRecords, list[RankObservation]]:
     """Read the records and the process table; return (records, observations) ready for the vote.
 
     With `logs` and `log_spec`, ranks that wrote no StepLog records are read from training logs instead.
@@ -43,8 +50,7 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
         from_logs = read_log_steps(logs, log_spec, max_steps=history)
         merged = {**from_logs, **records.ranks}
         records = JobRecords(records.job_dir, dict(sorted(merged.items())), records.skipped_files)
-    hardware = hardware_from_node_reports(
-        node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
+    hardware = hardware_from_node_reports(node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
     codes = exit_codes_from_logs(launcher_logs)
     comm = comm_errors_from_logs([*logs, *launcher_logs])
     here = local_host()
@@ -53,13 +59,33 @@ def observe_job(job_dir: str | os.PathLike[str], *, window: int = 20, history: i
     out = []
     for series in records.ranks.values():
         local = series.host == here and now_wall is None
-        proc = probe_process(series.pid, series.start_time, series.start_wall) if (probe and local) else ProcessState(
-            "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed")
+        proc = (
+            probe_process(series.pid, series.start_time, series.start_wall)
+            if (probe and local)
+            else ProcessState(
+                "unknown", f"rank runs on {series.host or 'an unknown host'}, not here" if probe else "not probed"
+            )
+        )
         proc = with_exit_code(proc, series.pid, codes)
         ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
-        out.append(observe(series, now_wall=now_w, now_mono=now_m if local else None, process=proc,
-                           window=window, history=history, hardware=hardware.get(series.rank, ()), comm_errors=ce))
+        out.append(
+            observe(
+                series,
+                now_wall=now_w,
+                now_mono=now_m if local else None,
+                process=proc,
+                window=window,
+                history=history,
+                hardware=hardware.get(series.rank, ()),
+                comm_errors=ce,
+            )
+        )
     for rank in records.silent_ranks[:100_000]:
-        out.append(RankObservation(rank=rank, has_records=False,
-                                   notes=(f"WORLD_SIZE is {records.expected_world} but rank {rank} wrote no records",)))
+        out.append(
+            RankObservation(
+                rank=rank,
+                has_records=False,
+                notes=(f"WORLD_SIZE is {records.expected_world} but rank {rank} wrote no records",),
+            )
+        )
     return records, out

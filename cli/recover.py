@@ -8,8 +8,9 @@ Each command is a thin wrapper over `gpuguard.recovery.actions` (confirmation, a
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import typer
 
@@ -51,37 +52,49 @@ def _emit(result: Any, as_json: bool) -> int:
     return result.exit_code
 
 
-def _act(name: str, kwargs: dict[str, Any], job_dir: Optional[Path], dry_run: bool, yes: bool, as_json: bool) -> int:
+def _act(name: str, kwargs: dict[str, Any], job_dir: Path | None, dry_run: bool, yes: bool, as_json: bool) -> int:
     from gpuguard.recovery import actions
 
-    result = actions.run_action(name, actions.ACTIONS[name], kwargs, job_dir=job_dir, dry_run=dry_run, yes=yes,
-                                confirm=_confirm())
+    result = actions.run_action(
+        name, actions.ACTIONS[name], kwargs, job_dir=job_dir, dry_run=dry_run, yes=yes, confirm=_confirm()
+    )
     return _emit(result, as_json)
 
 
 @app.command("abort")
 def abort_cmd(
     job_dir: Path = job_dir_option(),
-    generation: Optional[int] = typer.Option(None, "--generation", help="Only incarnations of this generation or older."),
-    rank: List[int] = typer.Option([], "--rank", help="Only these ranks (repeatable)."),
+    generation: int | None = typer.Option(None, "--generation", help="Only incarnations of this generation or older."),
+    rank: list[int] = typer.Option([], "--rank", help="Only these ranks (repeatable)."),
     grace: float = typer.Option(10.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL."),
-    dry_run: bool = _DRY, yes: bool = _YES, as_json: bool = _JSON,
+    dry_run: bool = _DRY,
+    yes: bool = _YES,
+    as_json: bool = _JSON,
 ) -> int:
     """Terminate the old generation's workers by PID (SIGTERM, grace, SIGKILL) and prove they are gone."""
-    return _act("abort", {"job_dir": job_dir, "generation": generation, "ranks": tuple(rank), "grace_s": grace},
-                job_dir, dry_run, yes, as_json)
+    return _act(
+        "abort",
+        {"job_dir": job_dir, "generation": generation, "ranks": tuple(rank), "grace_s": grace},
+        job_dir,
+        dry_run,
+        yes,
+        as_json,
+    )
 
 
 @app.command("rendezvous")
 def rendezvous_cmd(
-    job_dir: Optional[Path] = job_dir_option(required=False),
-    endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST[:PORT] of the c10d rendezvous."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="torchrun's --rdzv-id (default: from the agent)."),
-    expect_round: Optional[int] = typer.Option(None, "--expect-round",
-                                               help="Only trigger if the round is still N (idempotent retries)."),
+    job_dir: Path | None = job_dir_option(required=False),
+    endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST[:PORT] of the c10d rendezvous."),
+    run_id: str | None = typer.Option(None, "--run-id", help="torchrun's --rdzv-id (default: from the agent)."),
+    expect_round: int | None = typer.Option(
+        None, "--expect-round", help="Only trigger if the round is still N (idempotent retries)."
+    ),
     deadline: float = typer.Option(30.0, "--deadline", min=1.0, help="Seconds to wait for the new round."),
     state: bool = typer.Option(False, "--state", help="Only read and print the rendezvous state (no change)."),
-    dry_run: bool = _DRY, yes: bool = _YES, as_json: bool = _JSON,
+    dry_run: bool = _DRY,
+    yes: bool = _YES,
+    as_json: bool = _JSON,
 ) -> int:
     """Force exactly one new rendezvous round of the live job (concurrent calls coalesce)."""
     if state:
@@ -90,20 +103,37 @@ def rendezvous_cmd(
         result = actions.read_rendezvous(job_dir, endpoint=endpoint, run_id=run_id)
         if not as_json:
             st = result.details["state"]
-            console().print(f"{result.summary}\n  participants: {st['participants']}\n  wait_list: {st['wait_list']}",
-                            markup=False, soft_wrap=True)
+            console().print(
+                f"{result.summary}\n  participants: {st['participants']}\n  wait_list: {st['wait_list']}",
+                markup=False,
+                soft_wrap=True,
+            )
             return 0
         return _emit(result, True)
-    return _act("rendezvous", {"job_dir": job_dir, "endpoint": endpoint, "run_id": run_id, "deadline_s": deadline,
-                               "expect_round": expect_round}, job_dir, dry_run, yes, as_json)
+    return _act(
+        "rendezvous",
+        {
+            "job_dir": job_dir,
+            "endpoint": endpoint,
+            "run_id": run_id,
+            "deadline_s": deadline,
+            "expect_round": expect_round,
+        },
+        job_dir,
+        dry_run,
+        yes,
+        as_json,
+    )
 
 
 @app.command("restore")
 def restore_cmd(
     job_dir: Path = job_dir_option(),
-    step: Optional[int] = typer.Option(None, "--step", min=0, help="Newest step acceptable (default: the frontier)."),
+    step: int | None = typer.Option(None, "--step", min=0, help="Newest step acceptable (default: the frontier)."),
     max_tries: int = typer.Option(3, "--max-tries", min=1, max=100, help="Candidates verified before giving up."),
-    dry_run: bool = _DRY, yes: bool = _YES, as_json: bool = _JSON,
+    dry_run: bool = _DRY,
+    yes: bool = _YES,
+    as_json: bool = _JSON,
 ) -> int:
     """Pin the newest complete, verified state at or before the committed frontier."""
     return _act("restore", {"job_dir": job_dir, "step": step, "max_tries": max_tries}, job_dir, dry_run, yes, as_json)
@@ -112,14 +142,20 @@ def restore_cmd(
 @app.command("verify")
 def verify_cmd(
     job_dir: Path = job_dir_option(),
-    newer_than: Optional[int] = typer.Option(None, "--newer-than", help="Wait for a generation newer than N."),
+    newer_than: int | None = typer.Option(None, "--newer-than", help="Wait for a generation newer than N."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.0, help="Seconds to wait for the certificate."),
-    ledger: Optional[str] = typer.Option(None, "--ledger", help="Ledger URL (default: the job dir)."),
+    ledger: str | None = typer.Option(None, "--ledger", help="Ledger URL (default: the job dir)."),
     as_json: bool = _JSON,
 ) -> int:
     """Wait for the new generation's certificate (bounded) and verify it."""
-    return _act("verify", {"job_dir": job_dir, "newer_than": newer_than, "timeout_s": timeout, "ledger_url": ledger},
-                job_dir, False, True, as_json)
+    return _act(
+        "verify",
+        {"job_dir": job_dir, "newer_than": newer_than, "timeout_s": timeout, "ledger_url": ledger},
+        job_dir,
+        False,
+        True,
+        as_json,
+    )
 
 
 @runbook_app.command("list")
@@ -129,8 +165,15 @@ def runbook_list(as_json: bool = _JSON) -> int:
 
     books = [runbooks.load(n) for n in runbooks.builtin_names()]
     if as_json:
-        emit_json({"schema": "gpuguard.runbooks/1", "runbooks": [
-            {"name": b.name, "description": b.description.strip(), "steps": [s.name for s in b.steps]} for b in books]})
+        emit_json(
+            {
+                "schema": "gpuguard.runbooks/1",
+                "runbooks": [
+                    {"name": b.name, "description": b.description.strip(), "steps": [s.name for s in b.steps]}
+                    for b in books
+                ],
+            }
+        )
         return 0
     for b in books:
         console().print(f"{b.name:14} {' -> '.join(s.name for s in b.steps)}", markup=False, soft_wrap=True)
@@ -138,17 +181,38 @@ def runbook_list(as_json: bool = _JSON) -> int:
 
 
 @runbook_app.command("show")
-def runbook_show(name: str = typer.Argument(..., help="Built-in runbook name or YAML file."), as_json: bool = _JSON) -> int:
+def runbook_show(
+    name: str = typer.Argument(..., help="Built-in runbook name or YAML file."), as_json: bool = _JSON
+) -> int:
     """Validate and print a runbook."""
     from gpuguard.recovery import runbooks
 
     book = runbooks.load(name)
     if as_json:
-        emit_json({"schema": "gpuguard.runbooks/1", "runbooks": [{
-            "name": book.name, "description": book.description.strip(), "source": book.source,
-            "steps": [{"name": s.name, "action": s.action, "when": s.when, "args": dict(s.args),
-                       "argv": list(s.argv), "newer_than": s.newer_than, "on_failure": s.on_failure}
-                      for s in book.steps]}]})
+        emit_json(
+            {
+                "schema": "gpuguard.runbooks/1",
+                "runbooks": [
+                    {
+                        "name": book.name,
+                        "description": book.description.strip(),
+                        "source": book.source,
+                        "steps": [
+                            {
+                                "name": s.name,
+                                "action": s.action,
+                                "when": s.when,
+                                "args": dict(s.args),
+                                "argv": list(s.argv),
+                                "newer_than": s.newer_than,
+                                "on_failure": s.on_failure,
+                            }
+                            for s in book.steps
+                        ],
+                    }
+                ],
+            }
+        )
         return 0
     out = console()
     out.print(f"{book.name} ({book.source}): {book.description.strip()}", markup=False, soft_wrap=True)
@@ -163,9 +227,11 @@ def runbook_show(name: str = typer.Argument(..., help="Built-in runbook name or 
 def runbook_run(
     name: str = typer.Argument(..., help="Built-in runbook name or YAML file."),
     job_dir: Path = job_dir_option(),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Resume this run (default: the newest unfinished one)."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Resume this run (default: the newest unfinished one)."),
     new: bool = typer.Option(False, "--new", help="Start a new run even if one is unfinished."),
-    dry_run: bool = _DRY, yes: bool = _YES, as_json: bool = _JSON,
+    dry_run: bool = _DRY,
+    yes: bool = _YES,
+    as_json: bool = _JSON,
 ) -> int:
     """Run a runbook step by step; resumes an interrupted run from the audit log."""
     from gpuguard.recovery import runbooks
@@ -181,8 +247,7 @@ def runbook_run(
         mark = " (resumed)" if rep.resumed else ""
         out.print(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}", markup=False, soft_wrap=True)
 
-    report = runbooks.run(book, job_dir, dry_run=dry_run, yes=yes, confirm=_confirm(), run_id=run_id,
-                          progress=progress)
+    report = runbooks.run(book, job_dir, dry_run=dry_run, yes=yes, confirm=_confirm(), run_id=run_id, progress=progress)
     if as_json:
         emit_json(report.to_json())
     else:

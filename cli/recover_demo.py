@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Iterator, Optional
 
 import typer
 
@@ -78,16 +78,35 @@ def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: b
     with _spinner(out, as_json):
         res = nl.run_node_loss(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event)
     if res.resume_s is not None and not as_json:
-        out.print(f"\nin place: the survivors committed their first step of generation 2 "
-                  f"{res.resume_s:.2f} s after the kill; no process restarted")
+        out.print(
+            f"\nin place: the survivors committed their first step of generation 2 "
+            f"{res.resume_s:.2f} s after the kill; no process restarted"
+        )
     ver_rc = _show_and_verify(out, job, as_json)
-    return _finish(out, as_json, t0, "node loss survived in place, certified", {
-        "scenario": "node-loss", "launcher": res.launcher, "job_dir": str(job), "recovered": res.recovered,
-        "kill": res.kill, "generations": res.generations, "switch": res.switch, "reason": res.reason,
-        "frontier": res.frontier, "resume_s": res.resume_s, "survivors": res.survivors,
-        "pids_unchanged": res.pids_unchanged, "matches_reference": res.matches_reference,
-        "agents_restarted_nothing": res.agents_restarted_nothing, "verify_rc": ver_rc,
-        "ok": res.recovered and ver_rc == 0})
+    return _finish(
+        out,
+        as_json,
+        t0,
+        "node loss survived in place, certified",
+        {
+            "scenario": "node-loss",
+            "launcher": res.launcher,
+            "job_dir": str(job),
+            "recovered": res.recovered,
+            "kill": res.kill,
+            "generations": res.generations,
+            "switch": res.switch,
+            "reason": res.reason,
+            "frontier": res.frontier,
+            "resume_s": res.resume_s,
+            "survivors": res.survivors,
+            "pids_unchanged": res.pids_unchanged,
+            "matches_reference": res.matches_reference,
+            "agents_restarted_nothing": res.agents_restarted_nothing,
+            "verify_rc": ver_rc,
+            "ok": res.recovered and ver_rc == 0,
+        },
+    )
 
 
 def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:
@@ -95,8 +114,10 @@ def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:
     if as_json:
         emit_json({"schema": "gpuguard.demo/1", **doc})
     else:
-        out.print(f"\n{f'[green]{success}[/]' if doc['ok'] else '[red]demo failed[/]'} "
-                  f"in {time.monotonic() - t0:.0f} s; job dir kept: {doc['job_dir']}")
+        out.print(
+            f"\n{f'[green]{success}[/]' if doc['ok'] else '[red]demo failed[/]'} "
+            f"in {time.monotonic() - t0:.0f} s; job dir kept: {doc['job_dir']}"
+        )
     return 0 if doc["ok"] else 1
 
 
@@ -105,17 +126,24 @@ def register(*, app: typer.Typer) -> None:
 
     @app.command("demo")
     def demo(
-        job_dir: Optional[Path] = typer.Option(None, "--job-dir", help="Where the job lives (default: a new temp dir)."),
+        job_dir: Path | None = typer.Option(None, "--job-dir", help="Where the job lives (default: a new temp dir)."),
         workers: int = typer.Option(4, "--workers", min=2, max=8, help="gloo workers."),
         steps: int = typer.Option(14, "--steps", min=4, help="Training steps."),
-        kill_step: int = typer.Option(6, "--kill-step", min=2, help="Step at which rank 2 is SIGKILLed (node-loss: the node goes once this step is committed)."),
+        kill_step: int = typer.Option(
+            6,
+            "--kill-step",
+            min=2,
+            help="Step at which rank 2 is SIGKILLed (node-loss: the node goes once this step is committed).",
+        ),
         timeout: float = typer.Option(180.0, "--timeout", help="Give up after this many seconds."),
         as_json: bool = typer.Option(False, "--json", help="One gpuguard.demo/1 document."),
         scenario: Scenario = typer.Option(
-            Scenario.restart, "--scenario",
+            Scenario.restart,
+            "--scenario",
             help="restart: a worker SIGKILLed, certified restart. node-loss: 3 torchrun agents, one node (agent + "
-                 "worker) SIGKILLed, the survivors switch generation in place (--workers is ignored; --kill-step: "
-                 "kill once that step is committed)."),
+            "worker) SIGKILLed, the survivors switch generation in place (--workers is ignored; --kill-step: "
+            "kill once that step is committed).",
+        ),
     ) -> int:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
 
@@ -136,9 +164,16 @@ def register(*, app: typer.Typer) -> None:
             return _node_loss(job, steps, kill_step, timeout, as_json)
         out = console(stderr=as_json)
         victim = min(2, workers - 1)
-        argv = d.torchrun_argv(job, workers=workers, steps=steps, kills=[f"{victim}:{kill_step}:mid-update"],
-                               max_restarts=3, port=d.free_port(), run_id=f"demo-{job.name}",
-                               extra=["--progress", "--sleep", "0.05"])
+        argv = d.torchrun_argv(
+            job,
+            workers=workers,
+            steps=steps,
+            kills=[f"{victim}:{kill_step}:mid-update"],
+            max_restarts=3,
+            port=d.free_port(),
+            run_id=f"demo-{job.name}",
+            extra=["--progress", "--sleep", "0.05"],
+        )
         out.print(f"[bold]gpuguard demo[/]: {workers} gloo workers under torchrun (torch defaults), job dir {job}")
         out.print(f"  rank {victim} will be SIGKILLed in the middle of its optimizer update at step {kill_step}")
         t0 = time.monotonic()
@@ -149,8 +184,7 @@ def register(*, app: typer.Typer) -> None:
                 out.print(f"  {time.monotonic() - t0:6.1f}s  {text}", markup=False, highlight=False, soft_wrap=True)
 
         with _spinner(out, as_json):
-            rc = d.run_job(argv, env=d.worker_env(), timeout_s=timeout, on_line=on_line,
-                           log_path=job / "torchrun.log")
+            rc = d.run_job(argv, env=d.worker_env(), timeout_s=timeout, on_line=on_line, log_path=job / "torchrun.log")
         res = d.summarize(job)
         res.returncode = rc
         recovered = rc == 0 and len(res.generations) >= 2 and res.final_hashes_equal
@@ -159,12 +193,29 @@ def register(*, app: typer.Typer) -> None:
             out.print(f"killed rank {res.kill['rank']} at step {res.kill['step']} ({res.kill['point']})")
         if res.resumed_at is not None:
             took = f" {res.resume_s:.1f} s after the kill" if res.resume_s is not None else ""
-            out.print(f"resumed at step {res.resumed_at} from the certified frontier (step {res.frontier}){took}; "
-                      f"generations {res.generations}")
+            out.print(
+                f"resumed at step {res.resumed_at} from the certified frontier (step {res.frontier}){took}; "
+                f"generations {res.generations}"
+            )
         out.print(f"every rank ended with the same state digest: {'yes' if res.final_hashes_equal else 'NO'}")
         res.verify_rc = ver_rc = _show_and_verify(out, job, as_json)
-        return _finish(out, as_json, t0, "recovered and certified", {
-            "scenario": "restart", "job_dir": str(job), "returncode": rc, "recovered": recovered,
-            "generations": res.generations, "kill": res.kill, "resumed_at": res.resumed_at,
-            "frontier": res.frontier, "resume_s": res.resume_s,
-            "final_hashes_equal": res.final_hashes_equal, "verify_rc": ver_rc, "ok": recovered and ver_rc == 0})
+        return _finish(
+            out,
+            as_json,
+            t0,
+            "recovered and certified",
+            {
+                "scenario": "restart",
+                "job_dir": str(job),
+                "returncode": rc,
+                "recovered": recovered,
+                "generations": res.generations,
+                "kill": res.kill,
+                "resumed_at": res.resumed_at,
+                "frontier": res.frontier,
+                "resume_s": res.resume_s,
+                "final_hashes_equal": res.final_hashes_equal,
+                "verify_rc": ver_rc,
+                "ok": recovered and ver_rc == 0,
+            },
+        )

@@ -23,17 +23,18 @@ import re
 import stat
 import struct
 from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from gpuguard.foundation import unpickle
-from gpuguard.foundation.traces import COMPLETED, Interner, RankTrace, Signature, Stream
-from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
 from gpuguard.foundation.collective_trace import PERSIST_MAGIC, decode_persisted
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
+from gpuguard.foundation.traces import COMPLETED, Interner, RankTrace, Signature, Stream
 
 GPUGUARD_SCHEMA = "gpuguard.collective-trace/1"
 FORMAT_FR_PICKLE = "fr-pickle"
@@ -159,12 +160,23 @@ def _unpickle(p: Path, fh: Any) -> Any:
     try:
         return unpickle.RestrictedUnpickler(fh, what="a Flight Recorder dump").load()
     except unpickle.Refused as exc:
-        raise DataError(f"{p}: unsafe pickle refused: {exc}; Flight Recorder dumps hold only "
-                        "plain containers and scalars") from None
+        raise DataError(
+            f"{p}: unsafe pickle refused: {exc}; Flight Recorder dumps hold only plain containers and scalars"
+        ) from None
     except EOFError:
         raise DataError(f"{p}: truncated pickle (ends before its STOP opcode)") from None
-    except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            MemoryError, RecursionError, OverflowError, UnicodeDecodeError) as exc:
+    except (
+        pickle.UnpicklingError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        MemoryError,
+        RecursionError,
+        OverflowError,
+        UnicodeDecodeError,
+    ) as exc:
         raise DataError(f"{p}: corrupt pickle: {type(exc).__name__}: {str(exc)[:120]}") from None
 
 
@@ -175,8 +187,16 @@ def _need(cond: bool, path: Path, what: str) -> None:
 
 # -- Flight Recorder -----------------------------------------------------------------------------
 
-_FAST = itemgetter("collective_seq_id", "process_group", "profiling_name", "input_sizes", "input_dtypes",
-                   "output_sizes", "output_dtypes", "state")
+_FAST = itemgetter(
+    "collective_seq_id",
+    "process_group",
+    "profiling_name",
+    "input_sizes",
+    "input_dtypes",
+    "output_sizes",
+    "output_dtypes",
+    "state",
+)
 _SIG = itemgetter(2, 3, 4, 5, 6)
 
 
@@ -189,15 +209,25 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     _need(isinstance(version, str), path, "'version' is not a string")
     rank = rank_from_name(path)
     if rank is None:
-        raise DataError(f"{path}: cannot tell the rank: Flight Recorder dumps carry none, so name the file "
-                        "<prefix><rank> (e.g. rank_3 or rank_3.json)")
+        raise DataError(
+            f"{path}: cannot tell the rank: Flight Recorder dumps carry none, so name the file "
+            "<prefix><rank> (e.g. rank_3 or rank_3.json)"
+        )
     pg_ranks = _pg_ranks(doc.get("pg_config"))
     status = _pg_status(doc.get("pg_status"), path)
 
     fast = _fast_stream(entries, status, interner, path)
     if fast is not None:
-        trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=(fast,), version=version,
-                          world_size=None, pg_ranks=pg_ranks, skipped=0)
+        trace = RankTrace(
+            rank=rank,
+            source=str(path),
+            format=fmt,
+            streams=(fast,),
+            version=version,
+            world_size=None,
+            pg_ranks=pg_ranks,
+            skipped=0,
+        )
         return Loaded(trace, len(entries))
     rows = _rows(entries, path)
     skipped = 0
@@ -224,21 +254,43 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
         raw_states = [r[7] for r in grp]
         if st is not None:
             done, started = st
-            states = [COMPLETED if s <= done else ("started" if s <= started and x == "scheduled" else x)
-                      for s, x in zip(seqs, raw_states)]
+            states = [
+                COMPLETED if s <= done else ("started" if s <= started and x == "scheduled" else x)
+                for s, x in zip(seqs, raw_states)
+            ]
         else:
             states = raw_states
         times = [r[10] for r in grp]
-        streams.append(Stream(pg=pg_name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states,
-                              site_ids=sites, times_ns=times, pg_desc=desc,
-                              states_reliable=_states_reliable({r[2] for r in grp})))
-    trace = RankTrace(rank=rank, source=str(path), format=fmt, streams=tuple(streams), version=version,
-                      world_size=None, pg_ranks=pg_ranks, skipped=skipped)
+        streams.append(
+            Stream(
+                pg=pg_name,
+                generation=gen,
+                seqs=seqs,
+                sig_ids=sig_ids,
+                states=states,
+                site_ids=sites,
+                times_ns=times,
+                pg_desc=desc,
+                states_reliable=_states_reliable({r[2] for r in grp}),
+            )
+        )
+    trace = RankTrace(
+        rank=rank,
+        source=str(path),
+        format=fmt,
+        streams=tuple(streams),
+        version=version,
+        world_size=None,
+        pg_ranks=pg_ranks,
+        skipped=skipped,
+    )
     return Loaded(trace, len(entries))
 
 
-_COLS = {k: itemgetter(k) for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p",
-                                    "frames", "time_created_ns")}
+_COLS = {
+    k: itemgetter(k)
+    for k in ("collective_seq_id", "process_group", "profiling_name", "state", "is_p2p", "frames", "time_created_ns")
+}
 _GET_TIME = methodcaller("get", "time_created_ns")
 _SIG5 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes")
 _SIG6 = itemgetter("profiling_name", "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "frames")
@@ -246,8 +298,7 @@ _NONE = type(None)
 _NO_SITE = -1
 
 
-def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: Interner,
-                 path: Path) -> Stream | None:
+def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: Interner, path: Path) -> Stream | None:
     """The common dump (one process group, no p2p, ascending seqs) in whole-column operations, or None."""
     if not entries:
         return None
@@ -272,11 +323,17 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
         uniq_names, uniq_states = set(names), set(raw_states)
     except TypeError:
         return None
-    if ("reset_epoch" in first or "generation" in first or set(map(type, seqs)) != {int}
-            or not all(type(x) is str for x in uniq_names | uniq_states)
-            or any(p2p) or any(_op_name(n) in _P2P_OPS for n in uniq_names)
-            or pgvs.count(pgvs[0]) != len(pgvs) or not all(map(lt, seqs, seqs[1:]))
-            or not set(map(type, times)) <= {int, _NONE}):
+    if (
+        "reset_epoch" in first
+        or "generation" in first
+        or set(map(type, seqs)) != {int}
+        or not all(type(x) is str for x in uniq_names | uniq_states)
+        or any(p2p)
+        or any(_op_name(n) in _P2P_OPS for n in uniq_names)
+        or pgvs.count(pgvs[0]) != len(pgvs)
+        or not all(map(lt, seqs, seqs[1:]))
+        or not set(map(type, times)) <= {int, _NONE}
+    ):
         return None
     pgv = pgvs[0]
     name, desc, pg_id, gen = _pg_key(tuple(pgv) if isinstance(pgv, list) else pgv, first.get("pg_id"), 0, path)
@@ -285,16 +342,26 @@ def _fast_stream(entries: list, status: dict[str, tuple[int, int]], interner: In
     if st is not None:
         done, started = st
         k = bisect_right(seqs, done)
-        states = [COMPLETED] * k + [("started" if s <= started and x == "scheduled" else x)
-                                    for s, x in zip(seqs[k:], raw_states[k:])]
+        states = [COMPLETED] * k + [
+            ("started" if s <= started and x == "scheduled" else x) for s, x in zip(seqs[k:], raw_states[k:])
+        ]
     else:
         states = raw_states
     if sites is not None and all(i == _NO_SITE for i in sites):
         sites = None  # empty frame lists: no call sites to show
     if None in times:
         times = [t or 0 for t in times]
-    return Stream(pg=name, generation=gen, seqs=seqs, sig_ids=sig_ids, states=states, site_ids=sites,
-                  times_ns=times, pg_desc=desc, states_reliable=_states_reliable(uniq_names))
+    return Stream(
+        pg=name,
+        generation=gen,
+        seqs=seqs,
+        sig_ids=sig_ids,
+        states=states,
+        site_ids=sites,
+        times_ns=times,
+        pg_desc=desc,
+        states_reliable=_states_reliable(uniq_names),
+    )
 
 
 def _states_reliable(names: Iterable[str]) -> bool:
@@ -322,16 +389,20 @@ def _rows(entries: list, path: Path) -> list[tuple]:
             if key is None:
                 key = pg_cache[ck] = _pg_key(ck[0], pg_id, gen, path)
             is_p2p = bool(p2p) or _op_name(name) in _P2P_OPS
-            out.append((seq, key, name, f[3], f[4], f[5], f[6], f[7], is_p2p, frames,
-                        t if type(t) is int else 0))
+            out.append((seq, key, name, f[3], f[4], f[5], f[6], f[7], is_p2p, frames, t if type(t) is int else 0))
     except TypeError:  # an unhashable process_group: let the tolerant path name the problem
         return [_row_slow(i, e, path) for i, e in enumerate(entries)]
     return out
 
 
 def _extra_getter(e: dict) -> tuple:
-    return (e.get("pg_id"), e.get("is_p2p"), e.get("frames"), e.get("time_created_ns"),
-            e.get("reset_epoch", e.get("generation", 0)))
+    return (
+        e.get("pg_id"),
+        e.get("is_p2p"),
+        e.get("frames"),
+        e.get("time_created_ns"),
+        e.get("reset_epoch", e.get("generation", 0)),
+    )
 
 
 def _pg_key(pgv: Any, pg_id: Any, gen: Any, path: Path) -> tuple[str, str, Any, int]:
@@ -340,8 +411,9 @@ def _pg_key(pgv: Any, pg_id: Any, gen: Any, path: Path) -> tuple[str, str, Any, 
     elif pgv is None and pg_id is not None:
         name, desc = str(pg_id), ""
     else:
-        raise DataError(f"{path}: not a valid collective trace: 'process_group' is {type(pgv).__name__}, "
-                        "expected (name, desc)")
+        raise DataError(
+            f"{path}: not a valid collective trace: 'process_group' is {type(pgv).__name__}, expected (name, desc)"
+        )
     if desc == "undefined":
         desc = ""
     if not isinstance(gen, int):
@@ -360,13 +432,24 @@ def _row_slow(i: int, e: Any, path: Path) -> tuple:
     if not isinstance(name, str):
         raise DataError(f"{path}: not a valid collective trace: entry {i} has no profiling_name")
     pgv = e.get("process_group")
-    key = _pg_key(tuple(pgv) if isinstance(pgv, list) else pgv, e.get("pg_id"),
-                  e.get("reset_epoch", e.get("generation", 0)), path)
+    key = _pg_key(
+        tuple(pgv) if isinstance(pgv, list) else pgv, e.get("pg_id"), e.get("reset_epoch", e.get("generation", 0)), path
+    )
     is_p2p = bool(e.get("is_p2p")) or _op_name(name) in _P2P_OPS
     t = e.get("time_created_ns") or 0
-    return (seq, key, name, e.get("input_sizes"), e.get("input_dtypes"), e.get("output_sizes"),
-            e.get("output_dtypes"), str(e.get("state", "scheduled")), is_p2p, e.get("frames"),
-            t if isinstance(t, int) else 0)
+    return (
+        seq,
+        key,
+        name,
+        e.get("input_sizes"),
+        e.get("input_dtypes"),
+        e.get("output_sizes"),
+        e.get("output_dtypes"),
+        str(e.get("state", "scheduled")),
+        is_p2p,
+        e.get("frames"),
+        t if isinstance(t, int) else 0,
+    )
 
 
 def _op_name(profiling_name: str) -> str:
@@ -385,14 +468,26 @@ def _merge_coalesced(rows: list[tuple]) -> list[tuple]:
         if i == j:
             out.append(rows[i])
         else:
-            part = rows[i:j + 1]
+            part = rows[i : j + 1]
             ops = [_op_name(r[2]) for r in part if _op_name(r[2]) != "coalesced"]
             prefix = part[0][2].split(":", 1)[0] + ":" if ":" in part[0][2] else ""
-            cat = lambda k: [x for r in part if _op_name(r[2]) != "coalesced" for x in (r[k] or [])]  # noqa: E731
+            cat = lambda k, part=part: [x for r in part if _op_name(r[2]) != "coalesced" for x in (r[k] or [])]  # noqa: E731
             states = {r[7] for r in part}
-            out.append((rows[i][0], rows[i][1], f"{prefix}coalesced[{','.join(ops)}]", cat(3), cat(4), cat(5),
-                        cat(6), "scheduled" if "scheduled" in states else part[-1][7], False, part[0][9],
-                        part[0][10]))
+            out.append(
+                (
+                    rows[i][0],
+                    rows[i][1],
+                    f"{prefix}coalesced[{','.join(ops)}]",
+                    cat(3),
+                    cat(4),
+                    cat(5),
+                    cat(6),
+                    "scheduled" if "scheduled" in states else part[-1][7],
+                    False,
+                    part[0][9],
+                    part[0][10],
+                )
+            )
         i = j + 1
     return out
 
@@ -424,11 +519,15 @@ def _intern_with_sites(raw: list[tuple], interner: Interner, path: Path) -> tupl
 def _freeze(s: tuple, path: Path) -> Signature:
     name, insz, indt, outsz, outdt = s
     try:
-        return Signature(op=_op_name(name), in_sizes=_shapes(insz), in_dtypes=_dtypes(indt),
-                         out_sizes=_shapes(outsz), out_dtypes=_dtypes(outdt))
+        return Signature(
+            op=_op_name(name),
+            in_sizes=_shapes(insz),
+            in_dtypes=_dtypes(indt),
+            out_sizes=_shapes(outsz),
+            out_dtypes=_dtypes(outdt),
+        )
     except (TypeError, ValueError):
-        raise DataError(f"{path}: not a valid collective trace: bad sizes or dtypes in a "
-                        f"{name!r} entry") from None
+        raise DataError(f"{path}: not a valid collective trace: bad sizes or dtypes in a {name!r} entry") from None
 
 
 def _shapes(v: Any) -> tuple[tuple[int, ...], ...] | None:
@@ -520,22 +619,40 @@ def _from_gpuguard(path: Path, doc: dict, interner: Interner) -> Loaded:
         _need(type(egen) is int, path, f"entry {i}: 'generation' is not an integer")
         sig = Signature(op=op, in_dtypes=(dtype,) if dtype else None, count=count, reduce_op=red)
         state = str(e.get("state") or ("completed" if e.get("completed_ns") else "scheduled"))
-        per_pg.setdefault((pg, egen), []).append((seq, sig, state, site if isinstance(site, str) else None,
-                                                  t if isinstance(t, int) else 0))
+        per_pg.setdefault((pg, egen), []).append(
+            (seq, sig, state, site if isinstance(site, str) else None, t if isinstance(t, int) else 0)
+        )
     streams = []
     for (pg, egen), rows in per_pg.items():
         rows.sort(key=itemgetter(0))
         for a, b in zip(rows, rows[1:]):
             if a[0] == b[0]:
-                raise DataError(f"{path}: duplicate sequence id {a[0]} on pg {pg!r} generation {egen}: a trace "
-                                "records each collective once, so this file is corrupt or was edited")
-        streams.append(Stream(pg=pg, generation=egen, seqs=[r[0] for r in rows],
-                              sig_ids=[interner.sig(r[1]) for r in rows], states=[r[2] for r in rows],
-                              site_ids=[interner.site(r[3]) for r in rows], times_ns=[r[4] for r in rows]))
+                raise DataError(
+                    f"{path}: duplicate sequence id {a[0]} on pg {pg!r} generation {egen}: a trace "
+                    "records each collective once, so this file is corrupt or was edited"
+                )
+        streams.append(
+            Stream(
+                pg=pg,
+                generation=egen,
+                seqs=[r[0] for r in rows],
+                sig_ids=[interner.sig(r[1]) for r in rows],
+                states=[r[2] for r in rows],
+                site_ids=[interner.site(r[3]) for r in rows],
+                times_ns=[r[4] for r in rows],
+            )
+        )
     dropped = doc.get("dropped", 0)
-    trace = RankTrace(rank=rank, source=str(path), format=FORMAT_GPUGUARD, streams=tuple(streams),
-                      version=GPUGUARD_SCHEMA, world_size=world, skipped=0,
-                      dropped=dropped if type(dropped) is int else 0)
+    trace = RankTrace(
+        rank=rank,
+        source=str(path),
+        format=FORMAT_GPUGUARD,
+        streams=tuple(streams),
+        version=GPUGUARD_SCHEMA,
+        world_size=world,
+        skipped=0,
+        dropped=dropped if type(dropped) is int else 0,
+    )
     return Loaded(trace, len(entries))
 
 
@@ -564,19 +681,39 @@ def _load_chunk(paths: list[str]) -> tuple[list[Loaded], list[Signature], list[s
 
 def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
     streams = tuple(
-        Stream(pg=s.pg, generation=s.generation, seqs=s.seqs, sig_ids=[sig_map[i] for i in s.sig_ids],
-               states=s.states,
-               site_ids=None if s.site_ids is None else [site_map[i] if i >= 0 else -1 for i in s.site_ids],
-               times_ns=s.times_ns, pg_desc=s.pg_desc, states_reliable=s.states_reliable)
-        for s in loaded.trace.streams)
+        Stream(
+            pg=s.pg,
+            generation=s.generation,
+            seqs=s.seqs,
+            sig_ids=[sig_map[i] for i in s.sig_ids],
+            states=s.states,
+            site_ids=None if s.site_ids is None else [site_map[i] if i >= 0 else -1 for i in s.site_ids],
+            times_ns=s.times_ns,
+            pg_desc=s.pg_desc,
+            states_reliable=s.states_reliable,
+        )
+        for s in loaded.trace.streams
+    )
     t = loaded.trace
-    return Loaded(RankTrace(rank=t.rank, source=t.source, format=t.format, streams=streams, version=t.version,
-                            world_size=t.world_size, pg_ranks=t.pg_ranks, skipped=t.skipped, dropped=t.dropped),
-                  loaded.entries)
+    return Loaded(
+        RankTrace(
+            rank=t.rank,
+            source=t.source,
+            format=t.format,
+            streams=streams,
+            version=t.version,
+            world_size=t.world_size,
+            pg_ranks=t.pg_ranks,
+            skipped=t.skipped,
+            dropped=t.dropped,
+        ),
+        loaded.entries,
+    )
 
 
-def load_many(files: Iterable[Path], interner: Interner, *, jobs: int | None = None,
-              progress: Any = None) -> list[Loaded]:
+def load_many(
+    files: Iterable[Path], interner: Interner, *, jobs: int | None = None, progress: Any = None
+) -> list[Loaded]:
     """Load every file; with many files, a small process pool shares the unpickling."""
     paths = [str(f) for f in files]
     if jobs is None:
@@ -590,7 +727,7 @@ def load_many(files: Iterable[Path], interner: Interner, *, jobs: int | None = N
                     progress(1)
         return out
     size = max(1, -(-len(paths) // (jobs * 4)))
-    chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
+    chunks = [paths[i : i + size] for i in range(0, len(paths), size)]
     out = []
     import multiprocessing
 

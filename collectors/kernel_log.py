@@ -17,14 +17,17 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import IO, Any
 
-from gpuguard.foundation.events import Event
+from gpuguard.collectors.logparse import iter_events
 from gpuguard.foundation.errors import DataError, from_os_error
+from gpuguard.foundation.events import Event
 from gpuguard.foundation.jobdir import atomic_write_bytes
 
 CURSOR_SCHEMA = "gpuguard.kernel-log-cursor/1"
@@ -67,16 +70,30 @@ class KernelLog:
 
     def section(self) -> dict[str, Any]:
         """The `kernel_log` section of `gpuguard.node/1`."""
-        return {"status": self.status, "source": self.source, "reason": self.reason,
-                "lines_read": self.lines_read, "bytes_read": self.bytes_read,
-                "events": len(self.events), "notes": list(self.notes)}
+        return {
+            "status": self.status,
+            "source": self.source,
+            "reason": self.reason,
+            "lines_read": self.lines_read,
+            "bytes_read": self.bytes_read,
+            "events": len(self.events),
+            "notes": list(self.notes),
+        }
 
 
 # --------------------------------------------------------------------------------------------------
 # Cursor file: parse (pure), load, save (atomic).
 
-_CURSOR_FIELDS = {"path": str, "device": int, "inode": int, "offset": int, "line": int,
-                  "last_line_sha256": str, "last_line_len": int, "boot_id": str}
+_CURSOR_FIELDS = {
+    "path": str,
+    "device": int,
+    "inode": int,
+    "offset": int,
+    "line": int,
+    "last_line_sha256": str,
+    "last_line_len": int,
+    "boot_id": str,
+}
 
 
 def parse_cursor(text: str | bytes, what: str = "cursor") -> Cursor:
@@ -127,6 +144,7 @@ def save_cursor(path: str | Path, cursor: Cursor) -> None:
 # --------------------------------------------------------------------------------------------------
 # Scanning: find candidate lines fast, hand contiguous runs to the parser.
 
+
 @dataclass
 class _Scan:
     candidates: list[tuple[int, bytes]] = field(default_factory=list)
@@ -151,12 +169,19 @@ def _scan_block(block: bytes, first_line: int, out: list[tuple[int, bytes]]) -> 
         line += block.count(b"\n", pos, start)
         pos = start
         end = block.find(b"\n", start)
-        out.append((line, block[start: end if end != -1 else len(block)]))
+        out.append((line, block[start : end if end != -1 else len(block)]))
 
 
-def scan(fh: IO[bytes], *, offset: int = 0, line: int = 0, end: int | None = None,
-         deadline: float | None = None, final: bool = False,
-         progress: Callable[[int], None] | None = None) -> _Scan:
+def scan(
+    fh: IO[bytes],
+    *,
+    offset: int = 0,
+    line: int = 0,
+    end: int | None = None,
+    deadline: float | None = None,
+    final: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> _Scan:
     """Scan complete lines from `fh` (positioned at `offset`) up to `end` bytes (None: EOF).
 
     final: also consume a trailing line without newline (a stream that has ended: stdin, dmesg).
@@ -184,7 +209,7 @@ def scan(fh: IO[bytes], *, offset: int = 0, line: int = 0, end: int | None = Non
         _scan_block(block, result.line + 1, result.candidates)
         result.line += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
         result.offset += len(block)
-        result.last_line = block[block.rfind(b"\n", 0, len(block) - 1) + 1:]
+        result.last_line = block[block.rfind(b"\n", 0, len(block) - 1) + 1 :]
         if deadline is not None and time.monotonic() > deadline:
             result.stopped_early = True
             break
@@ -214,7 +239,6 @@ def _runs(candidates: list[tuple[int, bytes]]) -> Iterable[tuple[int, list[str]]
 
 def parse_candidates(candidates: list[tuple[int, bytes]], source: str | None) -> tuple[Event, ...]:
     """Run the log parser over the candidate lines, keeping their real line numbers."""
-    from gpuguard.collectors.logparse import iter_events
 
     events: list[Event] = []
     for first, lines in _runs(candidates):
@@ -228,6 +252,7 @@ def _hash(line: bytes) -> str:
 
 # --------------------------------------------------------------------------------------------------
 # Files, with the incremental cursor.
+
 
 def _resume_point(fh: IO[bytes], st: os.stat_result, cursor: Cursor | None, notes: list[str]) -> tuple[int, int]:
     """(offset, line) to start from in the open file `fh`."""
@@ -266,8 +291,14 @@ def _rotated_tail(path: Path, cursor: Cursor, deadline: float, notes: list[str])
         return None
 
 
-def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-              parse: bool = True, progress: Callable[[int, int], Callable[[int], None]] | None = None) -> KernelLog:
+def read_file(
+    path: str | Path,
+    *,
+    cursor: Cursor | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    parse: bool = True,
+    progress: Callable[[int, int], Callable[[int], None]] | None = None,
+) -> KernelLog:
     """Read a kernel log file from the cursor (or the start) to its current end.
 
     progress: called once with (bytes to read, 0) and returning a per-chunk callback (a progress bar).
@@ -295,7 +326,9 @@ def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float 
         if result.stopped_early:
             notes.append(f"stopped after {timeout:g} s at line {result.line}: the next sweep continues there")
     last_len = len(result.last_line) if result.offset > offset else (cursor.last_line_len if cursor and offset else 0)
-    last_hash = _hash(result.last_line) if result.offset > offset else (cursor.last_line_sha256 if cursor and offset else "")
+    last_hash = (
+        _hash(result.last_line) if result.offset > offset else (cursor.last_line_sha256 if cursor and offset else "")
+    )
     new_cursor = Cursor(str(path), st.st_dev, st.st_ino, result.offset, result.line, last_hash, last_len)
     events: tuple[Event, ...] = ()
     if parse:
@@ -304,13 +337,19 @@ def read_file(path: str | Path, *, cursor: Cursor | None = None, timeout: float 
             events = parse_candidates(previous.candidates, source + ".1")
         events += parse_candidates(result.candidates, source)
     lines = result.line - line + (previous.line - (cursor.line if cursor else 0) if previous else 0)
-    return KernelLog(str(path), "ok", None, events, lines,
-                     result.bytes_read + (previous.bytes_read if previous else 0), new_cursor, tuple(notes))
+    return KernelLog(
+        str(path),
+        "ok",
+        None,
+        events,
+        lines,
+        result.bytes_read + (previous.bytes_read if previous else 0),
+        new_cursor,
+        tuple(notes),
+    )
 
 
 def _is_regular(st: os.stat_result) -> bool:
-    import stat
-
     return stat.S_ISREG(st.st_mode)
 
 
@@ -318,12 +357,14 @@ def read_stream(fh: IO[bytes], source: str = "-", *, timeout: float = DEFAULT_TI
     """Read a whole stream (stdin, command output): no cursor."""
     result = scan(fh, final=True, deadline=time.monotonic() + timeout)
     notes = ("stopped at the deadline",) if result.stopped_early else ()
-    return KernelLog(source, "ok", None, parse_candidates(result.candidates, source), result.line,
-                     result.bytes_read, None, notes)
+    return KernelLog(
+        source, "ok", None, parse_candidates(result.candidates, source), result.line, result.bytes_read, None, notes
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Live sources: dmesg, journalctl -k, /var/log/kern.log (the first that answers).
+
 
 def boot_id() -> str:
     try:
@@ -354,9 +395,12 @@ def _place_in_time(events: tuple[Event, ...]) -> tuple[Event, ...]:
         booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return events
-    return tuple(replace(e, timestamp=booted + e.fields["uptime_s"])
-                 if e.timestamp is None and isinstance(e.fields.get("uptime_s"), (int, float)) else e
-                 for e in events)
+    return tuple(
+        replace(e, timestamp=booted + e.fields["uptime_s"])
+        if e.timestamp is None and isinstance(e.fields.get("uptime_s"), (int, float))
+        else e
+        for e in events
+    )
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[int | None, bytes, str]:
@@ -365,8 +409,9 @@ def _run(cmd: list[str], timeout: float) -> tuple[int | None, bytes, str]:
     if exe is None:
         return 127, b"", f"{cmd[0]} not installed"
     try:
-        proc = subprocess.run([exe, *cmd[1:]], capture_output=True, timeout=timeout, check=False,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [exe, *cmd[1:]], capture_output=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         return None, b"", f"timed out after {timeout:g} s"
     except OSError as exc:
@@ -382,9 +427,13 @@ LIVE_SOURCES = (
 KERN_LOG_FILES = ("/var/log/kern.log",)
 
 
-def read_live(*, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-              sources: tuple[tuple[str, list[str]], ...] = LIVE_SOURCES,
-              files: tuple[str, ...] = KERN_LOG_FILES) -> KernelLog:
+def read_live(
+    *,
+    cursor: Cursor | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    sources: tuple[tuple[str, list[str]], ...] = LIVE_SOURCES,
+    files: tuple[str, ...] = KERN_LOG_FILES,
+) -> KernelLog:
     """The running kernel's log: dmesg, else journalctl -k, else a readable kern.log. Says why not."""
     reasons: list[str] = []
     for name, cmd in sources:
@@ -408,12 +457,21 @@ def read_live(*, cursor: Cursor | None = None, timeout: float = DEFAULT_TIMEOUT_
         log = read_stream(io.BytesIO(new_part), name, timeout=timeout)
         last = out.splitlines(keepends=True)[-1]
         new_cursor = Cursor(name, 0, 0, len(last), 0, _hash(last), len(last), boot_id())
-        return KernelLog(name, "ok", None, _place_in_time(log.events), log.lines_read, len(out), new_cursor,
-                         tuple(notes) + log.notes)
+        return KernelLog(
+            name, "ok", None, _place_in_time(log.events), log.lines_read, len(out), new_cursor, tuple(notes) + log.notes
+        )
     for path in files:
         if os.access(path, os.R_OK):
             log = read_file(path, cursor=cursor if cursor and cursor.path == path else None, timeout=timeout)
-            return KernelLog(log.source, log.status, None, log.events, log.lines_read, log.bytes_read,
-                             log.cursor, (f"fell back to {path}: " + "; ".join(reasons),) + log.notes)
+            return KernelLog(
+                log.source,
+                log.status,
+                None,
+                log.events,
+                log.lines_read,
+                log.bytes_read,
+                log.cursor,
+                (f"fell back to {path}: " + "; ".join(reasons),) + log.notes,
+            )
         reasons.append(f"{path}: not readable")
     return KernelLog("live", "unknown", "; ".join(reasons))

@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.observations import ProcessState
@@ -55,9 +55,20 @@ def exit_codes_from_logs(paths: Iterable[str | os.PathLike[str]]) -> dict[int, i
     return out
 
 
-_COMM_MARKERS = ("Watchdog caught collective operation timeout", "detected by watchdog", "Connection closed by peer", "Connection reset by peer",
-                 "NCCL error", "ncclRemoteError", "ncclSystemError", "ncclInternalError", "Timed out waiting",
-                 "Socket Timeout", "remote process exited", "Application timeout caused pair closure")
+_COMM_MARKERS = (
+    "Watchdog caught collective operation timeout",
+    "detected by watchdog",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL error",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "ncclInternalError",
+    "Timed out waiting",
+    "Socket Timeout",
+    "remote process exited",
+    "Application timeout caused pair closure",
+)
 _RANK_PREFIX = re.compile(r"\[(?:rank|Rank |PG \d+ Rank )(\d{1,7})\]")
 
 

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.foundation.observations import BETWEEN, Phase, RankSeries, StepSample
 from gpuguard.foundation.steplog import MAX_STEPS
+
 
 @dataclass(frozen=True)
 class LogStepSpec:
@@ -32,7 +33,7 @@ class LogStepSpec:
     default_rank: int = 0
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> "LogStepSpec":
+    def from_yaml(cls, path: str | os.PathLike[str]) -> LogStepSpec:
         try:
             doc = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
@@ -45,7 +46,7 @@ class LogStepSpec:
         return cls.compile(doc["pattern"], int(doc.get("default_rank", 0)), str(path))
 
     @classmethod
-    def compile(cls, pattern: str, default_rank: int = 0, where: str = "pattern") -> "LogStepSpec":
+    def compile(cls, pattern: str, default_rank: int = 0, where: str = "pattern") -> LogStepSpec:
         try:
             rx = re.compile(pattern)
         except re.error as exc:
@@ -67,8 +68,9 @@ def _ts(text: str) -> float:
         return when.timestamp()
 
 
-def read_log_steps(paths: Iterable[str | os.PathLike[str]], spec: LogStepSpec,
-                   max_steps: int = MAX_STEPS) -> dict[int, RankSeries]:
+def read_log_steps(
+    paths: Iterable[str | os.PathLike[str]], spec: LogStepSpec, max_steps: int = MAX_STEPS
+) -> dict[int, RankSeries]:
     """Per-rank series from log lines matching `spec` (streamed; unmatched and unparsable lines skipped)."""
     per: dict[int, list[StepSample]] = {}
     last: dict[int, float] = {}
@@ -120,7 +122,13 @@ def read_log_steps(paths: Iterable[str | os.PathLike[str]], spec: LogStepSpec,
     for rank, steps in sorted(per.items()):
         steps = steps[-max_steps:]
         end = steps[-1].end_wall
-        out[rank] = RankSeries(rank=rank, incarnation="log", steps=tuple(steps),
-                               phase=Phase(BETWEEN, step=steps[-1].step, since_wall=end), last_wall=end,
-                               bad_lines=bad.get(rank, 0), files=tuple(sorted(files.get(rank, ()))))
+        out[rank] = RankSeries(
+            rank=rank,
+            incarnation="log",
+            steps=tuple(steps),
+            phase=Phase(BETWEEN, step=steps[-1].step, since_wall=end),
+            last_wall=end,
+            bad_lines=bad.get(rank, 0),
+            files=tuple(sorted(files.get(rank, ()))),
+        )
     return out

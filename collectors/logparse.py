@@ -41,9 +41,8 @@ with replacement characters. Events carry the line number of their line (`\n`-co
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
-from gpuguard.foundation.events import EVENTS_SCHEMA, Event
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
 from gpuguard.collectors.logrules_comm import RULES as _COMM
 from gpuguard.collectors.logrules_kernel import RULES as _KERNEL
@@ -51,9 +50,19 @@ from gpuguard.collectors.logrules_runtime import CUDA_RULES as _CUDA
 from gpuguard.collectors.logrules_runtime import HOST_RULES as _HOST
 from gpuguard.collectors.logrules_runtime import RULES as _RUNTIME
 from gpuguard.collectors.logtime import line_time
+from gpuguard.foundation.events import EVENTS_SCHEMA, Event
 
-__all__ = ["EVENTS_SCHEMA", "MARKERS", "MAX_LINE", "LogParser", "LogScan", "RULES", "has_marker", "iter_events",
-           "iter_file_events", "parse_line", "records"]
+__all__ = [
+    "EVENTS_SCHEMA",
+    "MARKERS",
+    "MAX_LINE",
+    "LogParser",
+    "RULES",
+    "has_marker",
+    "iter_events",
+    "parse_line",
+    "records",
+]
 
 # Order is priority: the first rule that recognises a line wins. Watchdog timeouts before NCCL
 # errors (the timeout line names the op), NCCL WARN before CUDA (`NCCL WARN Cuda failure`), CUDA
@@ -120,8 +129,16 @@ class LogParser:
         if uptime is not None:
             fields["uptime_s"] = uptime
         kept = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
-        return Event(kind=found.kind, line=line_no, text=kept.strip(), fields=fields, timestamp=timestamp,
-                     source=self.source, severity=found.severity, diagnosis=found.diagnosis)
+        return Event(
+            kind=found.kind,
+            line=line_no,
+            text=kept.strip(),
+            fields=fields,
+            timestamp=timestamp,
+            source=self.source,
+            severity=found.severity,
+            diagnosis=found.diagnosis,
+        )
 
     def _flush_pending(self) -> list[Event]:
         pending = self.state.pending
@@ -176,19 +193,11 @@ def parse_line(text: str | bytes, line_no: int, source: str | None = None) -> Ev
     return events[0] if events else None
 
 
-def iter_events(lines: Iterable[str | bytes], *, source: str | None = None, start_line: int = 1,
-                year: int | None = None) -> Iterator[Event]:
+def iter_events(
+    lines: Iterable[str | bytes], *, source: str | None = None, start_line: int = 1, year: int | None = None
+) -> Iterator[Event]:
     """Events from a stream of lines, in line order; line numbers start at `start_line`."""
     parser = LogParser(source, year=year)
     for line_no, line in enumerate(lines, start=start_line):
         yield from parser.feed(line, line_no)
     yield from parser.close()
-
-
-def __getattr__(name: str):
-    """`iter_file_events` / `LogScan` live in `logscan` (which builds on this module); re-exported lazily."""
-    if name in ("iter_file_events", "LogScan"):
-        from gpuguard.collectors import logscan
-
-        return getattr(logscan, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,9 +9,9 @@ other lines, and the line-by-line parser see the same thing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
+from typing import Any
 
 
 @dataclass(frozen=True)

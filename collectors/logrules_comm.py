@@ -47,32 +47,59 @@ _OLD_WARN = re.compile(  # NCCL 2.2 and older: no `NCCL` token
 _IB_STATUS = re.compile(r"(?:with error |status=)(?P<st>\d+).*?vendor err (?P<vendor>\d+)")
 _PEER = re.compile(r"from peer (?P<peer>[0-9A-Za-z.:_-]+<\d+>)")
 IBV_WC_STATUS = {
-    0: "SUCCESS", 1: "LOC_LEN_ERR", 2: "LOC_QP_OP_ERR", 3: "LOC_EEC_OP_ERR", 4: "LOC_PROT_ERR",
-    5: "WR_FLUSH_ERR", 6: "MW_BIND_ERR", 7: "BAD_RESP_ERR", 8: "LOC_ACCESS_ERR", 9: "REM_INV_REQ_ERR",
-    10: "REM_ACCESS_ERR", 11: "REM_OP_ERR", 12: "RETRY_EXC_ERR", 13: "RNR_RETRY_EXC_ERR",
+    0: "SUCCESS",
+    1: "LOC_LEN_ERR",
+    2: "LOC_QP_OP_ERR",
+    3: "LOC_EEC_OP_ERR",
+    4: "LOC_PROT_ERR",
+    5: "WR_FLUSH_ERR",
+    6: "MW_BIND_ERR",
+    7: "BAD_RESP_ERR",
+    8: "LOC_ACCESS_ERR",
+    9: "REM_INV_REQ_ERR",
+    10: "REM_ACCESS_ERR",
+    11: "REM_OP_ERR",
+    12: "RETRY_EXC_ERR",
+    13: "RNR_RETRY_EXC_ERR",
 }
 _WARN_DIAGNOSES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"ibv_reg_mr|Cannot allocate memory"),
-     "Locked-memory limit too low for RDMA registration: set memlock unlimited (limits.conf, and `ulimit -l` inside the job/mpirun)."),
-    (re.compile(r"ibv_create_qp|ibv_create_cq"),
-     "InfiniBand verbs resource creation failed: RDMA limits in the container/job (memlock, device access)."),
+    (
+        re.compile(r"ibv_reg_mr|Cannot allocate memory"),
+        "Locked-memory limit too low for RDMA registration: set memlock unlimited (limits.conf, and `ulimit -l` inside the job/mpirun).",
+    ),
+    (
+        re.compile(r"ibv_create_qp|ibv_create_cq"),
+        "InfiniBand verbs resource creation failed: RDMA limits in the container/job (memlock, device access).",
+    ),
     (re.compile(r"ibv_modify_qp.*unreachable"), "RoCE GID/route problem: the NIC cannot reach the peer."),
     (re.compile(r"Cuda failure.*out of memory|CUDA calloc"), "GPU out of memory while NCCL allocated its buffers."),
     (re.compile(r"Cuda failure"), "A CUDA call inside NCCL failed: GPU/driver state (999 = reset/reboot the GPU)."),
-    (re.compile(r"Connection closed by remote peer|Broken pipe|Connection reset by peer|Connection closed by"),
-     "The peer closed the connection: usually a remote rank crashed first (secondary error); find that rank's log."),
-    (re.compile(r"Failed to execute operation"), "The NCCL proxy thread failed during connection setup (secondary to a network or peer error)."),
-    (re.compile(r"NCCL_SOCKET_IFNAME|no socket interface|neither AF_INET|Address family not supported"),
-     "No usable network interface: NCCL_SOCKET_IFNAME names a missing interface or none is usable."),
-    (re.compile(r"Connect to .* failed|connect.* failed"), "Cannot connect to a peer: interface selection, firewall or routing."),
+    (
+        re.compile(r"Connection closed by remote peer|Broken pipe|Connection reset by peer|Connection closed by"),
+        "The peer closed the connection: usually a remote rank crashed first (secondary error); find that rank's log.",
+    ),
+    (
+        re.compile(r"Failed to execute operation"),
+        "The NCCL proxy thread failed during connection setup (secondary to a network or peer error).",
+    ),
+    (
+        re.compile(r"NCCL_SOCKET_IFNAME|no socket interface|neither AF_INET|Address family not supported"),
+        "No usable network interface: NCCL_SOCKET_IFNAME names a missing interface or none is usable.",
+    ),
+    (
+        re.compile(r"Connect to .* failed|connect.* failed"),
+        "Cannot connect to a peer: interface selection, firewall or routing.",
+    ),
 )
 
 
 def _ib_diagnosis(status: int, vendor: int) -> str:
     name = IBV_WC_STATUS.get(status, f"status {status}")
     if status == 12:
-        return (f"IB/RoCE work completion IBV_WC_{name} (vendor err {vendor}): transport retries exceeded - the two NICs "
-                "cannot talk (link, routing) or the link is very bad. Check the fabric/cables; NCCL_IB_TIMEOUT can help.")
+        return (
+            f"IB/RoCE work completion IBV_WC_{name} (vendor err {vendor}): transport retries exceeded - the two NICs "
+            "cannot talk (link, routing) or the link is very bad. Check the fabric/cables; NCCL_IB_TIMEOUT can help."
+        )
     if status == 4:
         return f"IB work completion IBV_WC_{name}: local protection error (GPUDirect RDMA memory registration)."
     if status == 5:
@@ -82,14 +109,15 @@ def _ib_diagnosis(status: int, vendor: int) -> str:
 
 def _nccl_warn(text: str, line_no: int, state: ParseState) -> Found | None:
     i = text.find("WARN ")
-    window = text[max(0, i - 300):]
+    window = text[max(0, i - 300) :]
     m = _NCCL_WARN.search(window) or _OLD_WARN.search(window)
     if m is None:
         return None
     msg = m["msg"].strip()
     fields: dict = {
-        "host": m["host"], "pid": int(m["pid"]) if m["pid"] else None,
-        "rank": rank_of(text[:max(0, i)]) if "rank" in text[:max(0, i)].lower() else None,
+        "host": m["host"],
+        "pid": int(m["pid"]) if m["pid"] else None,
+        "rank": rank_of(text[: max(0, i)]) if "rank" in text[: max(0, i)].lower() else None,
         "device": int(m["dev"]) if m["dev"] else None,
         "location": f"{m['file']}:{m['line']}" if m["file"] else None,
         "message": msg[:1000],
@@ -113,8 +141,14 @@ def _nccl_warn(text: str, line_no: int, state: ParseState) -> Found | None:
 
 _NCCL_ERROR_IN = re.compile(r"NCCL error in: (?P<loc>[^,]+), (?P<err>.*?)(?:, NCCL versi(?:on (?P<ver>[\d.]+))?.*)?$")
 NCCL_RESULTS = {
-    "ncclUnhandledCudaError": 1, "ncclSystemError": 2, "ncclInternalError": 3, "ncclInvalidArgument": 4,
-    "ncclInvalidUsage": 5, "ncclRemoteError": 6, "ncclInProgress": 7, "ncclTimeout": 8,
+    "ncclUnhandledCudaError": 1,
+    "ncclSystemError": 2,
+    "ncclInternalError": 3,
+    "ncclInvalidArgument": 4,
+    "ncclInvalidUsage": 5,
+    "ncclRemoteError": 6,
+    "ncclInProgress": 7,
+    "ncclTimeout": 8,
 }
 _NCCL_RESULT = re.compile(r"(?<![\w])(?P<res>" + "|".join(NCCL_RESULTS) + r"): (?P<desc>.*)")
 _RESULT_DIAGNOSES = {
@@ -128,8 +162,12 @@ _RESULT_DIAGNOSES = {
     8: "NCCL operation timed out.",
 }
 _TEXT_TO_RESULT = {
-    "unhandled cuda error": 1, "unhandled system error": 2, "internal error": 3, "invalid argument": 4,
-    "invalid usage": 5, "remote process exited": 6,
+    "unhandled cuda error": 1,
+    "unhandled system error": 2,
+    "internal error": 3,
+    "invalid argument": 4,
+    "invalid usage": 5,
+    "remote process exited": 6,
 }
 
 
@@ -138,8 +176,13 @@ def _nccl_error(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         err = m["err"].strip()
         code = next((c for t, c in _TEXT_TO_RESULT.items() if err.startswith(t)), None)
-        fields = {"error": err[:500], "location": m["loc"].strip(), "nccl_version": m["ver"],
-                  "nccl_result": code, "rank": rank_of(text)}
+        fields = {
+            "error": err[:500],
+            "location": m["loc"].strip(),
+            "nccl_version": m["ver"],
+            "nccl_result": code,
+            "rank": rank_of(text),
+        }
         diag = _RESULT_DIAGNOSES.get(code or 0, "NCCL error surfaced by PyTorch.")
         return Found("nccl_error", fields, "warning", diag)
     m = _NCCL_RESULT.search(text)
@@ -166,8 +209,13 @@ def _watchdog_timeout(text: str, line_no: int, state: ParseState) -> Found | Non
     if m is None:
         return None
     work = m["work"]
-    seq, op, nin, nout, tmo = (_SEQ.search(work), _OP.search(work), _NUMEL_IN.search(work),
-                               _NUMEL_OUT.search(work), _TIMEOUT.search(work))
+    seq, op, nin, nout, tmo = (
+        _SEQ.search(work),
+        _OP.search(work),
+        _NUMEL_IN.search(work),
+        _NUMEL_OUT.search(work),
+        _TIMEOUT.search(work),
+    )
     fields: dict = {
         "seq": int(seq.group(1)) if seq else None,
         "op": op.group(1) if op else None,
@@ -183,9 +231,11 @@ def _watchdog_timeout(text: str, line_no: int, state: ParseState) -> Found | Non
     if m["elapsed"] is None:
         fields["blocking_wait"] = True
     who = f"rank {fields['rank']}" if fields["rank"] is not None else "this rank"
-    diag = (f"Collective {fields['op']} #{fields['seq']} did not finish within {fields['timeout_ms']} ms on {who}: "
-            "a peer is hung, dead or on another code path. Compare SeqNum/OpType across ranks; the earliest "
-            "failing host usually shows an Xid/ECC/IB error first.")
+    diag = (
+        f"Collective {fields['op']} #{fields['seq']} did not finish within {fields['timeout_ms']} ms on {who}: "
+        "a peer is hung, dead or on another code path. Compare SeqNum/OpType across ranks; the earliest "
+        "failing host usually shows an Xid/ECC/IB error first."
+    )
     if fields["seq"] == 1:
         diag += " SeqNum 1: the first collective never completed - connectivity/topology at setup, not a mid-run hang."
     if fields["elapsed_ms"] and fields["timeout_ms"] and fields["elapsed_ms"] > 2 * fields["timeout_ms"]:
@@ -194,9 +244,15 @@ def _watchdog_timeout(text: str, line_no: int, state: ParseState) -> Found | Non
 
 
 _STATUS = (
-    re.compile(r"detected by watchdog at work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"),
-    re.compile(r"Timeout at NCCL work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"),
-    re.compile(r"failure detected by watchdog at work sequence id: (?P<seq>\d+) PG status: last enqueued work: (?P<enq>-?\d+), last completed work: (?P<done>-?\d+)"),
+    re.compile(
+        r"detected by watchdog at work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"
+    ),
+    re.compile(
+        r"Timeout at NCCL work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"
+    ),
+    re.compile(
+        r"failure detected by watchdog at work sequence id: (?P<seq>\d+) PG status: last enqueued work: (?P<enq>-?\d+), last completed work: (?P<done>-?\d+)"
+    ),
 )
 
 
@@ -207,11 +263,17 @@ def _watchdog_failure(text: str, line_no: int, state: ParseState) -> Found | Non
             break
     else:
         return None
-    fields: dict = {"seq": int(m["seq"]), "last_enqueued": int(m["enq"]), "last_completed": int(m["done"]),
-                    "rank": rank_of(text)}
+    fields: dict = {
+        "seq": int(m["seq"]),
+        "last_enqueued": int(m["enq"]),
+        "last_completed": int(m["done"]),
+        "rank": rank_of(text),
+    }
     fields.update(_pg(text))
-    diag = (f"Process group stopped at work {fields['seq']} (last completed {fields['last_completed']}): "
-            "compare this position across ranks to find the one that fell behind.")
+    diag = (
+        f"Process group stopped at work {fields['seq']} (last completed {fields['last_completed']}): "
+        "compare this position across ranks to find the one that fell behind."
+    )
     if fields["last_completed"] == -1:
         diag += " No collective ever completed: connectivity/topology problem at setup."
     return Found("watchdog_failure", fields, "warning", diag)
@@ -237,22 +299,32 @@ def _watchdog_hang(text: str, line_no: int, state: ParseState) -> Found | None:
     else:
         return None
     fields.update(_pg(text))
-    return Found("watchdog_hang", fields, "warning",
-                 "The ProcessGroupNCCL watchdog itself made no progress: a NCCL/CUDA API call hangs (or a thread holds "
-                 "the GIL inside CUDA). The process will be aborted; a GPU or driver hang on this rank is likely.")
+    return Found(
+        "watchdog_hang",
+        fields,
+        "warning",
+        "The ProcessGroupNCCL watchdog itself made no progress: a NCCL/CUDA API call hangs (or a thread holds "
+        "the GIL inside CUDA). The process will be aborted; a GPU or driver hang on this rank is likely.",
+    )
 
 
-_ABORT = re.compile(r"taking the entire process down|Terminating the process after attempting to dump debug info|"
-                    r"watchdog thread terminated with(?: exception)?")
+_ABORT = re.compile(
+    r"taking the entire process down|Terminating the process after attempting to dump debug info|"
+    r"watchdog thread terminated with(?: exception)?"
+)
 
 
 def _watchdog_abort(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _ABORT.search(text)
     if m is None:
         return None
-    return Found("watchdog_abort", {"rank": rank_of(text), **_pg(text)}, "warning",
-                 "ProcessGroupNCCL is aborting the process (SIGABRT, torchrun exit code -6) after a collective "
-                 "error/timeout: the cause is in the lines before.")
+    return Found(
+        "watchdog_abort",
+        {"rank": rank_of(text), **_pg(text)},
+        "warning",
+        "ProcessGroupNCCL is aborting the process (SIGABRT, torchrun exit code -6) after a collective "
+        "error/timeout: the cause is in the lines before.",
+    )
 
 
 # --- gloo ---------------------------------------------------------------------------------------------
@@ -272,8 +344,10 @@ def _gloo(text: str, line_no: int, state: ParseState) -> Found | None:
     if t is not None:
         fields.update(timeout_ms=int(t["ms"]), op=t["op"])
         other = "send" if t["op"] == "recv" else "recv"
-        diag = (f"gloo {t['op']} timed out after {t['ms']} ms: a peer rank never posted the matching {other} - "
-                "it is hung, much slower, or on another code path (straggler/hung rank).")
+        diag = (
+            f"gloo {t['op']} timed out after {t['ms']} ms: a peer rank never posted the matching {other} - "
+            "it is hung, much slower, or on another code path (straggler/hung rank)."
+        )
     elif "Connection closed by peer" in msg or "Connection reset by peer" in msg or "Read error" in msg:
         peer = _GLOO_PEER.search(msg)
         if peer is not None:
@@ -292,6 +366,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("NCCL error in",) + tuple(NCCL_RESULTS), _nccl_error),
     Rule(("detected by watchdog", "Timeout at NCCL work"), _watchdog_failure),
     Rule(("watchdog got stuck", "Heartbeat monitor timed out", "no heartbeat of its watchdog"), _watchdog_hang),
-    Rule(("taking the entire process down", "Terminating the process after", "watchdog thread terminated"), _watchdog_abort),
+    Rule(
+        ("taking the entire process down", "Terminating the process after", "watchdog thread terminated"),
+        _watchdog_abort,
+    ),
     Rule(("gloo",), _gloo),
 )

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 
-from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
 from gpuguard.collectors.logtime import line_time
+from gpuguard.foundation import xid_catalog as catalog
 
 _PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
-_PCI_RE = re.compile(r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$")
+_PCI_RE = re.compile(
+    r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$"
+)
 
 
 def normalize_pci(text: str | None) -> str | None:
@@ -80,7 +82,9 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
     else:
         diagnosis += info.action
     if fields.get("remap_pending"):
-        diagnosis += " A row remap is pending until the GPU is reset: reset it at a convenient time (repeats after reset: RMA)."
+        diagnosis += (
+            " A row remap is pending until the GPU is reset: reset it at a convenient time (repeats after reset: RMA)."
+        )
     if not info.known:
         diagnosis = f"Xid {code}: not in the catalog; needs review (never treated as healthy)."
     return Found("xid", fields, catalog.event_severity(sev), diagnosis)
@@ -114,13 +118,22 @@ def _plugin_xid(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is None:
         return None
     code = int(m["xid"])
-    fields: dict = {"xid": code, "pci_bus_id": None, "pid": None, "process": None,
-                    "name": catalog.lookup(code).name, "gpu_uuid": m["dev"], "reporter": "k8s-device-plugin"}
+    fields: dict = {
+        "xid": code,
+        "pci_bus_id": None,
+        "pid": None,
+        "process": None,
+        "name": catalog.lookup(code).name,
+        "gpu_uuid": m["dev"],
+        "reporter": "k8s-device-plugin",
+    }
     return _xid_found(code, fields, "")
 
 
 _SXID = re.compile(
-    r"SXid \((?:PCI:)?(?P<pci>" + _PCI + r")\):\s*(?P<sxid>\d{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
+    r"SXid \((?:PCI:)?(?P<pci>"
+    + _PCI
+    + r")\):\s*(?P<sxid>\d{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
 )
 
 
@@ -129,20 +142,29 @@ def _sxid(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is None:
         return None
     fatal = m["sev"] == "Fatal"
-    fields = {"sxid": int(m["sxid"]), "pci_bus_id": normalize_pci(m["pci"]), "fatal": fatal,
-              "message": m["msg"].strip()[:500]}
-    diag = (f"NVSwitch SXid {fields['sxid']} ({'fatal' if fatal else 'non-fatal'}): see the Fabric Manager "
-            "user guide. ")
-    diag += ("A fatal NVSwitch error takes down the NVLink partition: drain the node, reset the GPUs/"
-             "NVSwitches (or restart the VM) and check the link." if fatal else "Watch for repeats on the same link.")
+    fields = {
+        "sxid": int(m["sxid"]),
+        "pci_bus_id": normalize_pci(m["pci"]),
+        "fatal": fatal,
+        "message": m["msg"].strip()[:500],
+    }
+    diag = f"NVSwitch SXid {fields['sxid']} ({'fatal' if fatal else 'non-fatal'}): see the Fabric Manager user guide. "
+    diag += (
+        "A fatal NVSwitch error takes down the NVLink partition: drain the node, reset the GPUs/"
+        "NVSwitches (or restart the VM) and check the link."
+        if fatal
+        else "Watch for repeats on the same link."
+    )
     return Found("sxid", fields, "critical" if fatal else "warning", diag)
 
 
 _GPU_LOST_LINE = re.compile(r"GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):? (?:GPU )?has fallen off the bus")
 _GPU_NAMED = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b")
 _GPU_IS_LOST = re.compile(r"device handle for GPU (?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
-_LOST_DIAG = ("GPU lost: it fell off the PCIe bus (treated as Xid 79). Drain the node and reboot; if it "
-              "repeats, check power, seating, cooling and SBIOS, then RMA.")
+_LOST_DIAG = (
+    "GPU lost: it fell off the PCIe bus (treated as Xid 79). Drain the node and reboot; if it "
+    "repeats, check power, seating, cooling and SBIOS, then RMA."
+)
 
 
 def _gpu_named(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -182,13 +204,18 @@ def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         pci = normalize_pci(m["pci"])
         state.identity = (pci, line_no)
-        return Found("gpu_identity", {"pci_bus_id": pci, "uuid": m["uuid"]}, "info",
-                     "GPU identity printed before its first Xid since boot (maps PCI address to UUID).")
+        return Found(
+            "gpu_identity",
+            {"pci_bus_id": pci, "uuid": m["uuid"]},
+            "info",
+            "GPU identity printed before its first Xid since boot (maps PCI address to UUID).",
+        )
     m = _SERIAL.search(text)
     if m is not None:
         pci = state.identity[0] if state.identity and 0 < line_no - state.identity[1] <= 2 else None
-        return Found("gpu_identity", {"pci_bus_id": pci, "serial": m["serial"]}, "info",
-                     "GPU board serial number (for an RMA).")
+        return Found(
+            "gpu_identity", {"pci_bus_id": pci, "serial": m["serial"]}, "info", "GPU board serial number (for an RMA)."
+        )
     return None
 
 
@@ -201,9 +228,13 @@ def _reset_required(text: str, line_no: int, state: ParseState) -> Found | None:
         return None
     m = _GPU_INDEX.search(text)
     fields = {"gpu_index": int(m.group(1)) if m else None, "message": text.strip()[:500]}
-    return Found("gpu_reset_required", fields, "critical",
-                 "The driver needs a GPU reset (NV_ERR_RESET_REQUIRED) before the GPU works again; "
-                 "CUDA reports 'busy or unavailable'. Drain the GPU and reset it (nvidia-smi -r).")
+    return Found(
+        "gpu_reset_required",
+        fields,
+        "critical",
+        "The driver needs a GPU reset (NV_ERR_RESET_REQUIRED) before the GPU works again; "
+        "CUDA reports 'busy or unavailable'. Drain the GPU and reset it (nvidia-smi -r).",
+    )
 
 
 _HUNG = re.compile(r"task (?P<task>\S+?):(?P<pid>\d+) blocked for more than (?P<s>\d+) seconds")
@@ -213,9 +244,13 @@ def _hung_task(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _HUNG.search(text)
     if m is None:
         return None
-    return Found("hung_task", {"task": m["task"], "pid": int(m["pid"]), "blocked_s": int(m["s"])}, "warning",
-                 "A task is stuck in uninterruptible sleep (D state). After Xid 45/119 bursts, nvidia-smi/NVML calls "
-                 "hang like this: health probes must time out; a reboot clears it.")
+    return Found(
+        "hung_task",
+        {"task": m["task"], "pid": int(m["pid"]), "blocked_s": int(m["s"])},
+        "warning",
+        "A task is stuck in uninterruptible sleep (D state). After Xid 45/119 bursts, nvidia-smi/NVML calls "
+        "hang like this: health probes must time out; a reboot clears it.",
+    )
 
 
 RULES: tuple[Rule, ...] = (

@@ -27,8 +27,10 @@ def signal_name(exitcode: int | None) -> str | None:
 
 def _exit_diagnosis(exitcode: int | None, sig: str | None) -> str:
     if sig == "SIGABRT":
-        return ("Worker aborted (SIGABRT): usually a C++ abort - the ProcessGroupNCCL watchdog after a collective "
-                "timeout or CUDA error. The cause is in that rank's own log.")
+        return (
+            "Worker aborted (SIGABRT): usually a C++ abort - the ProcessGroupNCCL watchdog after a collective "
+            "timeout or CUDA error. The cause is in that rank's own log."
+        )
     if sig == "SIGKILL":
         return "Worker killed (SIGKILL): host OOM killer or an external kill; check `dmesg` for oom-kill and host RAM."
     if sig == "SIGSEGV":
@@ -40,7 +42,9 @@ def _exit_diagnosis(exitcode: int | None, sig: str | None) -> str:
     return f"Worker exited with code {exitcode}."
 
 
-_FAILED = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<lr>\d+) \(pid: (?P<pid>\d+)\)(?: of binary: (?P<bin>.*))?")
+_FAILED = re.compile(
+    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<lr>\d+) \(pid: (?P<pid>\d+)\)(?: of binary: (?P<bin>.*))?"
+)
 # ChildFailedError summary records (launchers may prefix them, e.g. `[default0]:`).
 _SUM_RANK = re.compile(r"(?:^|[\s:])rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<lr>\d+)\)")
 _SUM_HOST = re.compile(r"(?:^|[\s:])host\s+:\s*(?P<host>\S+)")
@@ -52,8 +56,13 @@ def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         code = int(m["code"])
         sig = signal_name(code)
-        fields = {"local_rank": int(m["lr"]), "exitcode": code, "signal": sig, "pid": int(m["pid"]),
-                  "binary": (m["bin"] or "").strip() or None}
+        fields = {
+            "local_rank": int(m["lr"]),
+            "exitcode": code,
+            "signal": sig,
+            "pid": int(m["pid"]),
+            "binary": (m["bin"] or "").strip() or None,
+        }
         return Found("worker_failure", fields, "warning", _exit_diagnosis(code, sig))
     m = _SUM_EXIT.search(text)
     if m is not None:
@@ -69,8 +78,15 @@ def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
         return Found("worker_failure", fields, "warning", _exit_diagnosis(code, sig))
     m = _SUM_RANK.search(text)
     if m is not None:
-        state.summary = {**({"host": state.summary["host"]} if "host" in state.summary and 0 < line_no - state.summary_line <= 2 else {}),
-                         "rank": int(m["rank"]), "local_rank": int(m["lr"])}
+        state.summary = {
+            **(
+                {"host": state.summary["host"]}
+                if "host" in state.summary and 0 < line_no - state.summary_line <= 2
+                else {}
+            ),
+            "rank": int(m["rank"]),
+            "local_rank": int(m["lr"]),
+        }
         state.summary_line = line_no
         return ABSORBED
     return None
@@ -97,8 +113,12 @@ def _worker_stop(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _CLOSING.search(text)
     if m is None:
         return None
-    return Found("worker_stop", {"pid": int(m["pid"]), "signal": m["sig"]}, "info",
-                 f"The torchrun agent stops a worker ({m['sig']}), normally because another worker failed first.")
+    return Found(
+        "worker_stop",
+        {"pid": int(m["pid"]), "signal": m["sig"]},
+        "info",
+        f"The torchrun agent stops a worker ({m['sig']}), normally because another worker failed first.",
+    )
 
 
 _RESTART = re.compile(r"Worker group FAILED\. (?P<left>\d+)/(?P<max>\d+) attempts left; will restart worker group")
@@ -109,19 +129,27 @@ def _worker_group(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _RESTART.search(text)
     if m is not None:
         fields = {"attempts_left": int(m["left"]), "max_restarts": int(m["max"])}
-        return Found("worker_restart", fields, "warning",
-                     f"torchrun restarts the whole worker group ({m['left']}/{m['max']} attempts left): a new "
-                     "incarnation of every rank; state must come from the last committed checkpoint.")
+        return Found(
+            "worker_restart",
+            fields,
+            "warning",
+            f"torchrun restarts the whole worker group ({m['left']}/{m['max']} attempts left): a new "
+            "incarnation of every rank; state must come from the last committed checkpoint.",
+        )
     if _GROUP_FAILED.search(text):
         return Found("worker_group_failed", {}, "warning", "The torchrun worker group failed; see the worker failures.")
     return None
 
 
-_JOINED = re.compile(r"joined round (?P<round>\d+) of the rendezvous '(?P<rdzv>[^']*)' as rank (?P<rank>\d+) in a world of size (?P<ws>\d+)")
+_JOINED = re.compile(
+    r"joined round (?P<round>\d+) of the rendezvous '(?P<rdzv>[^']*)' as rank (?P<rank>\d+) in a world of size (?P<ws>\d+)"
+)
 _KV = re.compile(r"\b(?P<k>restart_count|master_addr|master_port|group_rank|group_world_size)=(?P<v>[^\s,]+)")
 _KV_INT = {"restart_count", "master_port", "group_rank", "group_world_size"}
-_RDZV_ERROR = re.compile(r"Rendezvous(?:Connection|Timeout|Closed|State)?Error|keep-alive heartbeat|\[c10d\] The client socket|"
-                         r"clients joined|rendezvous.*(?:timed out|failed)")
+_RDZV_ERROR = re.compile(
+    r"Rendezvous(?:Connection|Timeout|Closed|State)?Error|keep-alive heartbeat|\[c10d\] The client socket|"
+    r"clients joined|rendezvous.*(?:timed out|failed)"
+)
 _ENDPOINT = re.compile(r"connect to (?:\[(?P<h6>[^\]]+)\]|(?P<h>[0-9A-Za-z._-]+)):(?P<port>\d+)")
 _ERRNO = re.compile(r"errno: (?P<n>\d+) - (?P<msg>[^)]*)")
 
@@ -144,17 +172,32 @@ def _rendezvous(text: str, line_no: int, state: ParseState) -> Found | None:
         en = _ERRNO.search(text)
         if en is not None:
             fields["errno"] = int(en["n"])
-        return Found("rendezvous_error", fields, "warning",
-                     "Rendezvous/TCPStore failure: the store endpoint is unreachable (wrong MASTER_ADDR, host name resolving "
-                     "to a bogus address, firewall, or the agent on node 0 is gone). Check the endpoint from every node.")
+        return Found(
+            "rendezvous_error",
+            fields,
+            "warning",
+            "Rendezvous/TCPStore failure: the store endpoint is unreachable (wrong MASTER_ADDR, host name resolving "
+            "to a bogus address, firewall, or the agent on node 0 is gone). Check the endpoint from every node.",
+        )
     m = _JOINED.search(text)
     if m is not None:
-        fields = {"phase": "joined", "round": int(m["round"]), "rendezvous": m["rdzv"], "group_rank": int(m["rank"]),
-                  "group_world_size": int(m["ws"])}
-        return Found("rendezvous", fields, "info", f"Rendezvous round {m['round']}: this node joined as rank {m['rank']}.")
+        fields = {
+            "phase": "joined",
+            "round": int(m["round"]),
+            "rendezvous": m["rdzv"],
+            "group_rank": int(m["rank"]),
+            "group_world_size": int(m["ws"]),
+        }
+        return Found(
+            "rendezvous", fields, "info", f"Rendezvous round {m['round']}: this node joined as rank {m['rank']}."
+        )
     if "Rendezvous complete for workers" in text:
-        found = Found("rendezvous", {"phase": "complete", **kv_fields(text)}, "info",
-                      "Rendezvous completed; the worker group starts (restart_count = the agent's restart round).")
+        found = Found(
+            "rendezvous",
+            {"phase": "complete", **kv_fields(text)},
+            "info",
+            "Rendezvous completed; the worker group starts (restart_count = the agent's restart round).",
+        )
         state.pending = (line_no, text, found)
         return ABSORBED
     if "Rendezvous'ing worker group" in text:
@@ -186,20 +229,60 @@ _CUDA_PATTERNS = (
 )
 # (substring of the error, CUDA runtime code, severity, diagnosis)
 _CUDA_KINDS = (
-    ("ecc", 214, "critical", "Uncorrectable ECC error: GPU memory hardware. Check Xid 48/94/95, NVML remapped rows and "
-     "retired pages; drain the GPU and reset it; repeats mean RMA. (Other ranks then fail with timeouts.)"),
-    ("illegal memory access", 700, "warning", "Illegal memory access: a kernel bug in the application or a library (not "
-     "hardware unless Xid 31/13 repeat on the same GPU). Restart with CUDA_LAUNCH_BLOCKING=1 to locate it."),
-    ("unspecified launch failure", 719, "warning", "A kernel crashed: correlate with Xid 13/31/43/109 on this GPU "
-     "(Xid 109 = context-switch timeout, driver/host-memory interaction)."),
-    ("busy or unavailable", 46, "warning", "The GPU is in exclusive-process mode and in use, or stuck needing a reset "
-     "(NV_ERR_RESET_REQUIRED in dmesg): then drain and reset it."),
-    ("no cuda-capable device", 100, "warning", "No GPU visible: CUDA_VISIBLE_DEVICES, a missing driver, or the GPU was "
-     "lost (check `nvidia-smi` and dmesg for 'fallen off the bus')."),
-    ("unknown error", 999, "critical", "CUDA 'unknown error': the GPU or driver is in a bad state; reset the GPU or reboot."),
-    ("out of memory", 2, "warning", "GPU out of memory: the workload's footprint (batch size, fragmentation), not hardware."),
+    (
+        "ecc",
+        214,
+        "critical",
+        "Uncorrectable ECC error: GPU memory hardware. Check Xid 48/94/95, NVML remapped rows and "
+        "retired pages; drain the GPU and reset it; repeats mean RMA. (Other ranks then fail with timeouts.)",
+    ),
+    (
+        "illegal memory access",
+        700,
+        "warning",
+        "Illegal memory access: a kernel bug in the application or a library (not "
+        "hardware unless Xid 31/13 repeat on the same GPU). Restart with CUDA_LAUNCH_BLOCKING=1 to locate it.",
+    ),
+    (
+        "unspecified launch failure",
+        719,
+        "warning",
+        "A kernel crashed: correlate with Xid 13/31/43/109 on this GPU "
+        "(Xid 109 = context-switch timeout, driver/host-memory interaction).",
+    ),
+    (
+        "busy or unavailable",
+        46,
+        "warning",
+        "The GPU is in exclusive-process mode and in use, or stuck needing a reset "
+        "(NV_ERR_RESET_REQUIRED in dmesg): then drain and reset it.",
+    ),
+    (
+        "no cuda-capable device",
+        100,
+        "warning",
+        "No GPU visible: CUDA_VISIBLE_DEVICES, a missing driver, or the GPU was "
+        "lost (check `nvidia-smi` and dmesg for 'fallen off the bus').",
+    ),
+    (
+        "unknown error",
+        999,
+        "critical",
+        "CUDA 'unknown error': the GPU or driver is in a bad state; reset the GPU or reboot.",
+    ),
+    (
+        "out of memory",
+        2,
+        "warning",
+        "GPU out of memory: the workload's footprint (batch size, fragmentation), not hardware.",
+    ),
     ("launch timed out", 702, "warning", "Kernel ran too long (display watchdog or hang)."),
-    ("device-side assert", 710, "warning", "Device-side assertion in a kernel (e.g. an index out of range): application bug."),
+    (
+        "device-side assert",
+        710,
+        "warning",
+        "Device-side assertion in a kernel (e.g. an index out of range): application bug.",
+    ),
 )
 
 
@@ -246,25 +329,42 @@ def _host(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         err = m["err"].strip()
         mismatch = "mismatch" in err
-        return Found("driver_error", {"error": err[:300]}, "critical" if mismatch else "warning",
-                     "Kernel module and user-space NVIDIA libraries differ: compare /proc/driver/nvidia/version with "
-                     "the installed packages; fix the packages and reload the module (or reboot)." if mismatch
-                     else "NVML cannot start: driver not loaded or not accessible.")
+        return Found(
+            "driver_error",
+            {"error": err[:300]},
+            "critical" if mismatch else "warning",
+            "Kernel module and user-space NVIDIA libraries differ: compare /proc/driver/nvidia/version with "
+            "the installed packages; fix the packages and reload the module (or reboot)."
+            if mismatch
+            else "NVML cannot start: driver not loaded or not accessible.",
+        )
     m = _HW_SEVERITY.search(text)
     if m is not None:
         sev = m["sev"].lower()
-        return Found("host_hw_error", {"hw_severity": sev}, "critical" if sev == "fatal" else "warning",
-                     "Host hardware error reported by APEI/GHES (e.g. host DRAM ECC): a host problem, not the GPU; "
-                     "check the record's section type and the BMC/SEL.")
+        return Found(
+            "host_hw_error",
+            {"hw_severity": sev},
+            "critical" if sev == "fatal" else "warning",
+            "Host hardware error reported by APEI/GHES (e.g. host DRAM ECC): a host problem, not the GPU; "
+            "check the record's section type and the BMC/SEL.",
+        )
     m = _PCIE.search(text)
     if m is not None:
         fields = {"pci_bus_id": m["pci"], "available": m["avail"], "capable": m["cap"], "limited_at": m["at"]}
-        return Found("pcie_degraded", fields, "info",
-                     f"PCIe link below its capability ({m['avail']} of {m['cap']}), limited at {m['at']}: a platform/"
-                     "topology fact (switch or slot), not a fault; compare with NVML current vs max link gen/width.")
+        return Found(
+            "pcie_degraded",
+            fields,
+            "info",
+            f"PCIe link below its capability ({m['avail']} of {m['cap']}), limited at {m['at']}: a platform/"
+            "topology fact (switch or slot), not a fault; compare with NVML current vs max link gen/width.",
+        )
     if "UCX" in text and "max locked memory" in text:
-        return Found("config_error", {"error": text.strip()[-300:]}, "warning",
-                     "Locked-memory limit too low for RDMA (UCX): set `ulimit -l unlimited` for the job.")
+        return Found(
+            "config_error",
+            {"error": text.strip()[-300:]},
+            "warning",
+            "Locked-memory limit too low for RDMA (UCX): set `ulimit -l unlimited` for the job.",
+        )
     return None
 
 
@@ -279,8 +379,18 @@ RULES: tuple[Rule, ...] = (
 )
 
 CUDA_RULES: tuple[Rule, ...] = (
-    Rule(("cuda runtime error", "CUDA error", "Triton Error [CUDA]", "Cuda failure", "CUDA-capable device",
-          "CUDA_ERROR_", "CUDA out of memory"), _cuda),
+    Rule(
+        (
+            "cuda runtime error",
+            "CUDA error",
+            "Triton Error [CUDA]",
+            "Cuda failure",
+            "CUDA-capable device",
+            "CUDA_ERROR_",
+            "CUDA out of memory",
+        ),
+        _cuda,
+    ),
 )
 
 HOST_RULES: tuple[Rule, ...] = (

@@ -13,11 +13,12 @@ longer than `MAX_LINE_BYTES` are cut).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO
 
-from gpuguard.foundation.events import Event
 from gpuguard.collectors.logparse import MARKERS, MAX_LINE, LogParser
+from gpuguard.foundation.events import Event
 
 CHUNK = 8 << 20
 MAX_LINE_BYTES = 4 * MAX_LINE  # >= MAX_LINE characters after decoding, so both paths cut alike
@@ -108,7 +109,7 @@ class LogScan:
             if have + chunk > len(buf):
                 buf.extend(bytes(have + chunk - len(buf)))
             with memoryview(buf) as view:
-                n = self._read_into(view[have:have + chunk])
+                n = self._read_into(view[have : have + chunk])
             if not n:
                 break
             chunk_start = self.start_offset + self.bytes_read
@@ -143,14 +144,14 @@ class LogScan:
                     re_ = _first_delim(buf, hit, last + 1)
                     line_no += buf.count(b"\n", pos, rs)
                     pos = rs
-                    yield from parser.feed(buf[rs:min(re_, rs + MAX_LINE_BYTES)], line_no)
+                    yield from parser.feed(buf[rs : min(re_, rs + MAX_LINE_BYTES)], line_no)
                     skip_to = re_ + 1
                 line_no += buf.count(b"\n", pos, last + 1)
                 rest_start = last + 1
             rest = end - rest_start
             if rest > MAX_LINE_BYTES:
                 rest, dropping = MAX_LINE_BYTES, True
-            buf[0:rest] = buf[rest_start:rest_start + rest]
+            buf[0:rest] = buf[rest_start : rest_start + rest]
             have = rest
         if have and self.partial_last_line:
             yield from parser.feed(bytes(buf[:have]), line_no)
@@ -162,19 +163,37 @@ class LogScan:
         if readinto is not None:
             return readinto(view) or 0
         data = self.file.read(len(view))  # file-likes without readinto
-        view[:len(data)] = data
+        view[: len(data)] = data
         return len(data)
 
 
-def iter_file_events(path_or_binary_file: str | os.PathLike[str] | BinaryIO, *, start_offset: int = 0,
-                     start_line: int = 1, source: str | None = None, partial_last_line: bool = True,
-                     accelerated: bool = True) -> Iterator[Event]:
+def iter_file_events(
+    path_or_binary_file: str | os.PathLike[str] | BinaryIO,
+    *,
+    start_offset: int = 0,
+    start_line: int = 1,
+    source: str | None = None,
+    partial_last_line: bool = True,
+    accelerated: bool = True,
+) -> Iterator[Event]:
     """Events of a (big) file, streaming; same events as `iter_events` over its lines."""
     if isinstance(path_or_binary_file, (str, os.PathLike)):
         path = os.fspath(path_or_binary_file)
         with open(path, "rb") as fh:
-            yield from LogScan(fh, source=source or path, start_offset=start_offset, start_line=start_line,
-                               partial_last_line=partial_last_line, accelerated=accelerated)
+            yield from LogScan(
+                fh,
+                source=source or path,
+                start_offset=start_offset,
+                start_line=start_line,
+                partial_last_line=partial_last_line,
+                accelerated=accelerated,
+            )
         return
-    yield from LogScan(path_or_binary_file, source=source, start_offset=start_offset, start_line=start_line,
-                       partial_last_line=partial_last_line, accelerated=accelerated)
+    yield from LogScan(
+        path_or_binary_file,
+        source=source,
+        start_offset=start_offset,
+        start_line=start_line,
+        partial_last_line=partial_last_line,
+        accelerated=accelerated,
+    )

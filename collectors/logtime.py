@@ -20,15 +20,21 @@ import re
 import time
 from datetime import datetime, timedelta, timezone
 
-_MONTHS = {m: i for i, m in enumerate(
-    ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), start=1)}
+_MONTHS = {
+    m: i
+    for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), start=1)
+}
 _MON = r"(?P<mon>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 
 _ISO = re.compile(
     r"(?<!\d)(?P<y>\d{4})-(?P<m>\d{2})-(?P<d>\d{2})[T ](?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})"
     r"(?:[.,](?P<f>\d{1,9}))?(?P<tz>Z|[+-]\d{2}:?\d{2})?"
 )
-_CTIME = re.compile(r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) " + _MON + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2}) (?P<y>\d{4})\]")
+_CTIME = re.compile(
+    r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) "
+    + _MON
+    + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2}) (?P<y>\d{4})\]"
+)
 _SYSLOG = re.compile(r"^\s*" + _MON + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\b")
 _GLOG = re.compile(r"(?:^|[\s\[:])[EWIF](?P<md>\d{3,4}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\.(?P<f>\d+)")
 _BRACKET_SECONDS = re.compile(r"\[\s*(?P<s>\d+\.\d+)\]")

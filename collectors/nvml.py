@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gpuguard.foundation.errors import DataError, from_os_error
 
@@ -24,11 +25,27 @@ NO_DRIVER_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
 # Answers that mean "this SKU / binding has no such counter": the field is null, not an error.
 _ABSENT_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound", "NVMLError_InvalidArgument")
 
-RECOVERY_ACTIONS = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p", 4: "drain_and_reset",
-                    5: "recover_imex_domain", 6: "bus_reset", 7: "system_reboot"}
-CLOCK_EVENT_REASONS = {0x001: "GpuIdle", 0x002: "ApplicationsClocksSetting", 0x004: "SwPowerCap",
-                       0x008: "HwSlowdown", 0x010: "SyncBoost", 0x020: "SwThermalSlowdown",
-                       0x040: "HwThermalSlowdown", 0x080: "HwPowerBrakeSlowdown", 0x100: "DisplayClockSetting"}
+RECOVERY_ACTIONS = {
+    0: "none",
+    1: "gpu_reset",
+    2: "node_reboot",
+    3: "drain_p2p",
+    4: "drain_and_reset",
+    5: "recover_imex_domain",
+    6: "bus_reset",
+    7: "system_reboot",
+}
+CLOCK_EVENT_REASONS = {
+    0x001: "GpuIdle",
+    0x002: "ApplicationsClocksSetting",
+    0x004: "SwPowerCap",
+    0x008: "HwSlowdown",
+    0x010: "SyncBoost",
+    0x020: "SwThermalSlowdown",
+    0x040: "HwThermalSlowdown",
+    0x080: "HwPowerBrakeSlowdown",
+    0x100: "DisplayClockSetting",
+}
 _NVLINK_COUNTERS = (("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data", 3), ("ecc_data", 4))
 _FI_RECOVERY_ACTION_FALLBACK = 271  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION in recent headers
 
@@ -57,8 +74,14 @@ def normalize_pci_bus_id(bus_id: str | bytes | None) -> str | None:
 
 def unknown_snapshot(reason: str, status: str = "unknown") -> dict[str, Any]:
     """The snapshot when NVML could not be asked: no driver, a hung probe, a version mismatch."""
-    return {"schema": SCHEMA, "status": status, "reason": reason, "collected_at": time.time(),
-            "driver_version": None, "gpus": []}
+    return {
+        "schema": SCHEMA,
+        "status": status,
+        "reason": reason,
+        "collected_at": time.time(),
+        "driver_version": None,
+        "gpus": [],
+    }
 
 
 class _Guard:
@@ -91,8 +114,14 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
         handle = nv.nvmlDeviceGetHandleByIndex(index)
     except nv.NVMLError as exc:
         lost = type(exc).__name__ == "NVMLError_GpuIsLost"
-        return {"index": index, "name": None, "uuid": None, "pci_bus_id": None, "lost": lost,
-                "error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "index": index,
+            "name": None,
+            "uuid": None,
+            "pci_bus_id": None,
+            "lost": lost,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
     g = _Guard(nv)
     name = g("name", "nvmlDeviceGetName", handle)
     uuid = g("uuid", "nvmlDeviceGetUUID", handle)
@@ -105,27 +134,44 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
             ecc[key] = g(f"ecc.{key}", "nvmlDeviceGetTotalEccErrors", handle, err_type, ctr_type)
             if err_type == 1:
                 for loc, where in ((2, "dram"), (7, "sram")):
-                    ecc[f"{key}_{where}"] = g(f"ecc.{key}_{where}", "nvmlDeviceGetMemoryErrorCounter",
-                                              handle, err_type, ctr_type, loc)
+                    ecc[f"{key}_{where}"] = g(
+                        f"ecc.{key}_{where}", "nvmlDeviceGetMemoryErrorCounter", handle, err_type, ctr_type, loc
+                    )
     sbe = g("retired_pages.single_bit", "nvmlDeviceGetRetiredPages", handle, 0)
     dbe = g("retired_pages.double_bit", "nvmlDeviceGetRetiredPages", handle, 1)
     pending = g("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus", handle)
-    retired = None if sbe is None and dbe is None and pending is None else {
-        "single_bit": None if sbe is None else len(sbe), "double_bit": None if dbe is None else len(dbe),
-        "pending": None if pending is None else bool(pending)}
+    retired = (
+        None
+        if sbe is None and dbe is None and pending is None
+        else {
+            "single_bit": None if sbe is None else len(sbe),
+            "double_bit": None if dbe is None else len(dbe),
+            "pending": None if pending is None else bool(pending),
+        }
+    )
     rows = g("remapped_rows", "nvmlDeviceGetRemappedRows", handle)
-    remapped = None if rows is None else {"correctable": int(rows[0]), "uncorrectable": int(rows[1]),
-                                          "pending": bool(rows[2]), "failure": bool(rows[3])}
+    remapped = (
+        None
+        if rows is None
+        else {
+            "correctable": int(rows[0]),
+            "uncorrectable": int(rows[1]),
+            "pending": bool(rows[2]),
+            "failure": bool(rows[3]),
+        }
+    )
     power_mw = g("power_w", "nvmlDeviceGetPowerUsage", handle)
     limit_mw = g("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)
     reasons = g("clock_event_reasons", "nvmlDeviceGetCurrentClocksEventReasons", handle)
     if reasons is None and "clock_event_reasons" not in g.errors:
         reasons = g("clock_event_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-    pcie = {"gen": g("pcie.gen", "nvmlDeviceGetCurrPcieLinkGeneration", handle),
-            "gen_max": g("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", handle),
-            "width": g("pcie.width", "nvmlDeviceGetCurrPcieLinkWidth", handle),
-            "width_max": g("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth", handle),
-            "replay_counter": g("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter", handle)}
+    pcie = {
+        "gen": g("pcie.gen", "nvmlDeviceGetCurrPcieLinkGeneration", handle),
+        "gen_max": g("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", handle),
+        "width": g("pcie.width", "nvmlDeviceGetCurrPcieLinkWidth", handle),
+        "width_max": g("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth", handle),
+        "replay_counter": g("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter", handle),
+    }
     links = []
     for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
         if g.lost:
@@ -140,17 +186,26 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
     action = _recovery_action(nv, g, handle)
     bus_id = getattr(pci, "busId", None) if pci is not None else None
     return {
-        "index": index, "name": name, "uuid": uuid, "pci_bus_id": normalize_pci_bus_id(bus_id),
-        "lost": g.lost is not None, "error": g.lost,
+        "index": index,
+        "name": name,
+        "uuid": uuid,
+        "pci_bus_id": normalize_pci_bus_id(bus_id),
+        "lost": g.lost is not None,
+        "error": g.lost,
         "ecc_mode": None if ecc_mode is None else bool(ecc_mode[0]),
-        "ecc": ecc, "retired_pages": retired, "remapped_rows": remapped,
+        "ecc": ecc,
+        "retired_pages": retired,
+        "remapped_rows": remapped,
         "temperature_c": g("temperature_c", "nvmlDeviceGetTemperature", handle, 0),
         "temperature_slowdown_c": g("temperature_slowdown_c", "nvmlDeviceGetTemperatureThreshold", handle, 1),
         "temperature_shutdown_c": g("temperature_shutdown_c", "nvmlDeviceGetTemperatureThreshold", handle, 0),
         "power_w": None if power_mw is None else power_mw / 1000.0,
         "power_limit_w": None if limit_mw is None else limit_mw / 1000.0,
-        "clock_event_reasons": reasons, "clock_event_reason_names": clock_event_names(reasons),
-        "pcie": pcie, "nvlink": links, "recovery_action": action,
+        "clock_event_reasons": reasons,
+        "clock_event_reason_names": clock_event_names(reasons),
+        "pcie": pcie,
+        "nvlink": links,
+        "recovery_action": action,
         "recovery_action_name": None if action is None else RECOVERY_ACTIONS.get(action, f"0x{action:x}"),
         "errors": g.errors,
     }
@@ -188,8 +243,14 @@ def probe(nv: Any) -> dict[str, Any]:
             pass
     if isinstance(driver, bytes):
         driver = driver.decode("ascii", "replace")
-    return {"schema": SCHEMA, "status": "ok", "reason": None, "collected_at": time.time(),
-            "driver_version": driver, "gpus": gpus}
+    return {
+        "schema": SCHEMA,
+        "status": "ok",
+        "reason": None,
+        "collected_at": time.time(),
+        "driver_version": driver,
+        "gpus": gpus,
+    }
 
 
 def _import_pynvml() -> Any:
@@ -227,8 +288,16 @@ def collect(timeout: float = DEFAULT_TIMEOUT_S, *, loader: Callable[[], Any] = _
 # ---------------------------------------------------------------------------------------------------
 # Loading a recorded snapshot (`--nvml-snapshot FILE`): validated, one clear error per problem.
 
-_GPU_NUMBERS = ("temperature_c", "temperature_slowdown_c", "temperature_shutdown_c", "power_w",
-                "power_limit_w", "clock_event_reasons", "recovery_action", "index")
+_GPU_NUMBERS = (
+    "temperature_c",
+    "temperature_slowdown_c",
+    "temperature_shutdown_c",
+    "power_w",
+    "power_limit_w",
+    "clock_event_reasons",
+    "recovery_action",
+    "index",
+)
 _SECTIONS = {
     "ecc": None,  # any int-valued keys
     "retired_pages": {"single_bit": int, "double_bit": int, "pending": bool},
@@ -274,8 +343,11 @@ def validate_snapshot(doc: Any, what: str = "NVML snapshot") -> dict[str, Any]:
         _check_type(gpu.get("lost"), bool, f"{where}.lost")
         _check_type(gpu.get("ecc_mode"), bool, f"{where}.ecc_mode")
         for key in _GPU_NUMBERS:
-            _check_type(gpu.get(key), int if key in ("clock_event_reasons", "recovery_action", "index") else float,
-                        f"{where}.{key}")
+            _check_type(
+                gpu.get(key),
+                int if key in ("clock_event_reasons", "recovery_action", "index") else float,
+                f"{where}.{key}",
+            )
         for section, fields in _SECTIONS.items():
             sub = gpu.get(section)
             if sub is None:

@@ -70,11 +70,25 @@ def collect(*, run_id: str | None = None, cpu_interval: float = 0.0) -> dict[str
             rss = proc.memory_info().rss
         except (psutil.Error, OSError):
             cpu, rss = None, None
-        found.append(JobProcess(
-            pid=info["pid"], ppid=info.get("ppid") or 0, role="agent" if is_agent else "worker", run_id=rid,
-            rank=_int((env or {}).get("RANK")), local_rank=_int((env or {}).get("LOCAL_RANK")),
-            status=str(info.get("status")), cpu_percent=cpu, rss_bytes=rss,
-            age_s=max(0.0, now - (info.get("create_time") or now)), cmdline=cmd))
+        found.append(
+            JobProcess(
+                pid=info["pid"],
+                ppid=info.get("ppid") or 0,
+                role="agent" if is_agent else "worker",
+                run_id=rid,
+                rank=_int((env or {}).get("RANK")),
+                local_rank=_int((env or {}).get("LOCAL_RANK")),
+                status=str(info.get("status")),
+                cpu_percent=cpu,
+                rss_bytes=rss,
+                age_s=max(0.0, now - (info.get("create_time") or now)),
+                cmdline=cmd,
+            )
+        )
     found.sort(key=lambda p: (p.role != "agent", p.run_id or "", p.rank if p.rank is not None else -1, p.pid))
-    return {"schema": SCHEMA, "status": "ok", "processes": [p.to_json() for p in found],
-            "unreadable_environments": unreadable}
+    return {
+        "schema": SCHEMA,
+        "status": "ok",
+        "processes": [p.to_json() for p in found],
+        "unreadable_environments": unreadable,
+    }

@@ -71,7 +71,7 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
                     fh.seek(size - left)
                     data = fh.read()
                     cut = data.find(b"\n")
-                    data = data[cut + 1:] if cut >= 0 else b""
+                    data = data[cut + 1 :] if cut >= 0 else b""
                 else:
                     fh.seek(0)
                     data = fh.read()

@@ -103,7 +103,19 @@ def gather(job_dir: Path | None) -> TorchrunFacts:
             steps = len(s.steps) if s is not None and s.incarnation == safe_incarnation(rec.incarnation_id) else -1
             if steps == -1 and s is None:
                 steps = 0  # the rank never wrote a record at all
-            workers.append(WorkerFacts(rec.rank, rec.incarnation_id, rec.pid, proc is not None, rec.agent_pid,
-                                       pid_alive(rec.agent_pid), ppid, rec.start_time, steps, rec.restart_count,
-                                       rec.run_id))
+            workers.append(
+                WorkerFacts(
+                    rec.rank,
+                    rec.incarnation_id,
+                    rec.pid,
+                    proc is not None,
+                    rec.agent_pid,
+                    pid_alive(rec.agent_pid),
+                    ppid,
+                    rec.start_time,
+                    steps,
+                    rec.restart_count,
+                    rec.run_id,
+                )
+            )
     return TorchrunFacts(tuple(agents), tuple(workers), tuple(notes))

@@ -17,9 +17,9 @@ holds sequence ids and small integer ids into one `Interner` of signatures and c
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from gpuguard.foundation.traces import ABSENT, COMPLETED, SCHEDULED, Interner, RankTrace, Signature, Stream
 
@@ -87,9 +87,7 @@ class Divergence:
             "missing_ranks": list(self.missing_ranks),
             "expected": self.majority.to_json(),
             "actual": self.others[0].to_json() if self.others else None,
-            "actual_by_group": [
-                {"ranks": list(s.ranks), "value": s.to_json()} for s in self.others
-            ],
+            "actual_by_group": [{"ranks": list(s.ranks), "value": s.to_json()} for s in self.others],
             "ambiguous": self.ambiguous,
             "explanation": self.explanation,
             "hints": list(self.hints),
@@ -148,16 +146,23 @@ class ContractReport:
 # The checker
 
 
-def check(traces: Iterable[RankTrace], interner: Interner, *, pg: str | None = None,
-          world_size: int | None = None, warnings: Iterable[str] = ()) -> ContractReport:
+def check(
+    traces: Iterable[RankTrace],
+    interner: Interner,
+    *,
+    pg: str | None = None,
+    world_size: int | None = None,
+    warnings: Iterable[str] = (),
+) -> ContractReport:
     """Check every (process group, generation) timeline; return the report."""
     warns = list(warnings)
     partial = False
     by_rank: dict[int, RankTrace] = {}
     for trace in traces:
         if trace.rank in by_rank:
-            warns.append(f"rank {trace.rank}: two dumps ({by_rank[trace.rank].source}, {trace.source}); "
-                         f"using the first")
+            warns.append(
+                f"rank {trace.rank}: two dumps ({by_rank[trace.rank].source}, {trace.source}); using the first"
+            )
             partial = True
             continue
         by_rank[trace.rank] = trace
@@ -181,15 +186,19 @@ def check(traces: Iterable[RankTrace], interner: Interner, *, pg: str | None = N
             desc.setdefault(key, stream.pg_desc)
             generations.setdefault(stream.generation, set()).add(trace.rank)
     if len(generations) > 1:
-        warns.append("dumps cover generations " + ", ".join(
-            f"{g} (ranks {_ranks(sorted(r))})" for g, r in sorted(generations.items()))
-            + ": each generation is checked as its own timeline, never against another")
+        warns.append(
+            "dumps cover generations "
+            + ", ".join(f"{g} (ranks {_ranks(sorted(r))})" for g, r in sorted(generations.items()))
+            + ": each generation is checked as its own timeline, never against another"
+        )
 
     absent = set(range(world)) - set(by_rank) if world and len(generations) <= 1 else set()
     if absent:
         partial = True
-        warns.append(f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
-                     "every contract is unknown")
+        warns.append(
+            f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
+            "every contract is unknown"
+        )
     results: list[Timeline] = []
     for (name, gen), streams in sorted(timelines.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
         is_default = name in DEFAULT_PG_NAMES or desc[(name, gen)] == "default_pg"
@@ -200,8 +209,10 @@ def check(traces: Iterable[RankTrace], interner: Interner, *, pg: str | None = N
         missing = tuple(sorted(members - set(by_rank)))
         if missing and not absent:
             partial = True
-            warns.append(f"pg {name} generation {gen}: no dump from rank(s) {_ranks(missing)}; "
-                         "their part of the contract is unknown")
+            warns.append(
+                f"pg {name} generation {gen}: no dump from rank(s) {_ranks(missing)}; "
+                "their part of the contract is unknown"
+            )
         present = {r: streams.get(r) for r in sorted(members) if r in by_rank}
         results.append(_check_timeline(name, gen, desc[(name, gen)], present, missing, interner))
     results.sort(key=lambda t: (t.divergence is None, _divergence_time(t, timelines, interner)))
@@ -218,7 +229,7 @@ def _divergence_time(t: Timeline, timelines: dict, interner: Interner) -> int:
     if d is None:
         return 0
     best = 1 << 62
-    for rank, stream in timelines[(t.pg, t.generation)].items():
+    for stream in timelines[(t.pg, t.generation)].values():
         if stream.times_ns is None:
             continue
         for s, ts in zip(stream.seqs, stream.times_ns):
@@ -267,8 +278,9 @@ def _contiguous(s: Stream | None) -> bool:
     return s is None or not s.seqs or s.seqs[-1] - s.seqs[0] + 1 == len(s.seqs)
 
 
-def _check_timeline(name: str, gen: int, pg_desc: str, streams: dict[int, Stream | None],
-                    missing: tuple[int, ...], interner: Interner) -> Timeline:
+def _check_timeline(
+    name: str, gen: int, pg_desc: str, streams: dict[int, Stream | None], missing: tuple[int, ...], interner: Interner
+) -> Timeline:
     ranks = tuple(streams)
     live = [s for s in streams.values() if s is not None and len(s.seqs)]
     if not live:
@@ -303,8 +315,7 @@ def _check_timeline(name: str, gen: int, pg_desc: str, streams: dict[int, Stream
     return Timeline(name, gen, ranks, missing, start, last, checked, div, pg_desc)
 
 
-def _scan_contiguous(streams: dict[int, Stream | None], start: int,
-                     last: int) -> tuple[int | None, set[int], int]:
+def _scan_contiguous(streams: dict[int, Stream | None], start: int, last: int) -> tuple[int | None, set[int], int]:
     """Compare every rank's window with the longest one as whole lists (C speed); index only differences."""
     ref = max((s for s in streams.values() if s is not None and len(s.seqs)), key=lambda s: s.seqs[-1])
     ro = start - ref.seqs[0]
@@ -334,8 +345,9 @@ def _scan_contiguous(streams: dict[int, Stream | None], start: int,
     return (start + first_diff if first_diff < total else None), cands, first_diff
 
 
-def _scan_general(streams: dict[int, Stream | None], order: list[int], start: int,
-                  last: int) -> tuple[int | None, set[int], int]:
+def _scan_general(
+    streams: dict[int, Stream | None], order: list[int], start: int, last: int
+) -> tuple[int | None, set[int], int]:
     """Non-contiguous streams (gaps, merged coalesced groups): align through dicts."""
     cols = [dict(zip(streams[r].seqs, streams[r].sig_ids)) if streams[r] is not None else {} for r in order]
     sts = [dict(zip(streams[r].seqs, streams[r].states)) if streams[r] is not None else {} for r in order]
@@ -411,9 +423,16 @@ def _describe(sig: Signature | None) -> str:
     return " ".join(parts)
 
 
-def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _Col],
-              states: dict[int, _Col], streams: dict[int, Stream | None],
-              interner: Interner) -> Divergence:
+def _classify(
+    name: str,
+    gen: int,
+    seq: int,
+    order: list[int],
+    cols: dict[int, _Col],
+    states: dict[int, _Col],
+    streams: dict[int, Stream | None],
+    interner: Interner,
+) -> Divergence:
     groups: dict[int, list[int]] = {}
     for r in order:
         groups.setdefault(cols[r].get(seq, ABSENT), []).append(r)
@@ -422,12 +441,17 @@ def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _
 
     def side(key: int, members: list[int]) -> Side:
         rep = members[0]
-        return Side(tuple(members), sigs[key] if key != ABSENT else None,
-                    states[rep].get(seq), _site_at(streams[rep], seq, interner))
+        return Side(
+            tuple(members),
+            sigs[key] if key != ABSENT else None,
+            states[rep].get(seq),
+            _site_at(streams[rep], seq, interner),
+        )
 
     majority = side(major_key, groups[major_key])
-    others = tuple(side(k, v) for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
-                   if k != major_key)
+    others = tuple(
+        side(k, v) for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))) if k != major_key
+    )
     culprits = tuple(sorted(r for s in others for r in s.ranks))
     main = others[0]
     if majority.signature is None or main.signature is None:
@@ -439,19 +463,29 @@ def _classify(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _
         never = [r for s in (majority, *others) if s.signature is None for r in s.ranks]
         issued = [s for s in (majority, *others) if s.signature is not None]
         what = _describe(issued[0].signature) if issued else "it"
-        explanation = (f"{where}: rank(s) {_ranks(never)} never issued {what}; the others are blocked in it "
-                       f"until the process-group timeout: this is the hang.")
+        explanation = (
+            f"{where}: rank(s) {_ranks(never)} never issued {what}; the others are blocked in it "
+            f"until the process-group timeout: this is the hang."
+        )
     else:
-        explanation = (f"{where}: {fld} differs: rank(s) {_ranks(main.ranks)} issued {_describe(main.signature)}, "
-                       f"rank(s) {_ranks(majority.ranks)} issued {_describe(majority.signature)}.")
+        explanation = (
+            f"{where}: {fld} differs: rank(s) {_ranks(main.ranks)} issued {_describe(main.signature)}, "
+            f"rank(s) {_ranks(majority.ranks)} issued {_describe(majority.signature)}."
+        )
     if ambiguous:
         explanation += " No strict majority: which side is wrong is a guess."
     hints = _later_call_hints(seq, majority, main, streams, cols, interner)
     return Divergence(name, gen, seq, kind, culprits, majority, others, fld, explanation, tuple(hints), ambiguous)
 
 
-def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int, Stream | None],
-                      cols: dict[int, _Col], interner: Interner) -> list[str]:
+def _later_call_hints(
+    seq: int,
+    majority: Side,
+    culprit: Side,
+    streams: dict[int, Stream | None],
+    cols: dict[int, _Col],
+    interner: Interner,
+) -> list[str]:
     """Why the error shows up at this call: a rank one call ahead, or call sites that drifted earlier."""
     hints: list[str] = []
     m_rank, c_rank = majority.ranks[0], culprit.ranks[0]
@@ -464,27 +498,37 @@ def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int
             if t_end < seq - 1:
                 continue
             t = t_end
-            while t in cc and (t + k) in mc and cc[t] == mc[t + k] \
-                    and _site_at(cs, t, interner) == _site_at(ms, t + k, interner):
+            while (
+                t in cc
+                and (t + k) in mc
+                and cc[t] == mc[t + k]
+                and _site_at(cs, t, interner) == _site_at(ms, t + k, interner)
+            ):
                 t -= 1
             t0 = t + 1
             if t0 > t_end or t0 + min(k, 0) > seq:
                 continue
-            informative = any(cc[u] != mc.get(u) or _site_at(cs, u, interner) != _site_at(ms, u, interner)
-                              for u in range(t0, t_end + 1))
+            informative = any(
+                cc[u] != mc.get(u) or _site_at(cs, u, interner) != _site_at(ms, u, interner)
+                for u in range(t0, t_end + 1)
+            )
             if not informative:
                 continue
             if k > 0:
                 skipped = _site_at(ms, t0, interner)
-                hints.append(f"rank {c_rank} is {k} call(s) ahead of rank {m_rank} from #{t0}: its #{t0}..#{t_end} "
-                             f"are the majority's #{t0 + k}..#{t_end + k}. It skipped the majority's #{t0}"
-                             + (f" (at {skipped})" if skipped else "")
-                             + f"; the contract broke there and the failure surfaced only at the later call #{seq}.")
+                hints.append(
+                    f"rank {c_rank} is {k} call(s) ahead of rank {m_rank} from #{t0}: its #{t0}..#{t_end} "
+                    f"are the majority's #{t0 + k}..#{t_end + k}. It skipped the majority's #{t0}"
+                    + (f" (at {skipped})" if skipped else "")
+                    + f"; the contract broke there and the failure surfaced only at the later call #{seq}."
+                )
             else:
-                hints.append(f"rank {c_rank} is {-k} call(s) behind rank {m_rank} from #{t0 + k}: it issued an extra "
-                             f"collective at #{t0 + k}"
-                             + (f" ({_site_at(cs, t0 + k, interner)})" if _site_at(cs, t0 + k, interner) else "")
-                             + f"; the contract broke there and the failure surfaced only at the later call #{seq}.")
+                hints.append(
+                    f"rank {c_rank} is {-k} call(s) behind rank {m_rank} from #{t0 + k}: it issued an extra "
+                    f"collective at #{t0 + k}"
+                    + (f" ({_site_at(cs, t0 + k, interner)})" if _site_at(cs, t0 + k, interner) else "")
+                    + f"; the contract broke there and the failure surfaced only at the later call #{seq}."
+                )
             break
     # 2. Did call sites drift before the contract broke (same op and size, different line)?
     if not hints and ms is not None and cs is not None and ms.site_ids is not None and cs.site_ids is not None:
@@ -492,20 +536,31 @@ def _later_call_hints(seq: int, majority: Side, culprit: Side, streams: dict[int
         for t in range(first, seq):
             a, b = _site_at(ms, t, interner), _site_at(cs, t, interner)
             if a is not None and b is not None and a != b:
-                hints.append(f"call sites diverge earlier, at #{t}: rank {m_rank} was at {a}, rank {c_rank} at {b}; "
-                             f"positions still matched (same op, size and dtype), so the contract broke silently "
-                             f"there and the failure only surfaced at #{seq}. Look at rank {c_rank}'s control flow "
-                             f"before {b}.")
+                hints.append(
+                    f"call sites diverge earlier, at #{t}: rank {m_rank} was at {a}, rank {c_rank} at {b}; "
+                    f"positions still matched (same op, size and dtype), so the contract broke silently "
+                    f"there and the failure only surfaced at #{seq}. Look at rank {c_rank}'s control flow "
+                    f"before {b}."
+                )
                 break
     if not hints and culprit.signature is None:
-        hints.append(f"rank {c_rank} stopped before #{seq}: it skipped a collective earlier (the calls still matched "
-                     f"by position), exited, or is stuck outside any collective; the error appears at the later call.")
+        hints.append(
+            f"rank {c_rank} stopped before #{seq}: it skipped a collective earlier (the calls still matched "
+            f"by position), exited, or is stuck outside any collective; the error appears at the later call."
+        )
     return hints
 
 
-def _state_divergence(name: str, gen: int, seq: int, order: list[int], cols: dict[int, _Col],
-                      states: dict[int, _Col], streams: dict[int, Stream | None],
-                      interner: Interner) -> Divergence:
+def _state_divergence(
+    name: str,
+    gen: int,
+    seq: int,
+    order: list[int],
+    cols: dict[int, _Col],
+    states: dict[int, _Col],
+    streams: dict[int, Stream | None],
+    interner: Interner,
+) -> Divergence:
     groups: dict[str, list[int]] = {}
     for r in order:
         groups.setdefault(states[r].get(seq, SCHEDULED), []).append(r)
@@ -520,11 +575,22 @@ def _state_divergence(name: str, gen: int, seq: int, order: list[int], cols: dic
 
     others = tuple(side(st, v) for st, v in groups.items() if st != maj_state)
     where = f"pg {name}" + (f" generation {gen}" if gen else "") + f" #{seq}"
-    explanation = (f"{where}: {_describe(sig)} completed on rank(s) {_ranks(done)} but never started on rank(s) "
-                   f"{_ranks(stuck)}: those ranks are stuck before or inside it.")
-    return Divergence(name, gen, seq, STATE_MISMATCH, tuple(sorted(minority)),
-                      side(maj_state, majority), others, "state", explanation,
-                      ambiguous=len(done) == len(stuck))
+    explanation = (
+        f"{where}: {_describe(sig)} completed on rank(s) {_ranks(done)} but never started on rank(s) "
+        f"{_ranks(stuck)}: those ranks are stuck before or inside it."
+    )
+    return Divergence(
+        name,
+        gen,
+        seq,
+        STATE_MISMATCH,
+        tuple(sorted(minority)),
+        side(maj_state, majority),
+        others,
+        "state",
+        explanation,
+        ambiguous=len(done) == len(stuck),
+    )
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -557,12 +623,9 @@ def report_to_json(report: ContractReport, inputs: Sequence[Mapping[str, Any]] =
     }
 
 
-def kind_counts(report: ContractReport) -> Counter[str]:
-    return Counter(d.kind for d in report.divergences)
-
-
-def around(traces: Iterable[RankTrace], interner: Interner, div: Divergence,
-           radius: int = 2) -> list[tuple[int, list[str]]]:
+def around(
+    traces: Iterable[RankTrace], interner: Interner, div: Divergence, radius: int = 2
+) -> list[tuple[int, list[str]]]:
     """Rows `(seq, [cell per side])` around a divergence, one representative rank per side."""
     sides = (div.majority, *div.others)
     wanted = {side.ranks[0] for side in sides}

@@ -6,15 +6,17 @@ Pure: takes `gpuguard.node/1` documents (from `gpu-doctor diagnose node --json`)
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from gpuguard.foundation.observations import HardwareEvidence
 
 FATAL_VERDICTS = ("reset", "drain")
 
 
-def hardware_from_node_reports(reports: Iterable[Mapping[str, Any]],
-                               ranks: Mapping[int, tuple[str, int | None]]) -> dict[int, tuple[HardwareEvidence, ...]]:
+def hardware_from_node_reports(
+    reports: Iterable[Mapping[str, Any]], ranks: Mapping[int, tuple[str, int | None]]
+) -> dict[int, tuple[HardwareEvidence, ...]]:
     """rank -> the evidence about its GPU. Unknown shapes are skipped, never fatal."""
     by_gpu: dict[tuple[str, int], list[HardwareEvidence]] = {}
     for doc in reports:
@@ -31,9 +33,17 @@ def hardware_from_node_reports(reports: Iterable[Mapping[str, Any]],
                 verdict = str(ev.get("verdict", ""))
                 if verdict == "healthy":
                     continue
-                kind = ("gpu-lost" if check == "gpu_lost" else "xid" if check.startswith("xid")
-                        else "recovery-action" if "recovery" in check else "ecc" if "ecc" in check or "remap" in check
-                        else check or "hardware")
+                kind = (
+                    "gpu-lost"
+                    if check == "gpu_lost"
+                    else "xid"
+                    if check.startswith("xid")
+                    else "recovery-action"
+                    if "recovery" in check
+                    else "ecc"
+                    if "ecc" in check or "remap" in check
+                    else check or "hardware"
+                )
                 fatal = verdict in FATAL_VERDICTS and kind != "ecc" or kind == "gpu-lost"
                 text = f"{node} GPU{gpu['index']}: {ev.get('message', check)} ({verdict})"
                 by_gpu.setdefault((node, gpu["index"]), []).append(HardwareEvidence(-1, kind, fatal, text))

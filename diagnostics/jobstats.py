@@ -8,11 +8,18 @@ between ranks (pipeline stages, data shards); a cohort-wide threshold would be w
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from gpuguard.foundation.observations import (
-    CLOSED, CommError, HardwareEvidence, ProcessState, RankObservation, RankSeries,
+    CLOSED,
+    CommError,
+    HardwareEvidence,
+    ProcessState,
+    RankObservation,
+    RankSeries,
 )
+
+UNKNOWN_PROCESS = ProcessState("unknown")
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -41,9 +48,17 @@ def mad(values: Sequence[float], center: float | None = None) -> float:
     return median([abs(v - c) for v in values])
 
 
-def observe(series: RankSeries, *, now_wall: float, now_mono: float | None = None,
-            process: ProcessState = ProcessState("unknown"), window: int = 20, history: int = 2000,
-            hardware: tuple[HardwareEvidence, ...] = (), comm_errors: tuple[CommError, ...] = ()) -> RankObservation:
+def observe(
+    series: RankSeries,
+    *,
+    now_wall: float,
+    now_mono: float | None = None,
+    process: ProcessState = UNKNOWN_PROCESS,
+    window: int = 20,
+    history: int = 2000,
+    hardware: tuple[HardwareEvidence, ...] = (),
+    comm_errors: tuple[CommError, ...] = (),
+) -> RankObservation:
     """The vote's features for one rank at `now`.
 
     `now_mono` is given only when the reader runs on the writer's host: then ages come from the
@@ -85,11 +100,17 @@ def observe(series: RankSeries, *, now_wall: float, now_mono: float | None = Non
         errors=series.errors,
         hardware=hardware,
         comm_errors=comm_errors or comm_errors_from_text(series.rank, series.errors),
-        notes=tuple(n for n in (
-            f"{series.bad_lines} unreadable record line(s) skipped" if series.bad_lines else "",
-            f"{series.clock_jumps} wall-clock jump(s) seen in the records" if series.clock_jumps else "",
-            f"{series.incarnations_seen} incarnations of this rank; newest used" if series.incarnations_seen > 1 else "",
-        ) if n),
+        notes=tuple(
+            n
+            for n in (
+                f"{series.bad_lines} unreadable record line(s) skipped" if series.bad_lines else "",
+                f"{series.clock_jumps} wall-clock jump(s) seen in the records" if series.clock_jumps else "",
+                f"{series.incarnations_seen} incarnations of this rank; newest used"
+                if series.incarnations_seen > 1
+                else "",
+            )
+            if n
+        ),
     )
 
 
@@ -108,5 +129,11 @@ def comm_errors_from_text(rank: int, messages: Sequence[str]) -> tuple[CommError
 def distribution(values: Sequence[float]) -> dict[str, float]:
     """p50/p90/p99/p99.9 (and count) of a sample: the cohort summary the report shows."""
     s = sorted(values)
-    return {"n": len(s), "p50": quantile(s, 0.5), "p90": quantile(s, 0.9), "p99": quantile(s, 0.99),
-            "p999": quantile(s, 0.999), "max": s[-1] if s else 0.0}
+    return {
+        "n": len(s),
+        "p50": quantile(s, 0.5),
+        "p90": quantile(s, 0.9),
+        "p99": quantile(s, 0.99),
+        "p999": quantile(s, 0.999),
+        "max": s[-1] if s else 0.0,
+    }

@@ -7,33 +7,57 @@ Validation is strict and names the key, because a typo in a cron sweep's config 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from gpuguard.foundation.errors import UsageError, from_os_error
 
 SCHEMA = "gpuguard.node-thresholds/1"
 DEFAULTS_PATH = Path(__file__).resolve().parent / "data" / "node-thresholds.yaml"
 VERDICT_NAMES = ("healthy", "degraded", "reset", "drain")
-CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown", "SyncBoost",
-                 "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown", "DisplayClockSetting")
+CLOCK_REASONS = (
+    "GpuIdle",
+    "ApplicationsClocksSetting",
+    "SwPowerCap",
+    "HwSlowdown",
+    "SyncBoost",
+    "SwThermalSlowdown",
+    "HwThermalSlowdown",
+    "HwPowerBrakeSlowdown",
+    "DisplayClockSetting",
+)
 
 # key -> kind. Kinds: codes (list of ints), count (int >= 0), count? (count or null), number,
 # number? , verdict (one of VERDICT_NAMES), reasons (list of clock-event reason names).
 SPEC: dict[str, dict[str, str]] = {
-    "xid": {"drain": "codes", "reset": "codes", "degraded": "codes", "ignore": "codes",
-            "repeat_degraded": "count?", "unknown_code": "verdict"},
-    "ecc": {"volatile_uncorrected_reset": "count?", "aggregate_uncorrected_sram_drain": "count?",
-            "aggregate_uncorrected_dram_drain": "count?", "volatile_corrected_degraded": "count?"},
+    "xid": {
+        "drain": "codes",
+        "reset": "codes",
+        "degraded": "codes",
+        "ignore": "codes",
+        "repeat_degraded": "count?",
+        "unknown_code": "verdict",
+    },
+    "ecc": {
+        "volatile_uncorrected_reset": "count?",
+        "aggregate_uncorrected_sram_drain": "count?",
+        "aggregate_uncorrected_dram_drain": "count?",
+        "volatile_corrected_degraded": "count?",
+    },
     "row_remap": {"pending": "verdict", "failure": "verdict", "uncorrectable_degraded": "count?"},
     "retired_pages": {"pending": "verdict", "total_drain": "count?"},
     "temperature": {"slowdown_margin_c": "number", "degraded_c": "number?"},
     "clock_events": {"degraded": "reasons"},
     "pcie": {"width_below_max": "verdict", "gen_below_max": "verdict", "replay_degraded": "count?"},
-    "nvlink": {"inactive": "verdict", "crc_degraded": "count?", "replay_degraded": "count?",
-               "recovery_degraded": "count?"},
+    "nvlink": {
+        "inactive": "verdict",
+        "crc_degraded": "count?",
+        "replay_degraded": "count?",
+        "recovery_degraded": "count?",
+    },
     "node": {"expected_gpus": "count?", "missing_gpu": "verdict", "gpu_lost": "verdict"},
 }
 
@@ -78,14 +102,16 @@ def _check(kind: str, value: Any, where: str) -> Any:
         return tuple(value)
     if kind == "reasons":
         if not isinstance(value, list) or not all(isinstance(r, str) and r in CLOCK_REASONS for r in value):
-            raise UsageError(f"{where}: expected a list of clock-event reasons from {', '.join(CLOCK_REASONS)}, "
-                             f"got {value!r:.60}")
+            raise UsageError(
+                f"{where}: expected a list of clock-event reasons from {', '.join(CLOCK_REASONS)}, got {value!r:.60}"
+            )
         return tuple(value)
     raise AssertionError(kind)  # pragma: no cover - SPEC is static
 
 
-def validate(doc: Any, base: Mapping[str, Mapping[str, Any]] | None = None, *, what: str = "thresholds",
-             complete: bool = False) -> dict[str, dict[str, Any]]:
+def validate(
+    doc: Any, base: Mapping[str, Mapping[str, Any]] | None = None, *, what: str = "thresholds", complete: bool = False
+) -> dict[str, dict[str, Any]]:
     """Validate a thresholds mapping and merge it over `base`. Pure: data in, data out."""
     if doc is None:
         doc = {}
@@ -132,8 +158,9 @@ def _read_yaml(path: Path, what: str) -> Any:
 
 def load(path: str | Path | None = None) -> Thresholds:
     """The bundled defaults, overridden by the YAML file at `path` when given."""
-    defaults = validate(_read_yaml(DEFAULTS_PATH, f"bundled thresholds {DEFAULTS_PATH}"),
-                        what="bundled thresholds", complete=True)
+    defaults = validate(
+        _read_yaml(DEFAULTS_PATH, f"bundled thresholds {DEFAULTS_PATH}"), what="bundled thresholds", complete=True
+    )
     if path is None:
         return _freeze(defaults, "defaults")
     merged = validate(_read_yaml(Path(path), f"config {path}"), defaults, what=f"config {path}")

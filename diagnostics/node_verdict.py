@@ -8,15 +8,17 @@ the reasoning instead of trusting it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
-from gpuguard.foundation.events import Event
 from gpuguard.diagnostics.node_thresholds import Thresholds
+from gpuguard.foundation import xid_catalog as catalog
+from gpuguard.foundation.events import Event
+from gpuguard.foundation.xid_catalog import recovery_action
 
 SCHEMA = "gpuguard.node/1"
 ORDER = {"healthy": 0, "degraded": 1, "reset": 2, "drain": 3}
-VERDICTS = ("healthy", "degraded", "reset", "drain", "unknown")
 
 ACTIONS = {
     "healthy": "none",
@@ -61,9 +63,15 @@ class GpuVerdict:
     name: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "pci_bus_id": self.pci_bus_id, "uuid": self.uuid, "name": self.name,
-                "verdict": self.verdict, "action": self.action,
-                "evidence": [f.to_json() for f in self.evidence]}
+        return {
+            "index": self.index,
+            "pci_bus_id": self.pci_bus_id,
+            "uuid": self.uuid,
+            "name": self.name,
+            "verdict": self.verdict,
+            "action": self.action,
+            "evidence": [f.to_json() for f in self.evidence],
+        }
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,14 @@ class NodeVerdict:
     counts: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "summary": self.summary, "action": self.action,
-                "gpus": [g.to_json() for g in self.gpus],
-                "evidence": [f.to_json() for f in self.evidence], "counts": dict(self.counts)}
+        return {
+            "verdict": self.verdict,
+            "summary": self.summary,
+            "action": self.action,
+            "gpus": [g.to_json() for g in self.gpus],
+            "evidence": [f.to_json() for f in self.evidence],
+            "counts": dict(self.counts),
+        }
 
 
 def worst(verdicts: Iterable[str]) -> str:
@@ -96,8 +109,18 @@ def _gte(value: Any, limit: Any) -> bool:
 
 _ECC_RULES = (  # (snapshot key, threshold key, verdict, message)
     ("volatile_uncorrected", "volatile_uncorrected_reset", "reset", "uncorrectable ECC errors since the last reset"),
-    ("aggregate_uncorrected_sram", "aggregate_uncorrected_sram_drain", "drain", "lifetime uncorrectable SRAM ECC errors"),
-    ("aggregate_uncorrected_dram", "aggregate_uncorrected_dram_drain", "drain", "lifetime uncorrectable DRAM ECC errors"),
+    (
+        "aggregate_uncorrected_sram",
+        "aggregate_uncorrected_sram_drain",
+        "drain",
+        "lifetime uncorrectable SRAM ECC errors",
+    ),
+    (
+        "aggregate_uncorrected_dram",
+        "aggregate_uncorrected_dram_drain",
+        "drain",
+        "lifetime uncorrectable DRAM ECC errors",
+    ),
     ("volatile_corrected", "volatile_corrected_degraded", "degraded", "corrected ECC errors since the last reset"),
 )
 
@@ -121,8 +144,7 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
     if rows.get("failure"):
         add(t.get("row_remap", "failure"), "row_remap.failure", "a row remapping failed (RMA threshold)")
     if rows.get("pending"):
-        add(t.get("row_remap", "pending"), "row_remap.pending",
-            "row remapping pending: applied at the next GPU reset")
+        add(t.get("row_remap", "pending"), "row_remap.pending", "row remapping pending: applied at the next GPU reset")
     if _gte(rows.get("uncorrectable"), t.get("row_remap", "uncorrectable_degraded")):
         add("degraded", "row_remap.uncorrectable", f"{rows['uncorrectable']} rows remapped for uncorrectable errors")
     pages = gpu.get("retired_pages") or {}
@@ -133,8 +155,6 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
         add("drain", "retired_pages.total", f"{total} retired pages")
     action = gpu.get("recovery_action")
     if action:
-        from gpuguard.foundation.xid_catalog import recovery_action
-
         act = recovery_action(action)
         add(_verdict_of(act.severity, t), "recovery_action", f"driver recovery action: {act.name} ({action})")
     temp, slow = gpu.get("temperature_c"), gpu.get("temperature_slowdown_c")
@@ -156,8 +176,11 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
     inactive = [str(link["link"]) for link in links if link.get("active") is False]
     if inactive:
         add(t.get("nvlink", "inactive"), "nvlink.inactive", "NVLink inactive: link " + ", ".join(inactive))
-    for counter, key in (("crc_degraded", ("crc_flit", "crc_data")), ("replay_degraded", ("replay",)),
-                         ("recovery_degraded", ("recovery",))):
+    for counter, key in (
+        ("crc_degraded", ("crc_flit", "crc_data")),
+        ("replay_degraded", ("replay",)),
+        ("recovery_degraded", ("recovery",)),
+    ):
         total = sum(link.get(k) or 0 for link in links for k in key)
         if links and _gte(total, t.get("nvlink", counter)):
             add("degraded", f"nvlink.{counter.rsplit('_', 1)[0]}", f"NVLink {'/'.join(key)} errors: {total}")
@@ -175,11 +198,14 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
     attach to their primary); the thresholds add: ignored codes, codes forced to drain / reset /
     degraded, and application-level Xids that only degrade a GPU when they repeat.
     """
-    from gpuguard.foundation import xid_catalog as catalog
 
     ignore = set(t.get("xid", "ignore"))
-    evs = [e for e in events if e.kind == "gpu_lost" or (e.kind == "xid" and isinstance(e.fields.get("xid"), int)
-                                                          and e.fields["xid"] not in ignore)]
+    evs = [
+        e
+        for e in events
+        if e.kind == "gpu_lost"
+        or (e.kind == "xid" and isinstance(e.fields.get("xid"), int) and e.fields["xid"] not in ignore)
+    ]
     if not evs:
         return "healthy", []
     res = catalog.resolution_for(evs)
@@ -190,9 +216,14 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
         by_code.setdefault(79 if e.kind == "gpu_lost" else e.fields["xid"], []).append(e)
     echo = {code: primary for code, primary in res.sympathetic}
     last154 = max((i for i, e in enumerate(evs) if e.kind == "xid" and e.fields["xid"] == 154), default=-1)
-    after = evs[last154 + 1:]
-    warnings = [e for e in after if e.kind == "xid" and e.fields["xid"] not in echo
-                and catalog.xid_severity(e.fields["xid"], e.fields) == "warning"]
+    after = evs[last154 + 1 :]
+    warnings = [
+        e
+        for e in after
+        if e.kind == "xid"
+        and e.fields["xid"] not in echo
+        and catalog.xid_severity(e.fields["xid"], e.fields) == "warning"
+    ]
     repeat = t.get("xid", "repeat_degraded")
     if res.severity == "warning" and (repeat is None or len(warnings) < repeat):
         verdict = "healthy"  # an application fault the GPU survived: evidence, not a verdict
@@ -205,24 +236,46 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
                 break
     if res.severity == "warning" and repeat is not None and len(warnings) >= repeat:
         codes = sorted({e.fields["xid"] for e in warnings})
-        findings.append(Finding("degraded", "kernel_log", "xid.repeat",
-                                f"{len(warnings)} application-level Xids ({', '.join(map(str, codes))}): "
-                                "a repeating fault may be hardware", res.action, warnings[-1].line))
+        findings.append(
+            Finding(
+                "degraded",
+                "kernel_log",
+                "xid.repeat",
+                f"{len(warnings)} application-level Xids ({', '.join(map(str, codes))}): "
+                "a repeating fault may be hardware",
+                res.action,
+                warnings[-1].line,
+            )
+        )
     verdict = worst([verdict, *forced])
     if res.recovery_action is not None:
         e = evs[last154]
-        findings.append(Finding(verdict, "kernel_log", "xid.154",
-                                f"Xid 154: driver recovery action {res.recovery_action} (authoritative)",
-                                res.action, e.line))
+        findings.append(
+            Finding(
+                verdict,
+                "kernel_log",
+                "xid.154",
+                f"Xid 154: driver recovery action {res.recovery_action} (authoritative)",
+                res.action,
+                e.line,
+            )
+        )
     for code, group in by_code.items():
         if code == 154:
             continue
         info = catalog.lookup(code)
         times = f" x{len(group)}" if len(group) > 1 else ""
         if code in echo:
-            findings.append(Finding("healthy", "kernel_log", f"xid.{code}",
-                                    f"Xid {code}{times}: {info.name} (sympathetic to Xid {echo[code]})",
-                                    "", group[0].line))
+            findings.append(
+                Finding(
+                    "healthy",
+                    "kernel_log",
+                    f"xid.{code}",
+                    f"Xid {code}{times}: {info.name} (sympathetic to Xid {echo[code]})",
+                    "",
+                    group[0].line,
+                )
+            )
             continue
         label = "GPU has fallen off the bus" if group[0].kind == "gpu_lost" and code == 79 else info.name
         sev = catalog.xid_severity(code, group[-1].fields if group[-1].kind == "xid" else {})
@@ -233,13 +286,22 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
             if code in t.get("xid", key):
                 code_verdict = worst([code_verdict, key])
                 break
-        findings.append(Finding(code_verdict, "kernel_log", f"xid.{code}", f"Xid {code}{times}: {label}",
-                                info.action, group[0].line))
+        findings.append(
+            Finding(
+                code_verdict, "kernel_log", f"xid.{code}", f"Xid {code}{times}: {label}", info.action, group[0].line
+            )
+        )
     return verdict, findings
 
 
-def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], thresholds: Thresholds, *,
-          since: float | None = None, kernel_log_status: str = "ok") -> NodeVerdict:
+def judge(
+    snapshot: Mapping[str, Any] | None,
+    events: Sequence[Event],
+    thresholds: Thresholds,
+    *,
+    since: float | None = None,
+    kernel_log_status: str = "ok",
+) -> NodeVerdict:
     """One verdict per GPU and for the node.
 
     snapshot: a `gpuguard.nvml/1` document (None = not collected). events: kernel-log events in file
@@ -253,19 +315,40 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
 
     for gpu in (snapshot or {}).get("gpus") or []:
         key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
-        gpus[key] = {"meta": {"index": gpu.get("index"), "uuid": gpu.get("uuid"), "name": gpu.get("name"),
-                              "pci_bus_id": gpu.get("pci_bus_id")},
-                     "findings": nvml_findings(gpu, t), "events": [], "nvml_ok": nvml_status == "ok"}
+        gpus[key] = {
+            "meta": {
+                "index": gpu.get("index"),
+                "uuid": gpu.get("uuid"),
+                "name": gpu.get("name"),
+                "pci_bus_id": gpu.get("pci_bus_id"),
+            },
+            "findings": nvml_findings(gpu, t),
+            "events": [],
+            "nvml_ok": nvml_status == "ok",
+        }
 
     if nvml_status == "failed" and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch":
-        node_findings.append(Finding("drain", "nvml", "nvml.version_mismatch",
-                                     f"{snapshot.get('reason')}: driver upgraded without reboot",
-                                     "reboot the node to load the matching kernel module"))
+        node_findings.append(
+            Finding(
+                "drain",
+                "nvml",
+                "nvml.version_mismatch",
+                f"{snapshot.get('reason')}: driver upgraded without reboot",
+                "reboot the node to load the matching kernel module",
+            )
+        )
     expected = t.get("node", "expected_gpus")
     seen = len((snapshot or {}).get("gpus") or [])
     if nvml_status == "ok" and expected is not None and seen < expected:
-        node_findings.append(Finding(t.get("node", "missing_gpu"), "nvml", "node.expected_gpus",
-                                     f"NVML sees {seen} GPUs, expected {expected}", ACTIONS[t.get("node", "missing_gpu")]))
+        node_findings.append(
+            Finding(
+                t.get("node", "missing_gpu"),
+                "nvml",
+                "node.expected_gpus",
+                f"NVML sees {seen} GPUs, expected {expected}",
+                ACTIONS[t.get("node", "missing_gpu")],
+            )
+        )
 
     counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
     unplaced: list[Event] = []
@@ -281,9 +364,16 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
         if ev.kind == "sxid":
             text = (ev.text or "").lower()
             fatal = "fatal" in text and "nonfatal" not in text and "non-fatal" not in text
-            node_findings.append(Finding("drain" if fatal else "degraded", "kernel_log", f"sxid.{fields.get('sxid')}",
-                                         f"NVSwitch SXid {fields.get('sxid')}{' (fatal)' if fatal else ''}",
-                                         "check the NVSwitch fabric (Fabric Manager log)", ev.line))
+            node_findings.append(
+                Finding(
+                    "drain" if fatal else "degraded",
+                    "kernel_log",
+                    f"sxid.{fields.get('sxid')}",
+                    f"NVSwitch SXid {fields.get('sxid')}{' (fatal)' if fatal else ''}",
+                    "check the NVSwitch fabric (Fabric Manager log)",
+                    ev.line,
+                )
+            )
             continue
         pci = fields.get("pci_bus_id")
         if ev.kind == "gpu_identity" and pci and fields.get("uuid"):
@@ -310,12 +400,28 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
         verdict = level
         if level == "healthy" and not entry["nvml_ok"]:
             verdict = "unknown"
-            evidence.append(Finding("unknown", "nvml", "nvml.status",
-                                    "NVML did not report on this GPU: " + _nvml_reason(snapshot), ACTIONS["unknown"]))
+            evidence.append(
+                Finding(
+                    "unknown",
+                    "nvml",
+                    "nvml.status",
+                    "NVML did not report on this GPU: " + _nvml_reason(snapshot),
+                    ACTIONS["unknown"],
+                )
+            )
         action = _action([f.action for f in evidence if f.verdict == verdict], verdict)
         meta = entry["meta"]
-        results.append(GpuVerdict(meta.get("pci_bus_id") or key, verdict, tuple(evidence), action,
-                                  meta.get("index"), meta.get("uuid") or identities.get(key), meta.get("name")))
+        results.append(
+            GpuVerdict(
+                meta.get("pci_bus_id") or key,
+                verdict,
+                tuple(evidence),
+                action,
+                meta.get("index"),
+                meta.get("uuid") or identities.get(key),
+                meta.get("name"),
+            )
+        )
     results.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci_bus_id or ""))
 
     level = worst([g.verdict for g in results] + [f.verdict for f in node_findings])
@@ -329,12 +435,15 @@ def judge(snapshot: Mapping[str, Any] | None, events: Sequence[Event], threshold
         elif any(g.verdict == "unknown" for g in results):
             level = "unknown"
     if kernel_log_status != "ok":
-        node_findings.append(Finding("healthy", "kernel_log", "kernel_log.status",
-                                     f"kernel log not read: {kernel_log_status}"))
-    node_action = _action([f.action for f in [*node_findings, *[e for g in results for e in g.evidence]]
-                           if f.verdict == level], level)
-    return NodeVerdict(level, tuple(results), tuple(node_findings), node_action,
-                       summarize(level, results, node_findings), counts)
+        node_findings.append(
+            Finding("healthy", "kernel_log", "kernel_log.status", f"kernel log not read: {kernel_log_status}")
+        )
+    node_action = _action(
+        [f.action for f in [*node_findings, *[e for g in results for e in g.evidence]] if f.verdict == level], level
+    )
+    return NodeVerdict(
+        level, tuple(results), tuple(node_findings), node_action, summarize(level, results, node_findings), counts
+    )
 
 
 def _action(actions: Sequence[str], verdict: str) -> str:

@@ -38,8 +38,9 @@ class CheckpointPlan:
         return {"schema": SCHEMA, "plan": "checkpoint", **d}
 
 
-def failure_rate_per_hour(failures_per_hour: float | None = None, mtbf_hours: float | None = None,
-                          gpus: int | None = None) -> float:
+def failure_rate_per_hour(
+    failures_per_hour: float | None = None, mtbf_hours: float | None = None, gpus: int | None = None
+) -> float:
     """λ for the whole job: given directly, or per-GPU MTBF divided across N GPUs (independent failures)."""
     if failures_per_hour is not None:
         if failures_per_hour <= 0:
@@ -87,8 +88,19 @@ def checkpoint_plan(cost_s: float, failures_per_hour: float, async_blocking_s: f
         notes.append("checkpoint cost ≥ 2 × MTBF: Daly's optimum is the MTBF itself")
     if interval * lam > 0.5:
         notes.append("interval is a large fraction of the MTBF: first-order Young is optimistic, prefer Daly")
-    return CheckpointPlan(interval, ckpt + rework, failures_per_hour, 1 / failures_per_hour, cost_s, b, w, daly,
-                          ckpt, rework, tuple(notes))
+    return CheckpointPlan(
+        interval,
+        ckpt + rework,
+        failures_per_hour,
+        1 / failures_per_hour,
+        cost_s,
+        b,
+        w,
+        daly,
+        ckpt,
+        rework,
+        tuple(notes),
+    )
 
 
 # -- layout ------------------------------------------------------------------------------------------
@@ -132,38 +144,68 @@ def layout_plan(tp: int, pp: int, dp: int, failed_rank: int, global_batch: int |
     dp_group = tuple(k * per_replica + p * tp + t for k in range(dp))
     replica = tuple(range(d * per_replica, (d + 1) * per_replica))
     hot = {
-        "gpus_needed": 1, "world_after": world, "dp_after": dp,
+        "gpus_needed": 1,
+        "world_after": world,
+        "dp_after": dp,
         "restores": f"the exact {tp}×{pp}×{dp} layout; rank {failed_rank}'s TP shard {t} of PP stage {p}",
-        "state_from": (f"any DP peer at the same (pp={p}, tp={t}) position, e.g. rank "
-                       f"{dp_group[(d + 1) % dp] if dp > 1 else 'none (dp=1): from the last checkpoint'}"),
-        "batch": "unchanged", "learning_rate": "unchanged",
+        "state_from": (
+            f"any DP peer at the same (pp={p}, tp={t}) position, e.g. rank "
+            f"{dp_group[(d + 1) % dp] if dp > 1 else 'none (dp=1): from the last checkpoint'}"
+        ),
+        "batch": "unchanged",
+        "learning_rate": "unchanged",
     }
     after_dp = dp - 1
     shrink: dict[str, Any] = {
         "possible": after_dp >= 1,
-        "gpus_lost": per_replica, "healthy_gpus_idled": per_replica - 1,
-        "world_after": world - per_replica, "dp_after": after_dp,
-        "why_not_tp_or_pp": (f"TP (size {tp}) splits every layer's matrices and PP (size {pp}) splits the layers: "
-                             "without the failed shard no replica can compute its part, so the whole DP replica "
-                             f"of {per_replica} ranks goes"),
+        "gpus_lost": per_replica,
+        "healthy_gpus_idled": per_replica - 1,
+        "world_after": world - per_replica,
+        "dp_after": after_dp,
+        "why_not_tp_or_pp": (
+            f"TP (size {tp}) splits every layer's matrices and PP (size {pp}) splits the layers: "
+            "without the failed shard no replica can compute its part, so the whole DP replica "
+            f"of {per_replica} ranks goes"
+        ),
         "throughput_after": f"{after_dp}/{dp} = {after_dp / dp:.4f} of before" if dp else "",
     }
     if global_batch is not None and after_dp >= 1:
         per_replica_batch = global_batch / dp
         shrink["batch"] = {
-            "keep_global_batch": (f"each replica takes {global_batch / after_dp:.3g} samples instead of "
-                                  f"{per_replica_batch:.3g} (more micro-batches / grad accumulation): same LR, "
-                                  f"{dp / after_dp:.4f}× longer steps"),
-            "keep_per_replica_batch": (f"global batch {global_batch} → {per_replica_batch * after_dp:.6g}; "
-                                       f"scale the LR by {after_dp}/{dp} = {after_dp / dp:.4f} (linear rule)"),
+            "keep_global_batch": (
+                f"each replica takes {global_batch / after_dp:.3g} samples instead of "
+                f"{per_replica_batch:.3g} (more micro-batches / grad accumulation): same LR, "
+                f"{dp / after_dp:.4f}× longer steps"
+            ),
+            "keep_per_replica_batch": (
+                f"global batch {global_batch} → {per_replica_batch * after_dp:.6g}; "
+                f"scale the LR by {after_dp}/{dp} = {after_dp / dp:.4f} (linear rule)"
+            ),
         }
     else:
-        shrink["batch"] = (f"global batch shrinks by 1/{dp} unless each of the {after_dp} replicas takes more "
-                           f"micro-batches; with a smaller batch scale the LR by {after_dp}/{dp} (linear rule)")
-    notes = (f"a ZeRO/distributed optimizer sharded over DP must be resharded from {dp} to {after_dp} ways on shrink",
-             "the data loader's sample order changes on shrink unless it is re-sharded by global sample index")
-    return LayoutPlan(tp, pp, dp, world, failed_rank, {"tp": t, "pp": p, "dp": d}, tp_group, pp_group, dp_group,
-                      replica, hot, shrink, notes=notes)
+        shrink["batch"] = (
+            f"global batch shrinks by 1/{dp} unless each of the {after_dp} replicas takes more "
+            f"micro-batches; with a smaller batch scale the LR by {after_dp}/{dp} (linear rule)"
+        )
+    notes = (
+        f"a ZeRO/distributed optimizer sharded over DP must be resharded from {dp} to {after_dp} ways on shrink",
+        "the data loader's sample order changes on shrink unless it is re-sharded by global sample index",
+    )
+    return LayoutPlan(
+        tp,
+        pp,
+        dp,
+        world,
+        failed_rank,
+        {"tp": t, "pp": p, "dp": d},
+        tp_group,
+        pp_group,
+        dp_group,
+        replica,
+        hot,
+        shrink,
+        notes=notes,
+    )
 
 
 # -- collective cost ---------------------------------------------------------------------------------
@@ -193,7 +235,9 @@ def collective_plan(ranks: int, nbytes: float, bandwidth_bytes_s: float, latency
     bw_term = 2 * (ranks - 1) / ranks * nbytes / bandwidth_bytes_s if ranks > 1 else 0.0
     lat_term = 2 * (ranks - 1) * latency_s if ranks > 1 else 0.0
     # ring == tree where (2/N)·S/BW = (2(N-1) - 2⌈log2 N⌉)·α  →  S = N·(N-1-⌈log2 N⌉)·α·BW
-    cross = ranks * max(0, ranks - 1 - math.ceil(math.log2(ranks))) * latency_s * bandwidth_bytes_s if ranks > 1 else 0.0
+    cross = (
+        ranks * max(0, ranks - 1 - math.ceil(math.log2(ranks))) * latency_s * bandwidth_bytes_s if ranks > 1 else 0.0
+    )
     best = "ring" if ring <= tree else "tree"
     return CollectivePlan(ranks, nbytes, bandwidth_bytes_s, latency_s, ring, tree, best, bw_term, lat_term, cross)
 

@@ -11,8 +11,9 @@ Measured on torch 2.13 + gloo (reference/torchrun-gloo-findings.md):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_WARNING
 from gpuguard.foundation.torchrun_facts import AgentFacts, TorchrunFacts, WorkerFacts
@@ -31,8 +32,14 @@ class Hazard:
     fix: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "severity": self.severity, "message": self.message, "ranks": list(self.ranks),
-                "pids": list(self.pids), "fix": self.fix}
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "message": self.message,
+            "ranks": list(self.ranks),
+            "pids": list(self.pids),
+            "fix": self.fix,
+        }
 
 
 @dataclass(frozen=True)
@@ -62,38 +69,59 @@ class Assessment:
         return EXIT_WARNING if severities else EXIT_OK
 
 
-def assess(agents: Iterable[AgentFacts], workers: Iterable[WorkerFacts], *, now: float,
-           init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S, notes: Iterable[str] = ()) -> Assessment:
+def assess(
+    agents: Iterable[AgentFacts],
+    workers: Iterable[WorkerFacts],
+    *,
+    now: float,
+    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    notes: Iterable[str] = (),
+) -> Assessment:
     agents, workers = list(agents), list(workers)
     hazards: list[Hazard] = []
     for agent in agents:
         opts = agent.options
         if not opts.get("standalone") and opts.get("rdzv_id", "none") in ("", "none"):
-            hazards.append(Hazard(
-                "rdzv-id-none", WARNING,
-                f"torchrun agent {agent.pid} runs without --rdzv-id: its run id is the literal 'none', shared by "
-                f"every job on {opts.get('rdzv_endpoint', 'its endpoint')}",
-                pids=(agent.pid,), fix="start torchrun with --rdzv-id=<unique job id>"))
+            hazards.append(
+                Hazard(
+                    "rdzv-id-none",
+                    WARNING,
+                    f"torchrun agent {agent.pid} runs without --rdzv-id: its run id is the literal 'none', shared by "
+                    f"every job on {opts.get('rdzv_endpoint', 'its endpoint')}",
+                    pids=(agent.pid,),
+                    fix="start torchrun with --rdzv-id=<unique job id>",
+                )
+            )
     live = [w for w in workers if w.alive]
     orphans = [w for w in live if not w.agent_alive or (w.ppid is not None and w.ppid != w.agent_pid)]
     if orphans:
-        hazards.append(Hazard(
-            "orphaned-workers", CRITICAL,
-            f"{len(orphans)} worker(s) alive without their torchrun agent (agent gone or PPID changed): nothing "
-            "restarts or stops them",
-            ranks=tuple(sorted(w.rank for w in orphans)), pids=tuple(sorted(w.pid for w in orphans)),
-            fix="gpu-recover abort --job-dir DIR (kills them by PID), then restart the job"))
+        hazards.append(
+            Hazard(
+                "orphaned-workers",
+                CRITICAL,
+                f"{len(orphans)} worker(s) alive without their torchrun agent (agent gone or PPID changed): nothing "
+                "restarts or stops them",
+                ranks=tuple(sorted(w.rank for w in orphans)),
+                pids=tuple(sorted(w.pid for w in orphans)),
+                fix="gpu-recover abort --job-dir DIR (kills them by PID), then restart the job",
+            )
+        )
     stuck = [w for w in live if w.steps == 0 and now - w.started > init_timeout_s and w not in orphans]
     if stuck:
         oldest = max(now - w.started for w in stuck)
         after_restart = any(w.restart_count > 0 for w in stuck)
-        hazards.append(Hazard(
-            "stuck-in-init", CRITICAL,
-            f"{len(stuck)} worker(s) alive for up to {oldest:.0f} s without a single step"
-            f"{' after a restart' if after_restart else ''}: stuck in process-group init (torchrun still reports "
-            "the group healthy)",
-            ranks=tuple(sorted(w.rank for w in stuck)), pids=tuple(sorted(w.pid for w in stuck)),
-            fix="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (or gpuguard's runtime); gpu-recover abort to restart"))
+        hazards.append(
+            Hazard(
+                "stuck-in-init",
+                CRITICAL,
+                f"{len(stuck)} worker(s) alive for up to {oldest:.0f} s without a single step"
+                f"{' after a restart' if after_restart else ''}: stuck in process-group init (torchrun still reports "
+                "the group healthy)",
+                ranks=tuple(sorted(w.rank for w in stuck)),
+                pids=tuple(sorted(w.pid for w in stuck)),
+                fix="set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (or gpuguard's runtime); gpu-recover abort to restart",
+            )
+        )
     agent_pids = {a.pid for a in agents} | {w.agent_pid for w in live if w.agent_alive}
     return Assessment(tuple(hazards), len(live), len(agent_pids), tuple(notes))
 

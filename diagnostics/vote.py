@@ -14,26 +14,39 @@ Pure and deterministic: same observations, config and previous result → same v
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservation
 from gpuguard.diagnostics.jobstats import mad, median
 from gpuguard.diagnostics.voters import (
-    ABSTAIN, DEAD, HEALTHY, HUNG, SLOW, UNKNOWN, VOTERS, Cohort, Vote, VoteConfig, pause_bound_s,
+    ABSTAIN,
+    DEAD,
+    HEALTHY,
+    HUNG,
+    SLOW,
+    UNKNOWN,
+    VOTERS,
+    Cohort,
+    Vote,
+    VoteConfig,
+    pause_bound_s,
 )
+from gpuguard.foundation.errors import DataError
+from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservation
 
 SCHEMA = "gpuguard.job/1"
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
 DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
 
 
+DEFAULT_CONFIG = VoteConfig()
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> VoteConfig:
     """The YAML thresholds (package default, or `path`), validated: unknown keys and non-numbers refuse."""
     import yaml
-
-    from gpuguard.foundation.errors import DataError
 
     p = Path(path) if path else DATA
     try:
@@ -68,15 +81,31 @@ class RankVerdict:
 
     def to_json(self) -> dict[str, Any]:
         o = self.observation
-        doc: dict[str, Any] = {"rank": self.rank, "verdict": self.verdict, "reason": self.reason,
-                               "culprit": self.culprit, "blocked_by": list(self.blocked_by)}
+        doc: dict[str, Any] = {
+            "rank": self.rank,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "culprit": self.culprit,
+            "blocked_by": list(self.blocked_by),
+        }
         if o is not None:
-            doc.update({"phase": o.phase, "step": o.phase_step, "collective_seq": o.phase_seq,
-                        "phase_age_s": round(o.phase_age_s, 3), "process": o.alive.state,
-                        "steps_recorded": o.n_steps,
-                        "own_step_s": {"p50": round(o.period_p50_s, 4), "p99": round(o.period_p99_s, 4),
-                                       "p999": round(o.period_p999_s, 4)},
-                        "own_compute_recent_s": round(o.recent_compute_s, 4), "notes": list(o.notes)})
+            doc.update(
+                {
+                    "phase": o.phase,
+                    "step": o.phase_step,
+                    "collective_seq": o.phase_seq,
+                    "phase_age_s": round(o.phase_age_s, 3),
+                    "process": o.alive.state,
+                    "steps_recorded": o.n_steps,
+                    "own_step_s": {
+                        "p50": round(o.period_p50_s, 4),
+                        "p99": round(o.period_p99_s, 4),
+                        "p999": round(o.period_p999_s, 4),
+                    },
+                    "own_compute_recent_s": round(o.recent_compute_s, 4),
+                    "notes": list(o.notes),
+                }
+            )
         # every vote that carries something (an abstention with numbers explains itself too)
         doc["evidence"] = [v.to_json() for v in self.votes if v.verdict != ABSTAIN or v.numbers]
         return doc
@@ -107,8 +136,13 @@ def cohort_of(observations: Sequence[RankObservation]) -> Cohort:
         for c in o.comm_errors:
             if c.peer is not None and c.peer != o.rank:
                 reports[c.peer] = reports.get(c.peer, 0) + 1
-    return Cohort(world=len(observations), compute_median_s=med, compute_mad_s=mad(computes, med) if computes else 0.0,
-                  ranks_with_steps=len(computes), comm_reports=reports)
+    return Cohort(
+        world=len(observations),
+        compute_median_s=med,
+        compute_mad_s=mad(computes, med) if computes else 0.0,
+        ranks_with_steps=len(computes),
+        comm_reports=reports,
+    )
 
 
 def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -> tuple[str, str, bool]:
@@ -163,16 +197,25 @@ def _never_arrived(waiter: RankObservation, others: Sequence[RankObservation], s
     return out
 
 
-def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig(),
-         previous: JobVerdict | None = None, cohort: Cohort | None = None) -> JobVerdict:
+def vote(
+    observations: Sequence[RankObservation],
+    cfg: VoteConfig = DEFAULT_CONFIG,
+    previous: JobVerdict | None = None,
+    cohort: Cohort | None = None,
+) -> JobVerdict:
     """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths.
 
     `cohort` may be given when `observations` is a subset of a larger job (the simulator votes on the
     ranks that matter at an instant, with the statistics of all ranks)."""
     obs = sorted(observations, key=lambda o: o.rank)
     if not obs:
-        return JobVerdict(UNKNOWN, "no rank has written step records yet", (), counts={UNKNOWN: 0},
-                          next_steps=("Check that the training script writes StepLog records under <job-dir>/ranks/.",))
+        return JobVerdict(
+            UNKNOWN,
+            "no rank has written step records yet",
+            (),
+            counts={UNKNOWN: 0},
+            next_steps=("Check that the training script writes StepLog records under <job-dir>/ranks/.",),
+        )
     cohort = cohort or cohort_of(obs)
     pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
     prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]] = {}
@@ -181,16 +224,27 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
         if not o.has_records:
             prelim[o.rank] = (UNKNOWN, "no step records from this rank yet", False, ())
             continue
-        votes = (v_live(o, cohort, cfg), v_prog(o, cohort, cfg), v_coh(o, cohort, cfg), v_coll(o, cohort, cfg),
-                 v_hw(o, cohort, cfg), v_comm(o, cohort, cfg))
+        votes = (
+            v_live(o, cohort, cfg),
+            v_prog(o, cohort, cfg),
+            v_coh(o, cohort, cfg),
+            v_coll(o, cohort, cfg),
+            v_hw(o, cohort, cfg),
+            v_comm(o, cohort, cfg),
+        )
         verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
         prelim[o.rank] = (verdict, reason, pending, votes)
 
     # --- coupling: who is waiting for whom -----------------------------------------------------
-    dead = {r for r, p in prelim.items() if p[0] == DEAD}
     stopped = {o.rank for o in obs if o.alive.state == "stopped"}
-    stalled_waiters = [o for o in obs if o.phase == COLLECTIVE and prelim[o.rank][0] in (HUNG, SLOW, DEAD)
-                       and o.rank not in stopped and _stalled(prelim[o.rank][3])]
+    stalled_waiters = [
+        o
+        for o in obs
+        if o.phase == COLLECTIVE
+        and prelim[o.rank][0] in (HUNG, SLOW, DEAD)
+        and o.rank not in stopped
+        and _stalled(prelim[o.rank][3])
+    ]
     blocked: dict[int, tuple[int, ...]] = {}
     culprits: set[int] = set()
     nobody_to_blame: set[int] = set()
@@ -210,8 +264,13 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
             for r in waiters:
                 v, why, pend, votes = prelim[r]
                 if v == HUNG:
-                    prelim[r] = (v, why + f" — every live rank is in collective {seq}: the collective itself is stuck "
-                                 "(network / collective library), no rank to blame", pend, votes)
+                    prelim[r] = (
+                        v,
+                        why + f" — every live rank is in collective {seq}: the collective itself is stuck "
+                        "(network / collective library), no rank to blame",
+                        pend,
+                        votes,
+                    )
 
     # a pause of the whole job (checkpoint, evaluation, a data stall) is nobody's slowness: a rank is
     # "paused" only if it has been idle for longer than the freshest rank by more than its pause bound
@@ -220,13 +279,21 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
         freshest = min(o.phase_age_s for o in active)
         for o in active:
             v, why, pend, votes = prelim[o.rank]
-            if v != SLOW or votes[1].verdict != SLOW or any(
-                    x.verdict in (SLOW, HUNG, DEAD) for x in votes if x.dimension != "progress"):
+            if (
+                v != SLOW
+                or votes[1].verdict != SLOW
+                or any(x.verdict in (SLOW, HUNG, DEAD) for x in votes if x.dimension != "progress")
+            ):
                 continue
             if o.phase_age_s - freshest <= pause_bound_s(o, cfg):
-                prelim[o.rank] = (HEALTHY, f"job-wide pause: every rank has been idle for about "
-                                  f"{freshest:.1f} s or more (checkpoint, evaluation or input stall?), "
-                                  "no rank to blame", pend, votes)
+                prelim[o.rank] = (
+                    HEALTHY,
+                    f"job-wide pause: every rank has been idle for about "
+                    f"{freshest:.1f} s or more (checkpoint, evaluation or input stall?), "
+                    "no rank to blame",
+                    pend,
+                    votes,
+                )
 
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
@@ -249,15 +316,18 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
         b = blocked.get(o.rank, ())
         if b and v in (HUNG, SLOW):
             v = HEALTHY
-            why = (f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
-                   f"{_fmt_ranks(b)} that never arrived (not this rank's fault)")
+            why = (
+                f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
+                f"{_fmt_ranks(b)} that never arrived (not this rank's fault)"
+            )
         elif b and v == DEAD:
             why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
         elif v == DEAD and o.rank in victims:
             seen = o.errors[-1] if o.errors else next((c.text for c in o.comm_errors if c.rank == o.rank), "")
             why = f"{why}; collateral: it reported a peer's failure itself ({seen[:120]})"
-        is_culprit = o.rank in culprits or (v in (DEAD, HUNG) and not b and o.rank not in victims
-                                                and (o.rank not in nobody_to_blame or v == DEAD))
+        is_culprit = o.rank in culprits or (
+            v in (DEAD, HUNG) and not b and o.rank not in victims and (o.rank not in nobody_to_blame or v == DEAD)
+        )
         verdicts.append(RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o))
     culprit_ranks = tuple(r.rank for r in verdicts if r.culprit)
     return _summarize(tuple(verdicts), culprit_ranks, cohort)
@@ -265,7 +335,8 @@ def vote(observations: Sequence[RankObservation], cfg: VoteConfig = VoteConfig()
 
 def _stalled(votes: tuple[Vote, ...]) -> bool:
     return any(v.dimension == "progress" and v.verdict in (HUNG, SLOW) for v in votes) or any(
-        v.dimension == "liveness" and v.verdict == DEAD for v in votes)
+        v.dimension == "liveness" and v.verdict == DEAD for v in votes
+    )
 
 
 def _victims(obs: Sequence[RankObservation], prelim: dict[int, tuple]) -> set[int]:
@@ -295,8 +366,10 @@ def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], coh
     else:
         note = ""
     named = ", ".join(f"rank {r.rank} {r.verdict}" for r in verdicts if r.verdict in (DEAD, HUNG, SLOW))
-    reason = {HEALTHY: f"all {len(verdicts)} ranks progressing{note}",
-              UNKNOWN: "some ranks have no usable records"}.get(worst, named or worst)
+    reason = {
+        HEALTHY: f"all {len(verdicts)} ranks progressing{note}",
+        UNKNOWN: "some ranks have no usable records",
+    }.get(worst, named or worst)
     if culprits:
         reason += f"; culprit: rank(s) {_fmt_ranks(culprits)}"
     steps: list[str] = []
@@ -304,14 +377,18 @@ def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], coh
     for c in culprits or tuple(r.rank for r in verdicts if r.verdict in (DEAD, HUNG)):
         r = by[c]
         if r.verdict == DEAD:
-            steps.append(f"rank {c}: dead — replace it (gpu-recover runbook run rank-failure) and check its node "
-                         "(gpu-doctor diagnose node on its host)")
+            steps.append(
+                f"rank {c}: dead — replace it (gpu-recover runbook run rank-failure) and check its node "
+                "(gpu-doctor diagnose node on its host)"
+            )
         elif r.verdict == HUNG:
             steps.append(f"rank {c}: hung — dump its stacks (py-spy dump --pid PID), then gpu-recover runbook run hang")
     for r in verdicts:
         if r.verdict == SLOW:
-            steps.append(f"rank {r.rank}: slow — check its node for throttling / ECC / PCIe (gpu-doctor diagnose node); "
-                         "not a reason to restart")
+            steps.append(
+                f"rank {r.rank}: slow — check its node for throttling / ECC / PCIe (gpu-doctor diagnose node); "
+                "not a reason to restart"
+            )
     if worst == UNKNOWN:
         steps.append("ranks without records: check that they started and call StepLog (or pass --log-regex)")
     if not steps:
@@ -319,13 +396,24 @@ def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], coh
     return JobVerdict(worst, reason, verdicts, culprits, tuple(steps[:20]), counts)
 
 
-def to_json(job: JobVerdict, *, job_dir: str = "", cohort_steps: Mapping[str, Any] | None = None,
-            config: VoteConfig | None = None) -> dict[str, Any]:
+def to_json(
+    job: JobVerdict,
+    *,
+    job_dir: str = "",
+    cohort_steps: Mapping[str, Any] | None = None,
+    config: VoteConfig | None = None,
+) -> dict[str, Any]:
     """The `gpuguard.job/1` document."""
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "job_dir": job_dir, "verdict": job.verdict, "exit_code": job.exit_code,
-        "reason": job.reason, "culprits": list(job.culprits), "counts": job.counts,
-        "cohort_step_s": dict(cohort_steps or {}), "next_steps": list(job.next_steps),
+        "schema": SCHEMA,
+        "job_dir": job_dir,
+        "verdict": job.verdict,
+        "exit_code": job.exit_code,
+        "reason": job.reason,
+        "culprits": list(job.culprits),
+        "counts": job.counts,
+        "cohort_step_s": dict(cohort_steps or {}),
+        "next_steps": list(job.next_steps),
         "ranks": [r.to_json() for r in job.ranks],
     }
     if config is not None:

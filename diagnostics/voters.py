@@ -53,8 +53,13 @@ class Vote:
 
     def to_json(self) -> dict[str, Any]:
         nums = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.numbers.items()}
-        return {"dimension": self.dimension, "verdict": self.verdict, "reason": self.reason,
-                "numbers": nums, "decisive": self.decisive}
+        return {
+            "dimension": self.dimension,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "numbers": nums,
+            "decisive": self.decisive,
+        }
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,10 @@ def expected_collective_s(nbytes: int, world: int, cfg: VoteConfig) -> float:
     """The better of ring and tree: the time a healthy collective of this size needs."""
     if nbytes <= 0 or world <= 1:
         return 0.0
-    return min(ring_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s),
-               tree_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s))
+    return min(
+        ring_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s),
+        tree_allreduce_s(nbytes, world, cfg.bandwidth_bytes_s, cfg.latency_s),
+    )
 
 
 def hang_bound_s(obs: RankObservation, world: int, cfg: VoteConfig) -> float:
@@ -147,19 +154,41 @@ def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     confirm = confirm_window_s(cfg)
     pause = pause_bound_s(obs, cfg)
     age = obs.phase_age_s
-    where = (f"waiting in collective {obs.phase_seq}" if obs.phase == COLLECTIVE
-             else f"{obs.phase} step {obs.phase_step}" if obs.phase_step >= 0 else obs.phase)
-    nums = {"phase": obs.phase, "age_s": age, "bound_s": bound, "confirm_s": confirm,
-            "own_p50_s": obs.period_p50_s, "own_p99_s": obs.period_p99_s,
-            "own_p999_s": obs.period_p999_s, "samples": obs.n_steps}
+    where = (
+        f"waiting in collective {obs.phase_seq}"
+        if obs.phase == COLLECTIVE
+        else f"{obs.phase} step {obs.phase_step}"
+        if obs.phase_step >= 0
+        else obs.phase
+    )
+    nums = {
+        "phase": obs.phase,
+        "age_s": age,
+        "bound_s": bound,
+        "confirm_s": confirm,
+        "own_p50_s": obs.period_p50_s,
+        "own_p99_s": obs.period_p99_s,
+        "own_p999_s": obs.period_p999_s,
+        "samples": obs.n_steps,
+    }
     if age > bound + confirm:
-        return Vote("progress", HUNG, f"no progress for {age:.1f} s ({where}); bound {bound:.1f} s "
-                    f"= {cfg.hang_k:g} × own P99.9 {obs.period_p999_s:.3f} s (floor {cfg.hang_floor_s:g} s), "
-                    f"held for {cfg.confirm_checks} checks", nums)
+        return Vote(
+            "progress",
+            HUNG,
+            f"no progress for {age:.1f} s ({where}); bound {bound:.1f} s "
+            f"= {cfg.hang_k:g} × own P99.9 {obs.period_p999_s:.3f} s (floor {cfg.hang_floor_s:g} s), "
+            f"held for {cfg.confirm_checks} checks",
+            nums,
+        )
     if age > pause:
         tail = " (past the bound, confirming)" if age > bound else ""
-        return Vote("progress", SLOW, f"paused: no progress for {age:.1f} s ({where}){tail}; "
-                    f"own P99.9 {obs.period_p999_s:.3f} s, hang bound {bound:.1f} s", nums)
+        return Vote(
+            "progress",
+            SLOW,
+            f"paused: no progress for {age:.1f} s ({where}){tail}; "
+            f"own P99.9 {obs.period_p999_s:.3f} s, hang bound {bound:.1f} s",
+            nums,
+        )
     return Vote("progress", HEALTHY, f"progressing ({where} for {age:.2f} s)", nums)
 
 
@@ -173,8 +202,13 @@ def cohort_speed(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     ratio = med / own if own > 0 else 1.0
     nums = {"own_compute_s": own, "cohort_median_s": med, "mad_s": cohort.compute_mad_s, "z": z, "score": ratio}
     if z > cfg.cohort_z and ratio < cfg.cohort_ratio and own - med > cfg.cohort_min_excess_s:
-        return Vote("cohort", SLOW, f"own compute {own:.3f} s vs cohort median {med:.3f} s "
-                    f"(z {z:.1f} > {cfg.cohort_z:g}, score {ratio:.2f} < {cfg.cohort_ratio:g})", nums)
+        return Vote(
+            "cohort",
+            SLOW,
+            f"own compute {own:.3f} s vs cohort median {med:.3f} s "
+            f"(z {z:.1f} > {cfg.cohort_z:g}, score {ratio:.2f} < {cfg.cohort_ratio:g})",
+            nums,
+        )
     return Vote("cohort", HEALTHY, f"own compute {own:.3f} s within the cohort (median {med:.3f} s, z {z:.1f})", nums)
 
 
@@ -190,10 +224,20 @@ def collective(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     exp = expected_collective_s(obs.nbytes, cohort.world, cfg)
     nums = {"nbytes": obs.nbytes, "world": cohort.world, "expected_s": exp, "widened_by_s": cfg.collective_k * exp}
     if obs.phase_age_s <= cfg.collective_k * exp:
-        return Vote("collective", HEALTHY, f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s: within "
-                    f"{cfg.collective_k:g} × the expected {exp:.3f} s for {obs.nbytes} bytes", nums)
-    return Vote("collective", ABSTAIN, f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s "
-                f"(expected {exp:.3f} s for {obs.nbytes} bytes): waiting on peers", nums)
+        return Vote(
+            "collective",
+            HEALTHY,
+            f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s: within "
+            f"{cfg.collective_k:g} × the expected {exp:.3f} s for {obs.nbytes} bytes",
+            nums,
+        )
+    return Vote(
+        "collective",
+        ABSTAIN,
+        f"in collective {obs.phase_seq} for {obs.phase_age_s:.2f} s "
+        f"(expected {exp:.3f} s for {obs.nbytes} bytes): waiting on peers",
+        nums,
+    )
 
 
 def hardware(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
@@ -220,8 +264,12 @@ def communication(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote
         return Vote("communication", DEAD, f"{named} communication error report(s) from peers name this rank", nums)
     if own:
         last = obs.errors[-1] if obs.errors else next(c.text for c in obs.comm_errors if c.rank == obs.rank)
-        return Vote("communication", ABSTAIN, f"saw {own} communication error(s) itself (a victim, not a culprit): "
-                    f"{last[:160]}", nums)
+        return Vote(
+            "communication",
+            ABSTAIN,
+            f"saw {own} communication error(s) itself (a victim, not a culprit): {last[:160]}",
+            nums,
+        )
     return _NO_COMM
 
 

@@ -17,11 +17,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from gpuguard.foundation.errors import UnavailableError
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.generation.verify import verify_ledger
 
 
 @dataclass
@@ -43,13 +45,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_argv(job_dir: Path, *, workers: int, steps: int, kills: list[str], max_restarts: int,
-                  port: int, run_id: str, extra: list[str] = ()) -> list[str]:
+def torchrun_argv(
+    job_dir: Path,
+    *,
+    workers: int,
+    steps: int,
+    kills: list[str],
+    max_restarts: int,
+    port: int,
+    run_id: str,
+    extra: list[str] = (),
+) -> list[str]:
     """The torchrun command line of the demo job (also used by the tests and the benchmark)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={workers}",
-            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}", "--monitor-interval=0.1",
-            "-m", "gpuguard.examples.demo_train", "--job-dir", str(job_dir), "--steps", str(steps)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:1",
+        f"--nproc-per-node={workers}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "--monitor-interval=0.1",
+        "-m",
+        "gpuguard.examples.demo_train",
+        "--job-dir",
+        str(job_dir),
+        "--steps",
+        str(steps),
+    ]
     for k in kills:
         argv += ["--kill", k]
     return argv + list(extra)
@@ -63,12 +88,20 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_job(argv: list[str], *, env: dict[str, str], timeout_s: float, on_line: Callable[[str], None],
-            log_path: Path) -> int:
+def run_job(
+    argv: list[str], *, env: dict[str, str], timeout_s: float, on_line: Callable[[str], None], log_path: Path
+) -> int:
     """Run torchrun in its own process group, stream its output, kill the whole group on timeout."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         try:
             assert proc.stdout is not None
@@ -111,11 +144,17 @@ def summarize(job_dir: Path) -> DemoResult:
     """Read what the job left: kills, resumes, final per-rank state digests."""
     res = DemoResult(job_dir, 0)
     out = job_dir / "demo-out"
-    kills = sorted((json.loads(p.read_text()) for p in (job_dir / "faults").glob("kill-*.json")),
-                   key=lambda k: k["time"]) if (job_dir / "faults").exists() else []
+    kills = (
+        sorted((json.loads(p.read_text()) for p in (job_dir / "faults").glob("kill-*.json")), key=lambda k: k["time"])
+        if (job_dir / "faults").exists()
+        else []
+    )
     res.kill = kills[0] if kills else None
-    resumes = [json.loads(line) for line in (out / "resume-0.jsonl").read_text().splitlines()] \
-        if (out / "resume-0.jsonl").exists() else []
+    resumes = (
+        [json.loads(line) for line in (out / "resume-0.jsonl").read_text().splitlines()]
+        if (out / "resume-0.jsonl").exists()
+        else []
+    )
     res.generations = [r["generation"] for r in resumes]
     if len(resumes) > 1:
         res.resumed_at, res.frontier = resumes[-1]["start_step"], resumes[-1]["frontier_step"]
@@ -130,7 +169,6 @@ def summarize(job_dir: Path) -> DemoResult:
 
 def _first_commit_time(job_dir: Path, generation: int) -> float | None:
     """When the first step of `generation` was committed by every member (from the ledger)."""
-    from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
 
     ledger = open_ledger(job_dir)
     commits, _ = ledger.commits(generation)
@@ -156,17 +194,20 @@ def gpu_generation(*args: str) -> tuple[int, str]:
 def ledger_summary(job_dir: Path) -> tuple[int, str]:
     """What `gpu-generation show` + `verify` say, from the library (used while those commands are
     not installed): the active certificate and the verification verdict."""
-    from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
-    from gpuguard.generation.verify import verify_ledger  # noqa: PLC0415
 
     ledger = open_ledger(job_dir)
     cert = ledger.require_active()
-    lines = [f"generation {cert.generation} (parent {cert.parent_generation}), reason {cert.reason}, "
-             f"quiescence {cert.quiescence}",
-             f"frontier: step {cert.frontier.step}, state {cert.frontier.state_manifest_digest[:16] or '(initial)'}",
-             f"certificate {cert.digest()[:16]}, issued by {cert.issued_by}"]
-    lines += [f"  rank {m.rank}: incarnation {m.incarnation.id[:12]} pid {m.incarnation.pid} on {m.incarnation.host}"
-              + (" (admitted)" if m.rank in cert.admitted else "") for m in cert.members]
+    lines = [
+        f"generation {cert.generation} (parent {cert.parent_generation}), reason {cert.reason}, "
+        f"quiescence {cert.quiescence}",
+        f"frontier: step {cert.frontier.step}, state {cert.frontier.state_manifest_digest[:16] or '(initial)'}",
+        f"certificate {cert.digest()[:16]}, issued by {cert.issued_by}",
+    ]
+    lines += [
+        f"  rank {m.rank}: incarnation {m.incarnation.id[:12]} pid {m.incarnation.pid} on {m.incarnation.host}"
+        + (" (admitted)" if m.rank in cert.admitted else "")
+        for m in cert.members
+    ]
     report = verify_ledger(ledger, ledger.key) if ledger.key else None
     if report is None:
         return 1, "\n".join(lines + ["verify: no signing key"])

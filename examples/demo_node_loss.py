@@ -20,13 +20,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from gpuguard.foundation.errors import UnavailableError
 from gpuguard.examples.demo import _first_commit_time, free_port
+from gpuguard.examples.inplace_train import reference
+from gpuguard.foundation.errors import UnavailableError
+from gpuguard.generation.ledger_open import open_ledger
 
 AGENTS = 3
 LAUNCHER = f"torchrun: {AGENTS} agents (--nnodes={AGENTS}, 1 gloo worker each), rendezvous store off the training nodes"
@@ -49,12 +52,16 @@ class NodeLossResult:
 
     @property
     def recovered(self) -> bool:
-        return (self.switch == "in-place" and self.pids_unchanged and self.matches_reference
-                and len(self.survivors) == AGENTS - 1 and self.agents_restarted_nothing)
+        return (
+            self.switch == "in-place"
+            and self.pids_unchanged
+            and self.matches_reference
+            and len(self.survivors) == AGENTS - 1
+            and self.agents_restarted_nothing
+        )
 
 
 def _ledger(job: Path) -> Any:
-    from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
 
     return open_ledger(job)
 
@@ -68,8 +75,16 @@ def _committed(job: Path) -> int:
 
 def _node_env(job: Path, steps: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
-    env.update({"GPUGUARD_JOB_DIR": str(job), "INPLACE_STEPS": str(steps), "INPLACE_STEP_SLEEP": "0.1",
-                "GPUGUARD_PG_TIMEOUT": "5", "INPLACE_GRACE": "3", "PYTHONWARNINGS": "ignore"})
+    env.update(
+        {
+            "GPUGUARD_JOB_DIR": str(job),
+            "INPLACE_STEPS": str(steps),
+            "INPLACE_STEP_SLEEP": "0.1",
+            "GPUGUARD_PG_TIMEOUT": "5",
+            "INPLACE_GRACE": "3",
+            "PYTHONWARNINGS": "ignore",
+        }
+    )
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -110,8 +125,9 @@ def _wait(cond: Callable[[], bool], deadline: float, poll: float = 0.05) -> bool
     return True
 
 
-def run_node_loss(job: Path, *, steps: int, kill_step: int, timeout_s: float,
-                  on_event: Callable[[str], None]) -> NodeLossResult:
+def run_node_loss(
+    job: Path, *, steps: int, kill_step: int, timeout_s: float, on_event: Callable[[str], None]
+) -> NodeLossResult:
     """Run the scenario in `job` (an empty dir); `on_event` gets one line per milestone."""
     import warnings  # noqa: PLC0415
 
@@ -119,31 +135,57 @@ def run_node_loss(job: Path, *, steps: int, kill_step: int, timeout_s: float,
         warnings.simplefilter("ignore")
         import torch.distributed as dist  # noqa: PLC0415
 
-    from gpuguard.examples.inplace_train import reference  # noqa: PLC0415
-
     res = NodeLossResult(job)
     port = free_port()
     deadline = time.monotonic() + timeout_s
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = _node_env(job, steps)
     agents: list[subprocess.Popen] = []
     try:
         for i in range(AGENTS):
             with open(job / f"agent-{i}.log", "wb") as log:
-                agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(AGENTS), "--nproc-per-node", "1",
-                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"demo-{job.name}",
-                     "--max-restarts", "0", "--monitor-interval", "0.1", "-m", "gpuguard.examples.inplace_train"],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        on_event(f"started {AGENTS} agents (pids {', '.join(str(a.pid) for a in agents)}); "
-                 f"rendezvous store on 127.0.0.1:{port} in this process")
+                agents.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--nnodes",
+                            str(AGENTS),
+                            "--nproc-per-node",
+                            "1",
+                            "--rdzv-backend",
+                            "c10d",
+                            "--rdzv-endpoint",
+                            f"127.0.0.1:{port}",
+                            "--rdzv-id",
+                            f"demo-{job.name}",
+                            "--max-restarts",
+                            "0",
+                            "--monitor-interval",
+                            "0.1",
+                            "-m",
+                            "gpuguard.examples.inplace_train",
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        on_event(
+            f"started {AGENTS} agents (pids {', '.join(str(a.pid) for a in agents)}); "
+            f"rendezvous store on 127.0.0.1:{port} in this process"
+        )
         if not _wait(lambda: _committed(job) >= kill_step, deadline):
-            raise UnavailableError(f"the job did not commit step {kill_step} within {timeout_s:.0f} s "
-                                   f"(logs: {job}/agent-*.log)")
+            raise UnavailableError(
+                f"the job did not commit step {kill_step} within {timeout_s:.0f} s (logs: {job}/agent-*.log)"
+            )
         first = {m.rank: m.incarnation.pid for m in _ledger(job).get(1).members}
-        on_event(f"generation 1 certified: ranks {sorted(first)} (pids {', '.join(str(first[r]) for r in sorted(first))}); "
-                 f"step {_committed(job)} committed")
+        on_event(
+            f"generation 1 certified: ranks {sorted(first)} (pids {', '.join(str(first[r]) for r in sorted(first))}); "
+            f"step {_committed(job)} committed"
+        )
         victim = next((i for i, a in enumerate(agents) if first[0] in {c.pid for c in _tree(a.pid)}), None)
         if victim is None:
             raise UnavailableError(f"no agent runs rank 0 (pid {first[0]}): logs in {job}/agent-*.log")
@@ -156,40 +198,59 @@ def run_node_loss(job: Path, *, steps: int, kill_step: int, timeout_s: float,
             except Exception:  # noqa: BLE001 - already gone
                 pass
         lost = sorted(r for r, pid in first.items() if pid in {w.pid for w in workers})
-        res.kill = {"node": victim, "agent_pid": agents[victim].pid, "worker_pids": [w.pid for w in workers],
-                    "ranks": lost, "after_step": _committed(job), "time": kill_time}
-        on_event(f"node {victim} lost: SIGKILL its agent (pid {agents[victim].pid}) and its worker "
-                 f"(pid {', '.join(str(w.pid) for w in workers)}, rank {', '.join(map(str, lost))}) "
-                 f"after step {res.kill['after_step']}")
+        res.kill = {
+            "node": victim,
+            "agent_pid": agents[victim].pid,
+            "worker_pids": [w.pid for w in workers],
+            "ranks": lost,
+            "after_step": _committed(job),
+            "time": kill_time,
+        }
+        on_event(
+            f"node {victim} lost: SIGKILL its agent (pid {agents[victim].pid}) and its worker "
+            f"(pid {', '.join(str(w.pid) for w in workers)}, rank {', '.join(map(str, lost))}) "
+            f"after step {res.kill['after_step']}"
+        )
         survivors = sorted(set(first) - set(lost))
         if _wait(lambda: len(_ledger(job).generations()) >= 3, deadline):
             cert = _ledger(job).get(2)
             res.switch, res.reason, res.frontier = cert.extra.get("switch"), cert.reason, cert.frontier.step
-            on_event(f"generation 2 certified ({res.switch}, reason {res.reason}, frontier step {res.frontier}) "
-                     f"{cert.activation_time - kill_time:.2f} s after the kill; members pids "
-                     f"{', '.join(str(m.incarnation.pid) for m in cert.members)}")
+            on_event(
+                f"generation 2 certified ({res.switch}, reason {res.reason}, frontier step {res.frontier}) "
+                f"{cert.activation_time - kill_time:.2f} s after the kill; members pids "
+                f"{', '.join(str(m.incarnation.pid) for m in cert.members)}"
+            )
         results = job / "results"
         _wait(lambda: all((results / f"{r}.json").exists() for r in survivors), deadline, poll=0.1)
         ref = reference(steps)
         for r in survivors:
             path = results / f"{r}.json"
             doc = json.loads(path.read_text()) if path.exists() else None
-            res.survivors.append({"rank_before": r, "pid_before": first[r],
-                                  "rank_after": doc["rank"] if doc else None, "pid_after": doc["pid"] if doc else None,
-                                  "last_step": doc["last_step"] if doc else None,
-                                  "matches_reference": bool(doc) and all(
-                                      math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-                                      for a, b in zip(doc["params"], ref))})
+            res.survivors.append(
+                {
+                    "rank_before": r,
+                    "pid_before": first[r],
+                    "rank_after": doc["rank"] if doc else None,
+                    "pid_after": doc["pid"] if doc else None,
+                    "last_step": doc["last_step"] if doc else None,
+                    "matches_reference": bool(doc)
+                    and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(doc["params"], ref)),
+                }
+            )
         res.pids_unchanged = bool(res.survivors) and all(s["pid_after"] == s["pid_before"] for s in res.survivors)
         res.matches_reference = bool(res.survivors) and all(
-            s["matches_reference"] and s["last_step"] == steps for s in res.survivors)
-        on_event(f"survivors finished step {steps} in the same processes: "
-                 + ", ".join(f"rank {s['rank_before']}->{s['rank_after']} pid {s['pid_after']}" for s in res.survivors)
-                 + f"; state equal to a single-process reference: {'yes' if res.matches_reference else 'NO'}")
+            s["matches_reference"] and s["last_step"] == steps for s in res.survivors
+        )
+        on_event(
+            f"survivors finished step {steps} in the same processes: "
+            + ", ".join(f"rank {s['rank_before']}->{s['rank_after']} pid {s['pid_after']}" for s in res.survivors)
+            + f"; state equal to a single-process reference: {'yes' if res.matches_reference else 'NO'}"
+        )
         # no agent started a second worker (one incarnation per original worker) and none failed; a
         # surviving agent may still sit in torchrun's exit barrier waiting for the lost node: stopped below
-        res.agents_restarted_nothing = (len(list((job / "incarnations").glob("*.json"))) == AGENTS and all(
-            a.poll() in (None, 0) for i, a in enumerate(agents) if i != victim))
+        res.agents_restarted_nothing = len(list((job / "incarnations").glob("*.json"))) == AGENTS and all(
+            a.poll() in (None, 0) for i, a in enumerate(agents) if i != victim
+        )
         res.generations = _ledger(job).generations()
         if res.switch is not None:
             t = _first_commit_time(job, 2)

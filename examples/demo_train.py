@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from gpuguard.recovery.runtime import Runtime
+from gpuguard.recovery.snapshot import state_digest
+
 POINTS = ("before-allreduce", "after-allreduce", "mid-update", "snapshot")
 
 
@@ -63,8 +66,12 @@ class Faults:
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return
-        os.write(fd, json.dumps({"rank": self.rank, "step": step, "point": point, "pid": os.getpid(),
-                                 "time": time.time()}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"rank": self.rank, "step": step, "point": point, "pid": os.getpid(), "time": time.time()}
+            ).encode(),
+        )
         os.fsync(fd)
         os.close(fd)
         print(f"[demo rank {self.rank}] SIGKILL at step {step} ({point})", file=sys.stderr, flush=True)
@@ -98,8 +105,7 @@ def burn(seconds: float) -> None:
         a = torch.tanh(a @ a * 1e-3)
 
 
-def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0,
-               collective=None) -> float:
+def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0, collective=None) -> float:
     """One data-parallel step with the fault points in their places.
 
     `collective(op, nbytes)` (the runtime's) marks the all-reduce in the step records."""
@@ -114,15 +120,14 @@ def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: floa
     loss.backward()
     fault("before-allreduce", step)
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    with (collective("all_reduce", flat.numel() * flat.element_size()) if collective
-          else contextlib.nullcontext()):
+    with collective("all_reduce", flat.numel() * flat.element_size()) if collective else contextlib.nullcontext():
         dist.all_reduce(flat)
     flat /= world
     fault("after-allreduce", step)
     offset = 0
     for p in model.parameters():
         n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
         offset += n
     if fault.armed("mid-update", step):
         with torch.no_grad():  # half of the update is in place when the kill lands
@@ -139,8 +144,6 @@ def _append(path: Path, doc: dict) -> None:
 
 
 def run_gpuguard(args: argparse.Namespace) -> int:
-    from gpuguard.recovery.runtime import Runtime  # noqa: PLC0415
-    from gpuguard.recovery.snapshot import state_digest  # noqa: PLC0415
 
     job_dir = Path(args.job_dir)
     rank = int(os.environ["RANK"])
@@ -150,11 +153,21 @@ def run_gpuguard(args: argparse.Namespace) -> int:
     model, opt = build()
     state = rt.activate(model, opt)
     out = Path(args.out) if args.out else job_dir / "demo-out"
-    _append(out / f"resume-{rank}.jsonl", {
-        "rank": rank, "generation": state.generation, "start_step": state.start_step,
-        "frontier_step": state.frontier_step, "hash": rt.state_hash(), "restored_from": state.restored_from,
-        "incarnation": rt.incarnation.id, "world_size": rt.world_size, "time": time.time(),
-        "phases": state.phases})
+    _append(
+        out / f"resume-{rank}.jsonl",
+        {
+            "rank": rank,
+            "generation": state.generation,
+            "start_step": state.start_step,
+            "frontier_step": state.frontier_step,
+            "hash": rt.state_hash(),
+            "restored_from": state.restored_from,
+            "incarnation": rt.incarnation.id,
+            "world_size": rt.world_size,
+            "time": time.time(),
+            "phases": state.phases,
+        },
+    )
     loss = float("nan")
     for step in rt.steps(state, until=args.steps):
         loss = train_step(model, opt, step, rank, rt.world_size, faults, args.burn, collective=rt.collective)
@@ -167,8 +180,15 @@ def run_gpuguard(args: argparse.Namespace) -> int:
             print(f"[demo] generation {state.generation} step {step} loss {loss:.4f}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
-    final = {"rank": rank, "step": args.steps, "hash": rt.state_hash(), "generation": rt.generation,
-             "loss": loss, "counters": vars(rt.counters), "step_times": list(rt.step_times)}
+    final = {
+        "rank": rank,
+        "step": args.steps,
+        "hash": rt.state_hash(),
+        "generation": rt.generation,
+        "loss": loss,
+        "counters": vars(rt.counters),
+        "step_times": list(rt.step_times),
+    }
     rt.close()
     _append(out / f"final-{rank}.jsonl", final)
     return 0
@@ -194,9 +214,16 @@ def run_plain(args: argparse.Namespace) -> int:
         opt.load_state_dict(saved["optim"])
         start = int(saved["step"]) + 1
     out = Path(args.out) if args.out else job_dir / "demo-out"
-    _append(out / f"resume-{rank}.jsonl", {"rank": rank, "start_step": start, "frontier_step": start - 1,
-                                           "time": time.time(),
-                                           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+    _append(
+        out / f"resume-{rank}.jsonl",
+        {
+            "rank": rank,
+            "start_step": start,
+            "frontier_step": start - 1,
+            "time": time.time(),
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        },
+    )
     for step in range(start, args.steps + 1):
         t0 = time.perf_counter()
         train_step(model, opt, step, rank, world, faults, args.burn)
@@ -214,7 +241,9 @@ def run_plain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpuguard.examples.demo_train", description=__doc__.split("\n")[0])
-    p.add_argument("--job-dir", default=os.environ.get("GPUGUARD_JOB_DIR"), required="GPUGUARD_JOB_DIR" not in os.environ)
+    p.add_argument(
+        "--job-dir", default=os.environ.get("GPUGUARD_JOB_DIR"), required="GPUGUARD_JOB_DIR" not in os.environ
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--kill", type=parse_kill, action="append", default=[])

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.recovery.inplace import InPlaceRuntime
+from gpuguard.recovery.switch import Layout
+
 GLOBAL_BATCH = 12
 DIM = 4
 LR = 0.05
@@ -38,7 +41,8 @@ def batch(step: int) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
     y = x @ torch.arange(1, DIM + 1, dtype=torch.float64).unsqueeze(1) + 0.1 * torch.randn(
-        GLOBAL_BATCH, 1, generator=g, dtype=torch.float64)
+        GLOBAL_BATCH, 1, generator=g, dtype=torch.float64
+    )
     return x, y
 
 
@@ -92,9 +96,6 @@ def worker_main() -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from gpuguard.recovery.inplace import InPlaceRuntime  # noqa: PLC0415
-    from gpuguard.recovery.switch import Layout  # noqa: PLC0415
-
     job_dir = Path(os.environ["GPUGUARD_JOB_DIR"])
     orig = int(os.environ["RANK"])
     faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
@@ -106,9 +107,18 @@ def worker_main() -> int:
             if r == orig and s == step and p == point:
                 d = job_dir / "faults"
                 d.mkdir(exist_ok=True)
-                (d / f"{orig}-{point}-{step}.json").write_text(json.dumps(
-                    {"rank": orig, "pid": os.getpid(), "point": point, "step": step, "action": action,
-                     "time": time.time()}))
+                (d / f"{orig}-{point}-{step}.json").write_text(
+                    json.dumps(
+                        {
+                            "rank": orig,
+                            "pid": os.getpid(),
+                            "point": point,
+                            "step": step,
+                            "action": action,
+                            "time": time.time(),
+                        }
+                    )
+                )
                 if action == "spin":  # a livelock: alive, running, never reaching another collective
                     while True:
                         pass
@@ -116,10 +126,14 @@ def worker_main() -> int:
 
     world = int(os.environ["WORLD_SIZE"])
     tp = int(os.environ.get("INPLACE_TP", "1"))  # declares a TP layout (the model is not split): refusal tests
-    rt = InPlaceRuntime.from_env(job_dir, fault_hook=hook, layout=Layout(dp=world // tp, tp=tp,
-                                                                         global_batch=GLOBAL_BATCH),
-                                 pg_timeout_s=float(os.environ.get("GPUGUARD_PG_TIMEOUT", "5")),
-                                 grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")), checkpoint_every=0)
+    rt = InPlaceRuntime.from_env(
+        job_dir,
+        fault_hook=hook,
+        layout=Layout(dp=world // tp, tp=tp, global_batch=GLOBAL_BATCH),
+        pg_timeout_s=float(os.environ.get("GPUGUARD_PG_TIMEOUT", "5")),
+        grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")),
+        checkpoint_every=0,
+    )
     model, opt = make_model()
     state = rt.activate(model, opt)
 
@@ -133,7 +147,7 @@ def worker_main() -> int:
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
             offset += n
         rt.fault("before_update", step)
         opt.step()
@@ -144,10 +158,20 @@ def worker_main() -> int:
     last = rt.run(state, step_fn, until=steps)
     out = job_dir / "results"
     out.mkdir(exist_ok=True)
-    doc = {"orig_rank": orig, "pid": os.getpid(), "rank": rt.rank, "world": rt.world_size,
-           "generation": rt.generation, "last_step": last, "params": flat_params(model),
-           "digest": rt.replicated_digest(), "incarnation": rt.incarnation.id, "switches": rt.switches,
-           "step_time_p50_s": _median(rt.step_times), "remember_p50_s": _median(rt.remember_times)}
+    doc = {
+        "orig_rank": orig,
+        "pid": os.getpid(),
+        "rank": rt.rank,
+        "world": rt.world_size,
+        "generation": rt.generation,
+        "last_step": last,
+        "params": flat_params(model),
+        "digest": rt.replicated_digest(),
+        "incarnation": rt.incarnation.id,
+        "switches": rt.switches,
+        "step_time_p50_s": _median(rt.step_times),
+        "remember_p50_s": _median(rt.remember_times),
+    }
     (out / f"{orig}.json").write_text(json.dumps(doc))
     rt.close(timeout=10.0)
     return 0
@@ -162,21 +186,43 @@ class Cluster:
     store: Any = None
 
     @classmethod
-    def launch(cls, job_dir: Path, n: int, *, steps: int = 30, faults: str = "", step_sleep: float = 0.02,
-               pg_timeout: float = 5.0, grace: float = 1.0, extra_env: dict[str, str] | None = None) -> "Cluster":
-        import torch.distributed as dist  # noqa: PLC0415
+    def launch(
+        cls,
+        job_dir: Path,
+        n: int,
+        *,
+        steps: int = 30,
+        faults: str = "",
+        step_sleep: float = 0.02,
+        pg_timeout: float = 5.0,
+        grace: float = 1.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> Cluster:
         from datetime import timedelta  # noqa: PLC0415
 
+        import torch.distributed as dist  # noqa: PLC0415
+
         job_dir.mkdir(parents=True, exist_ok=True)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         cluster = cls(job_dir, store=store)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
-        env.update({"GPUGUARD_JOB_DIR": str(job_dir), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RUN_ID": job_dir.name, "INPLACE_STEPS": str(steps), FAULTS_ENV: faults,
-                    "INPLACE_STEP_SLEEP": str(step_sleep), "GPUGUARD_PG_TIMEOUT": str(pg_timeout),
-                    "INPLACE_GRACE": str(grace), "PYTHONWARNINGS": "ignore", **(extra_env or {})})
+        env.update(
+            {
+                "GPUGUARD_JOB_DIR": str(job_dir),
+                "WORLD_SIZE": str(n),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RUN_ID": job_dir.name,
+                "INPLACE_STEPS": str(steps),
+                FAULTS_ENV: faults,
+                "INPLACE_STEP_SLEEP": str(step_sleep),
+                "GPUGUARD_PG_TIMEOUT": str(pg_timeout),
+                "INPLACE_GRACE": str(grace),
+                "PYTHONWARNINGS": "ignore",
+                **(extra_env or {}),
+            }
+        )
         logs = job_dir / "logs"
         logs.mkdir(exist_ok=True)
         try:
@@ -184,8 +230,11 @@ class Cluster:
                 with open(logs / f"worker-{r}.log", "wb") as log:
                     cluster.procs[r] = subprocess.Popen(
                         [sys.executable, "-m", "gpuguard.examples.inplace_train"],
-                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT,
-                        start_new_session=True)
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
         except BaseException:
             cluster.kill_all()
             raise
@@ -227,7 +276,7 @@ class Cluster:
                 pass
         self.store = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:

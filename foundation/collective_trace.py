@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
-import mmap
 import socket
 import struct
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from gpuguard.foundation.jobdir import atomic_write_bytes
 
@@ -56,9 +57,16 @@ class CollectiveTrace:
 
     __slots__ = ("rank", "generation", "capacity", "world_size", "job_id", "_ring", "_next", "_clock", "_mm")
 
-    def __init__(self, rank: int, generation: int, capacity: int = 2000, *,
-                 world_size: int | None = None, job_id: str | None = None,
-                 persist: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        generation: int,
+        capacity: int = 2000,
+        *,
+        world_size: int | None = None,
+        job_id: str | None = None,
+        persist: str | os.PathLike[str] | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.rank = int(rank)
@@ -71,19 +79,36 @@ class CollectiveTrace:
         self._clock: Callable[[], int] = time.time_ns  # wall clock: comparable across ranks on a host
         self._mm: mmap.mmap | None = None
         if persist is not None:
-            self._mm = _open_persisted(os.fspath(persist).format(rank=self.rank, generation=self.generation),
-                                       self)
+            self._mm = _open_persisted(os.fspath(persist).format(rank=self.rank, generation=self.generation), self)
 
-    def record(self, op: str, pg: str, seq: int, count: int, dtype: str,
-               reduce_op: str | None = None, call_site: str | None = None) -> int:
+    def record(
+        self,
+        op: str,
+        pg: str,
+        seq: int,
+        count: int,
+        dtype: str,
+        reduce_op: str | None = None,
+        call_site: str | None = None,
+    ) -> int:
         """Record one collective as it is issued (before the call); returns its record id."""
         n = self._next
         t = self._clock()
         self._ring[n % self.capacity] = [seq, pg, op, count, dtype, reduce_op, call_site, t, None]
         if self._mm is not None:  # the page cache keeps it even if gloo SIGABRTs this process next
-            _SLOT.pack_into(self._mm, _HEADER.size + (n % self.capacity) * _SLOT.size, seq,
-                            -1 if count is None else count, t, 0, op.encode(), pg.encode(),
-                            (dtype or "").encode(), (reduce_op or "").encode(), (call_site or "").encode())
+            _SLOT.pack_into(
+                self._mm,
+                _HEADER.size + (n % self.capacity) * _SLOT.size,
+                seq,
+                -1 if count is None else count,
+                t,
+                0,
+                op.encode(),
+                pg.encode(),
+                (dtype or "").encode(),
+                (reduce_op or "").encode(),
+                (call_site or "").encode(),
+            )
             _NEXT.pack_into(self._mm, _NEXT_AT, n + 1)
         self._next = n + 1
         return n
@@ -156,7 +181,7 @@ class CollectiveTrace:
         signal.signal(signum, _handler)
 
     @contextlib.contextmanager
-    def guard(self, path: str | os.PathLike[str]) -> Iterator["CollectiveTrace"]:
+    def guard(self, path: str | os.PathLike[str]) -> Iterator[CollectiveTrace]:
         """Dump to `path` if the body raises (the exception is re-raised unchanged)."""
         try:
             yield self
@@ -166,8 +191,7 @@ class CollectiveTrace:
             raise
 
 
-def install_signal_dump(trace: CollectiveTrace, path: str | os.PathLike[str],
-                        signum: int = signal.SIGUSR2) -> None:
+def install_signal_dump(trace: CollectiveTrace, path: str | os.PathLike[str], signum: int = signal.SIGUSR2) -> None:
     """Module-level spelling of `CollectiveTrace.install_signal_dump`."""
     trace.install_signal_dump(path, signum)
 
@@ -197,8 +221,17 @@ def _open_persisted(path: str, trace: CollectiveTrace) -> mmap.mmap:
         mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-    _HEADER.pack_into(mm, 0, PERSIST_MAGIC, trace.rank, trace.generation, trace.capacity,
-                      -1 if trace.world_size is None else trace.world_size, 0, _SLOT.size)
+    _HEADER.pack_into(
+        mm,
+        0,
+        PERSIST_MAGIC,
+        trace.rank,
+        trace.generation,
+        trace.capacity,
+        -1 if trace.world_size is None else trace.world_size,
+        0,
+        _SLOT.size,
+    )
     return mm
 
 
@@ -215,10 +248,29 @@ def decode_persisted(data: bytes) -> dict[str, Any]:
     for i in range(max(n - capacity, 0), n):
         seq, count, t0, t1, op, pg, dtype, red, site = _SLOT.unpack_from(data, _HEADER.size + (i % capacity) * slot)
         text = [b.rstrip(b"\0").decode("utf-8", "replace") for b in (op, pg, dtype, red, site)]
-        entries.append({"seq": seq, "pg": text[1], "op": text[0], "count": None if count < 0 else count,
-                        "dtype": text[2] or None, "reduce_op": text[3] or None, "call_site": text[4] or None,
-                        "time_ns": t0, "completed_ns": t1 or None,
-                        "state": STATE_COMPLETED if t1 else STATE_SCHEDULED})
-    return {"schema": SCHEMA, "rank": rank, "generation": generation, "world_size": None if world < 0 else world,
-            "job_id": None, "capacity": capacity, "recorded": n, "dropped": max(n - capacity, 0),
-            "reason": "persisted ring (read after the fact; the process may have died)", "entries": entries}
+        entries.append(
+            {
+                "seq": seq,
+                "pg": text[1],
+                "op": text[0],
+                "count": None if count < 0 else count,
+                "dtype": text[2] or None,
+                "reduce_op": text[3] or None,
+                "call_site": text[4] or None,
+                "time_ns": t0,
+                "completed_ns": t1 or None,
+                "state": STATE_COMPLETED if t1 else STATE_SCHEDULED,
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "rank": rank,
+        "generation": generation,
+        "world_size": None if world < 0 else world,
+        "job_id": None,
+        "capacity": capacity,
+        "recorded": n,
+        "dropped": max(n - capacity, 0),
+        "reason": "persisted ring (read after the fact; the process may have died)",
+        "entries": entries,
+    }

@@ -6,8 +6,9 @@ events and CUDA errors, so the node verdict, the job vote and the CLI consume on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 EVENTS_SCHEMA = "gpuguard.events/1"
 

@@ -27,9 +27,10 @@ import re
 import socket
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 
@@ -41,16 +42,13 @@ _STEP_DIR = re.compile(r"^step-(\d{1,15})$")
 
 # ---------------------------------------------------------------- paths
 
+
 def job_json_path(job_dir: str | Path) -> Path:
     return Path(job_dir) / JOB_JSON
 
 
 def ledger_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "ledger"
-
-
-def ranks_dir(job_dir: str | Path) -> Path:
-    return Path(job_dir) / "ranks"
 
 
 def incarnations_dir(job_dir: str | Path) -> Path:
@@ -84,11 +82,6 @@ def coord_dir(job_dir: str | Path) -> Path:
 
 def traces_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "traces"
-
-
-def trace_path(job_dir: str | Path, rank: int, incarnation_id: str) -> Path:
-    _check_name(incarnation_id, "incarnation id")
-    return traces_dir(job_dir) / f"{int(rank)}.{incarnation_id}.json"
 
 
 def audit_log_path(job_dir: str | Path) -> Path:
@@ -130,6 +123,7 @@ def _check_name(name: str, what: str) -> None:
 
 
 # ---------------------------------------------------------------- atomic JSON
+
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None:
     """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
@@ -190,6 +184,7 @@ def read_json(path: str | Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- job.json
 
+
 @dataclass(frozen=True)
 class JobInfo:
     """`job.json`: the job's identity, fixed at its first start."""
@@ -202,13 +197,12 @@ class JobInfo:
         return {"schema": JOB_SCHEMA, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "JobInfo":
+    def from_dict(cls, doc: Mapping[str, Any]) -> JobInfo:
         try:
             job_id = doc["job_id"]
             if not isinstance(job_id, str) or not job_id:
                 raise TypeError("job_id must be a non-empty string")
-            return cls(job_id=job_id, created=float(doc.get("created", 0.0)),
-                       created_by=str(doc.get("created_by", "")))
+            return cls(job_id=job_id, created=float(doc.get("created", 0.0)), created_by=str(doc.get("created_by", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"job.json: {exc}") from exc
 
@@ -228,8 +222,11 @@ def ensure_job(job_dir: str | Path, job_id: str | None = None, created_by: str =
     if existing is not None:
         return existing
     job_dir.mkdir(parents=True, exist_ok=True)
-    info = JobInfo(job_id=job_id or job_dir.resolve().name, created=time.time(),
-                   created_by=f"{created_by}@{socket.gethostname()}:{os.getpid()}")
+    info = JobInfo(
+        job_id=job_id or job_dir.resolve().name,
+        created=time.time(),
+        created_by=f"{created_by}@{socket.gethostname()}:{os.getpid()}",
+    )
     data = (json.dumps(info.to_dict(), sort_keys=True, indent=1) + "\n").encode()
     fd, tmp = tempfile.mkstemp(prefix=".job.json.", suffix=".tmp", dir=job_dir)
     try:
@@ -252,22 +249,23 @@ def ensure_job(job_dir: str | Path, job_id: str | None = None, created_by: str =
 
 # ---------------------------------------------------------------- incarnations
 
+
 @dataclass(frozen=True)
 class IncarnationRecord:
     """What a worker process writes when it starts: enough for `gpu-recover abort` to find it by
     PID (checked against the process create time, so a reused PID is never signalled)."""
 
-    incarnation: Mapping[str, Any]      # generation.records.Incarnation.to_dict()
+    incarnation: Mapping[str, Any]  # generation.records.Incarnation.to_dict()
     rank: int
     local_rank: int
     world_size: int
-    generation: int | None              # None until activation certified one
+    generation: int | None  # None until activation certified one
     agent_pid: int
     run_id: str
     master_addr: str
     master_port: int
     restart_count: int
-    attempt: str = ""                   # the rendezvous attempt token this process joined under
+    attempt: str = ""  # the rendezvous attempt token this process joined under
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -293,18 +291,24 @@ class IncarnationRecord:
         return {"schema": INCARNATION_SCHEMA, **doc}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "IncarnationRecord":
+    def from_dict(cls, doc: Mapping[str, Any]) -> IncarnationRecord:
         try:
             inc = doc["incarnation"]
             if not isinstance(inc, dict) or "id" not in inc or "pid" not in inc or "start_time" not in inc:
                 raise TypeError("incarnation must carry id, pid and start_time")
             gen = doc.get("generation")
             return cls(
-                incarnation=dict(inc), rank=int(doc["rank"]), local_rank=int(doc["local_rank"]),
-                world_size=int(doc["world_size"]), generation=None if gen is None else int(gen),
-                agent_pid=int(doc["agent_pid"]), run_id=str(doc["run_id"]),
-                master_addr=str(doc["master_addr"]), master_port=int(doc["master_port"]),
-                restart_count=int(doc["restart_count"]), attempt=str(doc.get("attempt", "")),
+                incarnation=dict(inc),
+                rank=int(doc["rank"]),
+                local_rank=int(doc["local_rank"]),
+                world_size=int(doc["world_size"]),
+                generation=None if gen is None else int(gen),
+                agent_pid=int(doc["agent_pid"]),
+                run_id=str(doc["run_id"]),
+                master_addr=str(doc["master_addr"]),
+                master_port=int(doc["master_port"]),
+                restart_count=int(doc["restart_count"]),
+                attempt=str(doc.get("attempt", "")),
                 extra=dict(doc.get("extra") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -75,8 +75,16 @@ class StepLog:
     construction: a full disk must not kill a training step; `errors` counts the lost writes.
     """
 
-    def __init__(self, job_dir: str | os.PathLike[str], rank: int, incarnation_id: str,
-                 generation: int = 0, *, max_bytes: int = DEFAULT_MAX_BYTES, keep: int = DEFAULT_KEEP) -> None:
+    def __init__(
+        self,
+        job_dir: str | os.PathLike[str],
+        rank: int,
+        incarnation_id: str,
+        generation: int = 0,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        keep: int = DEFAULT_KEEP,
+    ) -> None:
         self.dir = os.path.join(os.fspath(job_dir), RANKS_DIR)
         os.makedirs(self.dir, exist_ok=True)
         self.rank = int(rank)
@@ -120,10 +128,18 @@ class StepLog:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = os.fstat(self._fd).st_size
         header = {
-            "v": FORMAT_VERSION, "rank": self.rank, "incarnation": self.incarnation,
-            "generation": self.generation, "pid": self.pid, "host": self.host, "local_rank": self.local_rank,
+            "v": FORMAT_VERSION,
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "generation": self.generation,
+            "pid": self.pid,
+            "host": self.host,
+            "local_rank": self.local_rank,
             "world_size": self.world_size,
-            "start_time": self.start_time, "segment": self._segment, "wall": round(time.time(), 6), "mono": round(time.monotonic(), 6),
+            "start_time": self.start_time,
+            "segment": self._segment,
+            "wall": round(time.time(), 6),
+            "mono": round(time.monotonic(), 6),
         }
         self._raw(("H " + json.dumps(header, separators=(",", ":")) + "\n").encode())
         old = self._segment - self.keep
@@ -175,7 +191,7 @@ class StepLog:
         self._coll_seq = -1
         self._write(f"X {int(seq)} {w:.6f} {m:.6f} {waited:.6f}\n")
 
-    def collective(self, seq: int, op: str = "all_reduce", nbytes: int = 0) -> "_Collective":
+    def collective(self, seq: int, op: str = "all_reduce", nbytes: int = 0) -> _Collective:
         """`with log.collective(seq, "all_reduce", t.nbytes): dist.all_reduce(t)` — enter and exit in one line.
         A failing collective records the error (the peer's failure, seen from here) and re-raises."""
         return _Collective(self, seq, op, nbytes)
@@ -208,7 +224,7 @@ class StepLog:
                 pass
             self._fd = -1
 
-    def __enter__(self) -> "StepLog":
+    def __enter__(self) -> StepLog:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -265,8 +281,7 @@ def _f(tok: str) -> float:
     return v
 
 
-def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str,
-                max_steps: int = MAX_STEPS) -> RankSeries:
+def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps: int = MAX_STEPS) -> RankSeries:
     """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises."""
     header: dict = {}
     steps: list[StepSample] = []
@@ -367,5 +382,3 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str,
         bad_lines=bad,
         clock_jumps=jumps,
     )
-
-

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import csv
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 SEVERITIES = ("info", "warning", "review", "reset", "drain")
 _RANK = {name: i for i, name in enumerate(SEVERITIES)}
@@ -128,9 +129,15 @@ class XidInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "code": self.code, "name": self.name, "meaning": self.meaning, "category": self.category,
-            "immediate": self.immediate, "investigatory": self.investigatory, "severity": self.severity,
-            "action": self.action, "known": self.known,
+            "code": self.code,
+            "name": self.name,
+            "meaning": self.meaning,
+            "category": self.category,
+            "immediate": self.immediate,
+            "investigatory": self.investigatory,
+            "severity": self.severity,
+            "action": self.action,
+            "known": self.known,
         }
 
 
@@ -145,12 +152,22 @@ def _table() -> dict[int, XidInfo]:
         severity = "review" if unused else (_SEVERITY_OVERRIDES.get(code) or _BUCKET_SEVERITY.get(bucket, "review"))
         action = _ACTION_TEXT.get(bucket) or _SEVERITY_ACTION[severity]
         if unused:  # legacy meaning on older GPUs; "should not happen" on Ampere and newer
-            action = ("Legacy code, unused on Ampere and newer: on older GPUs review the application and driver; "
-                      "on Ampere or newer contact NVIDIA support.")
+            action = (
+                "Legacy code, unused on Ampere and newer: on older GPUs review the application and driver; "
+                "on Ampere or newer contact NVIDIA support."
+            )
         table[code] = XidInfo(
-            code=code, name=row["mnemonic"], meaning=row["description"], category=row["category"],
-            immediate=bucket, investigatory=row["investigatory"].strip(), severity=severity,
-            action=action, known=True, nvsentinel=row["nvsentinel"], legacy_causes=row["legacy_causes"],
+            code=code,
+            name=row["mnemonic"],
+            meaning=row["description"],
+            category=row["category"],
+            immediate=bucket,
+            investigatory=row["investigatory"].strip(),
+            severity=severity,
+            action=action,
+            known=True,
+            nvsentinel=row["nvsentinel"],
+            legacy_causes=row["legacy_causes"],
             sympathetic_to=SYMPATHETIC_TO.get(code),
         )
     return table
@@ -162,8 +179,15 @@ def lookup(code: int) -> XidInfo:
     if info is not None:
         return info
     return XidInfo(
-        code=code, name="UNKNOWN", meaning=f"Xid {code} is not in gpuguard's catalog", category="unknown",
-        immediate="-", investigatory="-", severity="review", action=_SEVERITY_ACTION["review"], known=False,
+        code=code,
+        name="UNKNOWN",
+        meaning=f"Xid {code} is not in gpuguard's catalog",
+        category="unknown",
+        immediate="-",
+        investigatory="-",
+        severity="review",
+        action=_SEVERITY_ACTION["review"],
+        known=False,
     )
 
 
@@ -237,8 +261,10 @@ def parse_xid154(message: str) -> tuple[RecoveryAction, RecoveryAction] | None:
     m = _XID154_RE.search(message)
     if m is None:
         return None
-    return (recovery_action(int(m.group(1), 0), m.group(2) or ""),
-            recovery_action(int(m.group(3), 0), m.group(4) or ""))
+    return (
+        recovery_action(int(m.group(1), 0), m.group(2) or ""),
+        recovery_action(int(m.group(3), 0), m.group(4) or ""),
+    )
 
 
 # --- NVLink5 (Xid 144-150) --------------------------------------------------------------------------
@@ -267,8 +293,12 @@ def decode_nvlink5(message: str) -> dict[str, Any] | None:
     out: dict[str, Any] = {"unit": unit, "fatal": fatal, "link": int(m.group("link"))}
     if m.group("intr"):
         intr = int(m.group("intr"), 16)
-        out.update(intr_info=m.group("intr"), error_status=m.group("status"),
-                   subcode_v1=(intr >> 5) & 0x1F, subcode_v2=intr & 0x7F)
+        out.update(
+            intr_info=m.group("intr"),
+            error_status=m.group("status"),
+            subcode_v1=(intr >> 5) & 0x1F,
+            subcode_v2=intr & 0x7F,
+        )
     if fatal:
         out["severity"] = "reset"
     elif unit.startswith(_NVLINK5_BENIGN_UNITS):
@@ -293,9 +323,14 @@ class Resolution:
     recovery_action: str | None = None  # the authoritative Xid 154 action name, when one was logged
 
     def to_json(self) -> dict[str, Any]:
-        return {"severity": self.severity, "action": self.action, "reason": self.reason,
-                "primary": list(self.primary), "sympathetic": [list(s) for s in self.sympathetic],
-                "recovery_action": self.recovery_action}
+        return {
+            "severity": self.severity,
+            "action": self.action,
+            "reason": self.reason,
+            "primary": list(self.primary),
+            "sympathetic": [list(s) for s in self.sympathetic],
+            "recovery_action": self.recovery_action,
+        }
 
 
 def _code_of(ev: Any) -> int | None:

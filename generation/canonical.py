@@ -14,7 +14,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-
 _PLAIN = (str, int, bool, type(None))
 
 

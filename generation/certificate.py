@@ -17,10 +17,22 @@ def new_members(members: Iterable[Member], parent: Certificate | None) -> tuple[
     return tuple(sorted(m.rank for m in members if old.get(m.rank) != m.incarnation))
 
 
-def issue(*, parent: Certificate | None, job_id: str, members: Iterable[Member], reason: str,
-          frontier: Frontier, quiescence: str, quiescence_evidence: Iterable[str] = (),
-          forced: bool = False, ownership_map_version: int = 0, issued_by: str, key: bytes,
-          extra: Mapping[str, Any] | None = None, now: float | None = None) -> Certificate:
+def issue(
+    *,
+    parent: Certificate | None,
+    job_id: str,
+    members: Iterable[Member],
+    reason: str,
+    frontier: Frontier,
+    quiescence: str,
+    quiescence_evidence: Iterable[str] = (),
+    forced: bool = False,
+    ownership_map_version: int = 0,
+    issued_by: str,
+    key: bytes,
+    extra: Mapping[str, Any] | None = None,
+    now: float | None = None,
+) -> Certificate:
     """A signed certificate for the generation after `parent` (generation 0 when parent is None).
 
     Issuing does not check the rules: `check()` (and the ledger at activation) does, so a refused
@@ -47,8 +59,14 @@ def issue(*, parent: Certificate | None, job_id: str, members: Iterable[Member],
     return cert.with_signature(sign(key, cert.signing_bytes()))
 
 
-def check(cert: Certificate, *, parent: Certificate | None, key: bytes,
-          committed_by_all: int | None = None, manifest_ok: bool | None = None) -> list[Violation]:
+def check(
+    cert: Certificate,
+    *,
+    parent: Certificate | None,
+    key: bytes,
+    committed_by_all: int | None = None,
+    manifest_ok: bool | None = None,
+) -> list[Violation]:
     """Every rule against `cert`; empty means it may activate after `parent`."""
     return [
         *rules.signature(cert, key),

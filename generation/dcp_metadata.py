@@ -8,16 +8,21 @@ other callable. torch is imported only when this module's functions run.
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.unpickle import restricted_loads
 from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.unpickle import restricted_loads
 
 _DCP_METADATA = {
-    "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-    "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    "Metadata",
+    "TensorStorageMetadata",
+    "TensorProperties",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
 }
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": _DCP_METADATA,
@@ -78,7 +83,10 @@ def load_scalar(data: bytes) -> Any:
         return value
     if isinstance(value, float):
         return value if value == value and abs(value) != float("inf") else str(value)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value) \
-            and len(value) <= 64:
+    if (
+        isinstance(value, (list, tuple))
+        and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value)
+        and len(value) <= 64
+    ):
         return list(value)
     return None

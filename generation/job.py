@@ -11,9 +11,9 @@ from pathlib import Path
 from gpuguard.foundation.errors import GpuguardError, from_os_error
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
-from gpuguard.generation.ledger import Ledger, open_ledger
+from gpuguard.generation.ledger import Ledger
+from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.records import Certificate, Frontier
-
 
 LEDGER_URL_FILE = "ledger.url"
 LEDGER_ENV = "GPUGUARD_LEDGER"
@@ -55,13 +55,13 @@ def issuer() -> str:
     return f"{user}@{socket.gethostname()}:{os.getpid()}"
 
 
-def init_job(job_dir: str | Path, *, url: str | None = None, job_id: str | None = None,
-             timeout: float = 5.0) -> InitResult:
+def init_job(
+    job_dir: str | Path, *, url: str | None = None, job_id: str | None = None, timeout: float = 5.0
+) -> InitResult:
     """Create `<job_dir>`, its key (0600, never overwritten) and generation 0 in the ledger."""
     job_dir = Path(job_dir)
     if key_path(job_dir).exists():
-        raise GpuguardError(f"{job_dir}: already initialized (signing key exists; refusing to overwrite)",
-                            exit_code=73)
+        raise GpuguardError(f"{job_dir}: already initialized (signing key exists; refusing to overwrite)", exit_code=73)
     # Reach the ledger before creating anything, so an unreachable etcd leaves nothing behind.
     probe = open_ledger(job_dir, url, timeout=timeout)
     if probe.generations():
@@ -80,8 +80,16 @@ def init_job(job_dir: str | Path, *, url: str | None = None, job_id: str | None 
         except OSError as exc:
             raise from_os_error(exc, str(job_dir / LEDGER_URL_FILE)) from None
     ledger = open_ledger(job_dir, url, key=key, timeout=timeout)
-    genesis = issue(parent=None, job_id=job_id or job_dir.resolve().name, members=(), reason="genesis",
-                    frontier=Frontier(0), quiescence="proved",
-                    quiescence_evidence=("genesis: no previous generation",), issued_by=issuer(), key=key)
+    genesis = issue(
+        parent=None,
+        job_id=job_id or job_dir.resolve().name,
+        members=(),
+        reason="genesis",
+        frontier=Frontier(0),
+        quiescence="proved",
+        quiescence_evidence=("genesis: no previous generation",),
+        issued_by=issuer(),
+        key=key,
+    )
     ledger.initialize(genesis)
     return InitResult(ledger, genesis)

@@ -30,8 +30,7 @@ def create_key(job_dir: str | os.PathLike[str]) -> bytes:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise GpuguardError(f"{path}: a signing key already exists (refusing to overwrite it)",
-                            exit_code=73) from None
+        raise GpuguardError(f"{path}: a signing key already exists (refusing to overwrite it)", exit_code=73) from None
     except OSError as exc:
         raise from_os_error(exc, str(path)) from None
     try:

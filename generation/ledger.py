@@ -17,14 +17,12 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import DataError, NoInputError, RefusedError
 from gpuguard.generation import rules
 from gpuguard.generation.canonical import canonical_bytes, parse_canonical
 from gpuguard.generation.certificate import check
-from gpuguard.generation.keys import key_path, load_key
 from gpuguard.generation.records import Certificate, CommitRecord, Violation, encode_time
 
 LEDGER_SCHEMA = "gpuguard.ledger/1"
@@ -45,17 +43,27 @@ class Refusal:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": REFUSAL_SCHEMA, "time": encode_time(self.time), "generation": self.generation,
-            "parent_generation": self.parent_generation, "certificate_digest": self.certificate_digest,
-            "issued_by": self.issued_by, "reason": self.reason,
+            "schema": REFUSAL_SCHEMA,
+            "time": encode_time(self.time),
+            "generation": self.generation,
+            "parent_generation": self.parent_generation,
+            "certificate_digest": self.certificate_digest,
+            "issued_by": self.issued_by,
+            "reason": self.reason,
             "violations": [v.to_dict() for v in self.violations],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Refusal:
-        return cls(float(d.get("time", "0")), int(d.get("generation", -1)), d.get("parent_generation"),
-                   str(d.get("certificate_digest", "")), str(d.get("issued_by", "")), str(d.get("reason", "")),
-                   tuple(Violation.from_dict(v) for v in d.get("violations", [])))
+        return cls(
+            float(d.get("time", "0")),
+            int(d.get("generation", -1)),
+            d.get("parent_generation"),
+            str(d.get("certificate_digest", "")),
+            str(d.get("issued_by", "")),
+            str(d.get("reason", "")),
+            tuple(Violation.from_dict(v) for v in d.get("violations", [])),
+        )
 
 
 def decode_certificate(raw: bytes) -> Certificate:
@@ -120,8 +128,8 @@ class Ledger(ABC):
         self._append(log, record)
         return True
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - a backend without connections has nothing to close
+        return None
 
     def __enter__(self) -> Ledger:
         return self
@@ -209,17 +217,20 @@ class Ledger(ABC):
         violations: list[Violation] = []
         active_gen = None if parent is None else parent.generation
         if cert.parent_generation != active_gen:
-            violations.append(Violation(
-                "compare-and-swap",
-                f"the active generation is {active_gen if active_gen is not None else '(none)'}, "
-                f"the certificate's parent is {cert.parent_generation}"))
+            violations.append(
+                Violation(
+                    "compare-and-swap",
+                    f"the active generation is {active_gen if active_gen is not None else '(none)'}, "
+                    f"the certificate's parent is {cert.parent_generation}",
+                )
+            )
         else:
             committed = None if parent is None else self._committed_by_all(parent)
-            violations += check(cert, parent=parent, key=self.key, committed_by_all=committed,
-                                manifest_ok=manifest_ok)
+            violations += check(cert, parent=parent, key=self.key, committed_by_all=committed, manifest_ok=manifest_ok)
         if not violations:
-            lost = [Violation("compare-and-swap",
-                              f"generation {cert.generation} was activated by another issuer first")]
+            lost = [
+                Violation("compare-and-swap", f"generation {cert.generation} was activated by another issuer first")
+            ]
             # the refusal a lost race records travels with the attempt (etcd: the txn's failure branch)
             if not self._create(cert.generation, encode_certificate(cert), self._refusal(cert, lost).to_dict()):
                 self._refuse(cert, lost, recorded=True)
@@ -229,8 +240,15 @@ class Ledger(ABC):
 
     @staticmethod
     def _refusal(cert: Certificate, violations: list[Violation]) -> Refusal:
-        return Refusal(time.time(), cert.generation, cert.parent_generation, cert.digest(),
-                       cert.issued_by, cert.reason, tuple(violations))
+        return Refusal(
+            time.time(),
+            cert.generation,
+            cert.parent_generation,
+            cert.digest(),
+            cert.issued_by,
+            cert.reason,
+            tuple(violations),
+        )
 
     def _refuse(self, cert: Certificate, violations: list[Violation], *, recorded: bool = False) -> None:
         if not recorded:
@@ -241,8 +259,9 @@ class Ledger(ABC):
         first = violations[0]
         who = f" (rank {first.member})" if first.member is not None else ""
         more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-        raise RefusedError(f"activation of generation {cert.generation} refused by rule "
-                           f"{first.rule}{who}: {first.message}{more}")
+        raise RefusedError(
+            f"activation of generation {cert.generation} refused by rule {first.rule}{who}: {first.message}{more}"
+        )
 
     def refusals(self) -> list[Refusal]:
         records, _ = parse_lines(self._read_log("refusals"))
@@ -259,8 +278,7 @@ class Ledger(ABC):
         active = self.require_active()
         if generation > active.generation:
             raise RefusedError(f"commit for generation {generation}, but the active generation is {active.generation}")
-        if generation < active.generation or active.ranks.get(rank) is None \
-                or active.ranks[rank].id != incarnation_id:
+        if generation < active.generation or active.ranks.get(rank) is None or active.ranks[rank].id != incarnation_id:
             self._append("fenced", {**rec.to_dict(), "active": active.generation})
             return False
         if self._append_if_active(generation, f"commits-{generation}", rec.to_dict()):
@@ -303,33 +321,6 @@ class Ledger(ABC):
 
 def new_temp_name() -> str:
     return f".tmp-{uuid.uuid4().hex}"
-
-
-def open_ledger(job_dir: str | Path, url: str | None = None, *, key: bytes | None = None,
-                timeout: float = 5.0) -> Ledger:
-    """The job's ledger: `<job_dir>/ledger/` by default, or etcd for `etcd://host:port/prefix`.
-
-    The signing key is read from the job dir when present (without it the chain is still
-    walked and linked, but signatures are not checked and nothing can be activated).
-    """
-    job_dir = Path(job_dir)
-    if key is None and key_path(job_dir).exists():
-        key = load_key(job_dir)
-    if url is None or url in ("", "dir", "file"):
-        from gpuguard.generation.ledger_dir import DirectoryLedger
-
-        return DirectoryLedger(job_dir / "ledger", key=key)
-    if url.startswith("file://"):
-        from gpuguard.generation.ledger_dir import DirectoryLedger
-
-        return DirectoryLedger(Path(url[len("file://"):]), key=key)
-    if url.startswith(("etcd://", "http://")):
-        from gpuguard.generation.ledger_etcd import EtcdLedger
-
-        return EtcdLedger.from_url(url, key=key, timeout=timeout)
-    from gpuguard.foundation.errors import UsageError
-
-    raise UsageError(f"unsupported ledger URL {url!r} (use a directory default or etcd://host:port/prefix)")
 
 
 def dumps_record(record: dict[str, Any]) -> bytes:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpuguard.foundation.errors import DataError, UnavailableError, UsageError
+from gpuguard.foundation.errors import UnavailableError, UsageError
 from gpuguard.generation.ledger import Ledger, dumps_record
 
 API_PATH = "/v3/"
@@ -45,16 +45,16 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 class EtcdLedger(Ledger):
-    def __init__(self, host: str, port: int, prefix: str, *, key: bytes | None = None,
-                 timeout: float = 5.0, scheme: str = "http") -> None:
+    def __init__(
+        self, host: str, port: int, prefix: str, *, key: bytes | None = None, timeout: float = 5.0, scheme: str = "http"
+    ) -> None:
         super().__init__(key)
         import etcd3gw
 
         self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"
         self.url = f"etcd://{host}:{port}{self.prefix}"
         self.timeout = timeout
-        self.client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=timeout,
-                                          api_path=API_PATH)
+        self.client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=timeout, api_path=API_PATH)
         self.client.session.trust_env = False  # never route the ledger through an HTTP proxy
 
     @classmethod
@@ -74,8 +74,9 @@ class EtcdLedger(Ledger):
         try:
             return fn(*args, **kw)
         except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
-            raise UnavailableError(f"{self.url}: etcd unreachable or not answering within "
-                                   f"{self.timeout:g} s ({what})") from exc
+            raise UnavailableError(
+                f"{self.url}: etcd unreachable or not answering within {self.timeout:g} s ({what})"
+            ) from exc
         except ex.Etcd3Exception as exc:
             raise UnavailableError(f"{self.url}: etcd error during {what}: {str(exc)[:200]}") from exc
 
@@ -90,8 +91,16 @@ class EtcdLedger(Ledger):
 
     def _range(self, prefix: str, *, keys_only: bool = False) -> list[tuple[bytes, dict[str, Any]]]:
         p = prefix.encode()
-        return self._call("range", self.client.get, p, metadata=True, range_end=_prefix_end(p),
-                          sort_order="ascend", sort_target="key", keys_only=keys_only)
+        return self._call(
+            "range",
+            self.client.get,
+            p,
+            metadata=True,
+            range_end=_prefix_end(p),
+            sort_order="ascend",
+            sort_target="key",
+            keys_only=keys_only,
+        )
 
     # -- primitives -----------------------------------------------------------------------
     def _read(self, generation: int) -> bytes | None:
@@ -102,8 +111,9 @@ class EtcdLedger(Ledger):
         """One range read from `gen/<generation>` on, consecutive numbers only."""
         start = self._gen_key(generation).encode()
         end = _prefix_end(self._key("gen", "").encode())
-        got = self._call("range", self.client.get, start, metadata=True, range_end=end,
-                         sort_order="ascend", sort_target="key")
+        got = self._call(
+            "range", self.client.get, start, metadata=True, range_end=end, sort_order="ascend", sort_target="key"
+        )
         for value, meta in got:
             k = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
             if k != self._gen_key(generation):
@@ -129,9 +139,11 @@ class EtcdLedger(Ledger):
         active_key, gen_key = _b64(self._key("active")), _b64(self._gen_key(generation))
         compare: list[dict[str, Any]] = [
             {"key": gen_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0},
-            ({"key": active_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-             if generation == 0 else
-             {"key": active_key, "result": "EQUAL", "target": "VALUE", "value": _b64(str(generation - 1))}),
+            (
+                {"key": active_key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                if generation == 0
+                else {"key": active_key, "result": "EQUAL", "target": "VALUE", "value": _b64(str(generation - 1))}
+            ),
         ]
         txn = {
             "compare": compare,
@@ -139,22 +151,12 @@ class EtcdLedger(Ledger):
                 {"request_put": {"key": gen_key, "value": _b64(data)}},
                 {"request_put": {"key": active_key, "value": _b64(str(generation))}},
             ],
-            "failure": [] if refusal is None else [{"request_put": {
-                "key": _b64(self._log_key("refusals")), "value": _b64(dumps_record(refusal))}}],
+            "failure": []
+            if refusal is None
+            else [{"request_put": {"key": _b64(self._log_key("refusals")), "value": _b64(dumps_record(refusal))}}],
         }
         result = self._call("transaction", self.client.transaction, txn)
         return bool(result.get("succeeded", False))
-
-    def active_pointer(self) -> tuple[int | None, int]:
-        """The `active` key's value and mod revision (None, 0 when absent): what `verify` compares."""
-        got = self._call("get", self.client.get, self._key("active"), metadata=True)
-        if not got:
-            return None, 0
-        value, meta = got[0]
-        try:
-            return int(value), int(meta["mod_revision"])
-        except ValueError:
-            raise DataError(f"{self.url}: key {self._key('active')} is not a generation number") from None
 
     def _log_key(self, log: str) -> str:
         return self._key("log", log, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
@@ -167,8 +169,9 @@ class EtcdLedger(Ledger):
         """Append only while `generation` is still active, in the same transaction (no window)."""
         key = self._log_key(log)
         txn = {
-            "compare": [{"key": _b64(self._key("active")), "result": "EQUAL", "target": "VALUE",
-                         "value": _b64(str(generation))}],
+            "compare": [
+                {"key": _b64(self._key("active")), "result": "EQUAL", "target": "VALUE", "value": _b64(str(generation))}
+            ],
             "success": [{"request_put": {"key": _b64(key), "value": _b64(dumps_record(record))}}],
             "failure": [],
         }

@@ -27,6 +27,7 @@ import blake3
 
 from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 from gpuguard.generation.canonical import canonical_bytes, normalize, parse_canonical
+from gpuguard.generation.dcp_metadata import load_metadata, load_scalar
 from gpuguard.generation.merkle import leaf, merkle_root
 
 MANIFEST_SCHEMA = "gpuguard.manifest/1"
@@ -97,13 +98,22 @@ class ManifestEntry:
     def to_dict(self) -> dict[str, Any]:
         s = self.spec
         return {
-            "fqn": s.fqn, "kind": s.kind, "category": category(s.fqn),
-            "global_shape": None if s.global_shape is None else list(s.global_shape), "dtype": s.dtype,
+            "fqn": s.fqn,
+            "kind": s.kind,
+            "category": category(s.fqn),
+            "global_shape": None if s.global_shape is None else list(s.global_shape),
+            "dtype": s.dtype,
             "chunk_offsets": None if s.chunk_offsets is None else list(s.chunk_offsets),
             "chunk_sizes": None if s.chunk_sizes is None else list(s.chunk_sizes),
-            "file": s.file, "byte_offset": s.byte_offset, "byte_length": s.byte_length,
-            "digest": self.digest, "owner_rank": self.owner_rank, "owner_incarnation": self.owner_incarnation,
-            "generation": self.generation, "step": self.step, "value": self.value,
+            "file": s.file,
+            "byte_offset": s.byte_offset,
+            "byte_length": s.byte_length,
+            "digest": self.digest,
+            "owner_rank": self.owner_rank,
+            "owner_incarnation": self.owner_incarnation,
+            "generation": self.generation,
+            "step": self.step,
+            "value": self.value,
         }
 
     def canonical(self) -> bytes:
@@ -118,11 +128,26 @@ class ManifestEntry:
             return None if v is None else tuple(int(x) for x in v)
 
         try:
-            spec = ObjectSpec(str(d["fqn"]), str(d["kind"]), tup(d["global_shape"]), d["dtype"],
-                              tup(d["chunk_offsets"]), tup(d["chunk_sizes"]), str(d["file"]),
-                              int(d["byte_offset"]), int(d["byte_length"]))
-            entry = cls(spec, str(d["digest"]), int(d["owner_rank"]), str(d["owner_incarnation"]),
-                        int(d["generation"]), int(d["step"]), d.get("value"))
+            spec = ObjectSpec(
+                str(d["fqn"]),
+                str(d["kind"]),
+                tup(d["global_shape"]),
+                d["dtype"],
+                tup(d["chunk_offsets"]),
+                tup(d["chunk_sizes"]),
+                str(d["file"]),
+                int(d["byte_offset"]),
+                int(d["byte_length"]),
+            )
+            entry = cls(
+                spec,
+                str(d["digest"]),
+                int(d["owner_rank"]),
+                str(d["owner_incarnation"]),
+                int(d["generation"]),
+                int(d["step"]),
+                d.get("value"),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"manifest entry {d.get('fqn', '?')!r}: bad field ({exc})") from None
         if entry.canonical() != canonical_bytes(dict(d)):
@@ -145,8 +170,13 @@ class Manifest:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def header(self) -> dict[str, Any]:
-        return {"schema": MANIFEST_SCHEMA, "generation": self.generation, "step": self.step,
-                "ownership_map_version": self.ownership_map_version, "extra": dict(self.extra)}
+        return {
+            "schema": MANIFEST_SCHEMA,
+            "generation": self.generation,
+            "step": self.step,
+            "ownership_map_version": self.ownership_map_version,
+            "extra": dict(self.extra),
+        }
 
     @cached_property
     def digest(self) -> str:
@@ -178,12 +208,25 @@ def specs_from_metadata(meta: Any) -> list[ObjectSpec]:
                 for ch in md.chunks:
                     if tuple(int(x) for x in ch.offsets) == offsets:
                         sizes = tuple(int(x) for x in ch.sizes)
-            out.append(ObjectSpec(fqn, "tensor", tuple(int(x) for x in md.size),
-                                  str(md.properties.dtype).removeprefix("torch."), offsets, sizes,
-                                  str(info.relative_path), int(info.offset), int(info.length)))
+            out.append(
+                ObjectSpec(
+                    fqn,
+                    "tensor",
+                    tuple(int(x) for x in md.size),
+                    str(md.properties.dtype).removeprefix("torch."),
+                    offsets,
+                    sizes,
+                    str(info.relative_path),
+                    int(info.offset),
+                    int(info.length),
+                )
+            )
         else:
-            out.append(ObjectSpec(fqn, "bytes", None, None, None, None,
-                                  str(info.relative_path), int(info.offset), int(info.length)))
+            out.append(
+                ObjectSpec(
+                    fqn, "bytes", None, None, None, None, str(info.relative_path), int(info.offset), int(info.length)
+                )
+            )
     return out
 
 
@@ -219,8 +262,13 @@ class _Files:
                 with open(path, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     # MAP_POPULATE: map the (page-cached) file in one kernel pass, not one fault per page
-                    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                  prot=mmap.PROT_READ) if size else b""
+                    m = (
+                        mmap.mmap(
+                            f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
+                        )
+                        if size
+                        else b""
+                    )
             except FileNotFoundError:
                 raise NoInputError(f"{path}: storage file missing") from None
             except OSError as exc:
@@ -228,7 +276,7 @@ class _Files:
             self._maps[file] = m
         if offset < 0 or length < 0 or offset + length > len(m):
             raise DataError(f"{self.root / file}: byte range {offset}+{length} past the end ({len(m)} bytes)")
-        return memoryview(m)[offset:offset + length]
+        return memoryview(m)[offset : offset + length]
 
     def close(self) -> None:
         for m in self._maps.values():
@@ -243,9 +291,16 @@ def hash_range(view: memoryview) -> str:
     return h.hexdigest()
 
 
-def build_entries(specs: Iterable[ObjectSpec], checkpoint_dir: str | Path, *, step: int, generation: int,
-                  owners: Mapping[int, Any] | None = None, progress: Progress | None = None,
-                  values: bool = True) -> list[ManifestEntry]:
+def build_entries(
+    specs: Iterable[ObjectSpec],
+    checkpoint_dir: str | Path,
+    *,
+    step: int,
+    generation: int,
+    owners: Mapping[int, Any] | None = None,
+    progress: Progress | None = None,
+    values: bool = True,
+) -> list[ManifestEntry]:
     """Hash every object's stored bytes and stamp it with owner, generation and step."""
     files = _Files(Path(checkpoint_dir))
     owners = owners or {}
@@ -257,8 +312,6 @@ def build_entries(specs: Iterable[ObjectSpec], checkpoint_dir: str | Path, *, st
                 digest = hash_range(view)
                 value = None
                 if values and s.kind == "bytes" and s.byte_length <= 1 << 16:
-                    from gpuguard.generation.dcp_metadata import load_scalar
-
                     value = load_scalar(bytes(view))
             finally:
                 view.release()
@@ -271,19 +324,30 @@ def build_entries(specs: Iterable[ObjectSpec], checkpoint_dir: str | Path, *, st
     return out
 
 
-def build_manifest(checkpoint_dir: str | Path, *, step: int, generation: int,
-                   owners: Mapping[int, Any] | None = None, metadata: Any = None,
-                   ownership_map_version: int = 0, progress: Progress | None = None) -> Manifest:
+def build_manifest(
+    checkpoint_dir: str | Path,
+    *,
+    step: int,
+    generation: int,
+    owners: Mapping[int, Any] | None = None,
+    metadata: Any = None,
+    ownership_map_version: int = 0,
+    progress: Progress | None = None,
+) -> Manifest:
     """The manifest of a DCP checkpoint (metadata read with the restricted unpickler unless given).
 
     `owners` maps rank -> Incarnation / Member / incarnation id (the writer of `__<rank>_*.distcp`).
     """
     if metadata is None:
-        from gpuguard.generation.dcp_metadata import load_metadata
-
         metadata = load_metadata(checkpoint_dir)
-    entries = build_entries(specs_from_metadata(metadata), checkpoint_dir, step=step, generation=generation,
-                            owners=owners, progress=progress)
+    entries = build_entries(
+        specs_from_metadata(metadata),
+        checkpoint_dir,
+        step=step,
+        generation=generation,
+        owners=owners,
+        progress=progress,
+    )
     return Manifest(generation, step, tuple(entries), ownership_map_version)
 
 
@@ -318,15 +382,18 @@ def load_manifest(path: str | Path) -> Manifest:
         if not isinstance(doc, dict) or doc.get("schema") != MANIFEST_SCHEMA:
             raise ValueError(f"schema is not {MANIFEST_SCHEMA}")
         entries = tuple(ManifestEntry.from_dict(e) for e in doc["entries"])
-        manifest = Manifest(int(doc["generation"]), int(doc["step"]), entries,
-                            int(doc["ownership_map_version"]), dict(doc["extra"]))
+        manifest = Manifest(
+            int(doc["generation"]), int(doc["step"]), entries, int(doc["ownership_map_version"]), dict(doc["extra"])
+        )
         if set(doc) != {"schema", "generation", "step", "ownership_map_version", "extra", "entries", "digest"}:
             raise ValueError("unexpected fields")
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: unreadable manifest ({exc})") from None
     if manifest.digest != doc["digest"]:
-        raise DataError(f"{path}: manifest digest {str(doc['digest'])[:16]}… does not match its entries "
-                        f"({manifest.digest[:16]}…): tampered")
+        raise DataError(
+            f"{path}: manifest digest {str(doc['digest'])[:16]}… does not match its entries "
+            f"({manifest.digest[:16]}…): tampered"
+        )
     return manifest
 
 
@@ -341,8 +408,13 @@ def coverage(manifest: Manifest, expected: Iterable[str] | None = None) -> list[
     return problems
 
 
-def verify_manifest(manifest: Manifest, checkpoint_dir: str | Path, *, expected: Iterable[str] | None = None,
-                    progress: Progress | None = None) -> list[str]:
+def verify_manifest(
+    manifest: Manifest,
+    checkpoint_dir: str | Path,
+    *,
+    expected: Iterable[str] | None = None,
+    progress: Progress | None = None,
+) -> list[str]:
     """Problems with a checkpoint against its manifest: empty = complete and valid."""
     problems = coverage(manifest, expected)
     files = _Files(Path(checkpoint_dir))
@@ -356,8 +428,9 @@ def verify_manifest(manifest: Manifest, checkpoint_dir: str | Path, *, expected:
                 continue
             try:
                 if hash_range(view) != e.digest:
-                    problems.append(f"object {e.key}: digest mismatch in {s.file} "
-                                    f"bytes {s.byte_offset}+{s.byte_length} (corrupted)")
+                    problems.append(
+                        f"object {e.key}: digest mismatch in {s.file} bytes {s.byte_offset}+{s.byte_length} (corrupted)"
+                    )
             finally:
                 view.release()
             if progress:

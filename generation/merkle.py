@@ -9,12 +9,6 @@ import blake3
 LEAF, NODE = b"\x00", b"\x01"  # domain separation: a leaf can never pose as an inner node
 
 
-def blake3_hex(data: bytes | memoryview) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update(data)
-    return h.hexdigest()
-
-
 def leaf(data: bytes) -> bytes:
     return blake3.blake3(LEAF + data).digest()
 

@@ -40,13 +40,6 @@ class OwnershipMap:
         return cls(int(d["version"]), int(d["world_size"]), {str(k): int(v) for k, v in d["owners"].items()})
 
 
-def from_manifest(manifest: Any, *, version: int | None = None, world_size: int | None = None) -> OwnershipMap:
-    """The ownership a checkpoint records: each object owned by the rank that wrote it."""
-    owners = {e.key: max(e.owner_rank, 0) for e in manifest.entries}
-    ws = world_size if world_size is not None else (max(owners.values(), default=-1) + 1 or 1)
-    return OwnershipMap(manifest.ownership_map_version if version is None else version, ws, owners)
-
-
 @dataclass(frozen=True)
 class Transfer:
     object: str
@@ -58,9 +51,14 @@ class Transfer:
         return {"object": self.object, "to_rank": self.to_rank, "source": self.source, "from_rank": self.from_rank}
 
 
-def plan_transfer(old: OwnershipMap, *, new_world_size: int, survivors: Mapping[int, int],
-                  replicas: Mapping[str, Sequence[int]] | None = None,
-                  objects: Iterable[str] | None = None) -> tuple[OwnershipMap, list[Transfer]]:
+def plan_transfer(
+    old: OwnershipMap,
+    *,
+    new_world_size: int,
+    survivors: Mapping[int, int],
+    replicas: Mapping[str, Sequence[int]] | None = None,
+    objects: Iterable[str] | None = None,
+) -> tuple[OwnershipMap, list[Transfer]]:
     """New ownership for `new_world_size` ranks, and the transfer that realises it.
 
     survivors: old rank -> new rank for processes that live on (their memory still holds their
@@ -116,6 +114,9 @@ def plan_problems(new: OwnershipMap, plan: Sequence[Transfer]) -> list[str]:
     counts = Counter(t.object for t in plan)
     problems = [f"object {k} planned {n} times" for k, n in sorted(counts.items()) if n > 1]
     problems += [f"object {k} has no transfer" for k in sorted(set(new.owners) - set(counts))]
-    problems += [f"object {t.object} goes to rank {t.to_rank}, its owner is {new.owners.get(t.object)}"
-                 for t in plan if new.owners.get(t.object) != t.to_rank]
+    problems += [
+        f"object {t.object} goes to rank {t.to_rank}, its owner is {new.owners.get(t.object)}"
+        for t in plan
+        if new.owners.get(t.object) != t.to_rank
+    ]
     return problems

@@ -243,11 +243,29 @@ class Certificate:
             raise ValueError(f"{w}: quiescence_evidence must be strings")
         if not all(isinstance(a, int) and not isinstance(a, bool) for a in admitted):
             raise ValueError(f"{w}: admitted must be integers")
-        _only(d, {
-            "schema", "job_id", "generation", "parent_generation", "parent_certificate_digest",
-            "members", "admitted", "reason", "frontier", "quiescence", "quiescence_evidence",
-            "forced", "ownership_map_version", "activation_time", "issued_by", "extra", "signature",
-        }, w)
+        _only(
+            d,
+            {
+                "schema",
+                "job_id",
+                "generation",
+                "parent_generation",
+                "parent_certificate_digest",
+                "members",
+                "admitted",
+                "reason",
+                "frontier",
+                "quiescence",
+                "quiescence_evidence",
+                "forced",
+                "ownership_map_version",
+                "activation_time",
+                "issued_by",
+                "extra",
+                "signature",
+            },
+            w,
+        )
         return cls(
             job_id=_need(d, "job_id", str, w),
             generation=_need(d, "generation", int, w),
@@ -297,7 +315,10 @@ class CommitRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "g": self.generation, "s": self.step, "r": self.rank, "i": self.incarnation_id,
+            "g": self.generation,
+            "s": self.step,
+            "r": self.rank,
+            "i": self.incarnation_id,
             "t": encode_time(self.time),
         }
 
@@ -306,6 +327,9 @@ class CommitRecord:
         w = "commit record"
         _only(d, {"g", "s", "r", "i", "t"}, w)
         return cls(
-            _need(d, "g", int, w), _need(d, "s", int, w), _need(d, "r", int, w),
-            _need(d, "i", str, w), decode_time(_need(d, "t", str, w)),
+            _need(d, "g", int, w),
+            _need(d, "s", int, w),
+            _need(d, "r", int, w),
+            _need(d, "i", str, w),
+            decode_time(_need(d, "t", str, w)),
         )

@@ -16,9 +16,11 @@ def unique_incarnations(cert: Certificate) -> list[Violation]:
     """An incarnation is one process: it can hold at most one rank."""
     counts = Counter(m.incarnation.id for m in cert.members)
     return [
-        Violation("unique-incarnations",
-                  f"incarnation {m.incarnation.id} appears {counts[m.incarnation.id]} times", m.rank)
-        for m in cert.members if counts[m.incarnation.id] > 1
+        Violation(
+            "unique-incarnations", f"incarnation {m.incarnation.id} appears {counts[m.incarnation.id]} times", m.rank
+        )
+        for m in cert.members
+        if counts[m.incarnation.id] > 1
     ]
 
 
@@ -36,18 +38,25 @@ def chain_continuity(cert: Certificate, parent: Certificate | None) -> list[Viol
     if parent is None:
         out = []
         if cert.generation != 0 or cert.parent_generation is not None or cert.parent_certificate_digest:
-            out.append(Violation(rule, f"generation {cert.generation} has no parent certificate "
-                                       "(only generation 0 may be genesis)"))
+            out.append(
+                Violation(
+                    rule, f"generation {cert.generation} has no parent certificate (only generation 0 may be genesis)"
+                )
+            )
         return out
     out = []
     if cert.job_id != parent.job_id:
         out.append(Violation(rule, f"job id {cert.job_id!r} differs from the parent's {parent.job_id!r}"))
     if cert.parent_generation != parent.generation:
-        out.append(Violation(rule, f"parent_generation is {cert.parent_generation}, "
-                                   f"the parent is generation {parent.generation}"))
+        out.append(
+            Violation(
+                rule, f"parent_generation is {cert.parent_generation}, the parent is generation {parent.generation}"
+            )
+        )
     if cert.generation != parent.generation + 1:
-        out.append(Violation(rule, f"generation {cert.generation} does not follow "
-                                   f"parent generation {parent.generation}"))
+        out.append(
+            Violation(rule, f"generation {cert.generation} does not follow parent generation {parent.generation}")
+        )
     if cert.parent_certificate_digest != parent.digest():
         out.append(Violation(rule, "parent_certificate_digest does not match the parent certificate"))
     return out
@@ -80,9 +89,11 @@ def frontier_committed(cert: Certificate, parent: Certificate | None, committed_
     # the parent's own certified frontier always stays reachable (rolling back to it is safe)
     limit = max(parent.frontier.step, committed_by_all if committed_by_all is not None else -1)
     if cert.frontier.step > limit:
-        what = (f"the last step committed by all members of generation {parent.generation} is {committed_by_all}"
-                if committed_by_all is not None else
-                f"no commit records for generation {parent.generation}; its frontier is step {parent.frontier.step}")
+        what = (
+            f"the last step committed by all members of generation {parent.generation} is {committed_by_all}"
+            if committed_by_all is not None
+            else f"no commit records for generation {parent.generation}; its frontier is step {parent.frontier.step}"
+        )
         return [Violation(rule, f"frontier step {cert.frontier.step} is past the commit record: {what}")]
     return []
 
@@ -93,8 +104,13 @@ def frontier_state_verified(cert: Certificate, manifest_ok: bool | None) -> list
     `None` means the caller did not check the state here (`verify --deep` checks it later).
     """
     if manifest_ok is False:
-        return [Violation("frontier-state", f"state {cert.frontier.state_manifest_digest or '(none)'} of frontier step "
-                                            f"{cert.frontier.step} is incomplete or does not verify")]
+        return [
+            Violation(
+                "frontier-state",
+                f"state {cert.frontier.state_manifest_digest or '(none)'} of frontier step "
+                f"{cert.frontier.step} is incomplete or does not verify",
+            )
+        ]
     return []
 
 
@@ -112,13 +128,22 @@ def members_admitted(cert: Certificate, parent: Certificate | None) -> list[Viol
     for m in cert.members:
         prev = old_by_id.get(m.incarnation.id)
         if prev is not None and prev != m.incarnation:
-            out.append(Violation(rule, f"rank {m.rank} claims incarnation {m.incarnation.id} of the parent generation "
-                                       f"with a different process identity (forged member)", m.rank))
+            out.append(
+                Violation(
+                    rule,
+                    f"rank {m.rank} claims incarnation {m.incarnation.id} of the parent generation "
+                    f"with a different process identity (forged member)",
+                    m.rank,
+                )
+            )
         is_new = old.get(m.rank) != m.incarnation
         if is_new and m.rank not in admitted:
             was = old.get(m.rank)
-            why = (f"rank {m.rank} is held by new incarnation {m.incarnation.id}"
-                   + (f" (was {was.id})" if was is not None else "") + " but is not listed as admitted")
+            why = (
+                f"rank {m.rank} is held by new incarnation {m.incarnation.id}"
+                + (f" (was {was.id})" if was is not None else "")
+                + " but is not listed as admitted"
+            )
             out.append(Violation(rule, why, m.rank))
         if not is_new and m.rank in admitted:
             out.append(Violation(rule, f"rank {m.rank} is listed as admitted but keeps its parent incarnation", m.rank))

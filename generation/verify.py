@@ -58,8 +58,13 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
         report.findings.append(Finding(getattr(ledger, "url", "ledger"), "chain", "the ledger has no certificates"))
         return report
     if generation is not None and generation not in stored:
-        report.findings.append(Finding(record_name(ledger, generation), "chain",
-                                       f"generation {generation} is not stored (stored: {min(stored)}..{max(stored)})"))
+        report.findings.append(
+            Finding(
+                record_name(ledger, generation),
+                "chain",
+                f"generation {generation} is not stored (stored: {min(stored)}..{max(stored)})",
+            )
+        )
         return report
     last = max(stored) if generation is None else generation
     parent: Certificate | None = None
@@ -94,8 +99,13 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
         for n in range(0, last + 1):
             _, bad = ledger.commits(n)
             if bad:
-                report.findings.append(Finding(f"{getattr(ledger, 'url', 'ledger')} commits of generation {n}",
-                                               "encoding", f"{bad} garbled commit record(s)"))
+                report.findings.append(
+                    Finding(
+                        f"{getattr(ledger, 'url', 'ledger')} commits of generation {n}",
+                        "encoding",
+                        f"{bad} garbled commit record(s)",
+                    )
+                )
         stray = getattr(ledger, "stray_temp_files", lambda: [])()
         if stray:
             report.notes.append(f"{len(stray)} temp file(s) from interrupted writers (ignored): {', '.join(stray[:3])}")

@@ -13,8 +13,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
@@ -24,23 +25,30 @@ from gpuguard.foundation.errors import (
     UnavailableError,
     UsageError,
 )
+from gpuguard.foundation.jobdir import atomic_write_bytes
 
-NAGIOS_EXIT = {"healthy": EXIT_OK, "degraded": EXIT_WARNING, "reset": EXIT_CRITICAL, "drain": EXIT_CRITICAL,
-               "unknown": EXIT_UNKNOWN}
+NAGIOS_EXIT = {
+    "healthy": EXIT_OK,
+    "degraded": EXIT_WARNING,
+    "reset": EXIT_CRITICAL,
+    "drain": EXIT_CRITICAL,
+    "unknown": EXIT_UNKNOWN,
+}
 NAGIOS_STATE = {EXIT_OK: "OK", EXIT_WARNING: "WARNING", EXIT_CRITICAL: "CRITICAL", EXIT_UNKNOWN: "UNKNOWN"}
 # node-problem-detector custom plugins: 0 OK, 1 NonOK, anything else Unknown (we use 2).
 NPD_EXIT = {"healthy": 0, "degraded": 1, "reset": 1, "drain": 1, "unknown": 2}
 NPD_MAX = 80
-SEVERITY = {"healthy": "info", "degraded": "warning", "reset": "critical", "drain": "critical",
-            "unknown": "warning"}
-VERDICT_LEVEL = {"healthy": 0, "degraded": 1, "reset": 2, "drain": 3}
+SEVERITY = {"healthy": "info", "degraded": "warning", "reset": "critical", "drain": "critical", "unknown": "warning"}
 
 
 def npd_line(doc: Mapping[str, Any]) -> tuple[int, str]:
     """(exit code, one line of at most 80 characters) for node-problem-detector."""
     verdict = doc.get("verdict", "unknown")
-    text = f"{verdict}: {doc.get('summary', '')}" if not str(doc.get("summary", "")).startswith(verdict) \
+    text = (
+        f"{verdict}: {doc.get('summary', '')}"
+        if not str(doc.get("summary", "")).startswith(verdict)
         else str(doc.get("summary"))
+    )
     text = " ".join(text.split())
     if len(text) > NPD_MAX:
         text = text[: NPD_MAX - 3] + "..."
@@ -68,8 +76,10 @@ def nagios_text(doc: Mapping[str, Any]) -> tuple[int, str]:
         if g.get("verdict") not in ("healthy",):
             ev = g.get("evidence") or []
             first = next((e for e in ev if e.get("verdict") == g.get("verdict")), ev[0] if ev else {})
-            lines.append(f"GPU{g.get('index') if g.get('index') is not None else '?'} {g.get('pci_bus_id')}: "
-                         f"{g.get('verdict')} - {str(first.get('message', '')).replace('|', '/')}")
+            lines.append(
+                f"GPU{g.get('index') if g.get('index') is not None else '?'} {g.get('pci_bus_id')}: "
+                f"{g.get('verdict')} - {str(first.get('message', '')).replace('|', '/')}"
+            )
     return code, "\n".join(lines)
 
 
@@ -78,18 +88,37 @@ def webhook_payload(doc: Mapping[str, Any], *, resolved: bool = False) -> dict[s
     verdict = doc.get("verdict", "unknown")
     node = doc.get("node") or "unknown"
     status = "resolved" if resolved else "firing"
-    labels = {"alertname": "GpuNodeHealth", "severity": SEVERITY.get(verdict, "warning"), "node": node,
-              "verdict": verdict}
+    labels = {
+        "alertname": "GpuNodeHealth",
+        "severity": SEVERITY.get(verdict, "warning"),
+        "node": node,
+        "verdict": verdict,
+    }
     annotations = {"summary": str(doc.get("summary", "")), "description": str(doc.get("action", ""))}
     fingerprint = hashlib.sha256(f"{node}|{verdict}|{doc.get('summary')}".encode()).hexdigest()[:16]
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    alert = {"status": status, "labels": labels, "annotations": annotations, "startsAt": now,
-             "endsAt": now if resolved else "0001-01-01T00:00:00Z", "generatorURL": "",
-             "fingerprint": fingerprint}
-    return {"version": "4", "receiver": "gpu-doctor", "status": status, "alerts": [alert],
-            "groupLabels": {"alertname": "GpuNodeHealth"}, "commonLabels": labels,
-            "commonAnnotations": annotations, "externalURL": "", "truncatedAlerts": 0,
-            "groupKey": f"{{}}:{{node=\"{node}\"}}", "gpuguard": dict(doc)}
+    alert = {
+        "status": status,
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": now,
+        "endsAt": now if resolved else "0001-01-01T00:00:00Z",
+        "generatorURL": "",
+        "fingerprint": fingerprint,
+    }
+    return {
+        "version": "4",
+        "receiver": "gpu-doctor",
+        "status": status,
+        "alerts": [alert],
+        "groupLabels": {"alertname": "GpuNodeHealth"},
+        "commonLabels": labels,
+        "commonAnnotations": annotations,
+        "externalURL": "",
+        "truncatedAlerts": 0,
+        "groupKey": f'{{}}:{{node="{node}"}}',
+        "gpuguard": dict(doc),
+    }
 
 
 def prometheus_registry(doc: Mapping[str, Any]) -> Any:
@@ -100,30 +129,40 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
     class _NodeCollector:
         def collect(self):  # noqa: ANN202 - prometheus_client protocol
             verdict = doc.get("verdict", "unknown")
-            fam = GaugeMetricFamily("gpudoctor_node_verdict", "1 for the node's current verdict, 0 otherwise.",
-                                    labels=["verdict"])
+            fam = GaugeMetricFamily(
+                "gpudoctor_node_verdict", "1 for the node's current verdict, 0 otherwise.", labels=["verdict"]
+            )
             for v in NAGIOS_EXIT:
                 fam.add_metric([v], 1.0 if v == verdict else 0.0)
             yield fam
-            status = GaugeMetricFamily("gpudoctor_check_status",
-                                       "Result of a health check (0=ok,1=warning,2=critical,3=unknown).",
-                                       labels=["check"])
+            status = GaugeMetricFamily(
+                "gpudoctor_check_status",
+                "Result of a health check (0=ok,1=warning,2=critical,3=unknown).",
+                labels=["check"],
+            )
             status.add_metric(["node"], float(NAGIOS_EXIT.get(verdict, 3)))
             for name, sec in (doc.get("sections") or {}).items():
                 if isinstance(sec, Mapping) and "status" in sec:
                     status.add_metric([name], 0.0 if sec["status"] == "ok" else 3.0)
             yield status
-            gv = GaugeMetricFamily("gpudoctor_gpu_verdict", "1 for each GPU's current verdict, 0 otherwise.",
-                                   labels=["gpu", "pci_bus_id", "verdict"])
+            gv = GaugeMetricFamily(
+                "gpudoctor_gpu_verdict",
+                "1 for each GPU's current verdict, 0 otherwise.",
+                labels=["gpu", "pci_bus_id", "verdict"],
+            )
             for g in doc.get("gpus") or []:
                 for v in NAGIOS_EXIT:
-                    gv.add_metric([str(g.get("index", "")), str(g.get("pci_bus_id") or ""), v],
-                                  1.0 if g.get("verdict") == v else 0.0)
+                    gv.add_metric(
+                        [str(g.get("index", "")), str(g.get("pci_bus_id") or ""), v],
+                        1.0 if g.get("verdict") == v else 0.0,
+                    )
             yield gv
             yield from _nvml_families(doc, GaugeMetricFamily)
-            xid = CounterMetricFamily("gpudoctor_gpu_xid_events",
-                                      "Xid events seen in the kernel log, by GPU and code.",
-                                      labels=["pci_bus_id", "xid"])
+            xid = CounterMetricFamily(
+                "gpudoctor_gpu_xid_events",
+                "Xid events seen in the kernel log, by GPU and code.",
+                labels=["pci_bus_id", "xid"],
+            )
             for key, value in sorted((doc.get("xid_totals") or {}).items()):
                 pci, _, code = key.rpartition("|")
                 xid.add_metric([pci, code], float(value))
@@ -143,23 +182,40 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
 
 _NVML_GAUGES = (
     ("gpudoctor_gpu_lost", "1 if NVML reports the GPU as lost.", lambda g: g.get("lost")),
-    ("gpudoctor_gpu_row_remap_pending", "1 if the GPU has a row remap pending (reset required to apply).",
-     lambda g: (g.get("remapped_rows") or {}).get("pending")),
-    ("gpudoctor_gpu_row_remap_failure", "1 if a row remapping ever failed on the GPU.",
-     lambda g: (g.get("remapped_rows") or {}).get("failure")),
-    ("gpudoctor_gpu_ecc_volatile_uncorrected", "Uncorrectable ECC errors since the last driver load or reset.",
-     lambda g: (g.get("ecc") or {}).get("volatile_uncorrected")),
-    ("gpudoctor_gpu_ecc_aggregate_uncorrected", "Lifetime uncorrectable ECC errors.",
-     lambda g: (g.get("ecc") or {}).get("aggregate_uncorrected")),
+    (
+        "gpudoctor_gpu_row_remap_pending",
+        "1 if the GPU has a row remap pending (reset required to apply).",
+        lambda g: (g.get("remapped_rows") or {}).get("pending"),
+    ),
+    (
+        "gpudoctor_gpu_row_remap_failure",
+        "1 if a row remapping ever failed on the GPU.",
+        lambda g: (g.get("remapped_rows") or {}).get("failure"),
+    ),
+    (
+        "gpudoctor_gpu_ecc_volatile_uncorrected",
+        "Uncorrectable ECC errors since the last driver load or reset.",
+        lambda g: (g.get("ecc") or {}).get("volatile_uncorrected"),
+    ),
+    (
+        "gpudoctor_gpu_ecc_aggregate_uncorrected",
+        "Lifetime uncorrectable ECC errors.",
+        lambda g: (g.get("ecc") or {}).get("aggregate_uncorrected"),
+    ),
     ("gpudoctor_gpu_temperature_celsius", "GPU temperature.", lambda g: g.get("temperature_c")),
     ("gpudoctor_gpu_power_watts", "GPU power draw.", lambda g: g.get("power_w")),
     ("gpudoctor_gpu_pcie_link_width", "Current PCIe link width.", lambda g: (g.get("pcie") or {}).get("width")),
-    ("gpudoctor_gpu_pcie_link_width_max", "Maximum PCIe link width.",
-     lambda g: (g.get("pcie") or {}).get("width_max")),
-    ("gpudoctor_gpu_pcie_replay_counter", "PCIe replay counter.",
-     lambda g: (g.get("pcie") or {}).get("replay_counter")),
-    ("gpudoctor_gpu_recovery_action", "Driver GPU recovery action (0 none, 1 reset, 2 reboot, 4 drain+reset).",
-     lambda g: g.get("recovery_action")),
+    ("gpudoctor_gpu_pcie_link_width_max", "Maximum PCIe link width.", lambda g: (g.get("pcie") or {}).get("width_max")),
+    (
+        "gpudoctor_gpu_pcie_replay_counter",
+        "PCIe replay counter.",
+        lambda g: (g.get("pcie") or {}).get("replay_counter"),
+    ),
+    (
+        "gpudoctor_gpu_recovery_action",
+        "Driver GPU recovery action (0 none, 1 reset, 2 reboot, 4 drain+reset).",
+        lambda g: g.get("recovery_action"),
+    ),
 )
 
 
@@ -170,8 +226,9 @@ def _nvml_families(doc: Mapping[str, Any], family: Any):
         for g in gpus:
             value = get(g)
             if value is not None:
-                fam.add_metric([str(g.get("index", "")), str(g.get("pci_bus_id") or ""), str(g.get("uuid") or "")],
-                               float(value))
+                fam.add_metric(
+                    [str(g.get("index", "")), str(g.get("pci_bus_id") or ""), str(g.get("uuid") or "")], float(value)
+                )
         yield fam
 
 
@@ -187,8 +244,9 @@ def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
     write_to_textfile(str(path), prometheus_registry(doc))
 
 
-def post_webhook(url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, retries: int = 2,
-                 budget: float = 15.0) -> str:
+def post_webhook(
+    url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, retries: int = 2, budget: float = 15.0
+) -> str:
     """POST with a per-try timeout, bounded retries and a total budget; raise UnavailableError when spent."""
     import requests
 
@@ -202,8 +260,9 @@ def post_webhook(url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, 
         if left <= 0.05:
             break
         try:
-            resp = requests.post(url, data=body, headers={"Content-Type": "application/json"},
-                                 timeout=min(timeout, left))
+            resp = requests.post(
+                url, data=body, headers={"Content-Type": "application/json"}, timeout=min(timeout, left)
+            )
         except requests.RequestException as exc:
             last = type(exc).__name__
         else:
@@ -212,7 +271,7 @@ def post_webhook(url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, 
             last = f"HTTP {resp.status_code}"
             if resp.status_code < 500 and resp.status_code != 429:
                 raise UnavailableError(f"webhook {url}: {last} (not retried)")
-        pause = min(0.5 * 2 ** attempt, deadline - time.monotonic())
+        pause = min(0.5 * 2**attempt, deadline - time.monotonic())
         if attempt < retries and pause > 0:
             time.sleep(pause)
     raise UnavailableError(f"webhook {url}: gave up after {attempt + 1} attempt(s) ({last})")
@@ -241,7 +300,6 @@ class JsonOutput(Output):
         if not path:
             sys.stdout.write(text)
             return "stdout"
-        from gpuguard.foundation.jobdir import atomic_write_bytes
 
         atomic_write_bytes(path, text.encode())
         return path
@@ -284,5 +342,6 @@ class WebhookOutput(Output):
         except ValueError as exc:
             raise UsageError(f"webhook output: bad option ({exc})") from None
         resolved = document.get("verdict") == "healthy"
-        return post_webhook(url, webhook_payload(document, resolved=resolved), timeout=timeout,
-                            retries=retries, budget=budget)
+        return post_webhook(
+            url, webhook_payload(document, resolved=resolved), timeout=timeout, retries=retries, budget=budget
+        )

@@ -8,8 +8,9 @@ to run is reported and skipped: a broken notifier must never take a cron sweep d
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 GROUPS = ("gpuguard.collectors", "gpuguard.outputs", "gpuguard.actions")
 
@@ -25,9 +26,15 @@ class PluginInfo:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "name": self.name, "target": self.target,
-                "distribution": self.distribution, "version": self.version,
-                "status": self.status, "error": self.error}
+        return {
+            "group": self.group,
+            "name": self.name,
+            "target": self.target,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "error": self.error,
+        }
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,13 @@ class PluginResult:
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "name": self.name, "status": self.status, "message": self.message,
-                "seconds": round(self.seconds, 4)}
+        return {
+            "group": self.group,
+            "name": self.name,
+            "status": self.status,
+            "message": self.message,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 def _entry_points(group: str) -> list[Any]:
@@ -54,8 +66,9 @@ def _entry_points(group: str) -> list[Any]:
 
 def _describe(group: str, ep: Any, status: str, error: str | None = None) -> PluginInfo:
     dist = getattr(ep, "dist", None)
-    return PluginInfo(group, ep.name, ep.value, getattr(dist, "name", None), getattr(dist, "version", None),
-                      status, error)
+    return PluginInfo(
+        group, ep.name, ep.value, getattr(dist, "name", None), getattr(dist, "version", None), status, error
+    )
 
 
 def _error(exc: BaseException) -> str:
@@ -90,8 +103,11 @@ def load(group: str, names: list[str] | None = None) -> tuple[dict[str, Any], li
     for name in names if names is not None else list(eps):
         ep = eps.get(name)
         if ep is None:
-            failures.append(PluginInfo(group, name, "", None, None, "failed",
-                                       f"no such plugin (installed: {', '.join(eps) or 'none'})"))
+            failures.append(
+                PluginInfo(
+                    group, name, "", None, None, "failed", f"no such plugin (installed: {', '.join(eps) or 'none'})"
+                )
+            )
             continue
         try:
             loaded[name] = ep.load()

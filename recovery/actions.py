@@ -9,17 +9,38 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+
+import psutil
 
 from gpuguard.collectors.torchrun import gather
 from gpuguard.diagnostics.torchrun_hazards import assess_facts
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import (
-    EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, GpuguardError, NoInputError, RefusedError, UnavailableError, UsageError,
+    EXIT_CRITICAL,
+    EXIT_OK,
+    EXIT_REFUSED,
+    GpuguardError,
+    NoInputError,
+    PermissionDeniedError,
+    RefusedError,
+    UnavailableError,
+    UsageError,
 )
 from gpuguard.foundation.identity import ALIVE_STATES, matching_process, process_status
+from gpuguard.foundation.jobdir import read_incarnations
+from gpuguard.generation.keys import load_key
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.generation.verify import verify_ledger
+from gpuguard.recovery import audit, snapshot
+from gpuguard.recovery import rendezvous as rdzv
+from gpuguard.recovery.activation import frontier_limit
+from gpuguard.recovery.snapshot import list_snapshots
 
 SCHEMA = "gpuguard.action/1"
 MUTATING = frozenset({"abort", "rendezvous", "restore"})
@@ -35,8 +56,15 @@ class ActionResult:
     dry_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "action": self.action, "outcome": self.outcome, "exit_code": self.exit_code,
-                "dry_run": self.dry_run, "summary": self.summary, "details": self.details}
+        return {
+            "schema": SCHEMA,
+            "action": self.action,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "dry_run": self.dry_run,
+            "summary": self.summary,
+            "details": self.details,
+        }
 
 
 # --- diagnose ----------------------------------------------------------------------------------
@@ -48,13 +76,16 @@ def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionRes
     generation = _active_generation(job_dir) if job_dir is not None else None
     snapshots = 0
     if job_dir is not None:
-        from gpuguard.recovery.snapshot import list_snapshots
-
         snapshots = len(list_snapshots(job_dir))
     verdict = assessment.verdict
-    details = {"verdict": verdict, "generation": generation, "live_workers": assessment.live_workers,
-               "snapshots": snapshots,
-               "hazards": [h.to_json() for h in assessment.hazards], "notes": list(assessment.notes)}
+    details = {
+        "verdict": verdict,
+        "generation": generation,
+        "live_workers": assessment.live_workers,
+        "snapshots": snapshots,
+        "hazards": [h.to_json() for h in assessment.hazards],
+        "notes": list(assessment.notes),
+    }
     summary = f"verdict {verdict}; {len(assessment.hazards)} hazard(s); {assessment.live_workers} live worker(s)"
     return ActionResult("diagnose", "done", assessment.exit_code, summary, details)
 
@@ -63,8 +94,6 @@ def _active_generation(job_dir: Path) -> int | None:
     if not (job_dir / "ledger").exists():
         return None
     try:
-        from gpuguard.generation.ledger import open_ledger
-
         with open_ledger(job_dir) as ledger:
             cert = ledger.active()
         return cert.generation if cert is not None else None
@@ -75,21 +104,28 @@ def _active_generation(job_dir: Path) -> int | None:
 # --- abort -------------------------------------------------------------------------------------
 
 
-def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...] = (), grace_s: float = 10.0,
-          dry_run: bool = False) -> ActionResult:
+def abort(
+    job_dir: Path,
+    *,
+    generation: int | None = None,
+    ranks: tuple[int, ...] = (),
+    grace_s: float = 10.0,
+    dry_run: bool = False,
+) -> ActionResult:
     """Terminate the recorded workers (SIGTERM, grace, SIGKILL) and prove every one of them is gone.
 
     Only processes whose pid AND create time match an incarnation record are signalled; a reused
     pid is reported and left alone. `generation` limits it to incarnations of that generation or
     older (records without a generation count as old); `ranks` to those ranks.
     """
-    from gpuguard.foundation.jobdir import read_incarnations
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
-    records = [r for r in read_incarnations(job_dir)
-               if (generation is None or r.generation is None or r.generation <= generation)
-               and (not ranks or r.rank in ranks)]
+    records = [
+        r
+        for r in read_incarnations(job_dir)
+        if (generation is None or r.generation is None or r.generation <= generation) and (not ranks or r.rank in ranks)
+    ]
     host = os.uname().nodename
     targets: list[tuple[Any, Any]] = []
     evidence: list[str] = []
@@ -112,8 +148,14 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
             evidence.append(f"{who}: {state}")
     if dry_run:
         plan = [f"rank {r.rank} pid {r.pid}: would SIGTERM, then SIGKILL after {grace_s:g} s" for r, _ in targets]
-        return ActionResult("abort", "dry-run", EXIT_OK, f"would terminate {len(targets)} process(es)",
-                            {"would_terminate": plan, "evidence": evidence, "unverified": unknown}, dry_run=True)
+        return ActionResult(
+            "abort",
+            "dry-run",
+            EXIT_OK,
+            f"would terminate {len(targets)} process(es)",
+            {"would_terminate": plan, "evidence": evidence, "unverified": unknown},
+            dry_run=True,
+        )
     t0 = time.monotonic()
     for _, proc in targets:
         _signal(proc, signal.SIGTERM)
@@ -128,33 +170,59 @@ def abort(job_dir: Path, *, generation: int | None = None, ranks: tuple[int, ...
         if state in ALIVE_STATES:
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: STILL ALIVE after {how}")
         else:
-            evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} "
-                            f"({state})")
+            evidence.append(
+                f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} ({state})"
+            )
     quiescent = not still and not unknown
-    evidence_file = _write_quiescence(job_dir, records, unknown_ids={r.incarnation_id for r in records
-                                                                     if r.host and r.host not in (host, _hostname())},
-                                      alive_ids={rec.incarnation_id for rec, _ in still})
-    details = {"terminated": [r.pid for r, _ in targets], "killed_after_grace": sorted(killed),
-               "evidence": evidence, "unverified": unknown, "quiescence": "proved" if quiescent else "unknown",
-               "evidence_file": str(evidence_file), "elapsed_s": round(time.monotonic() - t0, 3)}
+    evidence_file = _write_quiescence(
+        job_dir,
+        records,
+        unknown_ids={r.incarnation_id for r in records if r.host and r.host not in (host, _hostname())},
+        alive_ids={rec.incarnation_id for rec, _ in still},
+    )
+    details = {
+        "terminated": [r.pid for r, _ in targets],
+        "killed_after_grace": sorted(killed),
+        "evidence": evidence,
+        "unverified": unknown,
+        "quiescence": "proved" if quiescent else "unknown",
+        "evidence_file": str(evidence_file),
+        "elapsed_s": round(time.monotonic() - t0, 3),
+    }
     if still:
-        return ActionResult("abort", "failed", EXIT_CRITICAL,
-                            f"{len(still)} process(es) survived SIGKILL: {sorted(r.pid for r, _ in still)}", details)
+        return ActionResult(
+            "abort",
+            "failed",
+            EXIT_CRITICAL,
+            f"{len(still)} process(es) survived SIGKILL: {sorted(r.pid for r, _ in still)}",
+            details,
+        )
     outcome = "done" if targets else "noop"
-    summary = (f"terminated {len(targets)} process(es); every recorded incarnation is gone" if quiescent
-               else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified")
+    summary = (
+        f"terminated {len(targets)} process(es); every recorded incarnation is gone"
+        if quiescent
+        else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified"
+    )
     return ActionResult("abort", outcome, EXIT_OK, summary, details)
 
 
 def _write_quiescence(job_dir: Path, records: list[Any], *, unknown_ids: set[str], alive_ids: set[str]) -> Path:
     """`coord/quiescence-abort-<ns>.json`: which incarnations this host saw gone (pid + create time), for
     whoever certifies the next generation (e.g. a drained node's workers no new member can check)."""
-    from gpuguard.foundation import jobdir
 
     gone = [r.incarnation_id for r in records if r.incarnation_id not in unknown_ids | alive_ids]
     path = jobdir.coord_dir(job_dir) / f"quiescence-abort-{time.time_ns()}.json"
-    jobdir.atomic_write_json(path, {"schema": "gpuguard.quiescence/1", "host": _hostname(), "time": time.time(),
-                                    "gone": gone, "alive": sorted(alive_ids), "unverified": sorted(unknown_ids)})
+    jobdir.atomic_write_json(
+        path,
+        {
+            "schema": "gpuguard.quiescence/1",
+            "host": _hostname(),
+            "time": time.time(),
+            "gone": gone,
+            "alive": sorted(alive_ids),
+            "unverified": sorted(unknown_ids),
+        },
+    )
     return path
 
 
@@ -169,31 +237,31 @@ def _wait_gone(targets: list[tuple[Any, Any]], timeout: float) -> list[tuple[Any
 
 
 def _hostname() -> str:
-    import socket
-
     return socket.gethostname()
 
 
 def _signal(proc: Any, sig: int) -> None:
-    import psutil
-
     try:
         proc.send_signal(sig)  # psutil re-checks the create time: never a reused pid
     except psutil.NoSuchProcess:
         pass
     except psutil.AccessDenied:
-        from gpuguard.foundation.errors import PermissionDeniedError
-
         raise PermissionDeniedError(f"pid {proc.pid}: not allowed to send signal {sig}") from None
 
 
 # --- rendezvous --------------------------------------------------------------------------------
 
 
-def rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str | None = None,
-               deadline_s: float = 30.0, expect_round: int | None = None, dry_run: bool = False) -> ActionResult:
+def rendezvous(
+    job_dir: Path | None,
+    *,
+    endpoint: str | None = None,
+    run_id: str | None = None,
+    deadline_s: float = 30.0,
+    expect_round: int | None = None,
+    dry_run: bool = False,
+) -> ActionResult:
     """Force exactly one new rendezvous round (concurrent callers coalesce on one)."""
-    from gpuguard.recovery import rendezvous as rdzv
 
     ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
     result = rdzv.trigger_once(ep, deadline_s=deadline_s, expect_round=expect_round, dry_run=dry_run)
@@ -211,13 +279,16 @@ def rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str
 
 
 def read_rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str | None = None) -> ActionResult:
-    from gpuguard.recovery import rendezvous as rdzv
 
     ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
     state = rdzv.read(ep)
-    return ActionResult("rendezvous-state", "done", EXIT_OK,
-                        f"run {ep.run_id!r} round {state.round} ({'complete' if state.complete else 'in progress'})",
-                        {"endpoint": ep.to_json(), "state": state.to_json()})
+    return ActionResult(
+        "rendezvous-state",
+        "done",
+        EXIT_OK,
+        f"run {ep.run_id!r} round {state.round} ({'complete' if state.complete else 'in progress'})",
+        {"endpoint": ep.to_json(), "state": state.to_json()},
+    )
 
 
 # --- restore -----------------------------------------------------------------------------------
@@ -231,8 +302,6 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
     Corrupt or incomplete candidates are rejected with the reason and the next older one is tried,
     at most `max_tries` times. The choice is written to `<job-dir>/restore.json` for the runtime.
     """
-    from gpuguard.recovery import snapshot
-    from gpuguard.foundation import jobdir
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
@@ -241,18 +310,28 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
     frontier, source = _frontier(job_dir)
     bound = step if frontier is None else (frontier if step is None else min(step, frontier))
     selection = snapshot.select_restorable(job_dir, bound, max_tries=max_tries)
-    details: dict[str, Any] = {"frontier": frontier, "frontier_source": source, "limit": bound,
-                               **selection.to_dict()}
+    details: dict[str, Any] = {"frontier": frontier, "frontier_source": source, "limit": bound, **selection.to_dict()}
     if selection.chosen is None:
         if not selection.rejected:
             raise NoInputError(f"{job_dir}: no snapshot or checkpoint to restore")
-        return ActionResult("restore", "failed", EXIT_CRITICAL,
-                            f"no complete, verified state at or before step {bound}: "
-                            f"{len(selection.rejected)} candidate(s) rejected", details, dry_run=dry_run)
+        return ActionResult(
+            "restore",
+            "failed",
+            EXIT_CRITICAL,
+            f"no complete, verified state at or before step {bound}: {len(selection.rejected)} candidate(s) rejected",
+            details,
+            dry_run=dry_run,
+        )
     chosen = selection.chosen
-    pin = {"schema": "gpuguard.restore/1", "step": chosen.step, "path": str(chosen.path), "kind": chosen.kind,
-           "generation": chosen.generation, "manifest_digest": chosen.manifest_digest,
-           "state_digest": chosen.state_digest}
+    pin = {
+        "schema": "gpuguard.restore/1",
+        "step": chosen.step,
+        "path": str(chosen.path),
+        "kind": chosen.kind,
+        "generation": chosen.generation,
+        "manifest_digest": chosen.manifest_digest,
+        "state_digest": chosen.state_digest,
+    }
     path = job_dir / RESTORE_PIN
     current = None
     try:
@@ -272,8 +351,6 @@ def _frontier(job_dir: Path) -> tuple[int | None, str]:
     """The newest step the next generation may start from (the runtime's own rule: `frontier_limit`)."""
     if not (job_dir / "ledger").exists():
         return None, "none (no ledger: bounded by --step only)"
-    from gpuguard.generation.ledger import open_ledger
-    from gpuguard.recovery.activation import frontier_limit
 
     with open_ledger(job_dir) as ledger:
         cert = ledger.active()
@@ -286,12 +363,16 @@ def _frontier(job_dir: Path) -> tuple[int | None, str]:
 # --- verify ------------------------------------------------------------------------------------
 
 
-def verify(job_dir: Path, *, newer_than: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.5,
-           ledger_url: str | None = None, sleep: Callable[[float], None] = time.sleep) -> ActionResult:
+def verify(
+    job_dir: Path,
+    *,
+    newer_than: int | None = None,
+    timeout_s: float = 60.0,
+    poll_s: float = 0.5,
+    ledger_url: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ActionResult:
     """Wait (bounded) for an active certificate newer than `newer_than`, then verify its chain."""
-    from gpuguard.generation.keys import load_key
-    from gpuguard.generation.ledger import open_ledger
-    from gpuguard.generation.verify import verify_ledger
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
@@ -306,52 +387,96 @@ def verify(job_dir: Path, *, newer_than: int | None = None, timeout_s: float = 6
             want = "active certificate" if newer_than is None else f"a generation newer than {newer_than}"
             raise UnavailableError(f"no {want} within {timeout_s:g} s")
         sleep(poll_s)
-    details = {"generation": cert.generation, "certificate_digest": cert.digest(), "reason": cert.reason,
-               "members": len(cert.members), "frontier_step": cert.frontier.step, "quiescence": cert.quiescence,
-               "findings": [str(f) for f in report.findings]}
+    details = {
+        "generation": cert.generation,
+        "certificate_digest": cert.digest(),
+        "reason": cert.reason,
+        "members": len(cert.members),
+        "frontier_step": cert.frontier.step,
+        "quiescence": cert.quiescence,
+        "findings": [str(f) for f in report.findings],
+    }
     if report.findings:
-        return ActionResult("verify", "failed", EXIT_CRITICAL,
-                            f"generation {cert.generation}: {len(report.findings)} finding(s): {report.findings[0]}",
-                            details)
-    return ActionResult("verify", "done", EXIT_OK,
-                        f"generation {cert.generation} verified ({len(cert.members)} members, frontier step "
-                        f"{cert.frontier.step})", details)
+        return ActionResult(
+            "verify",
+            "failed",
+            EXIT_CRITICAL,
+            f"generation {cert.generation}: {len(report.findings)} finding(s): {report.findings[0]}",
+            details,
+        )
+    return ActionResult(
+        "verify",
+        "done",
+        EXIT_OK,
+        f"generation {cert.generation} verified ({len(cert.members)} members, frontier step {cert.frontier.step})",
+        details,
+    )
 
 
 # --- shared driver: confirmation + audit -------------------------------------------------------
 
 
-def run_action(name: str, fn: Callable[..., ActionResult], kwargs: Mapping[str, Any], *, job_dir: Path | None,
-               dry_run: bool, yes: bool, confirm: Callable[[str], bool] | None,
-               run_id: str | None = None, step: str | None = None) -> ActionResult:
+def run_action(
+    name: str,
+    fn: Callable[..., ActionResult],
+    kwargs: Mapping[str, Any],
+    *,
+    job_dir: Path | None,
+    dry_run: bool,
+    yes: bool,
+    confirm: Callable[[str], bool] | None,
+    run_id: str | None = None,
+    step: str | None = None,
+) -> ActionResult:
     """Ask (or require --yes) for a mutating action, run it, append the audit record.
 
     `confirm` is None when no terminal is attached: then a mutating action without --yes is refused
     (exit 4) and nothing is changed. Dry runs change nothing, the audit log included.
     """
-    from gpuguard.recovery import audit
 
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}
     if name in MUTATING and not dry_run and not yes:
         if confirm is None or not confirm(f"{name} {args}?"):
             why = "not confirmed" if confirm is not None else "no terminal to confirm on: pass --yes (or --dry-run)"
             if job_dir is not None and job_dir.is_dir():
-                audit.append(job_dir, audit.new_record(name, "refused", EXIT_REFUSED, args=args, run_id=run_id,
-                                                       step=step, detail={"why": why}))
+                audit.append(
+                    job_dir,
+                    audit.new_record(
+                        name, "refused", EXIT_REFUSED, args=args, run_id=run_id, step=step, detail={"why": why}
+                    ),
+                )
             raise RefusedError(f"{name} refused: {why}")
     try:
         result = fn(**kwargs, dry_run=dry_run) if name in MUTATING else fn(**kwargs)
     except GpuguardError as exc:
         if job_dir is not None and job_dir.is_dir() and not dry_run:
-            audit.append(job_dir, audit.new_record(name, "error", exc.exit_code, args=args, run_id=run_id,
-                                                   step=step, detail={"error": str(exc)}))
+            audit.append(
+                job_dir,
+                audit.new_record(
+                    name, "error", exc.exit_code, args=args, run_id=run_id, step=step, detail={"error": str(exc)}
+                ),
+            )
         raise
     if job_dir is not None and job_dir.is_dir() and not dry_run:
-        audit.append(job_dir, audit.new_record(name, result.outcome, result.exit_code, args=args, run_id=run_id,
-                                               step=step, detail={"summary": result.summary, **result.details}))
+        audit.append(
+            job_dir,
+            audit.new_record(
+                name,
+                result.outcome,
+                result.exit_code,
+                args=args,
+                run_id=run_id,
+                step=step,
+                detail={"summary": result.summary, **result.details},
+            ),
+        )
     return result
 
 
 ACTIONS: dict[str, Callable[..., ActionResult]] = {
-    "diagnose": diagnose, "abort": abort, "rendezvous": rendezvous, "restore": restore, "verify": verify,
+    "diagnose": diagnose,
+    "abort": abort,
+    "rendezvous": rendezvous,
+    "restore": restore,
+    "verify": verify,
 }

@@ -8,8 +8,9 @@ has a fast unit test.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from gpuguard.generation.records import Certificate, Frontier
 from gpuguard.recovery.snapshot import Selection
@@ -20,21 +21,32 @@ class Hello:
     """What one member publishes before activation (one JSON value in the attempt's store)."""
 
     rank: int
-    incarnation: Mapping[str, Any]           # Incarnation.to_dict()
+    incarnation: Mapping[str, Any]  # Incarnation.to_dict()
     host: str
-    old_gone: tuple[str, ...] = ()           # parent incarnations on this host proved gone
-    old_alive: tuple[str, ...] = ()          # parent incarnations on this host still running
-    newest_local_step: int | None = None     # newest verified snapshot this member can read
+    old_gone: tuple[str, ...] = ()  # parent incarnations on this host proved gone
+    old_alive: tuple[str, ...] = ()  # parent incarnations on this host still running
+    newest_local_step: int | None = None  # newest verified snapshot this member can read
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "incarnation": dict(self.incarnation), "host": self.host,
-                "old_gone": list(self.old_gone), "old_alive": list(self.old_alive),
-                "newest_local_step": self.newest_local_step}
+        return {
+            "rank": self.rank,
+            "incarnation": dict(self.incarnation),
+            "host": self.host,
+            "old_gone": list(self.old_gone),
+            "old_alive": list(self.old_alive),
+            "newest_local_step": self.newest_local_step,
+        }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Hello":
-        return cls(int(d["rank"]), dict(d["incarnation"]), str(d["host"]), tuple(d.get("old_gone", ())),
-                   tuple(d.get("old_alive", ())), d.get("newest_local_step"))
+    def from_dict(cls, d: Mapping[str, Any]) -> Hello:
+        return cls(
+            int(d["rank"]),
+            dict(d["incarnation"]),
+            str(d["host"]),
+            tuple(d.get("old_gone", ())),
+            tuple(d.get("old_alive", ())),
+            d.get("newest_local_step"),
+        )
 
 
 @dataclass(frozen=True)
@@ -53,8 +65,7 @@ def frontier_limit(parent: Certificate | None, committed_by_all: int | None) -> 
     return max(parent.frontier.step, committed_by_all if committed_by_all is not None else -1)
 
 
-def choose_frontier(parent: Certificate | None, committed_by_all: int | None,
-                    selection: Selection) -> FrontierChoice:
+def choose_frontier(parent: Certificate | None, committed_by_all: int | None, selection: Selection) -> FrontierChoice:
     """The frontier of the next generation from the newest verified state at or below the limit.
 
     No verified state at all (first start, or every snapshot rejected) -> step 0 with no digest:
@@ -64,8 +75,12 @@ def choose_frontier(parent: Certificate | None, committed_by_all: int | None,
     rejected = tuple(f"step {r.step}: {r.reason}" for r in selection.rejected)
     chosen = selection.chosen
     if chosen is not None and chosen.step <= limit and chosen.manifest_digest:
-        return FrontierChoice(Frontier(chosen.step, chosen.manifest_digest), limit,
-                              f"newest verified {chosen.kind[:-1]} at or before step {limit}", rejected)
+        return FrontierChoice(
+            Frontier(chosen.step, chosen.manifest_digest),
+            limit,
+            f"newest verified {chosen.kind[:-1]} at or before step {limit}",
+            rejected,
+        )
     note = "no verified state on disk: start from the initial state" if limit > 0 else "first start"
     return FrontierChoice(Frontier(0, ""), limit, note, rejected)
 

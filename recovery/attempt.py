@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gpuguard.recovery.rendezvous import read_state
+from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
+
 ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"
 
 
@@ -27,8 +30,6 @@ class Attempt:
 
 
 def _read_round(endpoint: str, run_id: str, timeout_s: float) -> int | None:
-    from gpuguard.recovery.rendezvous import read_state  # noqa: PLC0415
-    from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint  # noqa: PLC0415
 
     host, port = parse_endpoint(endpoint)
     if port == 0:
@@ -66,6 +67,9 @@ def current_attempt(env: dict[str, str] | None = None, timeout_s: float = 5.0) -
         if rnd is not None:
             return Attempt(f"r{rnd}-p{master_port}", rnd, f"rendezvous round via {source}")
     restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return Attempt(f"c{restart}-p{master_port}", None,
-                   "restart count (rendezvous round unreadable: membership restarts may reuse a namespace; "
-                   f"set {ENDPOINT_ENV}=host:port)")
+    return Attempt(
+        f"c{restart}-p{master_port}",
+        None,
+        "restart count (rendezvous round unreadable: membership restarts may reuse a namespace; "
+        f"set {ENDPOINT_ENV}=host:port)",
+    )

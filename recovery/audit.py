@@ -14,9 +14,10 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from gpuguard.foundation.errors import from_os_error
 from gpuguard.foundation.jobdir import audit_log_path
@@ -41,16 +42,38 @@ class AuditRecord:
     detail: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "time": self.time, "user": self.user, "host": self.host, "pid": self.pid,
-                "action": self.action, "args": dict(self.args), "dry_run": self.dry_run, "outcome": self.outcome,
-                "exit_code": self.exit_code, "run_id": self.run_id, "step": self.step, "detail": dict(self.detail)}
+        return {
+            "schema": SCHEMA,
+            "time": self.time,
+            "user": self.user,
+            "host": self.host,
+            "pid": self.pid,
+            "action": self.action,
+            "args": dict(self.args),
+            "dry_run": self.dry_run,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "run_id": self.run_id,
+            "step": self.step,
+            "detail": dict(self.detail),
+        }
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "AuditRecord":
-        return cls(action=str(doc["action"]), outcome=str(doc["outcome"]), exit_code=int(doc["exit_code"]),
-                   time=float(doc["time"]), user=str(doc.get("user", "")), host=str(doc.get("host", "")),
-                   pid=int(doc.get("pid", 0)), args=dict(doc.get("args") or {}), dry_run=bool(doc.get("dry_run")),
-                   run_id=doc.get("run_id"), step=doc.get("step"), detail=dict(doc.get("detail") or {}))
+    def from_dict(cls, doc: Mapping[str, Any]) -> AuditRecord:
+        return cls(
+            action=str(doc["action"]),
+            outcome=str(doc["outcome"]),
+            exit_code=int(doc["exit_code"]),
+            time=float(doc["time"]),
+            user=str(doc.get("user", "")),
+            host=str(doc.get("host", "")),
+            pid=int(doc.get("pid", 0)),
+            args=dict(doc.get("args") or {}),
+            dry_run=bool(doc.get("dry_run")),
+            run_id=doc.get("run_id"),
+            step=doc.get("step"),
+            detail=dict(doc.get("detail") or {}),
+        )
 
 
 def _who() -> str:
@@ -60,11 +83,31 @@ def _who() -> str:
         return str(os.getuid())
 
 
-def new_record(action: str, outcome: str, exit_code: int, *, args: Mapping[str, Any] | None = None,
-               dry_run: bool = False, run_id: str | None = None, step: str | None = None,
-               detail: Mapping[str, Any] | None = None) -> AuditRecord:
-    return AuditRecord(action, outcome, int(exit_code), time.time(), _who(), socket.gethostname(), os.getpid(),
-                       dict(args or {}), dry_run, run_id, step, dict(detail or {}))
+def new_record(
+    action: str,
+    outcome: str,
+    exit_code: int,
+    *,
+    args: Mapping[str, Any] | None = None,
+    dry_run: bool = False,
+    run_id: str | None = None,
+    step: str | None = None,
+    detail: Mapping[str, Any] | None = None,
+) -> AuditRecord:
+    return AuditRecord(
+        action,
+        outcome,
+        int(exit_code),
+        time.time(),
+        _who(),
+        socket.gethostname(),
+        os.getpid(),
+        dict(args or {}),
+        dry_run,
+        run_id,
+        step,
+        dict(detail or {}),
+    )
 
 
 def encode(record: AuditRecord) -> bytes:

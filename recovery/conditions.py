@@ -17,18 +17,22 @@ raises one `ConditionError` naming the position. Ordering between non-numbers is
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MAX_LENGTH = 500
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<ws>\s+)
   | (?P<num>-?\d+(?:\.\d+)?)
   | (?P<str>'[^'\\]*'|"[^"\\]*")
   | (?P<op>==|!=|<=|>=|<|>|\[|\]|\(|\)|,)
   | (?P<ref>[A-Za-z_][A-Za-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_]*)
   | (?P<word>[A-Za-z_][A-Za-z0-9_-]*)
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 _KEYWORDS = {"and", "or", "not", "in"}
 _CONSTANTS = {"true": True, "false": False, "null": None}
 
@@ -219,8 +223,11 @@ def _value(tree: tuple, results: Mapping[str, Mapping[str, Any]]) -> Any:
     if op == "!=":
         return not _eq(left, right)
     if op in ("in", "not in"):
-        found = any(_eq(left, item) for item in right) if isinstance(right, list) else (
-            isinstance(left, str) and isinstance(right, str) and left in right)
+        found = (
+            any(_eq(left, item) for item in right)
+            if isinstance(right, list)
+            else (isinstance(left, str) and isinstance(right, str) and left in right)
+        )
         return found if op == "in" else not found
     if not (_is_number(left) and _is_number(right)):
         return False

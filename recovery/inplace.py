@@ -37,17 +37,30 @@ import socket
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from gpuguard.foundation.identity import GONE_STATES, process_status
-from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.identity import GONE_STATES, process_status
+from gpuguard.foundation.steplog import StepLog
+from gpuguard.generation.certificate import check_stored, issue
+from gpuguard.generation.job import issuer
+from gpuguard.generation.records import Frontier, Member
+from gpuguard.recovery.activation import frontier_limit
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
-from gpuguard.recovery.switch import (Layout, Report, agree_on_state, choose_coordinator, dense_ranks, shrink_layout,
-                                      switch_reason)
+from gpuguard.recovery.switch import (
+    Layout,
+    Report,
+    agree_on_state,
+    choose_coordinator,
+    dense_ranks,
+    shrink_layout,
+    switch_reason,
+)
 
 StepFn = Callable[[int, int, int], None]
 ABORT_FILE = "abort.json"
@@ -114,8 +127,15 @@ def _kill_and_confirm(pid: int, start_time: float, timeout: float = 5.0) -> bool
 class InPlaceRuntime(Runtime):
     """The Runtime plus the in-place switch (see the module docstring)."""
 
-    def __init__(self, *args: Any, layout: Layout | None = None, grace_s: float = 1.0,
-                 switch_timeout_s: float = 60.0, keep_local: int = 3, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        layout: Layout | None = None,
+        grace_s: float = 1.0,
+        switch_timeout_s: float = 60.0,
+        keep_local: int = 3,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.layout = layout or Layout(dp=self.world_size)
         self.grace_s, self.switch_timeout_s = grace_s, switch_timeout_s
@@ -145,8 +165,7 @@ class InPlaceRuntime(Runtime):
         return self.replicated_digest()
 
     # ------------------------------------------------------------------ activation and commits
-    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None,
-                 extra: Any = None) -> TrainState:
+    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None, extra: Any = None) -> TrainState:
         state = super().activate(model, optimizer, scheduler, extra)
         self.committed = state.frontier_step
         self._remember(state.frontier_step)
@@ -230,8 +249,17 @@ class InPlaceRuntime(Runtime):
         self.pg = None
 
     def _report(self, generation: int, failure: str) -> Report:
-        rep = Report(generation, self.rank, self.incarnation.id, os.getpid(), socket.gethostname(), self.committed,
-                     {s: d for s, (_, d) in self._local.items()}, failure, time.time())
+        rep = Report(
+            generation,
+            self.rank,
+            self.incarnation.id,
+            os.getpid(),
+            socket.gethostname(),
+            self.committed,
+            {s: d for s, (_, d) in self._local.items()},
+            failure,
+            time.time(),
+        )
         d = inplace_dir(self.job_dir) / f"g{generation}"
         d.mkdir(parents=True, exist_ok=True)
         jobdir.atomic_write_json(d / f"report-{self.rank}-{self.incarnation.id}.json", rep.to_dict())
@@ -257,8 +285,12 @@ class InPlaceRuntime(Runtime):
                 self._refuse(f"in-place switch refused: {jobdir.read_json(refused).get('reason')}")
             reports = read_reports(self.job_dir, generation)
             members = parent.ranks
-            gone = [r for r, rep in reports.items() if rep.host == me.host
-                    and _process_state(rep.pid, members[r].start_time if r in members else 0.0) == "gone"]
+            gone = [
+                r
+                for r, rep in reports.items()
+                if rep.host == me.host
+                and _process_state(rep.pid, members[r].start_time if r in members else 0.0) == "gone"
+            ]
             if choose_coordinator(reports, gone) == self.rank:
                 if coordinating_since is None:
                     coordinating_since = time.time()
@@ -267,22 +299,23 @@ class InPlaceRuntime(Runtime):
                 if done:
                     continue
             time.sleep(0.005)
-        raise UnavailableError(f"in-place switch from generation {generation}: no decision within "
-                               f"{self.switch_timeout_s:.0f} s")
+        raise UnavailableError(
+            f"in-place switch from generation {generation}: no decision within {self.switch_timeout_s:.0f} s"
+        )
 
     def _refuse(self, why: str) -> None:
-        print(f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) stops: {why}",
-              file=sys.stderr, flush=True)
+        print(
+            f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) stops: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(EXIT_REFUSED)
 
     # ------------------------------------------------------------------ the coordinator
-    def _coordinate_switch(self, parent: Any, reports: dict[int, Report], since: float, operator: bool,
-                           phases: dict[str, float]) -> bool:
+    def _coordinate_switch(
+        self, parent: Any, reports: dict[int, Report], since: float, operator: bool, phases: dict[str, float]
+    ) -> bool:
         """One pass of the decision; True once a certificate is active (mine or a racer's)."""
-        from gpuguard.generation.certificate import issue  # noqa: PLC0415
-        from gpuguard.generation.job import issuer  # noqa: PLC0415
-        from gpuguard.generation.records import Frontier, Member  # noqa: PLC0415
-        from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
 
         host = socket.gethostname()
         operator = operator or any(r.failure == OPERATOR_ABORT for r in reports.values())
@@ -306,18 +339,23 @@ class InPlaceRuntime(Runtime):
                     self._log(f"could not kill rank {m.rank} pid {inc.pid}: waiting")
                     return False
                 killed.append(m.rank)
-                self._killed[inc.id] = f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"
+                self._killed[inc.id] = (
+                    f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"
+                )
                 evidence.append(self._killed[inc.id])
             elif rep is None:
                 waiting.append(m.rank)
             else:
                 kept.append(m.rank)
-                evidence.append(f"rank {m.rank} incarnation {inc.id}: reported, tore down generation "
-                                f"{parent.generation}'s group")
+                evidence.append(
+                    f"rank {m.rank} incarnation {inc.id}: reported, tore down generation {parent.generation}'s group"
+                )
         if waiting:
             if time.time() - since > max(self.grace_s, 5.0) and any(parent.ranks[r].host != host for r in waiting):
-                self._record_refusal(parent.generation, f"ranks {waiting} on other hosts neither reported nor can be "
-                                                        "proved gone from here")
+                self._record_refusal(
+                    parent.generation,
+                    f"ranks {waiting} on other hosts neither reported nor can be proved gone from here",
+                )
             return False
         phases["evicted"] = time.time()
         lost = dead + killed
@@ -342,16 +380,29 @@ class InPlaceRuntime(Runtime):
         members = [Member(new_rank[r], parent.ranks[r]) for r in kept]
         t0 = phases.get("detect", since)  # certificate phases: seconds after this coordinator saw the failure
         ts = {k: round(v - t0, 6) for k, v in phases.items()}
-        cert = issue(parent=parent, job_id=parent.job_id, members=members,
-                     reason=switch_reason(dead=dead, killed=killed, operator=operator),
-                     frontier=Frontier(frontier, manifest), quiescence="proved",
-                     quiescence_evidence=evidence, issued_by=f"gpuguard-inplace {issuer()}", key=ledger.key,
-                     extra={"switch": "in-place", "phases": ts, "layout": shrink.layout.to_dict(),
-                            "previous_layout": self.layout.to_dict(), "evicted": {"dead": dead, "killed": killed},
-                            "rank_map": {str(old): new for old, new in new_rank.items()},
-                            "committed_by_all": committed, "replicated_state_digest": agreement.digest,
-                            "coordinator": {"rank": self.rank, "incarnation": self.incarnation.id},
-                            "rolled_back": sorted(r for r in kept if (reports[r].committed_step or 0) > frontier)})
+        cert = issue(
+            parent=parent,
+            job_id=parent.job_id,
+            members=members,
+            reason=switch_reason(dead=dead, killed=killed, operator=operator),
+            frontier=Frontier(frontier, manifest),
+            quiescence="proved",
+            quiescence_evidence=evidence,
+            issued_by=f"gpuguard-inplace {issuer()}",
+            key=ledger.key,
+            extra={
+                "switch": "in-place",
+                "phases": ts,
+                "layout": shrink.layout.to_dict(),
+                "previous_layout": self.layout.to_dict(),
+                "evicted": {"dead": dead, "killed": killed},
+                "rank_map": {str(old): new for old, new in new_rank.items()},
+                "committed_by_all": committed,
+                "replicated_state_digest": agreement.digest,
+                "coordinator": {"rank": self.rank, "incarnation": self.incarnation.id},
+                "rolled_back": sorted(r for r in kept if (reports[r].committed_step or 0) > frontier),
+            },
+        )
         try:
             ledger.activate(cert, manifest_ok=True if manifest else None)
         except RefusedError as exc:
@@ -361,27 +412,30 @@ class InPlaceRuntime(Runtime):
             self._record_refusal(parent.generation, str(exc))
             return False
         phases["certified"] = time.time()
-        self._log(f"in-place: generation {cert.generation} certified (world {len(members)}, frontier {frontier}, "
-                  f"evicted dead={dead} killed={killed})")
+        self._log(
+            f"in-place: generation {cert.generation} certified (world {len(members)}, frontier {frontier}, "
+            f"evicted dead={dead} killed={killed})"
+        )
         return True
 
     def _record_refusal(self, generation: int, reason: str) -> None:
         path = inplace_dir(self.job_dir) / f"g{generation}" / "refused.json"
-        jobdir.atomic_write_json(path, {"generation": generation, "reason": reason, "by": self.incarnation.id,
-                                        "time": time.time()})
+        jobdir.atomic_write_json(
+            path, {"generation": generation, "reason": reason, "by": self.incarnation.id, "time": time.time()}
+        )
         self._refuse(f"in-place switch refused: {reason}")
 
     # ------------------------------------------------------------------ joining the next generation
     def _join(self, cert: Any, phases: dict[str, float]) -> str | None:
         """Verify, roll back, form the new group. None when joined, else why the group failed."""
-        from gpuguard.generation.certificate import check_stored  # noqa: PLC0415
 
         ledger = self.ledger()
         parent = ledger.get(cert.parent_generation)
         violations = check_stored(cert, parent=parent, key=ledger.key)
         if violations:
-            self._refuse(f"certificate of generation {cert.generation} fails rule {violations[0].rule}: "
-                         f"{violations[0].message}")
+            self._refuse(
+                f"certificate of generation {cert.generation} fails rule {violations[0].rule}: {violations[0].message}"
+            )
         mine = [m for m in cert.members if m.incarnation.id == self.incarnation.id]
         if not mine:
             self._refuse(f"evicted: generation {cert.generation} does not admit this incarnation")
@@ -427,8 +481,13 @@ class InPlaceRuntime(Runtime):
         try:
             store = dist.FileStore(str(path), -1)
             store.set_timeout(timedelta(seconds=self.pg_timeout_s))
-            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=self.pg_timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("pg", store),
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.pg_timeout_s),
+            )
         except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
             failure = f"group of generation {generation} did not form: {type(exc).__name__}: {str(exc)[:200]}"
         if failure is not None:
@@ -438,7 +497,6 @@ class InPlaceRuntime(Runtime):
         return None
 
     def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
-        from gpuguard.foundation.steplog import StepLog  # noqa: PLC0415
 
         if self._steplog is not None:
             self._steplog.close()
@@ -446,14 +504,22 @@ class InPlaceRuntime(Runtime):
         if self.rank == 0 and self._snapshotter is None:
             self._snapshotter = _Snapshotter(self._write_snapshot)
         self._write_incarnation(phases=phases, switch="in-place")
-        rec = {"schema": "gpuguard.inplace-switch/1", "generation": cert.generation,
-               "parent_generation": cert.parent_generation, "frontier_step": cert.frontier.step,
-               "world_size": self.world_size, "reason": cert.reason, "phases": dict(phases),
-               "certificate_phases": dict(cert.extra.get("phases") or {})}
+        rec = {
+            "schema": "gpuguard.inplace-switch/1",
+            "generation": cert.generation,
+            "parent_generation": cert.parent_generation,
+            "frontier_step": cert.frontier.step,
+            "world_size": self.world_size,
+            "reason": cert.reason,
+            "phases": dict(phases),
+            "certificate_phases": dict(cert.extra.get("phases") or {}),
+        }
         self.switches.append(rec)
         self._pending_first_commit = rec
-        self._log(f"generation {cert.generation} active in place: rank {self.rank} of {self.world_size}, "
-                  f"resuming at step {cert.frontier.step + 1}")
+        self._log(
+            f"generation {cert.generation} active in place: rank {self.rank} of {self.world_size}, "
+            f"resuming at step {cert.frontier.step + 1}"
+        )
 
 
 __all__ = ["InPlaceRuntime", "Layout", "inplace_dir", "read_reports", "request_abort"]

@@ -21,14 +21,16 @@ import os
 import pickle
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from gpuguard.collectors.torchrun import torchrun_agents
 from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
+from gpuguard.foundation.jobdir import read_incarnations
 from gpuguard.foundation.unpickle import admit, restricted_loads
-from gpuguard.collectors.torchrun import parse_torchrun_cmdline, torchrun_agents
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -148,12 +150,18 @@ class Endpoint:
         return f"torch.rendezvous.{self.run_id}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "run_id": self.run_id, "agent_pid": self.agent_pid,
-                "source": self.source}
+        return {
+            "host": self.host,
+            "port": self.port,
+            "run_id": self.run_id,
+            "agent_pid": self.agent_pid,
+            "source": self.source,
+        }
 
 
-def find_endpoint(*, endpoint: str | None = None, run_id: str | None = None, job_dir: Path | None = None,
-                  agent_pid: int | None = None) -> Endpoint:
+def find_endpoint(
+    *, endpoint: str | None = None, run_id: str | None = None, job_dir: Path | None = None, agent_pid: int | None = None
+) -> Endpoint:
     """Where the rendezvous lives: from the options, else from the live agent's command line.
 
     The agent is the one recorded in the job dir's incarnations (its `agent_pid`), or the only
@@ -185,7 +193,6 @@ def find_endpoint(*, endpoint: str | None = None, run_id: str | None = None, job
 
 def _agent_from_job_dir(job_dir: Path) -> tuple[int | None, str | None]:
     """The newest recorded incarnation's agent pid and run id."""
-    from gpuguard.foundation.jobdir import read_incarnations
 
     records = read_incarnations(job_dir)  # oldest file first
     if not records:
@@ -228,9 +235,15 @@ class TriggerResult:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "round_before": self.round_before, "round_after": self.round_after,
-                "round_change_s": self.injected_s, "wait_list_entry_gone": self.removed,
-                "rounds_seen": self.rounds_seen, "notes": self.notes}
+        return {
+            "outcome": self.outcome,
+            "round_before": self.round_before,
+            "round_after": self.round_after,
+            "round_change_s": self.injected_s,
+            "wait_list_entry_gone": self.removed,
+            "rounds_seen": self.rounds_seen,
+            "notes": self.notes,
+        }
 
 
 def _lease_value(holder: str, round_: int, ttl: float) -> bytes:
@@ -253,9 +266,18 @@ def _parse_lease(raw: bytes | None) -> dict[str, Any] | None:
     return doc
 
 
-def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.005, settle_s: float = 1.0,
-                 lease_ttl_s: float = 60.0, expect_round: int | None = None, dry_run: bool = False,
-                 store_timeout: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> TriggerResult:
+def trigger_once(
+    ep: Endpoint,
+    *,
+    deadline_s: float = 30.0,
+    poll_s: float = 0.005,
+    settle_s: float = 1.0,
+    lease_ttl_s: float = 60.0,
+    expect_round: int | None = None,
+    dry_run: bool = False,
+    store_timeout: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> TriggerResult:
     """Force exactly one new rendezvous round of a live job.
 
     A lease key (compare_set, with an expiry for a crashed holder) makes concurrent callers coalesce:
@@ -274,10 +296,16 @@ def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.00
         if state.closed:
             raise RefusedError(f"rendezvous {ep.run_id!r} is closed: the job is shutting down")
         if expect_round is not None and start_round != expect_round:
-            return TriggerResult("already-advanced", expect_round, start_round, notes=[
-                f"round is {start_round}, not the expected {expect_round}: a new round already happened"])
+            return TriggerResult(
+                "already-advanced",
+                expect_round,
+                start_round,
+                notes=[f"round is {start_round}, not the expected {expect_round}: a new round already happened"],
+            )
         if dry_run:
-            return TriggerResult("dry-run", start_round, start_round, notes=["would inject one transient wait_list node"])
+            return TriggerResult(
+                "dry-run", start_round, start_round, notes=["would inject one transient wait_list node"]
+            )
 
         # 1. the lease: exactly one injector per round.
         mine = _lease_value(holder, start_round, lease_ttl_s)
@@ -300,8 +328,15 @@ def trigger_once(ep: Endpoint, *, deadline_s: float = 30.0, poll_s: float = 0.00
                     break
 
 
-def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_round: int, end: float,
-              poll_s: float, sleep: Callable[[float], None]) -> TriggerResult:
+def _coalesce(
+    client: StoreClient,
+    ep: Endpoint,
+    lease: dict[str, Any],
+    start_round: int,
+    end: float,
+    poll_s: float,
+    sleep: Callable[[float], None],
+) -> TriggerResult:
     """Another operator holds the lease: wait for its round instead of making a second one."""
     lease_round = lease["round"]
     seen = [start_round]
@@ -310,8 +345,13 @@ def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_ro
         if state is not None and state.round > lease_round:
             if state.round != seen[-1]:
                 seen.append(state.round)
-            return TriggerResult("coalesced", start_round, state.round, rounds_seen=seen,
-                                 notes=[f"another operator ({lease.get('holder')}) triggered the round"])
+            return TriggerResult(
+                "coalesced",
+                start_round,
+                state.round,
+                rounds_seen=seen,
+                notes=[f"another operator ({lease.get('holder')}) triggered the round"],
+            )
         raw = client.get(LEASE_PREFIX + ep.run_id)
         if not raw:  # released without a new round (it failed): report, do not inject a second one
             break
@@ -319,8 +359,16 @@ def _coalesce(client: StoreClient, ep: Endpoint, lease: dict[str, Any], start_ro
     raise UnavailableError(f"the concurrent trigger by {lease.get('holder')} produced no new round before the deadline")
 
 
-def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, token: bytes | None, end: float,
-                     poll_s: float, settle_s: float, sleep: Callable[[float], None]) -> TriggerResult:
+def _inject_and_wait(
+    client: StoreClient,
+    ep: Endpoint,
+    state: RendezvousState,
+    token: bytes | None,
+    end: float,
+    poll_s: float,
+    settle_s: float,
+    sleep: Callable[[float], None],
+) -> TriggerResult:
     """Put a participant agent's OWN node descriptor into `wait_list`.
 
     Every agent's monitor sees a waiting node and restarts its workers; the agent whose descriptor
@@ -333,8 +381,13 @@ def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, 
     start_round = state.round
     seen = [start_round]
     if not state.complete:
-        return TriggerResult("already-advanced", start_round, start_round, rounds_seen=seen,
-                             notes=["a rendezvous round is already in progress"])
+        return TriggerResult(
+            "already-advanced",
+            start_round,
+            start_round,
+            rounds_seen=seen,
+            notes=["a rendezvous round is already in progress"],
+        )
     if not state.participants:
         raise RefusedError(f"rendezvous {ep.run_id!r} has no participants: nothing to restart")
     node = min(state.participants)
@@ -343,7 +396,9 @@ def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, 
     try:
         while injected_at is None:
             if state.round != start_round or not state.complete:
-                return TriggerResult("already-advanced", start_round, state.round, rounds_seen=[start_round, state.round])
+                return TriggerResult(
+                    "already-advanced", start_round, state.round, rounds_seen=[start_round, state.round]
+                )
             if node not in state.participants:
                 raise RefusedError(f"agent {node!r} left the rendezvous while triggering")
             state.wait_list.add(node)
@@ -360,8 +415,9 @@ def _inject_and_wait(client: StoreClient, ep: Endpoint, state: RendezvousState, 
             state, token = read_state(client, ep.run_id)
             if state is not None and state.round != start_round:
                 seen.append(state.round)
-                result = TriggerResult("triggered", start_round, state.round, round(time.monotonic() - injected_at, 3),
-                                       rounds_seen=seen)
+                result = TriggerResult(
+                    "triggered", start_round, state.round, round(time.monotonic() - injected_at, 3), rounds_seen=seen
+                )
                 break
             sleep(poll_s)
         else:

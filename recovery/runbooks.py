@@ -28,13 +28,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, UsageError
-from gpuguard.recovery import conditions
+from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.recovery import actions, audit, conditions
 
 BUILTIN_DIR = "runbooks"
 CONSOLE_SCRIPTS = ("gpu-doctor", "gpu-generation", "gpu-recover")
@@ -98,8 +99,6 @@ def locate(name_or_file: str) -> tuple[str, str]:
     except UnicodeDecodeError:
         raise RunbookError(f"{path}: not a text file") from None
     except OSError as exc:
-        from gpuguard.foundation.errors import from_os_error
-
         raise from_os_error(exc, str(path)) from None
 
 
@@ -120,7 +119,9 @@ def parse(text: str, source: str = "<runbook>") -> Runbook:
         why = str(getattr(exc, "problem", None) or exc).replace("\n", " ")
         raise RunbookError(f"{source}: not valid YAML{where}: {why}") from None
     except (ValueError, TypeError, RecursionError) as exc:
-        raise RunbookError(f"{source}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise RunbookError(
+            f"{source}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     return validate(doc, source)
 
 
@@ -185,8 +186,9 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
     for key, value in args.items():
         if key not in allowed:
             shown = key if isinstance(key, str) and key.isidentifier() else repr(str(key)[:40])
-            raise err(f"{where}: field 'args.{shown}': not an argument of {action} "
-                      f"(allowed: {', '.join(allowed) or 'none'})")
+            raise err(
+                f"{where}: field 'args.{shown}': not an argument of {action} (allowed: {', '.join(allowed) or 'none'})"
+            )
         if isinstance(value, bool) or not isinstance(value, allowed[key]):
             raise err(f"{where}: field 'args.{key}': wrong type {type(value).__name__}")
         if key == "ranks" and not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
@@ -224,8 +226,14 @@ class StepReport:
     resumed: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "action": self.action, "outcome": self.outcome, "exit_code": self.exit_code,
-                "summary": self.summary, "resumed": self.resumed}
+        return {
+            "name": self.name,
+            "action": self.action,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "summary": self.summary,
+            "resumed": self.resumed,
+        }
 
 
 @dataclass
@@ -238,14 +246,20 @@ class RunReport:
     exit_code: int = EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": "gpuguard.action/1", "action": "runbook", "runbook": self.runbook, "run_id": self.run_id,
-                "dry_run": self.dry_run, "outcome": self.outcome, "exit_code": self.exit_code,
-                "steps": [s.to_json() for s in self.steps]}
+        return {
+            "schema": "gpuguard.action/1",
+            "action": "runbook",
+            "runbook": self.runbook,
+            "run_id": self.run_id,
+            "dry_run": self.dry_run,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "steps": [s.to_json() for s in self.steps],
+        }
 
 
 def completed_steps(job_dir: Path, run_id: str) -> dict[str, dict[str, Any]]:
     """Step results of `run_id` already in the audit log (the last record of each step wins)."""
-    from gpuguard.recovery import audit
 
     done: dict[str, dict[str, Any]] = {}
     for rec in audit.read(job_dir).records:
@@ -259,7 +273,6 @@ def completed_steps(job_dir: Path, run_id: str) -> dict[str, dict[str, Any]]:
 
 def unfinished_run(job_dir: Path, runbook: str) -> str | None:
     """The newest run of `runbook` that started and never finished (to resume by default)."""
-    from gpuguard.recovery import audit
 
     open_runs: dict[str, float] = {}
     for rec in audit.read(job_dir).records:
@@ -272,9 +285,16 @@ def unfinished_run(job_dir: Path, runbook: str) -> str | None:
     return max(open_runs, key=open_runs.get) if open_runs else None
 
 
-def run(book: Runbook, job_dir: Path, *, dry_run: bool, yes: bool, confirm: Callable[[str], bool] | None,
-        run_id: str | None = None, progress: Callable[[StepReport], None] | None = None) -> RunReport:
-    from gpuguard.recovery import actions, audit
+def run(
+    book: Runbook,
+    job_dir: Path,
+    *,
+    dry_run: bool,
+    yes: bool,
+    confirm: Callable[[str], bool] | None,
+    run_id: str | None = None,
+    progress: Callable[[StepReport], None] | None = None,
+) -> RunReport:
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
@@ -283,15 +303,28 @@ def run(book: Runbook, job_dir: Path, *, dry_run: bool, yes: bool, confirm: Call
     report = RunReport(book.name, run_id, dry_run)
     done = {} if dry_run else completed_steps(job_dir, run_id)
     if not dry_run:
-        audit.append(job_dir, audit.new_record("runbook", "started", EXIT_OK, run_id=run_id,
-                                               args={"runbook": book.name, "source": book.source,
-                                                     "resumed": bool(done)}))
+        audit.append(
+            job_dir,
+            audit.new_record(
+                "runbook",
+                "started",
+                EXIT_OK,
+                run_id=run_id,
+                args={"runbook": book.name, "source": book.source, "resumed": bool(done)},
+            ),
+        )
     results: dict[str, dict[str, Any]] = {}
     for step in book.steps:
         if step.name in done:
             results[step.name] = done[step.name]
-            rep = StepReport(step.name, step.action, done[step.name]["outcome"], int(done[step.name]["exit_code"]),
-                             "already completed in this run (from the audit log)", resumed=True)
+            rep = StepReport(
+                step.name,
+                step.action,
+                done[step.name]["outcome"],
+                int(done[step.name]["exit_code"]),
+                "already completed in this run (from the audit log)",
+                resumed=True,
+            )
         else:
             rep = _run_step(step, book, job_dir, results, dry_run=dry_run, yes=yes, confirm=confirm, run_id=run_id)
         report.steps.append(rep)
@@ -301,31 +334,61 @@ def run(book: Runbook, job_dir: Path, *, dry_run: bool, yes: bool, confirm: Call
             report.outcome, report.exit_code = "failed", rep.exit_code or 1
             break
     if not dry_run:
-        audit.append(job_dir, audit.new_record("runbook", report.outcome, report.exit_code, run_id=run_id,
-                                               args={"runbook": book.name, "source": book.source}))
+        audit.append(
+            job_dir,
+            audit.new_record(
+                "runbook",
+                report.outcome,
+                report.exit_code,
+                run_id=run_id,
+                args={"runbook": book.name, "source": book.source},
+            ),
+        )
     return report
 
 
-def _run_step(step: Step, book: Runbook, job_dir: Path, results: dict[str, dict[str, Any]], *, dry_run: bool,
-              yes: bool, confirm: Callable[[str], bool] | None, run_id: str) -> StepReport:
-    from gpuguard.recovery import actions, audit
+def _run_step(
+    step: Step,
+    book: Runbook,
+    job_dir: Path,
+    results: dict[str, dict[str, Any]],
+    *,
+    dry_run: bool,
+    yes: bool,
+    confirm: Callable[[str], bool] | None,
+    run_id: str,
+) -> StepReport:
 
     if step.condition is not None and not conditions.evaluate(step.condition, results):
         results[step.name] = {"outcome": "skipped", "exit_code": EXIT_OK}
         if not dry_run:
-            audit.append(job_dir, audit.new_record(step.action, "skipped", EXIT_OK, run_id=run_id, step=step.name,
-                                                   detail={"when": step.when}))
+            audit.append(
+                job_dir,
+                audit.new_record(
+                    step.action, "skipped", EXIT_OK, run_id=run_id, step=step.name, detail={"when": step.when}
+                ),
+            )
         return StepReport(step.name, step.action, "skipped", EXIT_OK, f"condition false: {step.when}")
     try:
         if step.action == "command":
             result = _command(step, job_dir, dry_run=dry_run, run_id=run_id)
         elif step.action == "verify" and dry_run:
-            result = actions.ActionResult("verify", "dry-run", EXIT_OK, "would wait for and verify the certificate",
-                                          dry_run=True)
+            result = actions.ActionResult(
+                "verify", "dry-run", EXIT_OK, "would wait for and verify the certificate", dry_run=True
+            )
         else:
             kwargs = _kwargs(step, job_dir, results)
-            result = actions.run_action(step.action, actions.ACTIONS[step.action], kwargs, job_dir=job_dir,
-                                        dry_run=dry_run, yes=yes, confirm=confirm, run_id=run_id, step=step.name)
+            result = actions.run_action(
+                step.action,
+                actions.ACTIONS[step.action],
+                kwargs,
+                job_dir=job_dir,
+                dry_run=dry_run,
+                yes=yes,
+                confirm=confirm,
+                run_id=run_id,
+                step=step.name,
+            )
     except GpuguardError as exc:
         outcome = "refused" if exc.exit_code == EXIT_REFUSED else "error"
         results[step.name] = {"outcome": outcome, "exit_code": exc.exit_code, "error": str(exc)}
@@ -347,7 +410,6 @@ def _kwargs(step: Step, job_dir: Path, results: Mapping[str, Mapping[str, Any]])
 
 def _command(step: Step, job_dir: Path, *, dry_run: bool, run_id: str) -> Any:
     """Run one of gpuguard's own console scripts (argument list, no shell); parse JSON output if any."""
-    from gpuguard.recovery import actions, audit
 
     script = Path(sys.executable).parent / step.argv[0]
     argv = [str(script)] + [a.replace("{job_dir}", str(job_dir)) for a in step.argv[1:]]
@@ -377,9 +439,20 @@ def _command(step: Step, job_dir: Path, *, dry_run: bool, run_id: str) -> Any:
         else:
             summary = (proc.stderr.strip().splitlines() or [""])[-1]
         summary = summary[:200]
-        result = actions.ActionResult("command", outcome, proc.returncode, summary or f"exit {proc.returncode}",
-                                      details)
+        result = actions.ActionResult(
+            "command", outcome, proc.returncode, summary or f"exit {proc.returncode}", details
+        )
     if not dry_run:
-        audit.append(job_dir, audit.new_record("command", result.outcome, result.exit_code, run_id=run_id,
-                                               step=step.name, args={"argv": list(step.argv)}, detail=result.details))
+        audit.append(
+            job_dir,
+            audit.new_record(
+                "command",
+                result.outcome,
+                result.exit_code,
+                run_id=run_id,
+                step=step.name,
+                args={"argv": list(step.argv)},
+                detail=result.details,
+            ),
+        )
     return result

@@ -32,18 +32,35 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
-from gpuguard.foundation.identity import same_process
-from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation import jobdir
-from gpuguard.recovery.activation import (Hello, check_hellos, choose_frontier, quiescence, reason)
+from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.identity import same_process
+from gpuguard.foundation.steplog import StepLog
+from gpuguard.generation.certificate import check_stored, issue
+from gpuguard.generation.job import init_job, issuer
+from gpuguard.generation.keys import key_path
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.generation.records import Incarnation, Member
+from gpuguard.recovery.activation import Hello, check_hellos, choose_frontier, quiescence, reason
 from gpuguard.recovery.attempt import Attempt, current_attempt
-from gpuguard.recovery.snapshot import (Rejection, Selection, SnapshotInfo, clone_state, copy_to_checkpoint,
-                                        load_snapshot, prune, save_snapshot, select_restorable, state_digest)
+from gpuguard.recovery.snapshot import (
+    Rejection,
+    Selection,
+    SnapshotInfo,
+    clone_state,
+    copy_to_checkpoint,
+    load_snapshot,
+    prune,
+    save_snapshot,
+    select_restorable,
+    state_digest,
+)
 
 PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"
 SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"
@@ -64,12 +81,12 @@ class ActivationRefused(RefusedError):
 class TrainState:
     """What `activate` hands the training loop: where to start and what was certified."""
 
-    start_step: int              # first step to run (frontier + 1)
+    start_step: int  # first step to run (frontier + 1)
     generation: int
     frontier_step: int
-    state_digest: str | None     # digest of the restored state (None: initial state)
+    state_digest: str | None  # digest of the restored state (None: initial state)
     certificate_digest: str
-    restored_from: str | None    # snapshot path, or None for the initial state
+    restored_from: str | None  # snapshot path, or None for the initial state
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -81,8 +98,8 @@ class Counters:
     fenced_snapshots: int = 0
     snapshot_errors: int = 0
     skipped_snapshots: int = 0
-    commit_s: float = 0.0          # wall time spent in commit() (main thread)
-    snapshot_cpu_s: float = 0.0    # CPU time of the snapshot writer thread
+    commit_s: float = 0.0  # wall time spent in commit() (main thread)
+    snapshot_cpu_s: float = 0.0  # CPU time of the snapshot writer thread
 
 
 class _Snapshotter:
@@ -150,13 +167,28 @@ class _Snapshotter:
 class Runtime:
     """One incarnation of one training process (see the module docstring)."""
 
-    def __init__(self, job_dir: str | Path, *, rank: int, world_size: int, local_rank: int,
-                 master_addr: str, master_port: int, run_id: str, restart_count: int,
-                 use_agent_store: bool, snapshot_every: int = 1, checkpoint_every: int = 0,
-                 keep_snapshots: int = 3, pg_timeout_s: float = 60.0, activation_timeout_s: float = 300.0,
-                 quiesce_wait_s: float = 10.0, ledger_url: str | None = None,
-                 fault_hook: Callable[[str, int], None] | None = None, log: Callable[[str], None] | None = None):
-        from gpuguard.generation.records import Incarnation  # noqa: PLC0415
+    def __init__(
+        self,
+        job_dir: str | Path,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        master_addr: str,
+        master_port: int,
+        run_id: str,
+        restart_count: int,
+        use_agent_store: bool,
+        snapshot_every: int = 1,
+        checkpoint_every: int = 0,
+        keep_snapshots: int = 3,
+        pg_timeout_s: float = 60.0,
+        activation_timeout_s: float = 300.0,
+        quiesce_wait_s: float = 10.0,
+        ledger_url: str | None = None,
+        fault_hook: Callable[[str, int], None] | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
 
         self.job_dir = Path(job_dir)
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
@@ -193,7 +225,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_env(cls, job_dir: str | Path | None = None, **options: Any) -> "Runtime":
+    def from_env(cls, job_dir: str | Path | None = None, **options: Any) -> Runtime:
         """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
         env = os.environ
         job_dir = job_dir or env.get("GPUGUARD_JOB_DIR")
@@ -208,18 +240,34 @@ class Runtime:
         options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "50")))
         options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
         options.setdefault("ledger_url", env.get(LEDGER_ENV) or None)
-        return cls(job_dir, rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", rank)),
-                   master_addr=master_addr, master_port=master_port,
-                   run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
-                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                   use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True", **options)
+        return cls(
+            job_dir,
+            rank=rank,
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", rank)),
+            master_addr=master_addr,
+            master_port=master_port,
+            run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True",
+            **options,
+        )
 
     def _write_incarnation(self, **extra: Any) -> None:
         rec = jobdir.IncarnationRecord(
-            incarnation=self.incarnation.to_dict(), rank=self.rank, local_rank=self.local_rank,
-            world_size=self.world_size, generation=self.generation, agent_pid=os.getppid(), run_id=self.run_id,
-            master_addr=self.master_addr, master_port=self.master_port, restart_count=self.restart_count,
-            attempt=self.attempt.token if self.attempt else "", extra=extra)
+            incarnation=self.incarnation.to_dict(),
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            generation=self.generation,
+            agent_pid=os.getppid(),
+            run_id=self.run_id,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            restart_count=self.restart_count,
+            attempt=self.attempt.token if self.attempt else "",
+            extra=extra,
+        )
         jobdir.write_incarnation(self.job_dir, rec)
 
     def _install_sigterm_flush(self) -> None:
@@ -255,15 +303,15 @@ class Runtime:
         threading.Thread(target=watch, name="gpuguard-sigterm", daemon=True).start()
 
     def ledger(self) -> Any:
-        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
 
         if self._ledger is None:
             self._ledger = open_ledger(self.job_dir, self.ledger_url)
         return self._ledger
 
     # ------------------------------------------------------------------ activation
-    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None,
-                 extra: Mapping[str, Any] | None = None) -> TrainState:
+    def activate(
+        self, model: Any, optimizer: Any = None, scheduler: Any = None, extra: Mapping[str, Any] | None = None
+    ) -> TrainState:
         """Agree on the frontier, verify the certificate, restore, form this generation's group.
 
         A member that cannot verify prints one line and exits with status 4 (refused).
@@ -272,16 +320,22 @@ class Runtime:
         try:
             return self._activate()
         except (ActivationRefused, FencedError, UnavailableError) as exc:
-            print(f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) refuses to start: {exc}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) refuses to start: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stderr.flush()
             os._exit(EXIT_REFUSED)
 
     def _activate(self) -> TrainState:
         import torch.distributed as dist  # noqa: PLC0415
 
-        phases: dict[str, float] = {"process_start": self.incarnation.start_time, "runtime_created": self.t_created,
-                                    "activate_called": time.time()}
+        phases: dict[str, float] = {
+            "process_start": self.incarnation.start_time,
+            "runtime_created": self.t_created,
+            "activate_called": time.time(),
+        }
         self.attempt = current_attempt()
         phases["attempt_known"] = time.time()
         if self.attempt.round is None:
@@ -311,32 +365,48 @@ class Runtime:
         for r in range(self.world_size):
             other = self._wait_raw(ns, f"verdict/{r}")
             if other != "ok":
-                raise ActivationRefused(f"rank {r} refused generation {decision['generation']}: {other}"
-                                        if r != self.rank else other)
+                raise ActivationRefused(
+                    f"rank {r} refused generation {decision['generation']}: {other}" if r != self.rank else other
+                )
         assert state is not None
         self.generation = state.generation
         self._frontier_step = state.frontier_step
         pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
-        dist.init_process_group("gloo", store=pg_store, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.pg_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            store=pg_store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.pg_timeout_s),
+        )
         self.pg = dist.group.WORLD
         phases["pg_ready"] = time.time()
         state.phases = phases
         self._write_incarnation(phases=phases)
-        from gpuguard.foundation.steplog import StepLog  # noqa: PLC0415
 
         self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
         if self.rank == 0:
-            jobdir.atomic_write_json(jobdir.coord_dir(self.job_dir) / f"activation-g{self.generation}.json", {
-                "schema": "gpuguard.activation/1", "generation": self.generation, "attempt": self.attempt.token,
-                "attempt_source": self.attempt.source, "frontier_step": state.frontier_step,
-                "restored_from": state.restored_from, "phases": phases, "world_size": self.world_size,
-                "restart_count": self.restart_count})
+            jobdir.atomic_write_json(
+                jobdir.coord_dir(self.job_dir) / f"activation-g{self.generation}.json",
+                {
+                    "schema": "gpuguard.activation/1",
+                    "generation": self.generation,
+                    "attempt": self.attempt.token,
+                    "attempt_source": self.attempt.source,
+                    "frontier_step": state.frontier_step,
+                    "restored_from": state.restored_from,
+                    "phases": phases,
+                    "world_size": self.world_size,
+                    "restart_count": self.restart_count,
+                },
+            )
             self._snapshotter = _Snapshotter(self._write_snapshot)
             # a worker that dies of a collective error (peer gone) still finishes its last snapshot
             atexit.register(self._snapshotter.flush, 10.0)
-        self._log(f"generation {self.generation} active: world {self.world_size}, "
-                  f"resuming at step {state.start_step} (frontier {state.frontier_step}, attempt {self.attempt.token})")
+        self._log(
+            f"generation {self.generation} active: world {self.world_size}, "
+            f"resuming at step {state.start_step} (frontier {state.frontier_step}, attempt {self.attempt.token})"
+        )
         return state
 
     def _connect_store(self) -> Any:
@@ -345,12 +415,16 @@ class Runtime:
         # Shared mode: torchrun's agent hosts the store at MASTER_PORT. Otherwise nobody does until
         # rank 0 hosts it (env:// init would have; we do not use env://).
         host_it = self.rank == 0 and not self.use_agent_store
-        return dist.TCPStore(self.master_addr, self.master_port, is_master=host_it,
-                             timeout=timedelta(seconds=self.activation_timeout_s), wait_for_workers=False,
-                             multi_tenant=host_it)
+        return dist.TCPStore(
+            self.master_addr,
+            self.master_port,
+            is_master=host_it,
+            timeout=timedelta(seconds=self.activation_timeout_s),
+            wait_for_workers=False,
+            multi_tenant=host_it,
+        )
 
     def _hello(self) -> Hello:
-        import psutil  # noqa: PLC0415
 
         gone: list[str] = []
         alive: list[str] = []
@@ -372,10 +446,6 @@ class Runtime:
 
     def _coordinate(self, ns: Any, phases: dict[str, float]) -> None:
         """Rank 0: gather hellos, choose the frontier, issue and activate the certificate."""
-        from gpuguard.generation.certificate import issue  # noqa: PLC0415
-        from gpuguard.generation.job import init_job, issuer  # noqa: PLC0415
-        from gpuguard.generation.keys import key_path  # noqa: PLC0415
-        from gpuguard.generation.records import Incarnation, Member  # noqa: PLC0415
 
         try:
             hellos = [Hello.from_dict(self._wait_json(ns, f"hello/{r}")) for r in range(self.world_size)]
@@ -394,8 +464,10 @@ class Runtime:
             ledger = self.ledger()
             parent = ledger.active()
             if parent is None:
-                raise ActivationRefused(f"the ledger holds {len(ledger.generations())} certificate(s) but no valid "
-                                        "genesis: wrong signing key or tampered ledger")
+                raise ActivationRefused(
+                    f"the ledger holds {len(ledger.generations())} certificate(s) but no valid "
+                    "genesis: wrong signing key or tampered ledger"
+                )
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
 
@@ -410,26 +482,46 @@ class Runtime:
                     break
                 self._log(f"skipping step {chosen.step}: a member failed to load it before")
                 older = select_restorable(self.job_dir, chosen.step - 1)
-                selection = Selection(older.chosen, (
-                    *selection.rejected, Rejection(chosen.step, chosen.path, "unrestorable: a member failed to load it"),
-                    *(r for r in older.rejected if r.step < chosen.step)), bound)
+                selection = Selection(
+                    older.chosen,
+                    (
+                        *selection.rejected,
+                        Rejection(chosen.step, chosen.path, "unrestorable: a member failed to load it"),
+                        *(r for r in older.rejected if r.step < chosen.step),
+                    ),
+                    bound,
+                )
             choice = choose_frontier(parent, committed, selection)
             q, evidence = quiescence(parent, hellos)
             members = [Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos]
-            cert = issue(parent=parent, job_id=parent.job_id, members=members,
-                         reason=reason(parent, self.world_size), frontier=choice.frontier, quiescence=q,
-                         quiescence_evidence=evidence, issued_by=f"gpuguard-runtime {issuer()}",
-                         key=ledger.key, extra={
-                             "switch": "restart", "attempt": self.attempt.token if self.attempt else "",
-                             "attempt_source": self.attempt.source if self.attempt else "",
-                             "restart_count": self.restart_count, "committed_by_all": committed,
-                             "frontier_note": choice.note, "rejected": list(choice.rejected[:16]),
-                             "world_size": self.world_size, "restore_pin": pin})
+            cert = issue(
+                parent=parent,
+                job_id=parent.job_id,
+                members=members,
+                reason=reason(parent, self.world_size),
+                frontier=choice.frontier,
+                quiescence=q,
+                quiescence_evidence=evidence,
+                issued_by=f"gpuguard-runtime {issuer()}",
+                key=ledger.key,
+                extra={
+                    "switch": "restart",
+                    "attempt": self.attempt.token if self.attempt else "",
+                    "attempt_source": self.attempt.source if self.attempt else "",
+                    "restart_count": self.restart_count,
+                    "committed_by_all": committed,
+                    "frontier_note": choice.note,
+                    "rejected": list(choice.rejected[:16]),
+                    "world_size": self.world_size,
+                    "restore_pin": pin,
+                },
+            )
             ledger.activate(cert, manifest_ok=True if choice.frontier.state_manifest_digest else None)
             if pin is not None:  # used once: the next generation is bounded by its commits again
                 jobdir.coord_dir(self.job_dir).mkdir(parents=True, exist_ok=True)
-                os.replace(self.job_dir / RESTORE_PIN,
-                           jobdir.coord_dir(self.job_dir) / f"restore-used-g{cert.generation}.json")
+                os.replace(
+                    self.job_dir / RESTORE_PIN, jobdir.coord_dir(self.job_dir) / f"restore-used-g{cert.generation}.json"
+                )
             for line in choice.rejected:
                 if "after the frontier" not in line:
                     self._log(f"rejected {line}")
@@ -439,33 +531,40 @@ class Runtime:
 
     def _verify_and_restore(self, generation: int, digest: str) -> TrainState:
         """Every member: the certificate admits me, is signed and chained; restore and check the digest."""
-        from gpuguard.generation.certificate import check_stored  # noqa: PLC0415
 
         if self._ledger is not None and self._ledger.key is None:
             self._ledger = None  # opened before the coordinator created the key: reopen with it
         ledger = self.ledger()
         cert = ledger.get(generation)
         if cert.digest() != digest:
-            raise ActivationRefused(f"generation {generation} in the ledger is not the certificate the coordinator issued")
+            raise ActivationRefused(
+                f"generation {generation} in the ledger is not the certificate the coordinator issued"
+            )
         parent = ledger.get(cert.parent_generation) if cert.parent_generation is not None else None
         if ledger.key is None:
             raise ActivationRefused("no signing key in the job directory: cannot verify the certificate")
         violations = check_stored(cert, parent=parent, key=ledger.key)
         if violations:
-            raise ActivationRefused(f"certificate of generation {generation} fails rule {violations[0].rule}: "
-                                    f"{violations[0].message}")
+            raise ActivationRefused(
+                f"certificate of generation {generation} fails rule {violations[0].rule}: {violations[0].message}"
+            )
         mine = cert.ranks.get(self.rank)
         if mine is None or mine.id != self.incarnation.id:
-            raise ActivationRefused(f"certificate of generation {generation} does not admit this incarnation on rank {self.rank}")
+            raise ActivationRefused(
+                f"certificate of generation {generation} does not admit this incarnation on rank {self.rank}"
+            )
         frontier = cert.frontier
         restored_from, loaded_digest = None, None
         if frontier.state_manifest_digest:
-            selection = select_restorable(self.job_dir, frontier.step,
-                                          expected_manifest_digest=frontier.state_manifest_digest)
+            selection = select_restorable(
+                self.job_dir, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
+            )
             info = selection.chosen
             if info is None or info.step != frontier.step:
                 why = "; ".join(f"step {r.step}: {r.reason}" for r in selection.rejected if r.step == frontier.step)
-                raise ActivationRefused(f"certified state of step {frontier.step} not found or does not verify ({why or 'missing'})")
+                raise ActivationRefused(
+                    f"certified state of step {frontier.step} not found or does not verify ({why or 'missing'})"
+                )
             try:
                 loaded_digest = self._restore(info)
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -474,8 +573,10 @@ class Runtime:
                 raise
             if loaded_digest != info.state_digest:
                 _mark_unrestorable(self.job_dir, info, "loaded state digest differs from the snapshot's")
-                raise ActivationRefused(f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
-                                        f"{str(info.state_digest)[:16]} (step {frontier.step})")
+                raise ActivationRefused(
+                    f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
+                    f"{str(info.state_digest)[:16]} (step {frontier.step})"
+                )
             restored_from = str(info.path)
         return TrainState(frontier.step + 1, generation, frontier.step, loaded_digest, cert.digest(), restored_from)
 
@@ -563,8 +664,10 @@ class Runtime:
             self._steplog.end_step(step)
         if not self.ledger().record_commit(self.generation, step, self.rank, self.incarnation.id):
             self.counters.fenced_commits += 1
-            raise FencedError(f"commit of step {step} in generation {self.generation} fenced: "
-                              f"generation {self.ledger().active().generation} is active")
+            raise FencedError(
+                f"commit of step {step} in generation {self.generation} fenced: "
+                f"generation {self.ledger().active().generation} is active"
+            )
         self.counters.commits += 1
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
@@ -572,7 +675,6 @@ class Runtime:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 
     def _still_current(self) -> bool:
-        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
 
         if self._snapshot_ledger is None:  # the writer thread's own instance (it caches the chain)
             self._snapshot_ledger = open_ledger(self.job_dir, self.ledger_url)
@@ -589,9 +691,15 @@ class Runtime:
     def _write_snapshot_timed(self, step: int, state: dict[str, Any]) -> None:
         hook = self.fault_hook
         try:
-            info = save_snapshot(self.job_dir, step, state, generation=int(self.generation or 0),
-                                 owner=f"rank{self.rank}/{self.incarnation.id}", still_current=self._still_current,
-                                 before_publish=(lambda _p: hook("snapshot", step)) if hook else None)
+            info = save_snapshot(
+                self.job_dir,
+                step,
+                state,
+                generation=int(self.generation or 0),
+                owner=f"rank{self.rank}/{self.incarnation.id}",
+                still_current=self._still_current,
+                before_publish=(lambda _p: hook("snapshot", step)) if hook else None,
+            )
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
             self.counters.snapshot_errors += 1
             self._log(f"snapshot of step {step} failed: {type(exc).__name__}: {exc}")
@@ -649,9 +757,16 @@ def _mark_unrestorable(job_dir: Path, info: SnapshotInfo, why: str) -> None:
     """Remember that this exact state (manifest digest) could not be loaded, so the next
     activation falls back to an older one instead of failing the same way forever."""
     try:
-        jobdir.atomic_write_json(_unrestorable_path(job_dir, info.manifest_digest), {
-            "step": info.step, "path": str(info.path), "manifest_digest": info.manifest_digest,
-            "reason": why[:500], "time": time.time()})
+        jobdir.atomic_write_json(
+            _unrestorable_path(job_dir, info.manifest_digest),
+            {
+                "step": info.step,
+                "path": str(info.path),
+                "manifest_digest": info.manifest_digest,
+                "reason": why[:500],
+                "time": time.time(),
+            },
+        )
     except OSError:
         pass
 
@@ -671,5 +786,3 @@ def _read_restore_pin(job_dir: Path) -> int | None:
         print(f"gpuguard: ignoring {path}: {exc}", file=sys.stderr)
         return None
     return step if isinstance(step, int) and step >= 0 else None
-
-

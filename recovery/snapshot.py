@@ -14,17 +14,18 @@ Writing and loading import torch lazily.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.errors import DataError, NoInputError
+from gpuguard.generation import manifest as m
 
 STATE_FILE = "state.json"
 STATE_SCHEMA = "gpuguard.snapshot-state/1"
@@ -34,9 +35,9 @@ KINDS = ("snapshots", "checkpoints")
 # ---------------------------------------------------------------- manifest adapter
 # generation.manifest owns the manifest format; these three calls are all this module needs.
 
+
 def build_and_write_manifest(directory: Path, *, step: int, generation: int, owner: str) -> str:
     """Build the manifest of the DCP checkpoint in `directory` (rank 0 wrote it), write it, return its digest."""
-    from gpuguard.generation import manifest as m  # noqa: PLC0415
 
     manifest = m.build_manifest(directory, step=step, generation=generation, owners={0: owner})
     m.write_manifest(manifest, directory)
@@ -45,7 +46,6 @@ def build_and_write_manifest(directory: Path, *, step: int, generation: int, own
 
 def read_and_verify_manifest(directory: Path) -> tuple[Any, list[str]]:
     """(manifest, problems) for `directory`; problems empty = complete and every digest matches."""
-    from gpuguard.generation import manifest as m  # noqa: PLC0415
 
     if not (directory / m.MANIFEST_FILE).exists():
         return None, [f"no {m.MANIFEST_FILE} (incomplete snapshot)"]
@@ -58,20 +58,27 @@ def read_and_verify_manifest(directory: Path) -> tuple[Any, list[str]]:
 
 # ---------------------------------------------------------------- records
 
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     """One snapshot (or durable checkpoint) directory as found on disk."""
 
     step: int
     path: Path
-    kind: str                      # "snapshots" | "checkpoints"
+    kind: str  # "snapshots" | "checkpoints"
     generation: int | None = None
     state_digest: str | None = None
     manifest_digest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": str(self.path), "kind": self.kind, "generation": self.generation,
-                "state_digest": self.state_digest, "manifest_digest": self.manifest_digest}
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "kind": self.kind,
+            "generation": self.generation,
+            "state_digest": self.state_digest,
+            "manifest_digest": self.manifest_digest,
+        }
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,11 @@ class Selection:
     limit: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"chosen": self.chosen.to_dict() if self.chosen else None, "limit": self.limit,
-                "rejected": [r.to_dict() for r in self.rejected]}
+        return {
+            "chosen": self.chosen.to_dict() if self.chosen else None,
+            "limit": self.limit,
+            "rejected": [r.to_dict() for r in self.rejected],
+        }
 
 
 def read_state_record(directory: Path) -> dict[str, Any]:
@@ -124,8 +134,13 @@ def list_snapshots(job_dir: str | Path, kinds: tuple[str, ...] = KINDS) -> list[
     return found
 
 
-def select_restorable(job_dir: str | Path, at_or_before_step: int | None = None, *,
-                      expected_manifest_digest: str | None = None, max_tries: int = 8) -> Selection:
+def select_restorable(
+    job_dir: str | Path,
+    at_or_before_step: int | None = None,
+    *,
+    expected_manifest_digest: str | None = None,
+    max_tries: int = 8,
+) -> Selection:
     """The newest complete, verified snapshot at or before `at_or_before_step` (None: any).
 
     Each candidate is verified against its manifest (every file present, every digest equal) and
@@ -144,10 +159,12 @@ def select_restorable(job_dir: str | Path, at_or_before_step: int | None = None,
             continue
         tries += 1
         problem, verified = _verify(info)
-        if problem is None and expected_manifest_digest is not None \
-                and verified.manifest_digest != expected_manifest_digest:
-            problem = (f"manifest digest {verified.manifest_digest} is not the certified "
-                       f"{expected_manifest_digest}")
+        if (
+            problem is None
+            and expected_manifest_digest is not None
+            and verified.manifest_digest != expected_manifest_digest
+        ):
+            problem = f"manifest digest {verified.manifest_digest} is not the certified {expected_manifest_digest}"
         if problem is not None:
             rejected.append(Rejection(info.step, info.path, problem))
             continue
@@ -166,11 +183,13 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return f"corrupt: {problems[0]}{more}", info
-    return None, SnapshotInfo(info.step, info.path, info.kind, rec.get("generation"),
-                              rec.get("state_digest"), manifest.digest)
+    return None, SnapshotInfo(
+        info.step, info.path, info.kind, rec.get("generation"), rec.get("state_digest"), manifest.digest
+    )
 
 
 # ---------------------------------------------------------------- torch side
+
 
 def state_digest(state: Mapping[str, Any]) -> str:
     """SHA-256 over a (nested) state dict: keys, dtypes, shapes and bytes of every tensor, in key
@@ -223,10 +242,18 @@ def clone_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return walk(state)
 
 
-def save_snapshot(job_dir: str | Path, step: int, state: Mapping[str, Any], *, generation: int,
-                  owner: str, kind: str = "snapshots", digest: str | None = None,
-                  still_current: Callable[[], bool] | None = None,
-                  before_publish: Callable[[Path], None] | None = None) -> SnapshotInfo | None:
+def save_snapshot(
+    job_dir: str | Path,
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    generation: int,
+    owner: str,
+    kind: str = "snapshots",
+    digest: str | None = None,
+    still_current: Callable[[], bool] | None = None,
+    before_publish: Callable[[Path], None] | None = None,
+) -> SnapshotInfo | None:
     """Write `state` (tensors only, nested dicts) as the snapshot of `step`; return it, or None if
     fenced (`still_current()` said this writer's generation is no longer the active one).
 
@@ -243,10 +270,18 @@ def save_snapshot(job_dir: str | Path, step: int, state: Mapping[str, Any], *, g
     try:
         digest = digest or state_digest(state)
         _quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=True))
-        jobdir.atomic_write_json(tmp / STATE_FILE, {
-            "schema": STATE_SCHEMA, "step": step, "generation": generation, "state_digest": digest,
-            "owner": owner, "time": time.time(), "keys": sorted(state.keys()),
-        })
+        jobdir.atomic_write_json(
+            tmp / STATE_FILE,
+            {
+                "schema": STATE_SCHEMA,
+                "step": step,
+                "generation": generation,
+                "state_digest": digest,
+                "owner": owner,
+                "time": time.time(),
+                "keys": sorted(state.keys()),
+            },
+        )
         manifest_digest = build_and_write_manifest(tmp, step=step, generation=generation, owner=owner)
         if before_publish is not None:
             before_publish(tmp)
@@ -314,8 +349,14 @@ def copy_to_checkpoint(job_dir: str | Path, info: SnapshotInfo) -> SnapshotInfo:
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
     _publish(tmp, jobdir.checkpoint_dir(job_dir, info.step))
-    return SnapshotInfo(info.step, jobdir.checkpoint_dir(job_dir, info.step), "checkpoints",
-                        info.generation, info.state_digest, info.manifest_digest)
+    return SnapshotInfo(
+        info.step,
+        jobdir.checkpoint_dir(job_dir, info.step),
+        "checkpoints",
+        info.generation,
+        info.state_digest,
+        info.manifest_digest,
+    )
 
 
 def _quiet_dcp(fn: Callable[[], Any]) -> Any:
@@ -325,7 +366,3 @@ def _quiet_dcp(fn: Callable[[], Any]) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return fn()
-
-
-def snapshot_json(selection: Selection) -> str:
-    return json.dumps(selection.to_dict(), indent=1)

@@ -11,8 +11,9 @@ without one TP shard or PP stage no replica can compute its part of the model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 REPORT_SCHEMA = "gpuguard.inplace-report/1"
 
@@ -22,30 +23,45 @@ class Report:
     """What one survivor of generation G publishes after its group failed (one JSON file)."""
 
     generation: int
-    rank: int                              # its logical rank in G
+    rank: int  # its logical rank in G
     incarnation_id: str
     pid: int
     host: str
-    committed_step: int | None             # the newest step it committed (None: none yet)
-    digests: Mapping[int, str]             # step -> replicated-state digest of each local snapshot
+    committed_step: int | None  # the newest step it committed (None: none yet)
+    digests: Mapping[int, str]  # step -> replicated-state digest of each local snapshot
     failure: str
     time: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": REPORT_SCHEMA, "generation": self.generation, "rank": self.rank,
-                "incarnation_id": self.incarnation_id, "pid": self.pid, "host": self.host,
-                "committed_step": self.committed_step,
-                "digests": {str(k): v for k, v in sorted(self.digests.items())},
-                "failure": self.failure, "time": self.time}
+        return {
+            "schema": REPORT_SCHEMA,
+            "generation": self.generation,
+            "rank": self.rank,
+            "incarnation_id": self.incarnation_id,
+            "pid": self.pid,
+            "host": self.host,
+            "committed_step": self.committed_step,
+            "digests": {str(k): v for k, v in sorted(self.digests.items())},
+            "failure": self.failure,
+            "time": self.time,
+        }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Report":
+    def from_dict(cls, d: Mapping[str, Any]) -> Report:
         if d.get("schema") != REPORT_SCHEMA:
             raise ValueError(f"not a {REPORT_SCHEMA} record")
         step = d.get("committed_step")
-        return cls(int(d["generation"]), int(d["rank"]), str(d["incarnation_id"]), int(d["pid"]), str(d["host"]),
-                   None if step is None else int(step), {int(k): str(v) for k, v in dict(d["digests"]).items()},
-                   str(d.get("failure", "")), float(d["time"]))
+        return cls(
+            int(d["generation"]),
+            int(d["rank"]),
+            str(d["incarnation_id"]),
+            int(d["pid"]),
+            str(d["host"]),
+            None if step is None else int(step),
+            {int(k): str(v) for k, v in dict(d["digests"]).items()},
+            str(d.get("failure", "")),
+            float(d["time"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -95,9 +111,14 @@ def shrink_layout(layout: Layout, lost: Iterable[int]) -> Shrink:
         if not gone:
             kept.extend(sorted(replica))
         elif gone != replica:
-            return Shrink(None, refused=(f"replica {d} (ranks {min(replica)}..{max(replica)}) lost ranks {sorted(gone)} "
-                                         f"but not its whole TP/PP group (tp={layout.tp}, pp={layout.pp}): "
-                                         "its survivors cannot compute without the missing shard"))
+            return Shrink(
+                None,
+                refused=(
+                    f"replica {d} (ranks {min(replica)}..{max(replica)}) lost ranks {sorted(gone)} "
+                    f"but not its whole TP/PP group (tp={layout.tp}, pp={layout.pp}): "
+                    "its survivors cannot compute without the missing shard"
+                ),
+            )
     if not kept:
         return Shrink(None, refused="no complete data-parallel replica survives")
     new = Layout(len(kept) // per, layout.tp, layout.pp, layout.global_batch)
@@ -144,8 +165,10 @@ def agree_on_state(reports: Iterable[Report], frontier: int) -> StateAgreement:
         else:
             digests.setdefault(d, []).append(rep.rank)
     if len(digests) > 1:
-        problems.append("survivors disagree on the state of step "
-                        f"{frontier}: " + "; ".join(f"{d[:12]} on ranks {r}" for d, r in digests.items()))
+        problems.append(
+            "survivors disagree on the state of step "
+            f"{frontier}: " + "; ".join(f"{d[:12]} on ranks {r}" for d, r in digests.items())
+        )
     if problems:
         return StateAgreement(None, tuple(problems))
     return StateAgreement(next(iter(digests)) if digests else None)

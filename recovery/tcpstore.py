@@ -57,7 +57,7 @@ class StoreClient:
     timeout: float = 5.0
     _sock: socket.socket | None = None
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         self.connect()
         return self
 

@@ -6,46 +6,16 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("GPUGUARD_SHARED", REPO.parent / "shared"))
-REAL_LOGS = SHARED / "real-logs"
-BIN = Path(sys.executable).parent
-
-
-@dataclass(frozen=True)
-class CliResult:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_cli(*args: str, input: str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120, cwd: str | Path | None = None) -> CliResult:
-    """Run one of the installed console scripts (gpu-doctor, gpu-generation, gpu-recover) for real."""
-    cmd = [str(BIN / args[0]), *args[1:]]
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    full_env.pop("GPUGUARD_DEBUG", None)
-    proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd)
-    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+from tests.support.cli import free_port, run_cli
 
 
 @pytest.fixture
 def cli():
     return run_cli
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -61,11 +31,25 @@ def etcd_url(tmp_path_factory) -> str:
     data = tmp_path_factory.mktemp("etcd")
     port, peer = free_port(), free_port()
     proc = subprocess.Popen(
-        [etcd, "--name", "t", "--data-dir", str(data),
-         "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            etcd,
+            "--name",
+            "t",
+            "--data-dir",
+            str(data),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{port}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"t=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -19,7 +19,8 @@ from gpuguard.foundation.errors import GpuguardError
 from gpuguard.generation.certificate import check, issue
 from gpuguard.generation.job import init_job
 from gpuguard.generation.keys import load_key
-from gpuguard.generation.ledger import Ledger, open_ledger
+from gpuguard.generation.ledger import Ledger
+from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.manifest import (
     MANIFEST_FILE,
     Manifest,
@@ -40,8 +41,11 @@ SNAPSHOTS_KEPT = 3
 
 def object_keys() -> list[str]:
     """Every logical object of the training state: the ownership map's domain."""
-    return ([f"model.params.{j}" for j in range(m.N_PARAMS)] + [f"optim.momentum.{j}" for j in range(m.N_PARAMS)]
-            + ["rng.state", "loader.position", "train.step"])
+    return (
+        [f"model.params.{j}" for j in range(m.N_PARAMS)]
+        + [f"optim.momentum.{j}" for j in range(m.N_PARAMS)]
+        + ["rng.state", "loader.position", "train.step"]
+    )
 
 
 def objects_of(state: m.TrainState, world: int, rank: int) -> list[tuple[str, int]]:
@@ -82,11 +86,19 @@ class Certified(_Base):
         self.ledger = res.ledger
         procs = self.initial_procs(sim)
         s0 = m.initial_state(sim.schedule.seed)
-        cert = issue(parent=res.genesis, job_id=res.genesis.job_id,
-                     members=[Member(p.rank, p.incarnation) for p in procs], reason="start",
-                     frontier=Frontier(0, s0.digest(), {"default": 0}), quiescence="proved",
-                     quiescence_evidence=("fresh job: no previous members",), ownership_map_version=1,
-                     issued_by=ISSUER, key=self.key, extra={"layout": sim.schedule.layout, "source": "initial"})
+        cert = issue(
+            parent=res.genesis,
+            job_id=res.genesis.job_id,
+            members=[Member(p.rank, p.incarnation) for p in procs],
+            reason="start",
+            frontier=Frontier(0, s0.digest(), {"default": 0}),
+            quiescence="proved",
+            quiescence_evidence=("fresh job: no previous members",),
+            ownership_map_version=1,
+            issued_by=ISSUER,
+            key=self.key,
+            extra={"layout": sim.schedule.layout, "source": "initial"},
+        )
         self.ledger.activate(cert)
         for p in procs:
             self._join(p, cert, p.state)
@@ -115,8 +127,18 @@ class Certified(_Base):
     def _ckpt_dir(self, sim: Sim, generation: int, step: int) -> Path:
         return sim.dir / "ckpt" / f"g{generation}-s{step}"
 
-    def _write_shard(self, sim: Sim, directory: Path, state: m.TrainState, world: int, rank: int, *,
-                     generation: int, torn: bool = False, late: bool = False) -> list[ObjectSpec]:
+    def _write_shard(
+        self,
+        sim: Sim,
+        directory: Path,
+        state: m.TrainState,
+        world: int,
+        rank: int,
+        *,
+        generation: int,
+        torn: bool = False,
+        late: bool = False,
+    ) -> list[ObjectSpec]:
         name = f"__{rank}_0.distcp"
         specs, chunks, offset = [], [], 0
         for fqn, value in objects_of(state, world, rank):
@@ -124,8 +146,9 @@ class Certified(_Base):
             specs.append(ObjectSpec(fqn, "bytes", None, None, None, None, name, offset, len(raw)))
             chunks.append(raw)
             offset += len(raw)
-        sim.write_bytes(directory / name, b"".join(chunks), generation=generation, torn=torn, late=late,
-                        atomic=not torn)
+        sim.write_bytes(
+            directory / name, b"".join(chunks), generation=generation, torn=torn, late=late, atomic=not torn
+        )
         return specs
 
     def checkpoint(self, sim: Sim, p: Proc, step: int, torn: bool = False) -> None:
@@ -138,8 +161,14 @@ class Certified(_Base):
         done[p.rank] = specs
         if len(done) == len(cert.members):  # the checkpoint barrier: rank 0 seals it with a manifest
             t0 = time.perf_counter()
-            entries = build_entries([s for r in sorted(done) for s in done[r]], directory, step=step,
-                                    generation=cert.generation, owners=cert.ranks, values=False)
+            entries = build_entries(
+                [s for r in sorted(done) for s in done[r]],
+                directory,
+                step=step,
+                generation=cert.generation,
+                owners=cert.ranks,
+                values=False,
+            )
             write_manifest(Manifest(cert.generation, step, tuple(entries), cert.ownership_map_version), directory)
             sim.sync_ops += 1
             sim.sync_s += time.perf_counter() - t0
@@ -161,8 +190,12 @@ class Certified(_Base):
         """The runtime's fence: only the active generation's member on that rank may write here."""
         active = self._handle(p.incarnation.id).active()
         holder = active.ranks.get(item.rank) if active is not None else None
-        return active is not None and item.generation == active.generation and holder is not None \
+        return (
+            active is not None
+            and item.generation == active.generation
+            and holder is not None
             and holder.id == item.incarnation_id
+        )
 
     def late_commit(self, sim: Sim, item: Late) -> bool | None:
         handle = self._handle(item.incarnation_id)
@@ -176,9 +209,18 @@ class Certified(_Base):
         it names the old members and the old frontier. The ledger's compare-and-swap must refuse it."""
         handle = self._handle(item.incarnation_id)
         parent = handle.get(item.generation)
-        cert = issue(parent=parent, job_id=parent.job_id, members=parent.members, reason="late coordinator",
-                     frontier=parent.frontier, quiescence="proved", quiescence_evidence=("old coordinator",),
-                     ownership_map_version=parent.ownership_map_version, issued_by=f"{ISSUER}-late", key=self.key)
+        cert = issue(
+            parent=parent,
+            job_id=parent.job_id,
+            members=parent.members,
+            reason="late coordinator",
+            frontier=parent.frontier,
+            quiescence="proved",
+            quiescence_evidence=("old coordinator",),
+            ownership_map_version=parent.ownership_map_version,
+            issued_by=f"{ISSUER}-late",
+            key=self.key,
+        )
         try:
             handle.activate(cert)
         except GpuguardError:
@@ -187,8 +229,9 @@ class Certified(_Base):
 
     def late_shard(self, sim: Sim, item: Late) -> None:
         directory = self._ckpt_dir(sim, item.generation, item.step)
-        self._write_shard(sim, directory, item.state, sim.schedule.world, item.rank, generation=item.generation,
-                          late=True)
+        self._write_shard(
+            sim, directory, item.state, sim.schedule.world, item.rank, generation=item.generation, late=True
+        )
 
     # -- restore ------------------------------------------------------------------------------
     def _manifests(self, sim: Sim, at_or_before: int | None = None) -> list[tuple[int, int, Path]]:
@@ -217,9 +260,13 @@ class Certified(_Base):
                 f.seek(e.spec.byte_offset)
                 values[e.spec.fqn] = int(json.loads(f.read(e.spec.byte_length)))
             sim.note_read(path, reader_gen, e.owner_rank, manifest.step)
-        state = m.TrainState(values["train.step"], tuple(values[f"model.params.{j}"] for j in range(m.N_PARAMS)),
-                             tuple(values[f"optim.momentum.{j}"] for j in range(m.N_PARAMS)),
-                             values["rng.state"], values["loader.position"])
+        state = m.TrainState(
+            values["train.step"],
+            tuple(values[f"model.params.{j}"] for j in range(m.N_PARAMS)),
+            tuple(values[f"optim.momentum.{j}"] for j in range(m.N_PARAMS)),
+            values["rng.state"],
+            values["loader.position"],
+        )
         return manifest, state
 
     def _from_survivors(self, survivors: list[Proc], step: int) -> m.TrainState | None:
@@ -228,8 +275,9 @@ class Certified(_Base):
         if not snaps or any(s is None for s in snaps):
             return None
         head = snaps[0]
-        if any((s.step, s.params, s.rng, s.data_pos) != (head.step, head.params, head.rng, head.data_pos)
-               for s in snaps):
+        if any(
+            (s.step, s.params, s.rng, s.data_pos) != (head.step, head.params, head.rng, head.data_pos) for s in snaps
+        ):
             return None  # replicas disagree: not a state anyone may continue from
         mom: list[int | None] = [None] * m.N_PARAMS
         for s in snaps:
@@ -255,15 +303,17 @@ class Certified(_Base):
         if state is not None:
             digest = state.digest()
         else:
-            for step, _gen, directory in self._manifests(sim, frontier_step):
+            for _step, _gen, directory in self._manifests(sim, frontier_step):
                 loaded = self._load_verified(sim, directory, parent.generation + 1)
                 if loaded is not None:
                     manifest, state = loaded
                     source, manifest_ok, digest = "checkpoint", True, manifest.digest
                     break
             if state is None:
-                raise RuntimeError(f"no complete, verified state at or before step {frontier_step} "
-                                   f"({'; '.join(self.rejected) or 'no checkpoint'})")
+                raise RuntimeError(
+                    f"no complete, verified state at or before step {frontier_step} "
+                    f"({'; '.join(self.rejected) or 'no checkpoint'})"
+                )
         w = sch.new_world
         members: list[Proc] = []
         for new_rank, p in enumerate(survivors):
@@ -274,17 +324,29 @@ class Certified(_Base):
         evidence = []
         for old in parent.members:
             if old.incarnation.id not in alive_ids:
-                how = "unreachable (not confirmed dead): its later writes are fenced by generation and incarnation" \
-                    if sch.zombie else "exited (process gone)"
+                how = (
+                    "unreachable (not confirmed dead): its later writes are fenced by generation and incarnation"
+                    if sch.zombie
+                    else "exited (process gone)"
+                )
                 evidence.append(f"rank {old.rank} incarnation {old.incarnation.id}: {how}")
-        evidence.append(f"in-flight work of generation {parent.generation} aborted; the new generation starts "
-                        f"from step {state.step} ({source}); results stamped {parent.generation} are fenced")
-        cert = issue(parent=parent, job_id=parent.job_id, members=[Member(p.rank, p.incarnation) for p in members],
-                     reason=sch.fault, frontier=Frontier(state.step, digest, {"default": 2 * state.step}),
-                     quiescence="rolled_back", quiescence_evidence=evidence,
-                     ownership_map_version=parent.ownership_map_version + (1 if w != len(parent.members) else 0),
-                     issued_by=ISSUER, key=self.key,
-                     extra={"switch": "in-place", "source": source, "layout": sch.layout, "world": w})
+        evidence.append(
+            f"in-flight work of generation {parent.generation} aborted; the new generation starts "
+            f"from step {state.step} ({source}); results stamped {parent.generation} are fenced"
+        )
+        cert = issue(
+            parent=parent,
+            job_id=parent.job_id,
+            members=[Member(p.rank, p.incarnation) for p in members],
+            reason=sch.fault,
+            frontier=Frontier(state.step, digest, {"default": 2 * state.step}),
+            quiescence="rolled_back",
+            quiescence_evidence=evidence,
+            ownership_map_version=parent.ownership_map_version + (1 if w != len(parent.members) else 0),
+            issued_by=ISSUER,
+            key=self.key,
+            extra={"switch": "in-place", "source": source, "layout": sch.layout, "world": w},
+        )
         violations = check(cert, parent=parent, key=self.key, committed_by_all=committed, manifest_ok=manifest_ok)
         if violations:
             raise RuntimeError("certificate refused: " + "; ".join(f"{v.rule}: {v.message}" for v in violations))

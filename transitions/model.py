@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 MOD = 2_147_483_647  # 2**31 - 1, prime
 N_PARAMS = 8
@@ -45,13 +46,23 @@ class TrainState:
     data_pos: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "params": list(self.params), "momentum": list(self.momentum),
-                "rng": self.rng, "data_pos": self.data_pos}
+        return {
+            "step": self.step,
+            "params": list(self.params),
+            "momentum": list(self.momentum),
+            "rng": self.rng,
+            "data_pos": self.data_pos,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainState:
-        return cls(int(d["step"]), tuple(int(x) for x in d["params"]),
-                   tuple(None if x is None else int(x) for x in d["momentum"]), int(d["rng"]), int(d["data_pos"]))
+        return cls(
+            int(d["step"]),
+            tuple(int(x) for x in d["params"]),
+            tuple(None if x is None else int(x) for x in d["momentum"]),
+            int(d["rng"]),
+            int(d["data_pos"]),
+        )
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON: what replicas compare and what a frontier names."""

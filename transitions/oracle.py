@@ -109,8 +109,9 @@ def compare_state(state: TrainState, ref: TrainState) -> list[tuple[str, str]]:
     if state.rng != ref.rng:
         out.append(("rng-mismatch", "RNG state differs from the reference"))
     if state.data_pos != ref.data_pos:
-        out.append(("data-position-mismatch",
-                    f"data-loader position {state.data_pos}, the reference is at {ref.data_pos}"))
+        out.append(
+            ("data-position-mismatch", f"data-loader position {state.data_pos}, the reference is at {ref.data_pos}")
+        )
     return out
 
 
@@ -121,28 +122,48 @@ def _history(r: RankOutcome) -> list[Finding]:
     last_gen = None
     for a in r.history:
         if a.step in seen or a.step <= r.base_step:
-            out.append(Finding("step-applied-twice", f"step {a.step} applied twice (generation {a.generation})", r.rank))
+            out.append(
+                Finding("step-applied-twice", f"step {a.step} applied twice (generation {a.generation})", r.rank)
+            )
         elif a.step > expected:
             missing = list(range(expected, a.step))
             out.append(Finding("step-skipped", f"step(s) {missing} never applied before step {a.step}", r.rank))
         seen.add(a.step)
         expected = max(expected, a.step + 1)
         if a.grad_steps != (a.step,):
-            out.append(Finding("wrong-gradient",
-                               f"step {a.step} applied with the gradient of step(s) {list(a.grad_steps)}", r.rank))
+            out.append(
+                Finding(
+                    "wrong-gradient", f"step {a.step} applied with the gradient of step(s) {list(a.grad_steps)}", r.rank
+                )
+            )
         if a.grad_generation < a.generation:
-            out.append(Finding("stale-effect-visible",
-                               f"a gradient of generation {a.grad_generation} was applied in generation "
-                               f"{a.generation} (step {a.step})", r.rank))
+            out.append(
+                Finding(
+                    "stale-effect-visible",
+                    f"a gradient of generation {a.grad_generation} was applied in generation "
+                    f"{a.generation} (step {a.step})",
+                    r.rank,
+                )
+            )
         if last_gen is not None and a.generation < last_gen:
             out.append(Finding("generation-order", f"generation {a.generation} applied after {last_gen}", r.rank))
         last_gen = a.generation
     if r.history and r.history[-1].step != r.state.step:
-        out.append(Finding("step-applied-twice" if r.history[-1].step > r.state.step else "step-skipped",
-                           f"last applied step {r.history[-1].step} but the state says step {r.state.step}", r.rank))
+        out.append(
+            Finding(
+                "step-applied-twice" if r.history[-1].step > r.state.step else "step-skipped",
+                f"last applied step {r.history[-1].step} but the state says step {r.state.step}",
+                r.rank,
+            )
+        )
     if not r.history and r.base_step != r.state.step:
-        out.append(Finding("step-skipped", f"state says step {r.state.step} but it was loaded at "
-                                           f"{r.base_step} and nothing was applied since", r.rank))
+        out.append(
+            Finding(
+                "step-skipped",
+                f"state says step {r.state.step} but it was loaded at {r.base_step} and nothing was applied since",
+                r.rank,
+            )
+        )
     return out
 
 
@@ -159,15 +180,19 @@ def judge(run: RunOutcome) -> Verdict:
         where = ", ".join(f"rank {r.rank} at {r.state.step}" for r in run.ranks)
         f.append(Finding("step-disagreement", f"ranks disagree on the step: {where}"))
     if run.claimed_steps is not None and steps != [run.claimed_steps]:
-        f.append(Finding("step-disagreement",
-                         f"certified {run.claimed_steps} steps but the ranks are at {steps}"))
+        f.append(Finding("step-disagreement", f"certified {run.claimed_steps} steps but the ranks are at {steps}"))
     for r in run.ranks:
         f += _history(r)
     for e in run.effects:
         if e.accepted and e.origin_generation < e.active_generation:
-            f.append(Finding("stale-effect-visible",
-                             f"{e.kind} of step {e.step} from generation {e.origin_generation} became visible "
-                             f"in generation {e.active_generation}", e.rank))
+            f.append(
+                Finding(
+                    "stale-effect-visible",
+                    f"{e.kind} of step {e.step} from generation {e.origin_generation} became visible "
+                    f"in generation {e.active_generation}",
+                    e.rank,
+                )
+            )
     held: set[int] = set()
     for r in run.ranks:
         held |= {j for j, m in enumerate(r.state.momentum) if m is not None}

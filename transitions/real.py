@@ -19,21 +19,30 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuguard.examples.demo import free_port
+from gpuguard.examples.demo import run_job as run_torchrun
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.transitions.model import TrainState
 from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
 from gpuguard.transitions.runner import Row
-from gpuguard.examples.demo import free_port
-from gpuguard.examples.demo import run_job as run_torchrun
 
 REAL_SCHEDULES = {
-    "restart-all": (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
-                    ("stale-completion", "before-commit")),
-    "gpuguard": (("process-death", "mid-optimizer-write"), ("corrupt-shard", "before-allreduce"),
-                 ("stale-completion", "before-commit")),
+    "restart-all": (
+        ("process-death", "mid-optimizer-write"),
+        ("corrupt-shard", "before-allreduce"),
+        ("stale-completion", "before-commit"),
+    ),
+    "gpuguard": (
+        ("process-death", "mid-optimizer-write"),
+        ("corrupt-shard", "before-allreduce"),
+        ("stale-completion", "before-commit"),
+    ),
     # survivors carry on without the dead rank: the simulator's scale-down
-    "communicator-only": (("scale-down", "before-allreduce"), ("scale-down", "mid-optimizer-write"),
-                          ("scale-down", "before-commit")),
+    "communicator-only": (
+        ("scale-down", "before-allreduce"),
+        ("scale-down", "mid-optimizer-write"),
+        ("scale-down", "before-commit"),
+    ),
 }
 WORKERS = 3
 STEPS, CKPT_EVERY, FAULT_STEP = 10, 3, 6
@@ -47,16 +56,43 @@ def _kill_pidfile(path: Path) -> None:
         pass
 
 
-def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float,
-            workers: int = WORKERS) -> tuple[int, str]:
+def run_job(
+    strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float, workers: int = WORKERS
+) -> tuple[int, str]:
     """Run one torchrun job in its own process group; kill the whole group on timeout."""
     port = free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:1", f"--nproc-per-node={workers}",
-            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=transitions-{port}", "--monitor-interval=0.1",
-            "-m", "gpuguard.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job),
-            "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--fault", fault, "--boundary", boundary,
-            "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:1",
+        f"--nproc-per-node={workers}",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=transitions-{port}",
+        "--monitor-interval=0.1",
+        "-m",
+        "gpuguard.transitions.real_worker",
+        "--strategy",
+        strategy,
+        "--job-dir",
+        str(job),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        "--fault",
+        fault,
+        "--boundary",
+        boundary,
+        "--fault-step",
+        str(FAULT_STEP),
+        "--victim",
+        str(workers - 1),
+        "--seed",
+        str(seed),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}
     if strategy == "restart-all":
         # the known fix for torchrun's stale gloo keys (reference/torchrun-gloo-findings.md, 1/9 resumes without)
@@ -79,23 +115,55 @@ def run_job(strategy: str, fault: str, boundary: str, job: Path, *, seed: int, t
     return rc, tail
 
 
-def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float,
-                  workers: int = WORKERS) -> tuple[int, str]:
+def run_plain_job(
+    fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float, workers: int = WORKERS
+) -> tuple[int, str]:
     """communicator-only: the workers without torchrun (its agent would stop the survivors)."""
     port = free_port()
     procs = []
     logs = []
     try:
         for r in range(workers):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": str(r),
-                   "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+                "RANK": str(r),
+                "WORLD_SIZE": str(workers),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             log = open(job / f"worker-{r}.log", "w")  # noqa: SIM115 - closed in finally
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gpuguard.transitions.real_worker", "--strategy",
-                 "communicator-only", "--job-dir", str(job), "--steps", str(STEPS), "--fault", fault, "--boundary",
-                 boundary, "--fault-step", str(FAULT_STEP), "--victim", str(workers - 1), "--seed", str(seed)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "gpuguard.transitions.real_worker",
+                        "--strategy",
+                        "communicator-only",
+                        "--job-dir",
+                        str(job),
+                        "--steps",
+                        str(STEPS),
+                        "--fault",
+                        fault,
+                        "--boundary",
+                        boundary,
+                        "--fault-step",
+                        str(FAULT_STEP),
+                        "--victim",
+                        str(workers - 1),
+                        "--seed",
+                        str(seed),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout_s
         rcs = []
         for p in procs:
@@ -115,25 +183,37 @@ def run_plain_job(fault: str, boundary: str, job: Path, *, seed: int, timeout_s:
     return (bad[0] if bad else 0), tail
 
 
-def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: int = WORKERS) -> tuple[RunOutcome, dict]:
+def outcome(
+    strategy: str, job: Path, rc: int, tail: str, seed: int, expected: int = WORKERS
+) -> tuple[RunOutcome, dict]:
     """What the job left behind, as the oracle's input, plus the measurements."""
     out = job / "bench-out"
     finals = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))] if out.exists() else []
-    ranks = tuple(RankOutcome(
-        f["rank"], f["incarnation"], f["generation"], TrainState.from_dict(f["state"]), f["base_step"],
-        tuple(Applied(h["step"], h["generation"], tuple(h["grad_steps"]), h["grad_generation"]) for h in f["history"]),
-    ) for f in finals)
+    ranks = tuple(
+        RankOutcome(
+            f["rank"],
+            f["incarnation"],
+            f["generation"],
+            TrainState.from_dict(f["state"]),
+            f["base_step"],
+            tuple(
+                Applied(h["step"], h["generation"], tuple(h["grad_steps"]), h["grad_generation"]) for h in f["history"]
+            ),
+        )
+        for f in finals
+    )
     effects = []
     late = job / "bench-faults" / "late-result.json"
     if late.exists():
         r = json.loads(late.read_text())
         if "accepted" in r:
-            effects.append(Effect(r["kind"], r["origin_generation"], r["active_generation"], r["rank"], r["step"],
-                                  r["accepted"]))
+            effects.append(
+                Effect(r["kind"], r["origin_generation"], r["active_generation"], r["rank"], r["step"], r["accepted"])
+            )
     claimed = None
     meas: dict = {"sync_ops": 0}
     if strategy == "gpuguard" and (job / "ledger").exists():
-        from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+        from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
 
         ledger = open_ledger(job)
         active = ledger.require_active()
@@ -165,8 +245,16 @@ def outcome(strategy: str, job: Path, rc: int, tail: str, seed: int, expected: i
     return RunOutcome(seed, ranks, claimed, tuple(effects), None, aborted), meas
 
 
-def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, timeout_s: float = 150.0,
-                 notes: list[str] | None = None, workers: int = WORKERS) -> Row:
+def run_real_one(
+    strategy: str,
+    fault: str,
+    boundary: str,
+    *,
+    seed: int = 0,
+    timeout_s: float = 150.0,
+    notes: list[str] | None = None,
+    workers: int = WORKERS,
+) -> Row:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpuguard-transitions-real-") as tmp:
         job = Path(tmp)
@@ -181,24 +269,38 @@ def run_real_one(strategy: str, fault: str, boundary: str, *, seed: int = 0, tim
         notes.append(f"{strategy} {fault}@{boundary}: new generation's activation phases (s): {meas['phases']}")
     progress = FAULT_STEP if boundary == "before-commit" else FAULT_STEP - 1
     resume = meas.get("resume_step")
-    return Row(strategy=strategy, fault=fault, boundary=boundary, layout="dp", semantic_failure=not verdict.ok,
-               detail=verdict.detail, recovery_s=meas.get("recovery_s"),
-               steps_lost=None if resume is None else max(0, progress - resume),
-               sync_ops_per_step=meas["sync_ops"] / STEPS, sync_s_per_step=0.0,
-               fenced=sum(1 for e in run.effects if not e.accepted),
-               findings=tuple(f.to_dict() for f in verdict.findings), mode="real", latency="measured",
-               wall_s=time.perf_counter() - t0)
+    return Row(
+        strategy=strategy,
+        fault=fault,
+        boundary=boundary,
+        layout="dp",
+        semantic_failure=not verdict.ok,
+        detail=verdict.detail,
+        recovery_s=meas.get("recovery_s"),
+        steps_lost=None if resume is None else max(0, progress - resume),
+        sync_ops_per_step=meas["sync_ops"] / STEPS,
+        sync_s_per_step=0.0,
+        fenced=sum(1 for e in run.effects if not e.accepted),
+        findings=tuple(f.to_dict() for f in verdict.findings),
+        mode="real",
+        latency="measured",
+        wall_s=time.perf_counter() - t0,
+    )
 
 
 def run_real(*, strategies: list[str], seed: int = 0, timeout_s: float = 150.0) -> tuple[list[Row], list[str]]:
     rows = []
-    notes = [f"real: {WORKERS} torchrun/gloo workers, --max-restarts=1, {STEPS} steps, fault at step {FAULT_STEP}; "
-             "recovery_s measured from the SIGKILL to the first step done by every rank of the new generation",
-             "restart-all runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torchrun+gloo restarts "
-             "resume 1 time in 9 here: reference/torchrun-gloo-findings.md)"]
+    notes = [
+        f"real: {WORKERS} torchrun/gloo workers, --max-restarts=1, {STEPS} steps, fault at step {FAULT_STEP}; "
+        "recovery_s measured from the SIGKILL to the first step done by every rank of the new generation",
+        "restart-all runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torchrun+gloo restarts "
+        "resume 1 time in 9 here: reference/torchrun-gloo-findings.md)",
+    ]
     if "communicator-only" in strategies:
-        notes.append("communicator-only runs without torchrun (its agent stops the survivors): the driver starts "
-                     "the workers, survivors re-form a gloo group under a new store prefix and retry the step")
+        notes.append(
+            "communicator-only runs without torchrun (its agent stops the survivors): the driver starts "
+            "the workers, survivors re-form a gloo group under a new store prefix and retry the step"
+        )
     for name in strategies:
         for fault, boundary in REAL_SCHEDULES[name]:
             rows.append(run_real_one(name, fault, boundary, seed=seed, timeout_s=timeout_s, notes=notes))

@@ -53,13 +53,20 @@ class Holder:
         self.module = nn.Module()
         self.module.register_buffer("params", torch.tensor(s0.params, dtype=torch.int64))
         self.module.register_buffer("momentum", torch.tensor([0] * m.N_PARAMS, dtype=torch.int64))
-        self.extra = {"rng": torch.tensor([_signed(s0.rng)], dtype=torch.int64),
-                      "data_pos": torch.tensor([0], dtype=torch.int64), "step": torch.tensor([0], dtype=torch.int64)}
+        self.extra = {
+            "rng": torch.tensor([_signed(s0.rng)], dtype=torch.int64),
+            "data_pos": torch.tensor([0], dtype=torch.int64),
+            "step": torch.tensor([0], dtype=torch.int64),
+        }
 
     def get(self) -> m.TrainState:
-        return m.TrainState(int(self.extra["step"][0]), tuple(int(x) for x in self.module.params.tolist()),
-                            tuple(int(x) for x in self.module.momentum.tolist()),
-                            _unsigned(int(self.extra["rng"][0])), int(self.extra["data_pos"][0]))
+        return m.TrainState(
+            int(self.extra["step"][0]),
+            tuple(int(x) for x in self.module.params.tolist()),
+            tuple(int(x) for x in self.module.momentum.tolist()),
+            _unsigned(int(self.extra["rng"][0])),
+            int(self.extra["data_pos"][0]),
+        )
 
     def set(self, s: m.TrainState) -> None:
         import torch  # noqa: PLC0415
@@ -71,8 +78,11 @@ class Holder:
         self.extra["step"][0] = s.step
 
     def to_save(self) -> dict:
-        return {"params": self.module.params.clone(), "momentum": self.module.momentum.clone(),
-                **{k: v.clone() for k, v in self.extra.items()}}
+        return {
+            "params": self.module.params.clone(),
+            "momentum": self.module.momentum.clone(),
+            **{k: v.clone() for k, v in self.extra.items()},
+        }
 
     def from_saved(self, d: dict) -> None:
         self.module.params.copy_(d["params"])
@@ -133,14 +143,24 @@ def corrupt_newest(a: argparse.Namespace) -> None:
 def spawn_late_writer(a: argparse.Namespace, rank: int, step: int, holder: Holder, extra: dict) -> None:
     """A writer of this (old) incarnation that outlives it: it waits for the next generation, then writes."""
     job = Path(a.job_dir)
-    payload = {"strategy": a.strategy, "job_dir": str(job), "rank": rank, "step": step,
-               "incarnation": extra.get("incarnation", ""), "generation": extra.get("generation", 0),
-               "state": holder.get().to_dict()}
+    payload = {
+        "strategy": a.strategy,
+        "job_dir": str(job),
+        "rank": rank,
+        "step": step,
+        "incarnation": extra.get("incarnation", ""),
+        "generation": extra.get("generation", 0),
+        "state": holder.get().to_dict(),
+    }
     (job / "bench-faults").mkdir(parents=True, exist_ok=True)
     spec = job / "bench-faults" / "late.json"
     spec.write_text(json.dumps(payload))
-    proc = subprocess.Popen([sys.executable, "-m", "gpuguard.transitions.real_worker", "--late", str(spec)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuguard.transitions.real_worker", "--late", str(spec)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     (job / "bench-faults" / "late.pid").write_text(str(proc.pid))
 
 
@@ -149,16 +169,19 @@ def late_writer(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     job = Path(spec["job_dir"])
     deadline = time.monotonic() + 120
-    result: dict = {"kind": "commit-record" if spec["strategy"] == "gpuguard" else "checkpoint-shard",
-                    "origin_generation": spec["generation"], "step": spec["step"], "rank": spec["rank"]}
+    result: dict = {
+        "kind": "commit-record" if spec["strategy"] == "gpuguard" else "checkpoint-shard",
+        "origin_generation": spec["generation"],
+        "step": spec["step"],
+        "rank": spec["rank"],
+    }
     while time.monotonic() < deadline:
         if spec["strategy"] == "gpuguard":
-            from gpuguard.generation.ledger import open_ledger  # noqa: PLC0415
+            from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
 
             active = open_ledger(job).active()
             if active is not None and active.generation > spec["generation"]:
-                ok = open_ledger(job).record_commit(spec["generation"], spec["step"], spec["rank"],
-                                                    spec["incarnation"])
+                ok = open_ledger(job).record_commit(spec["generation"], spec["step"], spec["rank"], spec["incarnation"])
                 result.update(accepted=bool(ok), active_generation=active.generation)
                 break
         else:
@@ -167,9 +190,16 @@ def late_writer(spec_path: str) -> int:
                 import torch  # noqa: PLC0415
 
                 s = m.TrainState.from_dict(spec["state"])
-                torch.save({"params": torch.tensor(s.params), "momentum": torch.tensor(s.momentum),
-                            "rng": torch.tensor([_signed(s.rng)]), "data_pos": torch.tensor([s.data_pos]),
-                            "step": torch.tensor([s.step])}, job / "ckpt.pt")
+                torch.save(
+                    {
+                        "params": torch.tensor(s.params),
+                        "momentum": torch.tensor(s.momentum),
+                        "rng": torch.tensor([_signed(s.rng)]),
+                        "data_pos": torch.tensor([s.data_pos]),
+                        "step": torch.tensor([s.step]),
+                    },
+                    job / "ckpt.pt",
+                )
                 result.update(accepted=True, active_generation=1)
                 break
         time.sleep(0.05)
@@ -177,8 +207,7 @@ def late_writer(spec_path: str) -> int:
     return 0
 
 
-def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, fault: Faults,
-             extra: dict) -> dict:
+def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, fault: Faults, extra: dict) -> dict:
     """One data-parallel step, two all-reduced buckets each followed by its optimizer write.
 
     Each bucket carries the sender's step and generation in two extra slots: the sums say whether
@@ -192,8 +221,9 @@ def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, 
     fault("before-allreduce", step, holder, extra)
     results = []
     for b, bucket in enumerate(m.BUCKETS):
-        t = torch.tensor([part[j] if j in bucket else 0 for j in range(m.N_PARAMS)] + [step, generation],
-                         dtype=torch.int64)
+        t = torch.tensor(
+            [part[j] if j in bucket else 0 for j in range(m.N_PARAMS)] + [step, generation], dtype=torch.int64
+        )
         dist.all_reduce(t)
         vals = [int(x) % m.MOD for x in t[: m.N_PARAMS].tolist()]
         results.append((int(t[m.N_PARAMS]), int(t[m.N_PARAMS + 1])))
@@ -205,21 +235,42 @@ def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, 
     same_step = all(ss == step * world for ss, _ in results)
     same_gen = all(gs == generation * world for _, gs in results)
     fault("before-commit", step, holder, extra)
-    return {"step": step, "generation": generation, "grad_steps": [step] if same_step else [-1],
-            "grad_generation": generation if same_gen else -1}
+    return {
+        "step": step,
+        "generation": generation,
+        "grad_steps": [step] if same_step else [-1],
+        "grad_generation": generation if same_gen else -1,
+    }
 
 
 def first_step_done(out: Path, generation: int, rank: int) -> None:
-    (out / f"first-step-g{generation}-r{rank}.json").write_text(json.dumps({"time": time.time(),
-                                                                             "generation": generation}))
+    (out / f"first-step-g{generation}-r{rank}.json").write_text(
+        json.dumps({"time": time.time(), "generation": generation})
+    )
 
 
-def write_final(out: Path, rank: int, incarnation: str, generation: int, base: int, holder: Holder,
-                history: list, world: int, resume_step: int | None = None) -> None:
+def write_final(
+    out: Path,
+    rank: int,
+    incarnation: str,
+    generation: int,
+    base: int,
+    holder: Holder,
+    history: list,
+    world: int,
+    resume_step: int | None = None,
+) -> None:
     """What the oracle reads; `resume_step`: the step this rank continued from after the fault."""
-    final = {"rank": rank, "incarnation": incarnation, "generation": generation, "base_step": base,
-             "state": holder.get().to_dict(), "history": history, "world": world,
-             "resume_step": base if resume_step is None else resume_step}
+    final = {
+        "rank": rank,
+        "incarnation": incarnation,
+        "generation": generation,
+        "base_step": base,
+        "state": holder.get().to_dict(),
+        "history": history,
+        "world": world,
+        "resume_step": base if resume_step is None else resume_step,
+    }
     (out / f"final-{rank}.json").write_text(json.dumps(final))
 
 
@@ -239,15 +290,26 @@ def train_comm_only(a: argparse.Namespace) -> int:
     out = job / "bench-out"
     out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        rank == 0,
+        timeout=timedelta(seconds=60),
+        wait_for_workers=False,
+    )
     holder = Holder(a.seed)
     generation = 1
     extra = {"incarnation": f"pid{os.getpid()}", "generation": generation}
 
     def join() -> None:
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"g{generation}", store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=5))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"g{generation}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=5),
+        )
 
     join()
     fault = Faults(a, rank, 0)

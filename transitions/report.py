@@ -8,7 +8,8 @@ what extra synchronisation the strategy paid per step.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from gpuguard.transitions.runner import Row
 from gpuguard.transitions.schedules import BOUNDARIES, FAULTS
@@ -53,7 +54,9 @@ def ratios(summ: dict[str, dict[str, Any]], baseline: str = "restart-all", subje
     if b["median_recovery_s"] and s["median_recovery_s"]:
         out["recovery_speedup"] = round(b["median_recovery_s"] / s["median_recovery_s"], 2)
     if b["mean_steps_lost"] is not None and s["mean_steps_lost"] is not None:
-        out["steps_lost_ratio"] = round(s["mean_steps_lost"] / b["mean_steps_lost"], 3) if b["mean_steps_lost"] else None
+        out["steps_lost_ratio"] = (
+            round(s["mean_steps_lost"] / b["mean_steps_lost"], 3) if b["mean_steps_lost"] else None
+        )
     return out
 
 
@@ -61,8 +64,13 @@ def document(rows: list[Row], notes: Iterable[str] = (), extra: dict[str, Any] |
     """The `gpuguard.bench/1` document: one result row per run, a summary per strategy."""
     summ = summary(rows)
     return {
-        "schema": SCHEMA, "bench": BENCH, "results": [r.to_dict() for r in rows], "summary": summ,
-        "ratios": ratios(summ), "notes": list(notes), **(extra or {}),
+        "schema": SCHEMA,
+        "bench": BENCH,
+        "results": [r.to_dict() for r in rows],
+        "summary": summ,
+        "ratios": ratios(summ),
+        "notes": list(notes),
+        **(extra or {}),
     }
 
 
@@ -71,8 +79,16 @@ def ordered(rows: list[Row]) -> list[Row]:
     rank = {n: i for i, n in enumerate(dict.fromkeys(r.strategy for r in rows))}
     faults = {f: i for i, f in enumerate(FAULTS)}
     bounds = {b: i for i, b in enumerate(BOUNDARIES)}
-    return sorted(rows, key=lambda r: (rank[r.strategy], not r.semantic_failure, r.layout,
-                                       faults.get(r.fault, 99), bounds.get(r.boundary, 99)))
+    return sorted(
+        rows,
+        key=lambda r: (
+            rank[r.strategy],
+            not r.semantic_failure,
+            r.layout,
+            faults.get(r.fault, 99),
+            bounds.get(r.boundary, 99),
+        ),
+    )
 
 
 def render(rows: list[Row], notes: Iterable[str] = (), console: Any = None) -> None:
@@ -83,27 +99,61 @@ def render(rows: list[Row], notes: Iterable[str] = (), console: Any = None) -> N
     con = console or Console(highlight=False)
     summ = summary(rows)
     t = Table(title="membership-transition counterexample benchmark: per strategy")
-    for col in ("strategy", "runs", "semantic failures", "median recovery s", "mean steps lost",
-                "sync ops/step", "fenced late results", "failing faults"):
+    for col in (
+        "strategy",
+        "runs",
+        "semantic failures",
+        "median recovery s",
+        "mean steps lost",
+        "sync ops/step",
+        "fenced late results",
+        "failing faults",
+    ):
         t.add_column(col)
     for name, s in summ.items():
-        t.add_row(name, str(s["runs"]), str(s["semantic_failures"]), _f(s["median_recovery_s"]),
-                  _f(s["mean_steps_lost"]), _f(s["sync_ops_per_step"]), str(s["fenced"]),
-                  ", ".join(s["failing_faults"]) or "-")
+        t.add_row(
+            name,
+            str(s["runs"]),
+            str(s["semantic_failures"]),
+            _f(s["median_recovery_s"]),
+            _f(s["mean_steps_lost"]),
+            _f(s["sync_ops_per_step"]),
+            str(s["fenced"]),
+            ", ".join(s["failing_faults"]) or "-",
+        )
     con.print(t)
     d = Table(title="per strategy x fault x boundary (semantic failures first)")
-    for col in ("strategy", "fault", "boundary", "layout", "semantic", "recovery s", "steps lost",
-                "sync s/step", "detail"):
+    for col in (
+        "strategy",
+        "fault",
+        "boundary",
+        "layout",
+        "semantic",
+        "recovery s",
+        "steps lost",
+        "sync s/step",
+        "detail",
+    ):
         d.add_column(col, overflow="fold")
     for r in ordered(rows):
-        d.add_row(r.strategy, r.fault, r.boundary, r.layout, "FAIL" if r.semantic_failure else "ok",
-                  _f(r.recovery_s), "-" if r.steps_lost is None else str(r.steps_lost), _f(r.sync_s_per_step),
-                  r.detail)
+        d.add_row(
+            r.strategy,
+            r.fault,
+            r.boundary,
+            r.layout,
+            "FAIL" if r.semantic_failure else "ok",
+            _f(r.recovery_s),
+            "-" if r.steps_lost is None else str(r.steps_lost),
+            _f(r.sync_s_per_step),
+            r.detail,
+        )
     con.print(d)
     rat = ratios(summ)
     if rat:
-        con.print(f"gpuguard vs restart-all: recovery {rat.get('recovery_speedup', '-')}x faster (median), "
-                  f"steps lost ratio {rat.get('steps_lost_ratio', '-')}")
+        con.print(
+            f"gpuguard vs restart-all: recovery {rat.get('recovery_speedup', '-')}x faster (median), "
+            f"steps lost ratio {rat.get('steps_lost_ratio', '-')}"
+        )
     for n in notes:
         con.print(f"note: {n}")
 

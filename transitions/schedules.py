@@ -26,13 +26,15 @@ from gpuguard.transitions.model import LAYOUTS
 BOUNDARIES: dict[str, tuple[str, bool]] = {
     "before-allreduce": ("collective0", False),  # nobody's first all-reduce of step F completed
     "allreduce-partial": ("collective0", True),  # it completed on some ranks only
-    "mid-optimizer-write": ("collective1", True),  # dp: bucket 0 written everywhere, bucket 1 on some; zero1: all-gather on some
+    "mid-optimizer-write": (
+        "collective1",
+        True,
+    ),  # dp: bucket 0 written everywhere, bucket 1 on some; zero1: all-gather on some
     "before-commit": ("commit", False),  # every rank updated, no commit record written
     "mid-ledger-write": ("commit", True),  # some ranks' commit records written
     "mid-checkpoint-write": ("checkpoint", True),  # step F's checkpoint: some shards written
 }
 FAULTS = ("process-death", "comm-abort", "stale-completion", "rank-reuse", "scale-down", "scale-up", "corrupt-shard")
-SITES = ("collective0", "collective1", "commit", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,9 @@ class Schedule:
     @property
     def victim(self) -> int | None:
         """The rank that leaves (dies, or hangs for rank-reuse)."""
-        return self.victim_rank if self.fault in ("process-death", "rank-reuse", "scale-down", "corrupt-shard") else None
+        return (
+            self.victim_rank if self.fault in ("process-death", "rank-reuse", "scale-down", "corrupt-shard") else None
+        )
 
     @property
     def replaced(self) -> bool:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any
 
 from gpuguard.generation.records import Incarnation
 from gpuguard.transitions import model as m
@@ -91,8 +92,12 @@ _counter = [0]
 def new_incarnation(rank: int, host: str = "sim") -> Incarnation:
     """A fresh process identity (unique id; rank numbers are reused, ids never)."""
     _counter[0] += 1
-    return Incarnation(f"{host}-r{rank}-{os.getpid()}-{_counter[0]}", f"{host}-node{rank}", 10_000 + _counter[0],
-                       1_700_000_000.0 + _counter[0])
+    return Incarnation(
+        f"{host}-r{rank}-{os.getpid()}-{_counter[0]}",
+        f"{host}-node{rank}",
+        10_000 + _counter[0],
+        1_700_000_000.0 + _counter[0],
+    )
 
 
 class Sim:
@@ -117,8 +122,9 @@ class Sim:
         self.file_truth: dict[str, tuple[int, bool]] = {}
 
     # -- storage with truth metadata --------------------------------------------------------
-    def write_bytes(self, path: Path, data: bytes, *, generation: int, late: bool = False,
-                    torn: bool = False, atomic: bool = False) -> None:
+    def write_bytes(
+        self, path: Path, data: bytes, *, generation: int, late: bool = False, torn: bool = False, atomic: bool = False
+    ) -> None:
         """Write a state file; `torn` leaves the first half only (the writer died mid-write).
 
         Who wrote it (generation, late or not) is kept beside, in the simulator's truth table,
@@ -246,8 +252,10 @@ class Sim:
                 continue
             if len(live) < len([p for p in self.members if p.alive]):
                 waiting = sorted(p.rank for p in live)
-                self.aborted = (f"rank(s) {waiting} wait forever in a collective the other ranks never join "
-                                f"(the job hangs until the timeout)")
+                self.aborted = (
+                    f"rank(s) {waiting} wait forever in a collective the other ranks never join "
+                    f"(the job hangs until the timeout)"
+                )
                 return
             # match them by order, as NCCL and gloo do
             reqs = [p.waiting for p in live]
@@ -309,8 +317,17 @@ class Sim:
                 self._stop(p)
             else:
                 if p.rank in sch.late:
-                    self.late.append(Late("gradient", p.rank, p.incarnation.id, self.generation,
-                                          sch.fault_step, tag=sch.site, result=result))
+                    self.late.append(
+                        Late(
+                            "gradient",
+                            p.rank,
+                            p.incarnation.id,
+                            self.generation,
+                            sch.fault_step,
+                            tag=sch.site,
+                            result=result,
+                        )
+                    )
                 self._advance(p, None, CommError("collective failed"))
         self._after_fault()
 
@@ -340,10 +357,19 @@ class Sim:
         if site in ("collective0", "collective1", "commit"):
             out.append(Late("commit-record", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step))
             # it re-reads the coordination state and claims its rank number in the generation now active
-            out.append(Late("commit-record", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step,
-                            tag="claims-active"))
-        out.append(Late("checkpoint-shard", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step,
-                        state=p.state))
+            out.append(
+                Late(
+                    "commit-record",
+                    p.rank,
+                    p.incarnation.id,
+                    self.generation,
+                    self.schedule.fault_step,
+                    tag="claims-active",
+                )
+            )
+        out.append(
+            Late("checkpoint-shard", p.rank, p.incarnation.id, self.generation, self.schedule.fault_step, state=p.state)
+        )
         return out
 
     def _after_fault(self) -> None:
@@ -351,8 +377,9 @@ class Sim:
         if sch.site == "commit" and sch.late:
             # the old generation's coordinator was writing the ledger too: its activation lands late
             coord = min(self.members, key=lambda q: q.rank)
-            self.late.append(Late("ledger-activation", coord.rank, coord.incarnation.id, self.generation,
-                                  sch.fault_step))
+            self.late.append(
+                Late("ledger-activation", coord.rank, coord.incarnation.id, self.generation, sch.fault_step)
+            )
         if sch.corrupt:
             self.strategy.corrupt_newest(self, sch.victim_rank)
 
@@ -364,15 +391,18 @@ class Sim:
                 if target is None:
                     continue  # the process it was meant for is gone: nothing can see it
                 accepted = self.strategy.accept_late(self, target, item)
-                self.effects.append(Effect("gradient", item.generation, self.generation, item.rank, item.step, accepted))
+                self.effects.append(
+                    Effect("gradient", item.generation, self.generation, item.rank, item.step, accepted)
+                )
                 if accepted:
                     target.data.setdefault("stale", {})[item.tag] = item.result
             elif item.kind in ("commit-record", "ledger-activation"):
                 deliver = self.strategy.late_commit if item.kind == "commit-record" else self.strategy.late_activation
                 accepted = deliver(self, item)
                 if accepted is not None:  # None: this strategy keeps no such record
-                    self.effects.append(Effect(item.kind, item.generation, self.generation, item.rank,
-                                               item.step, accepted))
+                    self.effects.append(
+                        Effect(item.kind, item.generation, self.generation, item.rank, item.step, accepted)
+                    )
             else:
                 self.strategy.late_shard(self, item)
         self._pending_late = []
@@ -385,7 +415,8 @@ class Sim:
     def outcome(self) -> RunOutcome:
         ranks = tuple(
             RankOutcome(p.rank, p.incarnation.id, p.generation, p.state, p.base_step, tuple(p.history))
-            for p in sorted(self.members, key=lambda q: q.rank) if p.alive
+            for p in sorted(self.members, key=lambda q: q.rank)
+            if p.alive
         )
         aborted = self.aborted
         if aborted is None and not self.faulted:

@@ -68,8 +68,16 @@ class _PlainCheckpoint:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def write(self, sim: Sim, p: Proc, *, torn: bool = False, late: bool = False,
-              state: m.TrainState | None = None, generation: int | None = None) -> None:
+    def write(
+        self,
+        sim: Sim,
+        p: Proc,
+        *,
+        torn: bool = False,
+        late: bool = False,
+        state: m.TrainState | None = None,
+        generation: int | None = None,
+    ) -> None:
         st = state or p.state
         gen = sim.generation if generation is None else generation
         if sim.schedule.layout == "dp":
@@ -77,11 +85,21 @@ class _PlainCheckpoint:
                 sim.write_json(self.root / "state.json", st.to_dict(), generation=gen, torn=torn, late=late)
             return
         if p.rank == 0:
-            sim.write_json(self.root / "model.json", {"step": st.step, "params": list(st.params), "rng": st.rng,
-                                                      "data_pos": st.data_pos}, generation=gen, torn=torn, late=late)
+            sim.write_json(
+                self.root / "model.json",
+                {"step": st.step, "params": list(st.params), "rng": st.rng, "data_pos": st.data_pos},
+                generation=gen,
+                torn=torn,
+                late=late,
+            )
         slots = {str(j): v for j, v in enumerate(st.momentum) if v is not None}
-        sim.write_json(self.root / f"optim-{p.rank}.json", {"step": st.step, "momentum": slots},
-                       generation=gen, torn=torn, late=late)
+        sim.write_json(
+            self.root / f"optim-{p.rank}.json",
+            {"step": st.step, "momentum": slots},
+            generation=gen,
+            torn=torn,
+            late=late,
+        )
 
     def load(self, sim: Sim, reader_rank: int) -> m.TrainState:
         """What `load_step()` returns: no integrity check. ValueError/OSError if unreadable."""
@@ -93,8 +111,9 @@ class _PlainCheckpoint:
         for path in sorted(self.root.glob("optim-*.json")):
             for j, v in sim.read_json(path, gen, reader_rank)["momentum"].items():
                 mom[int(j)] = int(v)
-        return m.TrainState(int(meta["step"]), tuple(meta["params"]), tuple(mom), int(meta["rng"]),
-                            int(meta["data_pos"]))
+        return m.TrainState(
+            int(meta["step"]), tuple(meta["params"]), tuple(mom), int(meta["rng"]), int(meta["data_pos"])
+        )
 
     def files(self, layout: str, rank: int) -> list[Path]:
         if layout == "dp":
@@ -176,8 +195,10 @@ class RestartAll(_Base):
             try:
                 st = self.ckpt.load(sim, r)
             except (OSError, ValueError, KeyError) as exc:
-                raise RuntimeError(f"checkpoint unreadable ({type(exc).__name__}): the restarted workers "
-                                   f"crash in load_step() until --max-restarts is exhausted") from None
+                raise RuntimeError(
+                    f"checkpoint unreadable ({type(exc).__name__}): the restarted workers "
+                    f"crash in load_step() until --max-restarts is exhausted"
+                ) from None
             if sim.schedule.layout == "zero1":
                 st = st.restricted(m.owned(w, r))
             procs.append(Proc(r, new_incarnation(r), sim.generation + 1, w, st, st.step))
@@ -218,15 +239,3 @@ class CommunicatorOnly(_Base):
 
 
 STRATEGIES = ("restart-all", "communicator-only", "gpuguard")
-
-
-def make(name: str) -> Any:
-    if name == "restart-all":
-        return RestartAll()
-    if name == "communicator-only":
-        return CommunicatorOnly()
-    if name == "gpuguard":
-        from gpuguard.transitions.certified import Certified
-
-        return Certified()
-    raise ValueError(f"unknown strategy {name!r} (one of {', '.join(STRATEGIES)})")

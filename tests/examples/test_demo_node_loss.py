@@ -1,0 +1,45 @@
+"""`gpu-recover demo --scenario node-loss`, run for real: 3 torchrun agents, one node lost, the survivors
+switch generation in place (same processes), certified and verified."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from gpuguard.generation.ledger_open import open_ledger
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+
+
+def test_node_loss_demo_ends_with_a_certified_in_place_generation(cli, tmp_path):
+    job = tmp_path / "job"
+    res = cli("gpu-recover", "demo", "--scenario", "node-loss", "--job-dir", str(job), "--json", timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "gpuguard.demo/1" and doc["scenario"] == "node-loss" and doc["ok"] is True
+    assert doc["launcher"].startswith("torchrun: 3 agents")
+    assert doc["switch"] == "in-place" and doc["reason"] == "rank-failure" and doc["verify_rc"] == 0
+    assert doc["generations"] == [0, 1, 2] and doc["kill"]["ranks"] == [0]
+    # the survivors are the same processes, renumbered densely, and end equal to the reference run
+    assert [s["rank_before"] for s in doc["survivors"]] == [1, 2]
+    assert [s["rank_after"] for s in doc["survivors"]] == [0, 1]
+    assert all(s["pid_after"] == s["pid_before"] and s["matches_reference"] for s in doc["survivors"])
+    assert doc["pids_unchanged"] and doc["agents_restarted_nothing"]
+    assert 0 < doc["resume_s"] < 30
+    # the ledger left in the job dir says the same: generation 2 in place, members = the survivors' pids
+    cert = open_ledger(job).get(2)
+    assert cert.extra["switch"] == "in-place" and cert.parent_generation == 1
+    assert sorted(m.incarnation.pid for m in cert.members) == sorted(s["pid_before"] for s in doc["survivors"])
+    assert doc["frontier"] == cert.frontier.step <= doc["kill"]["after_step"]
+    # nothing the demo started is left running
+    pids = [doc["kill"]["agent_pid"], *doc["kill"]["worker_pids"], *(s["pid_after"] for s in doc["survivors"])]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    shown = cli("gpu-generation", "show", "--job-dir", str(job))
+    assert shown.returncode == 0 and "in-place" in shown.stdout
+
+
+def test_demo_rejects_an_unknown_scenario(cli, tmp_path):
+    res = cli("gpu-recover", "demo", "--scenario", "meteor", "--job-dir", str(tmp_path / "j"))
+    assert res.returncode == 64 and "Traceback" not in res.stderr

@@ -1,0 +1,115 @@
+"""gpu-recover actions on real processes and real files: abort, restore, verify; dry-run; confirmation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.support.cli import run_cli
+from tests.support.processes import reap, record, spawn
+
+
+def test_abort_never_kills_a_process_whose_create_time_differs(tmp_path):
+    victim, bystander, stubborn = spawn(), spawn(), spawn(ignore_term=True)
+    try:
+        record(tmp_path, victim, 0)
+        record(tmp_path, bystander, 1, start_shift=-100.0)  # the pid was "reused" by another process
+        record(tmp_path, stubborn, 2)
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), "--yes", "--grace", "1", "--json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["schema"] == "gpuguard.action/1" and doc["outcome"] == "done"
+        assert sorted(doc["details"]["terminated"]) == sorted([victim.pid, stubborn.pid])
+        assert doc["details"]["killed_after_grace"] == [stubborn.pid]
+        assert doc["details"]["quiescence"] == "proved"
+        ev = "\n".join(doc["details"]["evidence"])
+        assert f"pid {bystander.pid}: gone (pid now belongs to a newer process: not signalled)" in ev
+        assert f"pid {stubborn.pid}: terminated by SIGKILL" in ev
+        assert victim.wait(10) == -15 and stubborn.wait(10) == -9
+        assert bystander.poll() is None  # alive: never signalled
+        q = json.loads(Path(doc["details"]["evidence_file"]).read_text())
+        assert q["schema"] == "gpuguard.quiescence/1" and len(q["gone"]) == 3 and q["alive"] == []
+        audit = [json.loads(x) for x in (tmp_path / "audit.log").read_text().splitlines()]
+        assert [a["outcome"] for a in audit] == ["done"] and audit[0]["args"]["grace_s"] == 1.0
+    finally:
+        reap(victim, bystander, stubborn)
+
+
+def test_dry_run_changes_nothing_and_no_confirmation_is_refused(tmp_path):
+    proc = spawn()
+    try:
+        record(tmp_path, proc, 0)
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), "--dry-run", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["outcome"] == "dry-run"
+        r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--dry-run")
+        assert r.returncode == 66  # nothing to restore: said so, changed nothing
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before and proc.poll() is None
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), input="")
+        assert r.returncode == 4 and "--yes" in r.stderr and proc.poll() is None
+        (refused,) = [json.loads(x) for x in (tmp_path / "audit.log").read_text().splitlines()]
+        assert refused["outcome"] == "refused" and refused["exit_code"] == 4
+    finally:
+        reap(proc)
+
+
+def test_restore_refuses_corrupt_states_with_bounded_tries(tmp_path):
+    for step in (2, 4, 6, 8, 10):
+        d = tmp_path / "snapshots" / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / "state.json").write_text("{not json")
+    r = run_cli(
+        "gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--max-tries", "2", "--step", "9", "--json"
+    )
+    assert r.returncode == 2, r.stderr
+    doc = json.loads(r.stdout)
+    reasons = {rej["step"]: rej["reason"] for rej in doc["details"]["rejected"]}
+    assert reasons[10].startswith("after the frontier")
+    assert reasons[8].startswith("state record") and reasons[6].startswith("state record")
+    assert "not tried" in reasons[4] and "not tried" in reasons[2]
+    assert not (tmp_path / "restore.json").exists()
+
+
+def test_verify_waits_with_a_timeout_then_verifies(tmp_path):
+    r = run_cli("gpu-recover", "verify", "--job-dir", str(tmp_path), "--timeout", "0.5")
+    assert r.returncode == 75 and "within 0.5 s" in r.stderr
+    from gpuguard.generation.job import init_job
+
+    init_job(tmp_path)
+    r = run_cli("gpu-recover", "verify", "--job-dir", str(tmp_path), "--json", "--timeout", "5")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["outcome"] == "done" and doc["details"]["generation"] == 0
+    r = run_cli("gpu-recover", "verify", "--job-dir", str(tmp_path), "--newer-than", "0", "--timeout", "0.3")
+    assert r.returncode == 75
+
+
+def test_missing_job_dir_is_one_line_and_exit_66(tmp_path):
+    r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path / "nope"), "--yes")
+    assert r.returncode == 66 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_restore_skips_a_corrupted_snapshot_and_pins_the_previous_verified_one(tmp_path):
+    import torch
+
+    from gpuguard.recovery.snapshot import save_snapshot
+
+    for step in (3, 6, 9):
+        save_snapshot(tmp_path, step, {"w": torch.full((4,), float(step))}, generation=0, owner="test")
+    shard = next(p for p in (tmp_path / "snapshots" / "step-9").rglob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte on disk
+    shard.write_bytes(bytes(data))
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["details"]["chosen"]["step"] == 6
+    assert [rej["step"] for rej in doc["details"]["rejected"]] == [9]
+    assert "corrupt" in doc["details"]["rejected"][0]["reason"]
+    pin = json.loads((tmp_path / "restore.json").read_text())
+    assert pin["step"] == 6 and pin["manifest_digest"] == doc["details"]["chosen"]["manifest_digest"]
+    # idempotent: the same choice again changes nothing
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--json")
+    assert json.loads(r.stdout)["outcome"] == "noop"
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--step", "5", "--json")
+    assert json.loads(r.stdout)["details"]["chosen"]["step"] == 3

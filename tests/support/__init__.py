@@ -1,0 +1,1 @@
+"""Test support: helpers, fakes and the jobs tests launch. Imported as `tests.support.*`."""

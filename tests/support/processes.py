@@ -1,0 +1,58 @@
+"""Real processes recorded as worker incarnations in a job dir (for abort and runbook tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+
+from gpuguard.foundation.jobdir import IncarnationRecord, write_incarnation
+
+IGNORE_TERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
+)
+
+
+def spawn(ignore_term: bool = False) -> subprocess.Popen:
+    code = IGNORE_TERM if ignore_term else "import time; print('ready', flush=True); time.sleep(300)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def record(job_dir: Path, proc: subprocess.Popen, rank: int, *, start_shift: float = 0.0, generation=None) -> str:
+    inc = uuid.uuid4().hex
+    write_incarnation(
+        job_dir,
+        IncarnationRecord(
+            incarnation={
+                "id": inc,
+                "host": socket.gethostname(),
+                "pid": proc.pid,
+                "start_time": psutil.Process(proc.pid).create_time() + start_shift,
+            },
+            rank=rank,
+            local_rank=rank,
+            world_size=2,
+            generation=generation,
+            agent_pid=os.getpid(),
+            run_id="t",
+            master_addr="127.0.0.1",
+            master_port=1,
+            restart_count=0,
+        ),
+    )
+    return inc
+
+
+def reap(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
