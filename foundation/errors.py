@@ -20,6 +20,7 @@ EXIT_REFUSED = 4  # a rule refused the action (activation refused, not confirmed
 EXIT_USAGE = 64  # bad command line
 EXIT_DATAERR = 65  # input present but malformed, truncated, tampered
 EXIT_NOINPUT = 66  # input file / job dir / ledger missing
+EXIT_UNAVAILABLE = 69  # a feature's optional dependency is not installed (torch: gpuguard[runtime])
 EXIT_SOFTWARE = 70  # a bug in gpuguard (an exception nobody expected)
 EXIT_CANTCREAT = 73  # output cannot be created
 EXIT_IOERR = 74  # read/write failed
@@ -36,6 +37,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_USAGE: "usage error (bad command line or config)",
     EXIT_DATAERR: "input malformed, truncated or tampered",
     EXIT_NOINPUT: "input missing (file, job dir, ledger, key)",
+    EXIT_UNAVAILABLE: "a needed optional dependency is not installed (torch: pip install 'gpuguard[runtime]')",
     EXIT_SOFTWARE: "internal error in gpuguard (a bug: please report)",
     EXIT_CANTCREAT: "output cannot be created",
     EXIT_IOERR: "I/O error",
@@ -74,6 +76,12 @@ class UnavailableError(GpuguardError):
     """A service or probe did not answer within its timeout."""
 
     exit_code = EXIT_TEMPFAIL
+
+
+class MissingDependencyError(GpuguardError):
+    """A feature needs an optional dependency that is not installed (torch for the runtime)."""
+
+    exit_code = EXIT_UNAVAILABLE
 
 
 class RefusedError(GpuguardError):

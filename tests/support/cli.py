@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent
-REPO = SUPPORT.parents[2]
+REPO = SUPPORT.parents[1]
 JOBS = SUPPORT / "jobs"  # training scripts the tests launch under torchrun
 FAKES = SUPPORT / "fakes"  # the pynvml fake: the one part faked, at the module boundary
 SHARED = Path(os.environ.get("GPUGUARD_SHARED", REPO.parent / "shared"))
