@@ -5,6 +5,9 @@ pydantic (0.25 s on an idle core here, up to 0.9 s under load) on *every* comman
 10,000 nodes cannot pay that for converting "10" into 10.0. `install()` swaps in a tiny coercion for
 the plain annotations (str, int, float, bool, their Optional, list of them) and leaves everything else
 (paths, choices, ranges, files, datetimes, enums) to typer's own code, unchanged.
+
+It patches a private hook (`typer.core.build_runtime_param`), so pyproject.toml bounds typer to the
+minor version it was written for, and tests/cli/test_fastparams.py fails when the patch does not take.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def _plain(annotation: Any) -> tuple[type, bool] | None:
     if annotation in _SIMPLE:
         return annotation, many
     return None
+
+
+def installed() -> bool:
+    """Did `install()` take effect (typer's layout was the one this patch knows)?"""
+    return _installed
 
 
 def install() -> None:
