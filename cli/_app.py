@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     import click  # type: ignore[no-redef]
 
 from gpuguard import __version__
+from gpuguard.foundation.env import DEBUG_ENV, JOB_DIR_ENV
 from gpuguard.foundation.errors import (
     EXIT_INTERRUPTED,
     EXIT_SOFTWARE,
@@ -28,8 +29,6 @@ from gpuguard.foundation.errors import (
     GpuguardError,
     from_os_error,
 )
-
-JOB_DIR_ENV = "GPUGUARD_JOB_DIR"
 
 
 def make_app(name: str, help_text: str) -> typer.Typer:
@@ -105,7 +104,7 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return err.exit_code
     except Exception as exc:  # a bug: one line, the traceback only on request
-        if os.environ.get("GPUGUARD_DEBUG"):
+        if os.environ.get(DEBUG_ENV):
             raise
         print(
             f"{prog}: internal error: {type(exc).__name__}: {exc} (set GPUGUARD_DEBUG=1 for a traceback)",

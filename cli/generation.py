@@ -15,6 +15,7 @@ import typer
 
 from gpuguard.cli import generation_bench
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, stdout_is_terminal
+from gpuguard.foundation.env import LEDGER_ENV
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK
 
 app = make_app(
@@ -28,7 +29,7 @@ LEDGER_SCHEMA = "gpuguard.ledger/1"
 LEDGER_OPTION = typer.Option(
     None,
     "--ledger",
-    envvar="GPUGUARD_LEDGER",
+    envvar=LEDGER_ENV,
     show_envvar=True,
     help="Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or what init recorded).",
 )

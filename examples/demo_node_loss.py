@@ -28,6 +28,7 @@ from typing import Any
 
 from gpuguard.examples.demo import _first_commit_time, free_port
 from gpuguard.examples.inplace_train import reference
+from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.generation.ledger_open import open_ledger
 
@@ -77,10 +78,10 @@ def _node_env(job: Path, steps: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
     env.update(
         {
-            "GPUGUARD_JOB_DIR": str(job),
+            JOB_DIR_ENV: str(job),
             "INPLACE_STEPS": str(steps),
             "INPLACE_STEP_SLEEP": "0.1",
-            "GPUGUARD_PG_TIMEOUT": "5",
+            PG_TIMEOUT_ENV: "5",
             "INPLACE_GRACE": "3",
             "PYTHONWARNINGS": "ignore",
         }

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpuguard.foundation.env import JOB_DIR_ENV
 from gpuguard.recovery.runtime import Runtime
 from gpuguard.recovery.snapshot import state_digest
 
@@ -241,9 +242,7 @@ def run_plain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpuguard.examples.demo_train", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--job-dir", default=os.environ.get("GPUGUARD_JOB_DIR"), required="GPUGUARD_JOB_DIR" not in os.environ
-    )
+    p.add_argument("--job-dir", default=os.environ.get(JOB_DIR_ENV), required=JOB_DIR_ENV not in os.environ)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--kill", type=parse_kill, action="append", default=[])

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.inplace import InPlaceRuntime
 from gpuguard.recovery.switch import Layout
 
@@ -96,7 +97,7 @@ def worker_main() -> int:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    job_dir = Path(os.environ["GPUGUARD_JOB_DIR"])
+    job_dir = Path(os.environ[JOB_DIR_ENV])
     orig = int(os.environ["RANK"])
     faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
     steps = int(os.environ.get("INPLACE_STEPS", "30"))
@@ -130,7 +131,7 @@ def worker_main() -> int:
         job_dir,
         fault_hook=hook,
         layout=Layout(dp=world // tp, tp=tp, global_batch=GLOBAL_BATCH),
-        pg_timeout_s=float(os.environ.get("GPUGUARD_PG_TIMEOUT", "5")),
+        pg_timeout_s=float(os.environ.get(PG_TIMEOUT_ENV, "5")),
         grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")),
         checkpoint_every=0,
     )
@@ -208,7 +209,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
         env.update(
             {
-                "GPUGUARD_JOB_DIR": str(job_dir),
+                JOB_DIR_ENV: str(job_dir),
                 "WORLD_SIZE": str(n),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(store.port),
@@ -217,7 +218,7 @@ class Cluster:
                 "INPLACE_STEPS": str(steps),
                 FAULTS_ENV: faults,
                 "INPLACE_STEP_SLEEP": str(step_sleep),
-                "GPUGUARD_PG_TIMEOUT": str(pg_timeout),
+                PG_TIMEOUT_ENV: str(pg_timeout),
                 "INPLACE_GRACE": str(grace),
                 "PYTHONWARNINGS": "ignore",
                 **(extra_env or {}),

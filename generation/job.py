@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard.foundation.env import LEDGER_ENV
 from gpuguard.foundation.errors import GpuguardError, from_os_error
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
@@ -16,7 +17,6 @@ from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.records import Certificate, Frontier
 
 LEDGER_URL_FILE = "ledger.url"
-LEDGER_ENV = "GPUGUARD_LEDGER"
 
 
 def ledger_url(job_dir: str | Path, url: str | None = None) -> str | None:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from gpuguard.foundation.env import RDZV_ENDPOINT_ENV
 from gpuguard.recovery.rendezvous import read_state
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
-
-ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,8 @@ def current_attempt(env: dict[str, str] | None = None, timeout_s: float = 5.0) -
     env = dict(os.environ if env is None else env)
     master_port = env.get("MASTER_PORT", "0")
     run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    endpoint = env.get(ENDPOINT_ENV)
-    source = ENDPOINT_ENV
+    endpoint = env.get(RDZV_ENDPOINT_ENV)
+    source = RDZV_ENDPOINT_ENV
     if not endpoint:
         try:
             import psutil  # noqa: PLC0415
@@ -71,5 +70,5 @@ def current_attempt(env: dict[str, str] | None = None, timeout_s: float = 5.0) -
         f"c{restart}-p{master_port}",
         None,
         "restart count (rendezvous round unreadable: membership restarts may reuse a namespace; "
-        f"set {ENDPOINT_ENV}=host:port)",
+        f"set {RDZV_ENDPOINT_ENV}=host:port)",
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpuguard.examples.demo import free_port
 from gpuguard.examples.demo import run_job as run_torchrun
+from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.transitions.model import TrainState
 from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
@@ -93,7 +94,7 @@ def run_job(
         "--seed",
         str(seed),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", PG_TIMEOUT_ENV: "20"}
     if strategy == "restart-all":
         # the known fix for torchrun's stale gloo keys (reference/torchrun-gloo-findings.md, 1/9 resumes without)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

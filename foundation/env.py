@@ -1,0 +1,17 @@
+"""The environment variables gpuguard reads, named once.
+
+Training processes, the three commands and the tests all read these; a name written twice drifts.
+README.md ("Runtime environment") documents what each one means and its default.
+"""
+
+from __future__ import annotations
+
+JOB_DIR_ENV = "GPUGUARD_JOB_DIR"  # the job directory
+JOB_ID_ENV = "GPUGUARD_JOB_ID"  # the job id a runtime records when it creates the job directory
+LEDGER_ENV = "GPUGUARD_LEDGER"  # ledger URL; default <job-dir>/ledger
+PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"  # collective timeout (s) of each generation's process group
+SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"  # snapshot interval in steps
+CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"  # durable checkpoint interval in steps
+RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is read (else the agent's argv)
+STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
+DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
