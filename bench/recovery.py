@@ -41,6 +41,7 @@ import inplace as inplace_bench  # noqa: E402  (bench/inplace.py)
 from _common import emit  # noqa: E402
 
 from gpuguard.examples import demo  # noqa: E402
+from gpuguard.foundation import jobdir
 
 WORKERS = 4
 KILL_EVERY = 6
@@ -210,7 +211,7 @@ def _add_phases(job: Path, trials: list[Trial]) -> None:
     for t in trials:
         cert = next((c for c in history if c.activation_time > t.kill_time), None)
         detect = next((f for f in fails if f >= t.kill_time - 0.05), None)
-        path = job / "coord" / f"activation-g{cert.generation}.json" if cert is not None else None
+        path = jobdir.activation_path(job, cert.generation) if cert is not None else None
         if path is None or not path.exists() or detect is None or t.resume_s is None:
             continue
         ph = json.loads(path.read_text())["phases"]

@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import RankSeries
-from gpuguard.foundation.steplog import MAX_STEPS, RANKS_DIR, SUFFIX, decode_lines, parse_segment_name
+from gpuguard.foundation.steplog import MAX_STEPS, SUFFIX, decode_lines, parse_segment_name
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
 
 def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
     """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
-    root = Path(job_dir) / RANKS_DIR
+    root = ranks_dir(job_dir)
     groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
     skipped: list[str] = []
     try:

@@ -28,6 +28,7 @@ from typing import Any
 
 from gpuguard.examples.demo import _first_commit_time, free_port
 from gpuguard.examples.inplace_train import reference
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.generation.ledger_open import open_ledger
@@ -249,7 +250,7 @@ def run_node_loss(
         )
         # no agent started a second worker (one incarnation per original worker) and none failed; a
         # surviving agent may still sit in torchrun's exit barrier waiting for the lost node: stopped below
-        res.agents_restarted_nothing = len(list((job / "incarnations").glob("*.json"))) == AGENTS and all(
+        res.agents_restarted_nothing = len(list(jobdir.incarnations_dir(job).glob("*.json"))) == AGENTS and all(
             a.poll() in (None, 0) for i, a in enumerate(agents) if i != victim
         )
         res.generations = _ledger(job).generations()

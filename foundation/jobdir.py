@@ -51,6 +51,11 @@ def ledger_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "ledger"
 
 
+def ranks_dir(job_dir: str | Path) -> Path:
+    """Where the per-rank step logs live (docs/formats/step-log.md)."""
+    return Path(job_dir) / "ranks"
+
+
 def incarnations_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "incarnations"
 
@@ -78,6 +83,11 @@ def checkpoint_dir(job_dir: str | Path, step: int) -> Path:
 
 def coord_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "coord"
+
+
+def activation_path(job_dir: str | Path, generation: int) -> Path:
+    """The activation record of a generation (docs/formats/activation.md)."""
+    return coord_dir(job_dir) / f"activation-g{int(generation)}.json"
 
 
 def traces_dir(job_dir: str | Path) -> Path:

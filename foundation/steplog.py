@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 
 from gpuguard.foundation.identity import own_start_time
+from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import (
     BETWEEN,
     CLOSED,
@@ -52,7 +53,6 @@ from gpuguard.foundation.observations import (
 
 FORMAT_VERSION = 1
 SUFFIX = ".steplog"
-RANKS_DIR = "ranks"
 DEFAULT_MAX_BYTES = 1 << 20  # 1 MiB per segment: ~20,000 records
 DEFAULT_KEEP = 3  # segments kept per incarnation (bounded size: keep × max_bytes)
 
@@ -85,7 +85,7 @@ class StepLog:
         max_bytes: int = DEFAULT_MAX_BYTES,
         keep: int = DEFAULT_KEEP,
     ) -> None:
-        self.dir = os.path.join(os.fspath(job_dir), RANKS_DIR)
+        self.dir = os.fspath(ranks_dir(job_dir))
         os.makedirs(self.dir, exist_ok=True)
         self.rank = int(rank)
         self.incarnation = safe_incarnation(incarnation_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuguard.foundation.errors import UsageError
+from gpuguard.foundation.jobdir import ledger_dir
 from gpuguard.generation.keys import key_path, load_key
 from gpuguard.generation.ledger import Ledger
 from gpuguard.generation.ledger_dir import DirectoryLedger
@@ -26,7 +27,7 @@ def open_ledger(
     if key is None and key_path(job_dir).exists():
         key = load_key(job_dir)
     if url is None or url in ("", "dir", "file"):
-        return DirectoryLedger(job_dir / "ledger", key=key)
+        return DirectoryLedger(ledger_dir(job_dir), key=key)
     if url.startswith("file://"):
         return DirectoryLedger(Path(url[len("file://") :]), key=key)
     if url.startswith(("etcd://", "http://")):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gpuguard.examples.demo import free_port
 from gpuguard.examples.demo import run_job as run_torchrun
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.transitions.model import TrainState
@@ -213,7 +214,7 @@ def outcome(
             )
     claimed = None
     meas: dict = {"sync_ops": 0}
-    if strategy == "gpuguard" and (job / "ledger").exists():
+    if strategy == "gpuguard" and jobdir.ledger_dir(job).exists():
         from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
 
         ledger = open_ledger(job)
@@ -221,7 +222,7 @@ def outcome(
         claimed = ledger.last_committed_by_all(active.generation)
         meas["sync_ops"] = sum(len(ledger.commits(g)[0]) for g in range(active.generation + 1))
         meas["fenced"] = ledger.fenced_count()
-        act = job / "coord" / f"activation-g{active.generation}.json"
+        act = jobdir.activation_path(job, active.generation)
         acts = [act] if act.exists() else sorted(job.rglob(f"activation-g{active.generation}.json"))
         if acts:
             ph = json.loads(acts[0].read_text()).get("phases", {})

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpuguard.foundation import jobdir
 from gpuguard.transitions import model as m
 
 POINTS = ("before-allreduce", "mid-optimizer-write", "before-commit")
@@ -129,9 +130,9 @@ def corrupt_newest(a: argparse.Namespace) -> None:
         return
     # the snapshot of the step before is written asynchronously: corrupt that one, not an older one
     deadline = time.monotonic() + 20
-    while not (job / "snapshots" / f"step-{a.fault_step - 1}").exists() and time.monotonic() < deadline:
+    while not jobdir.snapshot_dir(job, a.fault_step - 1).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    snaps = sorted((job / "snapshots").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    snaps = [path for _, path in jobdir.step_dirs(jobdir.snapshots_dir(job))]
     if not snaps:
         return
     data = max((p for p in snaps[-1].glob("*.distcp")), key=lambda p: p.stat().st_size)
