@@ -10,6 +10,8 @@ admits nothing: any reference to a callable is refused with a clear error (exit 
 Why the odd columnar code: 1,024 ranks x 2,000 entries is 2 million dicts. Fields are pulled with
 `operator.itemgetter` (C speed) and signatures are deduplicated per rank before the expensive
 freeze into hashable tuples, and many files are read by a small process pool.
+
+Lazy imports (start-up time): multiprocessing, only when many dumps are read by a pool.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ the fast scanner (which never decodes other lines) and `iter_events` yield ident
 are split into records at carriage returns (progress bars), and records longer than `MAX_LINE`
 characters are cut (a log line is never that long; a binary blob might be). Bytes are decoded as UTF-8
 with replacement characters. Events carry the line number of their line (`\n`-counted).
+
+Lazy imports (start-up time): ahocorasick_rs, only for the marker scan of big inputs.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ for line numbers, and only lines holding a marker are decoded and handed to the 
 `iter_events` uses - so both paths yield the same events. Records end at `\n` or `\r` (progress bars);
 line numbers count `\n` only. Memory stays bounded by the chunk size plus the longest record (records
 longer than `MAX_LINE_BYTES` are cut).
+
+Lazy imports (start-up time): ahocorasick_rs, only when a chunk is scanned.
 """
 
 from __future__ import annotations

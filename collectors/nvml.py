@@ -5,6 +5,8 @@ guarded (a feature the SKU lacks is `null`, a lost GPU is recorded and the other
 the whole probe runs in a worker thread with a deadline, because a sick GPU can block NVML for minutes
 (GSP timeouts, Xid 119; nvidia-smi stuck in D state after Xid 45). The snapshot is the same document
 `--nvml-snapshot FILE` accepts, so every verdict can be reproduced offline.
+
+Lazy imports (start-up time): pynvml, only when the live probe runs.
 """
 
 from __future__ import annotations

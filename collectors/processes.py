@@ -3,6 +3,8 @@
 A worker is any process whose environment holds `TORCHELASTIC_RUN_ID` (torchrun sets it for every
 worker); an agent is a process running `torchrun` / `torch.distributed.run`. Reading another user's
 environment is usually refused: such processes are counted, not guessed.
+
+Lazy imports (start-up time): psutil, only when processes are listed.
 """
 
 from __future__ import annotations

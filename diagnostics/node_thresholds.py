@@ -2,6 +2,8 @@
 
 Validation is strict and names the key, because a typo in a cron sweep's config must fail loudly once
 (exit 64) instead of silently disabling a check on 10,000 nodes.
+
+Lazy imports (start-up time): yaml, only when a thresholds file is read.
 """
 
 from __future__ import annotations

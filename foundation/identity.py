@@ -10,6 +10,8 @@ boot (boot time from `/proc/stat` plus the start tick, 10 ms granularity), so th
 the wall clock was stepped in between (the kernel shifts the boot time with it). Two processes with
 the same pid started within `START_TIME_TOLERANCE_S` of each other would need the pid space to wrap
 in that time, which a Linux host with pid_max >= 32768 does not do in 50 ms.
+
+Lazy imports (start-up time): psutil, only when a process is probed.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 The restricted unpickler admits only the DCP metadata classes, `torch.Size`, dtypes, layouts,
 memory formats, paths and plain containers: a crafted `.metadata` cannot name `os.system` or any
 other callable. torch is imported only when this module's functions run.
+
+Lazy imports (start-up time): torch (optional: `gpuguard[runtime]`), only when a DCP checkpoint is read.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ document and returns a short note (or raises: the registry reports and skips it)
 as `gpuguard.outputs` entry points in pyproject.toml, exactly as a third-party output would be.
 The renderers (`npd_line`, `nagios_text`, `webhook_payload`, `prometheus_registry`) are pure functions
 of the document, so the CLI formats and the plugins share one implementation.
+
+Lazy imports (start-up time): prometheus_client and requests, only when that output runs.
 """
 
 from __future__ import annotations

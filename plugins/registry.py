@@ -3,6 +3,8 @@
 The built-in outputs are found through the same entry points as a third-party package's, so the
 path that loads them is the path every plugin takes. A plugin that fails to import, to construct or
 to run is reported and skipped: a broken notifier must never take a cron sweep down.
+
+Lazy imports (start-up time): importlib.metadata, only when plugins are listed.
 """
 
 from __future__ import annotations

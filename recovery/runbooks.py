@@ -18,6 +18,8 @@ Format::
         argv: [gpu-doctor, diagnose, job, --job-dir, "{job_dir}", --json]   # action: command only
         newer_than: diagnose                # verify only: wait for a generation newer than that step's
         on_failure: stop                    # stop (default) | continue
+
+Lazy imports (start-up time): yaml, only when a runbook is loaded.
 """
 
 from __future__ import annotations

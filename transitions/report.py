@@ -3,6 +3,8 @@
 Per strategy x fault x boundary (x layout): did the run map to a legal serial history (the
 oracle's verdict), and only then how long recovery took, how many steps were rolled back and
 what extra synchronisation the strategy paid per step.
+
+Lazy imports (start-up time): rich, only when the table is rendered.
 """
 
 from __future__ import annotations
