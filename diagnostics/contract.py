@@ -17,9 +17,9 @@ holds sequence ids and small integer ids into one `Interner` of signatures and c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuguard.foundation.traces import ABSENT, COMPLETED, SCHEDULED, Interner, RankTrace, Signature, Stream
 
@@ -34,6 +34,8 @@ STATE_MISMATCH = "state_mismatch"
 KINDS = (MISSING_PARTICIPANT, OP_MISMATCH, SIZE_MISMATCH, DTYPE_MISMATCH, REDUCE_OP_MISMATCH, STATE_MISMATCH)
 
 DEFAULT_PG_NAMES = frozenset({"0", "default", "default_pg"})
+
+_K = TypeVar("_K", bound=Hashable)  # a vote's key: a signature id or a completion state
 
 
 @dataclass(frozen=True)
@@ -175,9 +177,9 @@ def check(
     desc: dict[tuple[str, int], str] = {}
     config: dict[str, set[int]] = {}
     for trace in by_rank.values():
-        for name, members in trace.pg_ranks.items():
-            if members:
-                config.setdefault(name, set()).update(members)
+        for name, pg_members in trace.pg_ranks.items():
+            if pg_members:
+                config.setdefault(name, set()).update(pg_members)
         for stream in trace.streams:
             if pg is not None and pg not in (stream.pg, stream.pg_desc, f"{stream.pg}:{stream.pg_desc}"):
                 continue
@@ -192,13 +194,15 @@ def check(
             + ": each generation is checked as its own timeline, never against another"
         )
 
-    absent = set(range(world)) - set(by_rank) if world and len(generations) <= 1 else set()
-    if absent:
-        partial = True
-        warns.append(
-            f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
-            "every contract is unknown"
-        )
+    absent: set[int] = set()
+    if world and len(generations) <= 1:
+        absent = set(range(world)) - set(by_rank)
+        if absent:
+            partial = True
+            warns.append(
+                f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
+                "every contract is unknown"
+            )
     results: list[Timeline] = []
     for (name, gen), streams in sorted(timelines.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
         is_default = name in DEFAULT_PG_NAMES or desc[(name, gen)] == "default_pg"
@@ -223,7 +227,7 @@ def _pg_order(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
-def _divergence_time(t: Timeline, timelines: dict, interner: Interner) -> int:
+def _divergence_time(t: Timeline, timelines: dict[tuple[str, int], dict[int, Stream]], interner: Interner) -> int:
     """Order broken timelines by when their divergent call was issued (earliest first)."""
     d = t.divergence
     if d is None:
@@ -293,8 +297,8 @@ def _check_timeline(
         contract_div, state_cands, checked = _scan_contiguous(streams, start, last)
     else:
         contract_div, state_cands, checked = _scan_general(streams, order, start, last)
-    cols = {r: _Col(streams[r], streams[r].sig_ids if streams[r] is not None else None) for r in order}
-    states = {r: _Col(streams[r], streams[r].states if streams[r] is not None else None) for r in order}
+    cols = {r: _Col(s, s.sig_ids if s is not None else None) for r, s in streams.items()}  # order == list(streams)
+    states = {r: _Col(s, s.states if s is not None else None) for r, s in streams.items()}
     state_div: int | None = None
     if not all(s.states_reliable for s in live):
         state_cands = set()
@@ -349,8 +353,9 @@ def _scan_general(
     streams: dict[int, Stream | None], order: list[int], start: int, last: int
 ) -> tuple[int | None, set[int], int]:
     """Non-contiguous streams (gaps, merged coalesced groups): align through dicts."""
-    cols = [dict(zip(streams[r].seqs, streams[r].sig_ids)) if streams[r] is not None else {} for r in order]
-    sts = [dict(zip(streams[r].seqs, streams[r].states)) if streams[r] is not None else {} for r in order]
+    picked = [streams[r] for r in order]
+    cols = [dict(zip(s.seqs, s.sig_ids)) if s is not None else {} for s in picked]
+    sts = [dict(zip(s.seqs, s.states)) if s is not None else {} for s in picked]
     checked = 0
     cands: set[int] = set()
     for seq in range(start, last + 1):
@@ -392,7 +397,7 @@ def _index(stream: Stream, seq: int) -> int | None:
     return lo if lo < len(seqs) and seqs[lo] == seq else None
 
 
-def _vote(groups: dict[Any, list[int]]) -> tuple[Any, bool]:
+def _vote(groups: dict[_K, list[int]]) -> tuple[_K, bool]:
     """The majority key; ties go to the side that issued the call, then to the lowest rank."""
     ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0] == ABSENT, min(kv[1])))
     ambiguous = len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1])
@@ -641,7 +646,7 @@ def around(
         for side in sides:
             stream = streams[side.ranks[0]]
             i = _index(stream, seq) if stream is not None else None
-            if i is None:
+            if stream is None or i is None:
                 cells.append("-")
             else:
                 cells.append(f"{_describe(interner.signatures[stream.sig_ids[i]])} [{stream.states[i]}]")

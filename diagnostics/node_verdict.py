@@ -44,7 +44,12 @@ class Finding:
     line: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"verdict": self.verdict, "source": self.source, "check": self.check, "message": self.message}
+        doc: dict[str, Any] = {
+            "verdict": self.verdict,
+            "source": self.source,
+            "check": self.check,
+            "message": self.message,
+        }
         if self.action:
             doc["action"] = self.action
         if self.line is not None:
@@ -176,14 +181,14 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
     inactive = [str(link["link"]) for link in links if link.get("active") is False]
     if inactive:
         add(t.get("nvlink", "inactive"), "nvlink.inactive", "NVLink inactive: link " + ", ".join(inactive))
-    for counter, key in (
+    for counter, keys in (
         ("crc_degraded", ("crc_flit", "crc_data")),
         ("replay_degraded", ("replay",)),
         ("recovery_degraded", ("recovery",)),
     ):
-        total = sum(link.get(k) or 0 for link in links for k in key)
+        total = sum(link.get(k) or 0 for link in links for k in keys)
         if links and _gte(total, t.get("nvlink", counter)):
-            add("degraded", f"nvlink.{counter.rsplit('_', 1)[0]}", f"NVLink {'/'.join(key)} errors: {total}")
+            add("degraded", f"nvlink.{counter.rsplit('_', 1)[0]}", f"NVLink {'/'.join(keys)} errors: {total}")
     return out
 
 
@@ -327,7 +332,11 @@ def judge(
             "nvml_ok": nvml_status == "ok",
         }
 
-    if nvml_status == "failed" and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch":
+    if (
+        snapshot is not None
+        and nvml_status == "failed"
+        and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch"
+    ):
         node_findings.append(
             Finding(
                 "drain",

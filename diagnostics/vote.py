@@ -224,7 +224,7 @@ def vote(
         if not o.has_records:
             prelim[o.rank] = (UNKNOWN, "no step records from this rank yet", False, ())
             continue
-        votes = (
+        votes: tuple[Vote, ...] = (
             v_live(o, cohort, cfg),
             v_prog(o, cohort, cfg),
             v_coh(o, cohort, cfg),
@@ -339,7 +339,7 @@ def _stalled(votes: tuple[Vote, ...]) -> bool:
     )
 
 
-def _victims(obs: Sequence[RankObservation], prelim: dict[int, tuple]) -> set[int]:
+def _victims(obs: Sequence[RankObservation], prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]]) -> set[int]:
     """Dead ranks that died *after* reporting a communication error themselves: collateral, not culprits,
     as long as some other dead rank reported none."""
     dead = [o for o in obs if prelim[o.rank][0] == DEAD]

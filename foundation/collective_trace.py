@@ -32,6 +32,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 from gpuguard.foundation.jobdir import atomic_write_bytes
@@ -170,7 +171,7 @@ class CollectiveTrace:
         """Dump to `path` when `signum` arrives, then run the previously installed handler."""
         previous = signal.getsignal(signum)
 
-        def _handler(sig: int, frame: Any) -> None:
+        def _handler(sig: int, frame: FrameType | None) -> None:
             try:
                 self.dump(path, reason=f"signal {signal.Signals(sig).name}")
             except OSError as exc:  # never let a full disk kill the training loop

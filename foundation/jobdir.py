@@ -51,7 +51,7 @@ def ledger_dir(job_dir: str | Path) -> Path:
     return Path(job_dir) / "ledger"
 
 
-def ranks_dir(job_dir: str | Path) -> Path:
+def ranks_dir(job_dir: str | os.PathLike[str]) -> Path:
     """Where the per-rank step logs live (docs/formats/step-log.md)."""
     return Path(job_dir) / "ranks"
 

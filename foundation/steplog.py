@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.jobdir import ranks_dir
@@ -283,13 +284,14 @@ def _f(tok: str) -> float:
 
 def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps: int = MAX_STEPS) -> RankSeries:
     """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises."""
-    header: dict = {}
+    header: dict[str, Any] = {}
     steps: list[StepSample] = []
     phase = Phase(STARTING)
     errors: list[str] = []
     bad = jumps = 0
     last_wall = last_mono = 0.0
-    prev_wall = prev_mono = None
+    prev_wall: float | None = None
+    prev_mono: float | None = None
     prev_end_mono: float | None = None
     last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
     for line in lines:
@@ -354,7 +356,11 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                     phase = Phase(CLOSED, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
                 else:
                     raise ValueError
-                if prev_wall is not None and abs((w - prev_wall) - (m - prev_mono)) > CLOCK_JUMP_S:
+                if (
+                    prev_wall is not None
+                    and prev_mono is not None
+                    and abs((w - prev_wall) - (m - prev_mono)) > CLOCK_JUMP_S
+                ):
                     jumps += 1
                 prev_wall, prev_mono = w, m
                 last_wall, last_mono = w, m

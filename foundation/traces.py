@@ -25,7 +25,8 @@ class Signature(NamedTuple):
     in_dtypes: tuple[str, ...] | None = None
     out_sizes: tuple[tuple[int, ...], ...] | None = None
     out_dtypes: tuple[str, ...] | None = None
-    count: int | None = None
+    # shadows tuple.count() on purpose: the field is the trace formats' name (`count=` in every reader)
+    count: int | None = None  # type: ignore[assignment]  # typeshed's tuple.count is a method
     reduce_op: str | None = None
 
     def numel(self) -> int | None:

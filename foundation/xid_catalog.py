@@ -33,6 +33,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from gpuguard.foundation.events import Event
+
 SEVERITIES = ("info", "warning", "review", "reset", "drain")
 _RANK = {name: i for i, name in enumerate(SEVERITIES)}
 
@@ -333,13 +335,18 @@ class Resolution:
         }
 
 
-def _code_of(ev: Any) -> int | None:
-    fields = getattr(ev, "fields", ev)
-    kind = getattr(ev, "kind", fields.get("kind"))
+def _fields_of(ev: Event | Mapping[str, Any]) -> Mapping[str, Any]:
+    return ev if isinstance(ev, Mapping) else ev.fields
+
+
+def _code_of(ev: Event | Mapping[str, Any]) -> int | None:
+    fields = _fields_of(ev)
+    kind = fields.get("kind") if isinstance(ev, Mapping) else ev.kind
     if kind == "gpu_lost":
         return 79
     if kind == "xid":
-        return fields.get("xid")
+        code: int | None = fields.get("xid")
+        return code
     return None
 
 
@@ -356,7 +363,7 @@ def xid_severity(code: int, fields: Mapping[str, Any] | None = None) -> str:
     return lookup(code).severity
 
 
-def resolution_for(events: Iterable[Any]) -> Resolution:
+def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
     """Judge the Xid (`xid`, `gpu_lost`) events of ONE GPU, in log order.
 
     Rules: the last Xid 154 recovery action is authoritative for everything logged before it (the
@@ -365,13 +372,14 @@ def resolution_for(events: Iterable[Any]) -> Resolution:
     and other echo codes attach to their primary instead of raising their own alarm; a solo echo
     code keeps its own catalog severity. Events of other kinds are ignored.
     """
-    items = [(c, getattr(ev, "fields", ev)) for ev in events if (c := _code_of(ev)) is not None]
+    items = [(c, _fields_of(ev)) for ev in events if (c := _code_of(ev)) is not None]
     if not items:
         return Resolution("info", _SEVERITY_ACTION["info"], "no Xid events")
     last154 = max((i for i, (c, _) in enumerate(items) if c == 154), default=None)
     severities: list[str] = []
     reasons: list[str] = []
     recovery: str | None = None
+    to = None  # the last Xid 154's recovery action code, when it names one
     start = 0
     if last154 is not None:
         to = items[last154][1].get("recovery_action_to")
@@ -412,8 +420,8 @@ def resolution_for(events: Iterable[Any]) -> Resolution:
         reasons.append("primary Xid " + ", ".join(map(str, primary)))
     if sympathetic:
         reasons.append("sympathetic " + ", ".join(f"{c}->{p}" for c, p in sympathetic))
-    if recovery is not None and sev == RECOVERY_ACTIONS.get(items[last154][1].get("recovery_action_to"), ("", ""))[1]:
-        action = recovery_action(items[last154][1]["recovery_action_to"]).action
+    if to is not None and sev == RECOVERY_ACTIONS.get(to, ("", ""))[1]:
+        action = recovery_action(to).action
     else:
         worst_primary = [c for c in primary if xid_severity(c) == sev]
         action = lookup(worst_primary[0]).action if worst_primary else _SEVERITY_ACTION[sev]

@@ -18,14 +18,19 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from gpuguard.foundation.errors import UnavailableError, UsageError
 from gpuguard.generation.ledger import Ledger, dumps_record
 
 API_PATH = "/v3/"
+
+if TYPE_CHECKING:
+    from etcd3gw.types import KeyValue
+
+_T = TypeVar("_T")
 
 
 def _b64(data: str | bytes) -> str:
@@ -68,7 +73,7 @@ class EtcdLedger(Ledger):
         self.client.session.close()
 
     # -- transport ------------------------------------------------------------------------
-    def _call(self, what: str, fn, *args: Any, **kw: Any) -> Any:
+    def _call(self, what: str, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
         from etcd3gw import exceptions as ex
 
         try:
@@ -89,7 +94,7 @@ class EtcdLedger(Ledger):
     def record_name(self, generation: int) -> str:
         return f"{self.url} key {self._gen_key(generation)}"
 
-    def _range(self, prefix: str, *, keys_only: bool = False) -> list[tuple[bytes, dict[str, Any]]]:
+    def _range(self, prefix: str, *, keys_only: bool = False) -> list[tuple[bytes, KeyValue]]:
         p = prefix.encode()
         return self._call(
             "range",
@@ -111,7 +116,7 @@ class EtcdLedger(Ledger):
         """One range read from `gen/<generation>` on, consecutive numbers only."""
         start = self._gen_key(generation).encode()
         end = _prefix_end(self._key("gen", "").encode())
-        got = self._call(
+        got: list[tuple[bytes, KeyValue]] = self._call(
             "range", self.client.get, start, metadata=True, range_end=end, sort_order="ascend", sort_target="key"
         )
         for value, meta in got:

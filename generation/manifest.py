@@ -443,7 +443,7 @@ def verify_manifest(
 def find_manifests(root: str | Path, max_depth: int = 3) -> list[Path]:
     """Manifest files under a job directory (checkpoints and snapshots), a few levels deep."""
     root = Path(root)
-    found = []
+    found: list[Path] = []
     for depth in range(max_depth + 1):
         pattern = "/".join(["*"] * depth + [MANIFEST_FILE])
         found += root.glob(pattern)

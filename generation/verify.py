@@ -106,7 +106,7 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
                         f"{bad} garbled commit record(s)",
                     )
                 )
-        stray = getattr(ledger, "stray_temp_files", lambda: [])()
+        stray: list[str] = getattr(ledger, "stray_temp_files", lambda: [])()
         if stray:
             report.notes.append(f"{len(stray)} temp file(s) from interrupted writers (ignored): {', '.join(stray[:3])}")
     return report
