@@ -1,9 +1,9 @@
 """Activation decisions, pure: which frontier, which reason, is the old generation quiet.
 
-The runtime's coordinator gathers the facts (the parent certificate, the ledger's commit record,
-the verified snapshots on disk, what every member saw of the old incarnations on its host) and
-these functions turn them into the inputs of the next certificate. No I/O here, so every rule
-has a fast unit test.
+The runtime's coordinator (`Runtime._coordinate`) gathers the facts (the parent certificate, the
+ledger's commit record, the operator's restore pin, the verified snapshots on disk, what every
+member saw of the old incarnations on its host) and these functions turn them into the inputs of
+the next certificate (`plan_activation`). No I/O here, so every rule has a fast unit test.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuguard.generation.records import Certificate, Frontier
-from gpuguard.recovery.snapshot import Selection
+from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
+from gpuguard.recovery.snapshot import Rejection, Selection
+
+MAX_UNRESTORABLE_SKIPS = 8  # states skipped as unrestorable before the coordinator takes what is left
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,96 @@ def check_hellos(hellos: Sequence[Hello], world_size: int) -> list[str]:
     if len(set(ids)) != len(ids):
         problems.append("an incarnation id appears twice")
     return problems
+
+
+def restore_bound(parent: Certificate | None, committed_by_all: int | None, pin: int | None) -> int:
+    """The newest step to look for a snapshot at: the frontier limit, and never past a state
+    `gpu-recover restore` pinned (an operator's choice only ever moves the frontier back)."""
+    bound = frontier_limit(parent, committed_by_all)
+    return bound if pin is None else min(bound, pin)
+
+
+def skip_unrestorable(selection: Selection, older: Selection) -> Selection:
+    """The selection once its chosen state is dropped because a member already failed to load it:
+    `older` (searched below that step) takes its place, and every rejection is kept, in step order,
+    so the certificate says why the newer states were passed over."""
+    chosen = selection.chosen
+    if chosen is None:
+        return selection
+    return Selection(
+        older.chosen,
+        (
+            *selection.rejected,
+            Rejection(chosen.step, chosen.path, "unrestorable: a member failed to load it"),
+            *(r for r in older.rejected if r.step < chosen.step),
+        ),
+        selection.limit,
+    )
+
+
+def admitted_members(hellos: Iterable[Hello]) -> tuple[Member, ...]:
+    """The next generation's members: every incarnation that published a hello, on its own rank."""
+    return tuple(Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos)
+
+
+def rejections_to_log(choice: FrontierChoice) -> tuple[str, ...]:
+    """The rejections worth a log line: a state newer than the frontier is expected, not a problem."""
+    return tuple(line for line in choice.rejected if "after the frontier" not in line)
+
+
+@dataclass(frozen=True)
+class ActivationFacts:
+    """What the coordinator gathered before issuing the next generation's certificate."""
+
+    parent: Certificate
+    hellos: tuple[Hello, ...]
+    committed_by_all: int | None  # None: the parent has no members, or one of them committed nothing
+    selection: Selection  # the restorable state at or below `restore_bound`, unrestorable ones skipped
+    restore_pin: int | None
+    world_size: int
+    attempt_token: str = ""
+    attempt_source: str = ""
+    restart_count: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """The certificate to issue (all but the signature and the ledger's compare-and-swap)."""
+
+    members: tuple[Member, ...]
+    reason: str
+    choice: FrontierChoice
+    quiescence: str
+    quiescence_evidence: tuple[str, ...]
+    extra: Mapping[str, Any]
+    log_rejected: tuple[str, ...]
+    consume_pin: bool  # the restore pin was honoured once: archive it so later generations are bounded by commits
+
+
+def plan_activation(facts: ActivationFacts) -> ActivationPlan:
+    """The restart path's certificate: the hellos' incarnations on their ranks, the frontier from
+    the newest verified state in bounds, quiescence from what the members saw on their hosts."""
+    parent = facts.parent
+    choice = choose_frontier(parent, facts.committed_by_all, facts.selection)
+    q, evidence = quiescence(parent, facts.hellos)
+    extra = {
+        "switch": "restart",
+        "attempt": facts.attempt_token,
+        "attempt_source": facts.attempt_source,
+        "restart_count": facts.restart_count,
+        "committed_by_all": facts.committed_by_all,
+        "frontier_note": choice.note,
+        "rejected": list(choice.rejected[:16]),
+        "world_size": facts.world_size,
+        "restore_pin": facts.restore_pin,
+    }
+    return ActivationPlan(
+        members=admitted_members(facts.hellos),
+        reason=reason(parent, facts.world_size),
+        choice=choice,
+        quiescence=q,
+        quiescence_evidence=evidence,
+        extra=extra,
+        log_rejected=rejections_to_log(choice),
+        consume_pin=facts.restore_pin is not None,
+    )

@@ -44,27 +44,34 @@ from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
-from gpuguard.foundation.identity import GONE_STATES, process_status
+from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
-from gpuguard.generation.records import Frontier, Member
 from gpuguard.recovery.activation import frontier_limit
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
 from gpuguard.recovery.switch import (
+    OPERATOR_ABORT,
+    EvictionFacts,
     Layout,
+    Liveness,
     Report,
+    SwitchFacts,
+    admit_survivors,
     agree_on_state,
+    certified_manifest,
     choose_coordinator,
-    dense_ranks,
-    shrink_layout,
-    switch_reason,
+    coordinator_probes,
+    decide_eviction,
+    follow_racer,
+    liveness,
+    operator_requested,
+    plan_switch,
 )
 
 StepFn = Callable[[int, int, int], None]
 ABORT_FILE = "abort.json"
-OPERATOR_ABORT = "operator abort"
 
 
 def inplace_dir(job_dir: str | Path) -> Path:
@@ -98,12 +105,9 @@ def read_reports(job_dir: str | Path, generation: int) -> dict[int, Report]:
     return out
 
 
-def _process_state(pid: int, start_time: float) -> str:
+def _process_state(pid: int, start_time: float) -> Liveness:
     """'gone', 'stopped' (SIGSTOP / traced) or 'running' for this exact process (pid + start time)."""
-    status = process_status(pid, start_time)
-    if status in GONE_STATES or status == "unknown":
-        return "gone"
-    return "stopped" if status == "stopped" else "running"
+    return liveness(process_status(pid, start_time))
 
 
 def _kill_and_confirm(pid: int, start_time: float, timeout: float = 5.0) -> bool:
@@ -284,13 +288,8 @@ class InPlaceRuntime(Runtime):
             if refused.exists():
                 self._refuse(f"in-place switch refused: {jobdir.read_json(refused).get('reason')}")
             reports = read_reports(self.job_dir, generation)
-            members = parent.ranks
-            gone = [
-                r
-                for r, rep in reports.items()
-                if rep.host == me.host
-                and _process_state(rep.pid, members[r].start_time if r in members else 0.0) == "gone"
-            ]
+            probes = coordinator_probes(reports, parent.ranks, me.host)
+            gone = [r for r, (pid, start) in probes.items() if _process_state(pid, start) == "gone"]
             if choose_coordinator(reports, gone) == self.rank:
                 if coordinating_since is None:
                     coordinating_since = time.time()
@@ -315,106 +314,96 @@ class InPlaceRuntime(Runtime):
     def _coordinate_switch(
         self, parent: Any, reports: dict[int, Report], since: float, operator: bool, phases: dict[str, float]
     ) -> bool:
-        """One pass of the decision; True once a certificate is active (mine or a racer's)."""
+        """One pass of the decision; True once a certificate is active (mine or a racer's).
+
+        The I/O shell of `switch`: probe this host's members, kill the ones `decide_eviction` names,
+        read the commit record and the snapshots, issue and activate what `plan_switch` says.
+        """
 
         host = socket.gethostname()
-        operator = operator or any(r.failure == OPERATOR_ABORT for r in reports.values())
-        dead, killed, waiting, evidence = [], [], [], []
-        kept: list[int] = []
-        for m in parent.members:
-            inc, rep = m.incarnation, reports.get(m.rank)
-            if rep is not None and rep.incarnation_id != inc.id:
-                rep = None  # a report from another process on that rank number is not this member's
-            st = "remote" if inc.host != host else _process_state(inc.pid, inc.start_time)
-            overdue = rep is None and st != "remote" and time.time() - since > self.grace_s
-            if st == "gone" and inc.id in self._killed:  # killed in an earlier pass of this decision
-                killed.append(m.rank)
-                evidence.append(self._killed[inc.id])
-            elif st == "gone":
-                dead.append(m.rank)
-                evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {host} gone")
-            elif st == "stopped" or overdue:
-                why = "stopped (SIGSTOP)" if st == "stopped" else f"no report within {self.grace_s:g} s"
-                if not _kill_and_confirm(inc.pid, inc.start_time):
-                    self._log(f"could not kill rank {m.rank} pid {inc.pid}: waiting")
-                    return False
-                killed.append(m.rank)
-                self._killed[inc.id] = (
-                    f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"
-                )
-                evidence.append(self._killed[inc.id])
-            elif rep is None:
-                waiting.append(m.rank)
-            else:
-                kept.append(m.rank)
-                evidence.append(
-                    f"rank {m.rank} incarnation {inc.id}: reported, tore down generation {parent.generation}'s group"
-                )
-        if waiting:
-            if time.time() - since > max(self.grace_s, 5.0) and any(parent.ranks[r].host != host for r in waiting):
-                self._record_refusal(
-                    parent.generation,
-                    f"ranks {waiting} on other hosts neither reported nor can be proved gone from here",
-                )
+        status = {
+            m.incarnation.id: process_status(m.incarnation.pid, m.incarnation.start_time)
+            for m in parent.members
+            if m.incarnation.host == host
+        }
+        eviction = decide_eviction(
+            EvictionFacts(
+                generation=parent.generation,
+                members=parent.members,
+                reports=reports,
+                host=host,
+                status=status,
+                killed_before=dict(self._killed),
+                waited_s=time.time() - since,
+                grace_s=self.grace_s,
+            )
+        )
+        for kill in eviction.kill:
+            if not _kill_and_confirm(kill.pid, kill.start_time):
+                self._log(f"could not kill rank {kill.rank} pid {kill.pid}: waiting")
+                return False
+            self._killed[kill.incarnation_id] = kill.evidence
+        if eviction.waiting:
+            if eviction.give_up:
+                self._record_refusal(parent.generation, eviction.give_up)
             return False
         phases["evicted"] = time.time()
-        lost = dead + killed
-        shrink = shrink_layout(self.layout, lost)
-        if shrink.layout is None:
-            self._record_refusal(parent.generation, shrink.refused)
+        admission = admit_survivors(self.layout, eviction)
+        if admission.layout is None:
+            self._record_refusal(parent.generation, admission.refused)
             return False
-        kept = [r for r in kept if r in shrink.kept_ranks]
         ledger = self.ledger()
         committed = ledger.last_committed_by_all(parent.generation)
         frontier = frontier_limit(parent, committed)
-        agreement = agree_on_state([reports[r] for r in kept], frontier)
+        agreement = agree_on_state([reports[r] for r in admission.kept], frontier)
         if agreement.digest is None:
             self._record_refusal(parent.generation, "; ".join(agreement.problems))
             return False
-        manifest = ""
-        sel = select_restorable(self.job_dir, frontier)
-        if sel.chosen is not None and sel.chosen.step == frontier and sel.chosen.manifest_digest:
-            manifest = sel.chosen.manifest_digest
+        manifest = certified_manifest(select_restorable(self.job_dir, frontier), frontier)
         phases["frontier"] = time.time()
-        new_rank = dense_ranks(kept)
-        members = [Member(new_rank[r], parent.ranks[r]) for r in kept]
-        t0 = phases.get("detect", since)  # certificate phases: seconds after this coordinator saw the failure
-        ts = {k: round(v - t0, 6) for k, v in phases.items()}
+        plan = plan_switch(
+            SwitchFacts(
+                parent=parent,
+                previous_layout=self.layout,
+                layout=admission.layout,
+                kept=admission.kept,
+                eviction=eviction,
+                reports=reports,
+                committed_by_all=committed,
+                frontier=frontier,
+                manifest=manifest,
+                state_digest=agreement.digest,
+                operator=operator_requested(operator, reports.values()),
+                phases=dict(phases),
+                since=since,
+                coordinator_rank=self.rank,
+                coordinator_incarnation=self.incarnation.id,
+            )
+        )
         cert = issue(
             parent=parent,
             job_id=parent.job_id,
-            members=members,
-            reason=switch_reason(dead=dead, killed=killed, operator=operator),
-            frontier=Frontier(frontier, manifest),
+            members=plan.members,
+            reason=plan.reason,
+            frontier=plan.frontier,
             quiescence="proved",
-            quiescence_evidence=evidence,
+            quiescence_evidence=plan.quiescence_evidence,
             issued_by=f"gpuguard-inplace {issuer()}",
             key=ledger.key,
-            extra={
-                "switch": "in-place",
-                "phases": ts,
-                "layout": shrink.layout.to_dict(),
-                "previous_layout": self.layout.to_dict(),
-                "evicted": {"dead": dead, "killed": killed},
-                "rank_map": {str(old): new for old, new in new_rank.items()},
-                "committed_by_all": committed,
-                "replicated_state_digest": agreement.digest,
-                "coordinator": {"rank": self.rank, "incarnation": self.incarnation.id},
-                "rolled_back": sorted(r for r in kept if (reports[r].committed_step or 0) > frontier),
-            },
+            extra=plan.extra,
         )
         try:
             ledger.activate(cert, manifest_ok=True if manifest else None)
         except RefusedError as exc:
             active = ledger.active()
-            if active is not None and active.generation > parent.generation:
+            if follow_racer(active.generation if active is not None else None, parent.generation):
                 return True  # another coordinator won the compare-and-swap: follow it
             self._record_refusal(parent.generation, str(exc))
             return False
         phases["certified"] = time.time()
         self._log(
-            f"in-place: generation {cert.generation} certified (world {len(members)}, frontier {frontier}, "
-            f"evicted dead={dead} killed={killed})"
+            f"in-place: generation {cert.generation} certified (world {len(plan.members)}, frontier {frontier}, "
+            f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)})"
         )
         return True
 

@@ -46,11 +46,18 @@ from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import init_job, issuer
 from gpuguard.generation.keys import key_path
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.generation.records import Incarnation, Member
-from gpuguard.recovery.activation import Hello, check_hellos, choose_frontier, quiescence, reason
+from gpuguard.generation.records import Incarnation
+from gpuguard.recovery.activation import (
+    MAX_UNRESTORABLE_SKIPS,
+    ActivationFacts,
+    Hello,
+    check_hellos,
+    plan_activation,
+    restore_bound,
+    skip_unrestorable,
+)
 from gpuguard.recovery.attempt import Attempt, current_attempt
 from gpuguard.recovery.snapshot import (
-    Rejection,
     Selection,
     SnapshotInfo,
     clone_state,
@@ -445,10 +452,11 @@ class Runtime:
         return Hello(self.rank, self.incarnation.to_dict(), host, tuple(gone), tuple(alive))
 
     def _coordinate(self, ns: Any, phases: dict[str, float]) -> None:
-        """Rank 0: gather hellos, choose the frontier, issue and activate the certificate."""
+        """Rank 0: gather hellos and the ledger's facts, plan the certificate (`activation`), issue
+        and activate it, publish the outcome. The decisions are in `plan_activation`; this is the I/O."""
 
         try:
-            hellos = [Hello.from_dict(self._wait_json(ns, f"hello/{r}")) for r in range(self.world_size)]
+            hellos = tuple(Hello.from_dict(self._wait_json(ns, f"hello/{r}")) for r in range(self.world_size))
             phases["hellos"] = time.time()
             problems = check_hellos(hellos, self.world_size)
             if problems:
@@ -469,65 +477,56 @@ class Runtime:
                     "genesis: wrong signing key or tampered ledger"
                 )
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
-            from gpuguard.recovery.activation import frontier_limit  # noqa: PLC0415
-
-            bound = frontier_limit(parent, committed)
             pin = _read_restore_pin(self.job_dir)  # `gpu-recover restore` chose a state: never past it
-            if pin is not None:
-                bound = min(bound, pin)
-            selection = select_restorable(self.job_dir, bound)
-            for _ in range(8):  # skip states a member already failed to load (bounded: no endless loop)
-                chosen = selection.chosen
-                if chosen is None or not _unrestorable(self.job_dir, chosen.manifest_digest):
-                    break
-                self._log(f"skipping step {chosen.step}: a member failed to load it before")
-                older = select_restorable(self.job_dir, chosen.step - 1)
-                selection = Selection(
-                    older.chosen,
-                    (
-                        *selection.rejected,
-                        Rejection(chosen.step, chosen.path, "unrestorable: a member failed to load it"),
-                        *(r for r in older.rejected if r.step < chosen.step),
-                    ),
-                    bound,
+            selection = self._restorable(restore_bound(parent, committed, pin))
+            plan = plan_activation(
+                ActivationFacts(
+                    parent=parent,
+                    hellos=hellos,
+                    committed_by_all=committed,
+                    selection=selection,
+                    restore_pin=pin,
+                    world_size=self.world_size,
+                    attempt_token=self.attempt.token if self.attempt else "",
+                    attempt_source=self.attempt.source if self.attempt else "",
+                    restart_count=self.restart_count,
                 )
-            choice = choose_frontier(parent, committed, selection)
-            q, evidence = quiescence(parent, hellos)
-            members = [Member(h.rank, Incarnation.from_dict(h.incarnation)) for h in hellos]
+            )
             cert = issue(
                 parent=parent,
                 job_id=parent.job_id,
-                members=members,
-                reason=reason(parent, self.world_size),
-                frontier=choice.frontier,
-                quiescence=q,
-                quiescence_evidence=evidence,
+                members=plan.members,
+                reason=plan.reason,
+                frontier=plan.choice.frontier,
+                quiescence=plan.quiescence,
+                quiescence_evidence=plan.quiescence_evidence,
                 issued_by=f"gpuguard-runtime {issuer()}",
                 key=ledger.key,
-                extra={
-                    "switch": "restart",
-                    "attempt": self.attempt.token if self.attempt else "",
-                    "attempt_source": self.attempt.source if self.attempt else "",
-                    "restart_count": self.restart_count,
-                    "committed_by_all": committed,
-                    "frontier_note": choice.note,
-                    "rejected": list(choice.rejected[:16]),
-                    "world_size": self.world_size,
-                    "restore_pin": pin,
-                },
+                extra=plan.extra,
             )
-            ledger.activate(cert, manifest_ok=True if choice.frontier.state_manifest_digest else None)
-            if pin is not None:  # used once: the next generation is bounded by its commits again
+            ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
+            if plan.consume_pin:  # used once: the next generation is bounded by its commits again
                 jobdir.coord_dir(self.job_dir).mkdir(parents=True, exist_ok=True)
                 os.replace(
                     self.job_dir / RESTORE_PIN, jobdir.coord_dir(self.job_dir) / f"restore-used-g{cert.generation}.json"
                 )
-            for line in choice.rejected:
-                if "after the frontier" not in line:
-                    self._log(f"rejected {line}")
+            for line in plan.log_rejected:
+                self._log(f"rejected {line}")
             ns.set("cert", json.dumps({"generation": cert.generation, "digest": cert.digest()}))
         except GpuguardError as exc:
             ns.set("cert", json.dumps({"error": str(exc)}))
+
+    def _restorable(self, bound: int) -> Selection:
+        """The newest verified state at or below `bound`, skipping (a bounded number of) states a
+        member already failed to load: the unrestorable marks are on disk, the merge is pure."""
+        selection = select_restorable(self.job_dir, bound)
+        for _ in range(MAX_UNRESTORABLE_SKIPS):
+            chosen = selection.chosen
+            if chosen is None or not _unrestorable(self.job_dir, chosen.manifest_digest):
+                break
+            self._log(f"skipping step {chosen.step}: a member failed to load it before")
+            selection = skip_unrestorable(selection, select_restorable(self.job_dir, chosen.step - 1))
+        return selection
 
     def _verify_and_restore(self, generation: int, digest: str) -> TrainState:
         """Every member: the certificate admits me, is signed and chained; restore and check the digest."""
