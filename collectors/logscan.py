@@ -63,7 +63,8 @@ def _fallback_finder() -> Finder:
             i = buf.find(marker, start, end)
             while i >= 0:
                 hits.append(i)
-                i = buf.find(marker, buf.find(b"\n", i, end) + 1 or end, end)
+                nxt = _first_delim(buf, i, end)  # records end at `\n` or `\r`: the next one may hit too
+                i = buf.find(marker, nxt + 1, end) if nxt >= 0 else -1
         hits.sort()
         return hits
 

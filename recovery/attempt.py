@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import psutil
+
+from gpuguard.collectors.torchrun import parse_torchrun_cmdline
 from gpuguard.foundation.env import RDZV_ENDPOINT_ENV
 from gpuguard.recovery.rendezvous import read_state
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
@@ -48,15 +51,11 @@ def current_attempt(env: dict[str, str] | None = None, timeout_s: float = 5.0) -
     source = RDZV_ENDPOINT_ENV
     if not endpoint:
         try:
-            import psutil  # noqa: PLC0415
-
-            from gpuguard.recovery.rendezvous import parse_torchrun_cmdline  # noqa: PLC0415
-
             opts = parse_torchrun_cmdline(psutil.Process(os.getppid()).cmdline()) or {}
             endpoint = opts.get("rdzv_endpoint")
             run_id = env.get("TORCHELASTIC_RUN_ID") or opts.get("rdzv_id", "none")
             source = "agent command line"
-        except Exception:  # noqa: BLE001 - no agent (plain python), or it is gone
+        except (psutil.Error, OSError):  # no agent (plain python), or it is gone
             endpoint = None
     if endpoint:
         try:

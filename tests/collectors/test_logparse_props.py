@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -179,3 +180,13 @@ def test_line_time_never_raises(text):
     ts, up = line_time(text)
     assert ts is None or isinstance(ts, float)
     assert up is None or up >= 0
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+@pytest.mark.parametrize("chunk", [100, 348, 4096])
+def test_every_carriage_return_record_of_a_line_is_scanned(chunk, accelerated):
+    """Found by the property above: the plain finder jumped to the next `\\n` after a hit, so a second
+    marker in a `\\r`-separated record of the same line was never looked at."""
+    line = next(x for x in REAL_LINES if "NVRM: Xid" in x)
+    data = f"{line}\r{line}\n{line}".encode()
+    assert [e["line"] for e in scan(data, chunk, accelerated)] == [1, 1, 2] == [e["line"] for e in lines_of(data)]
