@@ -24,6 +24,7 @@ from gpuguard import __version__
 from gpuguard.foundation.env import DEBUG_ENV, JOB_DIR_ENV
 from gpuguard.foundation.errors import (
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_SOFTWARE,
     EXIT_USAGE,
     GpuguardError,
@@ -49,7 +50,7 @@ def make_app(name: str, help_text: str) -> typer.Typer:
     def _version(value: bool) -> None:
         if value:
             typer.echo(f"{name} {__version__}")
-            raise typer.Exit(0)
+            raise typer.Exit(EXIT_OK)
 
     @app.callback()
     def _root(
@@ -85,7 +86,7 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {exc.format_message()}", file=sys.stderr)
         return EXIT_USAGE
     except typer.Exit as exc:
-        return int(getattr(exc, "exit_code", getattr(exc, "code", 0)) or 0)
+        return int(getattr(exc, "exit_code", getattr(exc, "code", EXIT_OK)) or EXIT_OK)
     except (typer.Abort, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from gpuguard.cli._app import emit_json, job_dir_option, stdout_is_terminal
-from gpuguard.foundation.errors import NoInputError
+from gpuguard.foundation.errors import EXIT_OK, EXIT_UNKNOWN, NoInputError
 
 _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red", "unknown": "magenta"}
 _BARS = "▁▂▃▄▅▆▇█"
@@ -162,213 +162,214 @@ def _print_human(doc: dict[str, Any]) -> None:
         print(f"next: {step}")
 
 
+def diagnose_job(
+    job_dir: str = job_dir_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
+    config: Path | None = typer.Option(
+        None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."
+    ),
+    window: int = typer.Option(20, "--window", min=1, metavar="N", help="Recent steps for the cohort comparison."),
+    log: list[Path] = typer.Option(
+        [],
+        "--log",
+        metavar="FILE",
+        help="Training log(s): communication errors by "
+        "rank ([rank3]: prefixes), and step times with --log-spec/--log-regex.",
+    ),
+    log_spec: Path | None = typer.Option(
+        None,
+        "--log-spec",
+        metavar="YAML",
+        help="YAML: step_log: {pattern: REGEX} with named groups step, step_s|step_ms|ts, rank.",
+    ),
+    log_regex: str | None = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
+    node_report: list[Path] = typer.Option(
+        [],
+        "--node-report",
+        metavar="JSON",
+        help="gpuguard.node/1 JSON from `gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK).",
+    ),
+    torchrun_log: list[Path] = typer.Option(
+        [],
+        "--torchrun-log",
+        metavar="FILE",
+        help="torchrun's own output: exit codes and signals of workers that are gone.",
+    ),
+) -> int:
+    """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
+    spec = _log_spec(log, log_spec, log_regex)
+    job, doc, _ = assess(
+        job_dir,
+        config=config,
+        window=window,
+        logs=tuple(log),
+        log_spec=spec,
+        node_reports=tuple(node_report),
+        launcher_logs=tuple(torchrun_log),
+    )
+    if as_json:
+        emit_json(doc)
+    else:
+        _print_human(doc)
+    return job.exit_code
+
+
+def watch_job(
+    job_dir: str = job_dir_option(),
+    interval: float = typer.Option(1.0, "--interval", min=0.05, metavar="S", help="Seconds between checks."),
+    as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
+    config: Path | None = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
+    count: int = typer.Option(0, "--count", min=0, metavar="N", help="Stop after N checks (0: until Ctrl-C)."),
+) -> int:
+    """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
+    import json as _json
+
+    previous = None
+    code = EXIT_UNKNOWN
+    n = 0
+    live = None
+    try:
+        if stdout_is_terminal() and not as_json:
+            from rich.live import Live
+
+            from gpuguard.cli._app import console
+
+            live = Live(console=console(), refresh_per_second=4, transient=False)
+            live.start()
+        while True:
+            job, doc, _ = assess(job_dir, config=config, previous=previous)
+            previous, code, n = job, job.exit_code, n + 1
+            if as_json:
+                print(_json.dumps(doc, default=str), flush=True)
+            elif live is not None:
+                live.update(render(doc))
+            else:
+                bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
+                print(f"{time.strftime('%H:%M:%S')} {doc['verdict']} {bad or 'all healthy'}", flush=True)
+            if count and n >= count:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    return code
+
+
+def plan_checkpoint(
+    cost: float = typer.Option(..., "--cost", help="Seconds one checkpoint costs (write time)."),
+    failures_per_hour: float | None = typer.Option(None, "--failures-per-hour", help="Job failure rate λ."),
+    mtbf_hours: float | None = typer.Option(None, "--mtbf-hours", help="Per-GPU MTBF in hours (with --gpus)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the job (with --mtbf-hours)."),
+    async_blocking: float | None = typer.Option(
+        None, "--async-blocking", help="Async checkpointing: seconds of the cost that block training."
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+) -> int:
+    """Young/Daly checkpoint interval Δt* ≈ √(2c/λ) and the overhead at the optimum."""
+    from gpuguard.diagnostics.planners import checkpoint_plan, failure_rate_per_hour
+
+    if failures_per_hour is not None and (mtbf_hours is not None or gpus is not None):
+        from gpuguard.foundation.errors import UsageError
+
+        raise UsageError("give either --failures-per-hour or --mtbf-hours with --gpus, not both")
+    lam = failure_rate_per_hour(failures_per_hour, mtbf_hours, gpus)
+    p = checkpoint_plan(cost, lam, async_blocking)
+    if as_json:
+        emit_json(p.to_json())
+        return EXIT_OK
+    mode = "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
+    print(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
+    print(f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s")
+    print(
+        f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
+        f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)"
+    )
+    print(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
+    for note in p.notes:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
+def plan_layout(
+    tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
+    pp: int = typer.Option(..., "--pp", help="Pipeline-parallel size."),
+    dp: int = typer.Option(..., "--dp", help="Data-parallel size."),
+    failed_rank: int = typer.Option(..., "--failed-rank", help="The rank that failed."),
+    global_batch: int | None = typer.Option(None, "--global-batch", help="Global batch size (samples)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> int:
+    """Rank R's TP/PP/DP groups; hot spare vs shrink (TP/PP cannot shrink: a whole DP replica goes)."""
+    from gpuguard.diagnostics.planners import layout_plan
+
+    p = layout_plan(tp, pp, dp, failed_rank, global_batch)
+    if as_json:
+        emit_json(p.to_json())
+        return EXIT_OK
+    c = p.coords
+    print(f"{p.world} = {dp} (dp) × {pp} (pp) × {tp} (tp); {p.order}")
+    print(f"rank {failed_rank}: tp index {c['tp']}, pp stage {c['pp']}, dp replica {c['dp']}")
+    print(f"  TP group ({tp}): {_span(p.tp_group)}")
+    print(f"  PP group ({pp}): {_span(p.pp_group)}")
+    print(f"  DP group ({dp}): {_span(p.dp_group)}")
+    print(f"  DP replica ({len(p.replica)} ranks): {_span(p.replica)}")
+    h, s = p.hot_spare, p.shrink
+    print(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
+    if s["possible"]:
+        print(
+            f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
+            f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}"
+        )
+    else:
+        print("shrink: impossible (dp = 1: there is no other replica)")
+    print(f"  why: {s['why_not_tp_or_pp']}")
+    batch = s["batch"]
+    if isinstance(batch, dict):
+        for k, v in batch.items():
+            print(f"  batch ({k.replace('_', ' ')}): {v}")
+    else:
+        print(f"  batch: {batch}")
+    for note in p.notes:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
+def plan_collective(
+    ranks: int = typer.Option(..., "--ranks", help="Ranks in the collective (N)."),
+    nbytes: str = typer.Option(..., "--bytes", help="Message size S (e.g. 1e9, 256MB, 4GiB)."),
+    bandwidth: str = typer.Option(..., "--bandwidth", help="Per-link bandwidth (bytes/s: 100GB/s, 25e9, 200Gb/s)."),
+    latency: float = typer.Option(5e-6, "--latency", help="Per-step latency α in seconds."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> int:
+    """All-reduce time: ring 2(N−1)/N · S/BW + 2(N−1)α vs tree 2·S/BW + 2⌈log2 N⌉α."""
+    from gpuguard.diagnostics.planners import collective_plan, parse_quantity
+
+    p = collective_plan(
+        ranks, parse_quantity(nbytes, what="--bytes"), parse_quantity(bandwidth, what="--bandwidth"), latency
+    )
+    if as_json:
+        emit_json(p.to_json())
+        return EXIT_OK
+    print(
+        f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s"
+    )
+    print(
+        f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
+        f"latency {p.ring_latency_term_s * 1e3:.3f} ms)"
+    )
+    print(f"  tree: {p.tree_s * 1e3:.3f} ms")
+    print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
+    return EXIT_OK
+
+
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
     """Add this module's commands to the gpu-doctor app."""
-
-    @diagnose.command("job")
-    def diagnose_job(
-        job_dir: str = job_dir_option(),
-        as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.job/1 document."),
-        config: Path | None = typer.Option(
-            None, "--config", metavar="YAML", help="Vote thresholds YAML (default: built in)."
-        ),
-        window: int = typer.Option(20, "--window", min=1, metavar="N", help="Recent steps for the cohort comparison."),
-        log: list[Path] = typer.Option(
-            [],
-            "--log",
-            metavar="FILE",
-            help="Training log(s): communication errors by "
-            "rank ([rank3]: prefixes), and step times with --log-spec/--log-regex.",
-        ),
-        log_spec: Path | None = typer.Option(
-            None,
-            "--log-spec",
-            metavar="YAML",
-            help="YAML: step_log: {pattern: REGEX} with named groups step, step_s|step_ms|ts, rank.",
-        ),
-        log_regex: str | None = typer.Option(None, "--log-regex", metavar="REGEX", help="The same regex inline."),
-        node_report: list[Path] = typer.Option(
-            [],
-            "--node-report",
-            metavar="JSON",
-            help="gpuguard.node/1 JSON from `gpu-doctor diagnose node --json` on a rank's host (GPU = LOCAL_RANK).",
-        ),
-        torchrun_log: list[Path] = typer.Option(
-            [],
-            "--torchrun-log",
-            metavar="FILE",
-            help="torchrun's own output: exit codes and signals of workers that are gone.",
-        ),
-    ) -> int:
-        """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
-        spec = _log_spec(log, log_spec, log_regex)
-        job, doc, _ = assess(
-            job_dir,
-            config=config,
-            window=window,
-            logs=tuple(log),
-            log_spec=spec,
-            node_reports=tuple(node_report),
-            launcher_logs=tuple(torchrun_log),
-        )
-        if as_json:
-            emit_json(doc)
-        else:
-            _print_human(doc)
-        return job.exit_code
-
-    @watch.command("job")
-    def watch_job(
-        job_dir: str = job_dir_option(),
-        interval: float = typer.Option(1.0, "--interval", min=0.05, metavar="S", help="Seconds between checks."),
-        as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
-        config: Path | None = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
-        count: int = typer.Option(0, "--count", min=0, metavar="N", help="Stop after N checks (0: until Ctrl-C)."),
-    ) -> int:
-        """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
-        import json as _json
-
-        previous = None
-        code = 3
-        n = 0
-        live = None
-        try:
-            if stdout_is_terminal() and not as_json:
-                from rich.live import Live
-
-                from gpuguard.cli._app import console
-
-                live = Live(console=console(), refresh_per_second=4, transient=False)
-                live.start()
-            while True:
-                job, doc, _ = assess(job_dir, config=config, previous=previous)
-                previous, code, n = job, job.exit_code, n + 1
-                if as_json:
-                    print(_json.dumps(doc, default=str), flush=True)
-                elif live is not None:
-                    live.update(render(doc))
-                else:
-                    bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
-                    print(f"{time.strftime('%H:%M:%S')} {doc['verdict']} {bad or 'all healthy'}", flush=True)
-                if count and n >= count:
-                    break
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if live is not None:
-                live.stop()
-        return code
-
-    @plan.command("checkpoint")
-    def plan_checkpoint(
-        cost: float = typer.Option(..., "--cost", help="Seconds one checkpoint costs (write time)."),
-        failures_per_hour: float | None = typer.Option(None, "--failures-per-hour", help="Job failure rate λ."),
-        mtbf_hours: float | None = typer.Option(None, "--mtbf-hours", help="Per-GPU MTBF in hours (with --gpus)."),
-        gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the job (with --mtbf-hours)."),
-        async_blocking: float | None = typer.Option(
-            None, "--async-blocking", help="Async checkpointing: seconds of the cost that block training."
-        ),
-        as_json: bool = typer.Option(False, "--json"),
-    ) -> int:
-        """Young/Daly checkpoint interval Δt* ≈ √(2c/λ) and the overhead at the optimum."""
-        from gpuguard.diagnostics.planners import checkpoint_plan, failure_rate_per_hour
-
-        if failures_per_hour is not None and (mtbf_hours is not None or gpus is not None):
-            from gpuguard.foundation.errors import UsageError
-
-            raise UsageError("give either --failures-per-hour or --mtbf-hours with --gpus, not both")
-        lam = failure_rate_per_hour(failures_per_hour, mtbf_hours, gpus)
-        p = checkpoint_plan(cost, lam, async_blocking)
-        if as_json:
-            emit_json(p.to_json())
-            return 0
-        mode = (
-            "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
-        )
-        print(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
-        print(
-            f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s"
-        )
-        print(
-            f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
-            f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)"
-        )
-        print(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
-        for note in p.notes:
-            print(f"  note: {note}")
-        return 0
-
-    @plan.command("layout")
-    def plan_layout(
-        tp: int = typer.Option(..., "--tp", help="Tensor-parallel size."),
-        pp: int = typer.Option(..., "--pp", help="Pipeline-parallel size."),
-        dp: int = typer.Option(..., "--dp", help="Data-parallel size."),
-        failed_rank: int = typer.Option(..., "--failed-rank", help="The rank that failed."),
-        global_batch: int | None = typer.Option(None, "--global-batch", help="Global batch size (samples)."),
-        as_json: bool = typer.Option(False, "--json"),
-    ) -> int:
-        """Rank R's TP/PP/DP groups; hot spare vs shrink (TP/PP cannot shrink: a whole DP replica goes)."""
-        from gpuguard.diagnostics.planners import layout_plan
-
-        p = layout_plan(tp, pp, dp, failed_rank, global_batch)
-        if as_json:
-            emit_json(p.to_json())
-            return 0
-        c = p.coords
-        print(f"{p.world} = {dp} (dp) × {pp} (pp) × {tp} (tp); {p.order}")
-        print(f"rank {failed_rank}: tp index {c['tp']}, pp stage {c['pp']}, dp replica {c['dp']}")
-        print(f"  TP group ({tp}): {_span(p.tp_group)}")
-        print(f"  PP group ({pp}): {_span(p.pp_group)}")
-        print(f"  DP group ({dp}): {_span(p.dp_group)}")
-        print(f"  DP replica ({len(p.replica)} ranks): {_span(p.replica)}")
-        h, s = p.hot_spare, p.shrink
-        print(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
-        if s["possible"]:
-            print(
-                f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
-                f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}"
-            )
-        else:
-            print("shrink: impossible (dp = 1: there is no other replica)")
-        print(f"  why: {s['why_not_tp_or_pp']}")
-        batch = s["batch"]
-        if isinstance(batch, dict):
-            for k, v in batch.items():
-                print(f"  batch ({k.replace('_', ' ')}): {v}")
-        else:
-            print(f"  batch: {batch}")
-        for note in p.notes:
-            print(f"  note: {note}")
-        return 0
-
-    @plan.command("collective")
-    def plan_collective(
-        ranks: int = typer.Option(..., "--ranks", help="Ranks in the collective (N)."),
-        nbytes: str = typer.Option(..., "--bytes", help="Message size S (e.g. 1e9, 256MB, 4GiB)."),
-        bandwidth: str = typer.Option(..., "--bandwidth", help="Per-link bandwidth (bytes/s: 100GB/s, 25e9, 200Gb/s)."),
-        latency: float = typer.Option(5e-6, "--latency", help="Per-step latency α in seconds."),
-        as_json: bool = typer.Option(False, "--json"),
-    ) -> int:
-        """All-reduce time: ring 2(N−1)/N · S/BW + 2(N−1)α vs tree 2·S/BW + 2⌈log2 N⌉α."""
-        from gpuguard.diagnostics.planners import collective_plan, parse_quantity
-
-        p = collective_plan(
-            ranks, parse_quantity(nbytes, what="--bytes"), parse_quantity(bandwidth, what="--bandwidth"), latency
-        )
-        if as_json:
-            emit_json(p.to_json())
-            return 0
-        print(
-            f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s"
-        )
-        print(
-            f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
-            f"latency {p.ring_latency_term_s * 1e3:.3f} ms)"
-        )
-        print(f"  tree: {p.tree_s * 1e3:.3f} ms")
-        print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
-        return 0
+    diagnose.command("job")(diagnose_job)
+    watch.command("job")(watch_job)
+    plan.command("checkpoint")(plan_checkpoint)
+    plan.command("layout")(plan_layout)
+    plan.command("collective")(plan_collective)
 
 
 def _load_report(path: Path) -> dict[str, Any]:

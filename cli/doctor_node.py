@@ -1,21 +1,25 @@
 """`gpu-doctor diagnose node`, `gpu-doctor sweep` and `gpu-doctor plugins`.
 
 Thin shell: collectors read (NVML, kernel log, processes), `diagnostics.node_verdict` judges, the
-output plugins deliver. Heavy modules (rich, prometheus_client, requests, psutil) are imported only by
-the paths that need them, so `diagnose node --json` stays a fraction of a second and never imports torch.
+output plugins deliver; the sweep's state, retention and lock are `recovery.sweep`'s, the Slurm drain
+is `recovery.actions.drain_node`. Heavy modules (rich, prometheus_client, requests, psutil) are imported
+only by the paths that need them, so `diagnose node --json` stays a fraction of a second and never
+imports torch.
 
 Exit codes (human/json): 0 healthy, 1 degraded, 2 reset or drain, 3 unknown; 64 usage or config error,
-65 malformed input, 66 missing input, 73 output cannot be created, 77 permission denied.
+65 malformed input, 66 missing input, 73 output cannot be created, 75 another sweep holds the state
+directory, 77 permission denied.
 `--format npd`: 0 OK, 1 problem, 2 unknown (node-problem-detector). `--format nagios`: 0/1/2/3.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,12 @@ from typing import Any
 import typer
 
 from gpuguard.cli._app import emit_json
+from gpuguard.foundation.env import STATE_DIR_ENV
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
     EXIT_UNKNOWN,
     EXIT_WARNING,
-    DataError,
     UsageError,
 )
 
@@ -43,11 +47,6 @@ EXIT_BY_VERDICT = {
     "drain": EXIT_CRITICAL,
     "unknown": EXIT_UNKNOWN,
 }
-STATE_SCHEMA = "gpuguard.sweep-state/1"
-DRAIN_PREFIX = "gpu-doctor:"
-STATE_ENV = "GPUGUARD_STATE_DIR"
-MAX_HISTORY = 2000
-PER_CODE_HISTORY = 20  # per GPU and Xid code: enough for every repeat rule, bounded under an Xid storm
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.I)
 _UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
 
@@ -285,185 +284,6 @@ def _render_human(doc: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sweep state: kernel-log cursor + retained events, one file, written atomically.
-
-
-def _default_state_dir() -> Path:
-    env = os.environ.get(STATE_ENV)
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/gpuguard")
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "gpuguard"
-
-
-def _load_state(path: Path) -> tuple[dict[str, Any], list[str]]:
-    import json
-
-    from gpuguard.collectors.kernel_log import parse_cursor
-
-    notes: list[str] = []
-    empty = {"schema": STATE_SCHEMA, "cursor": None, "events": [], "xid_totals": {}, "last_verdict": None}
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return empty, notes
-    except OSError as exc:
-        from gpuguard.foundation.errors import from_os_error
-
-        raise from_os_error(exc, f"sweep state {path}") from None
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
-            raise DataError("not a gpuguard.sweep-state/1 document")
-        cursor = parse_cursor(json.dumps(doc["cursor"]), "cursor") if doc.get("cursor") else None
-        events = [r for r in map(_clean_record, doc.get("events") or []) if r is not None]
-        totals = {str(k): int(v) for k, v in (doc.get("xid_totals") or {}).items()}
-    except (ValueError, TypeError, AttributeError, OverflowError, DataError) as exc:
-        notes.append(f"sweep state {path} unreadable ({str(exc)[:80]}): starting over from the start of the log")
-        return empty, notes
-    return {
-        **empty,
-        "cursor": cursor,
-        "events": events,
-        "xid_totals": totals,
-        "last_verdict": doc.get("last_verdict"),
-    }, notes
-
-
-def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    return float(value) if ok else None
-
-
-def _clean_record(rec: Any) -> dict[str, Any] | None:
-    """A retained event as the state file holds it, or None when it is not one (a damaged file)."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
-        return None
-    line = rec.get("line")
-    fields = rec.get("fields") if isinstance(rec.get("fields"), dict) else {}
-    return {
-        "kind": rec["kind"],
-        "line": line if isinstance(line, int) and not isinstance(line, bool) and line >= 0 else 0,
-        "text": str(rec.get("text") or "")[:400],
-        "fields": {str(k): v for k, v in fields.items() if isinstance(v, (str, int, float, bool, type(None)))},
-        "timestamp": _number(rec.get("timestamp")),
-        "source": rec.get("source") if isinstance(rec.get("source"), str) else None,
-        "severity": str(rec.get("severity") or "info"),
-        "diagnosis": str(rec.get("diagnosis") or "")[:200],
-        "seen_at": _number(rec.get("seen_at")),
-    }
-
-
-def _event_from_record(rec: dict[str, Any]) -> Any:
-    from gpuguard.foundation.events import Event
-
-    return Event(
-        kind=rec["kind"],
-        line=int(rec.get("line") or 0),
-        text=str(rec.get("text") or ""),
-        fields=dict(rec.get("fields") or {}),
-        timestamp=rec.get("timestamp"),
-        source=rec.get("source"),
-        severity=str(rec.get("severity") or "info"),
-        diagnosis=str(rec.get("diagnosis") or ""),
-    )
-
-
-def cap_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest PER_CODE_HISTORY records per (GPU, kind, code), at most MAX_HISTORY, in log order.
-
-    An Xid storm (thousands of Xid 13 a day) must not make every later sweep slower; the exact
-    counts live on in `xid_totals`.
-    """
-    seen: dict[tuple[Any, ...], int] = {}
-    keep: list[dict[str, Any]] = []
-    for rec in reversed(records):
-        fields = rec.get("fields") or {}
-        key = (fields.get("pci_bus_id"), rec.get("kind"), fields.get("xid"), fields.get("sxid"))
-        seen[key] = seen.get(key, 0) + 1
-        if seen[key] <= PER_CODE_HISTORY:
-            keep.append(rec)
-            if len(keep) >= MAX_HISTORY:
-                break
-    keep.reverse()
-    return keep
-
-
-def _event_record(event: Any, seen_at: float) -> dict[str, Any]:
-    return {
-        "kind": event.kind,
-        "line": event.line,
-        "text": (event.text or "")[:400],
-        "fields": {k: v for k, v in dict(event.fields).items() if isinstance(v, (str, int, float, bool, type(None)))},
-        "timestamp": event.timestamp,
-        "source": event.source,
-        "severity": event.severity,
-        "diagnosis": (event.diagnosis or "")[:200],
-        "seen_at": seen_at,
-    }
-
-
-def _save_state(path: Path, state: dict[str, Any]) -> None:
-    import json
-
-    from gpuguard.foundation.errors import from_os_error
-    from gpuguard.foundation.jobdir import atomic_write_bytes
-
-    doc = {
-        "schema": STATE_SCHEMA,
-        "cursor": state["cursor"].to_json() if state.get("cursor") else None,
-        "events": state["events"],
-        "xid_totals": state["xid_totals"],
-        "last_verdict": state.get("last_verdict"),
-    }
-    try:
-        atomic_write_bytes(path, (json.dumps(doc, default=str) + "\n").encode(), mode=0o600)
-    except OSError as exc:
-        raise from_os_error(exc, f"sweep state {path}") from None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Slurm drain
-
-
-def drain_command(node: str, summary: str) -> list[str]:
-    reason = f"{DRAIN_PREFIX} {summary}"[:200].replace("\n", " ")
-    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
-
-
-def _run_drain(command: list[str], node: str, timeout: float) -> str:
-    """Run scontrol (never through a shell); leave a drain someone else owns alone."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which(command[0])
-    if exe is None:
-        return "not run: scontrol is not installed"
-    try:
-        show = subprocess.run(
-            [exe, "show", "node", node, "-o"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-        reason = re.search(r"\bReason=(.*?)(?: \w+=|$)", show.stdout or "")
-        if reason and reason.group(1) not in ("(null)", "") and not reason.group(1).startswith(DRAIN_PREFIX):
-            return f"not run: node already has a reason set by someone else ({reason.group(1)[:60]})"
-        proc = subprocess.run(
-            [exe, *command[1:]], capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return f"failed: scontrol timed out after {timeout:g} s"
-    except OSError as exc:
-        return f"failed: {exc}"
-    err = (proc.stderr or "").strip().splitlines()
-    return "drained" if proc.returncode == 0 else f"failed: exit {proc.returncode} {err[0] if err else ''}".strip()
-
-
-# ---------------------------------------------------------------------------------------------------
 # Commands
 
 
@@ -479,309 +299,283 @@ def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def diagnose_node(
+    kernel_log: str | None = typer.Option(
+        None,
+        "--kernel-log",
+        metavar="FILE|-",
+        help="Kernel log to read (a file, or - for stdin). Default: dmesg, else journalctl -k, else /var/log/kern.log.",
+    ),
+    nvml_snapshot: str | None = typer.Option(
+        None, "--nvml-snapshot", metavar="FILE", help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."
+    ),
+    since: str | None = typer.Option(
+        None,
+        "--since",
+        metavar="D",
+        help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). A log file is judged whole otherwise.",
+    ),
+    config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+    json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+    fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+    demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
+    dump_nvml: str | None = typer.Option(
+        None, "--dump-nvml", metavar="FILE", help="Also save the NVML snapshot (replay it with --nvml-snapshot)."
+    ),
+    processes: bool | None = typer.Option(
+        None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
+    ),
+    nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
+    timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
+) -> int:
+    """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action."""
+    started = time.monotonic()
+    out_fmt = _format(json_, fmt)
+    if demo:
+        kernel_log = kernel_log or str(SAMPLE_KERNEL_LOG)
+        nvml_snapshot = nvml_snapshot or str(SAMPLE_NVML)
+    cutoff = parse_since(since)
+    from gpuguard.diagnostics import node_thresholds
+
+    thresholds = node_thresholds.load(config)
+    log = _kernel_log(kernel_log, timeout=timeout)
+    if log.status != "ok":
+        _warn(f"kernel log not read: {log.reason}")
+    snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+    if dump_nvml:
+        import json
+
+        from gpuguard.foundation.jobdir import atomic_write_bytes
+
+        atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
+    live = nvml_snapshot is None and not demo
+    procs = _processes() if (processes if processes is not None else live) else None
+    doc, _ = build_document(snapshot, nvml_source, log, list(log.events), thresholds, cutoff, started, procs)
+    return _render(doc, out_fmt)
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """`gpu-doctor sweep`'s options, checked and parsed: what one sweep reads, keeps and delivers."""
+
+    state_dir: Path
+    kernel_log: str | None = None
+    nvml_snapshot: str | None = None
+    retain_s: float = 86400.0
+    textfile: str | None = None
+    webhook: str | None = None
+    webhook_timeout: float = 5.0
+    webhook_retries: int = 2
+    budget: float = 30.0
+    outputs: tuple[str, ...] = ()  # extra gpuguard.outputs plugins, in order, without repeats
+    output_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    drain: bool = False  # print the drain command on a drain verdict
+    run_drain: bool = False  # run it
+    node: str | None = None  # the Slurm node name; None: this host's short name
+    out_fmt: str = "human"
+    nvml_timeout: float = 10.0
+    timeout: float = 10.0
+
+
+def sweep_cmd(
+    kernel_log: str | None = typer.Option(
+        None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
+    ),
+    nvml_snapshot: str | None = typer.Option(
+        None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
+    ),
+    config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+    state_dir: str | None = typer.Option(
+        None,
+        "--state-dir",
+        metavar="DIR",
+        envvar=STATE_DIR_ENV,
+        help="Where the kernel-log cursor and recent events are kept "
+        "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
+    ),
+    retain: str = typer.Option(
+        "24h",
+        "--retain",
+        metavar="D",
+        help="How long a kernel-log event keeps counting after the sweep that saw it.",
+    ),
+    textfile: str | None = typer.Option(
+        None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
+    ),
+    webhook: str | None = typer.Option(
+        None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
+    ),
+    webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
+    webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
+    budget: float = typer.Option(
+        30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
+    ),
+    output: list[str] = typer.Option(
+        [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
+    ),
+    output_option: list[str] = typer.Option(
+        [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
+    ),
+    drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
+    run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
+    node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+    json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+    fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+    nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
+    timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+) -> int:
+    """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
+    started = time.monotonic()
+    out_fmt = _format(json_, fmt)
+    retain_s = time.time() - parse_since(retain, now=time.time())
+    if webhook_retries < 0 or webhook_retries > 10:
+        raise UsageError("--webhook-retries must be between 0 and 10")
+    output_options = _parse_options(output_option)
+    from gpuguard.diagnostics import node_thresholds
+    from gpuguard.recovery.sweep import SweepLock, default_state_dir
+
+    thresholds = node_thresholds.load(config)
+    options = SweepOptions(
+        state_dir=Path(state_dir) if state_dir else default_state_dir(),
+        kernel_log=kernel_log,
+        nvml_snapshot=nvml_snapshot,
+        retain_s=retain_s,
+        textfile=textfile,
+        webhook=webhook,
+        webhook_timeout=webhook_timeout,
+        webhook_retries=webhook_retries,
+        budget=budget,
+        outputs=tuple(dict.fromkeys(output)),
+        output_options=output_options,
+        drain=drain,
+        run_drain=run_drain,
+        node=node,
+        out_fmt=out_fmt,
+        nvml_timeout=nvml_timeout,
+        timeout=timeout,
+    )
+    with SweepLock(options.state_dir, wait=min(10.0, budget)):
+        return run_sweep(options, thresholds, started=started)
+
+
+def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
+    """One sweep, under the state directory's lock: read, retain, judge, save, deliver, drain, render."""
+    from gpuguard.recovery import sweep
+
+    state_file = options.state_dir / sweep.STATE_FILE
+    state, notes = sweep.load_state(state_file)
+    for note in notes:
+        _warn(note)
+    log = _kernel_log(options.kernel_log, cursor=state["cursor"], timeout=options.timeout)
+    if log.status != "ok":
+        _warn(f"kernel log not read: {log.reason}")
+    kept = sweep.retain(state, log.events, cursor=log.cursor, now=time.time(), retain_s=options.retain_s)
+    snapshot, nvml_source = _nvml_snapshot(options.nvml_snapshot, options.nvml_timeout)
+    extra = {
+        "state": {
+            "status": "ok",
+            "path": str(state_file),
+            "retained_events": len(kept.events),
+            "new_events": kept.new_events,
+        }
+    }
+    doc, verdict = build_document(
+        snapshot, nvml_source, log, list(kept.events), thresholds, None, started, extra_sections=extra
+    )
+    doc["xid_totals"] = dict(kept.state["xid_totals"])
+    previous = kept.state["last_verdict"]
+    # saved before the outputs: a crashing notifier never loses the cursor
+    sweep.save_state(state_file, {**kept.state, "last_verdict": verdict.verdict})
+
+    results = _deliver(doc, verdict, previous, options)
+    doc["outputs"] = [r.to_json() for r in results]
+    for r in results:
+        if r.status != "ok":
+            _warn(f"output {r.name} failed: {r.message}")
+    if (options.drain or options.run_drain) and verdict.verdict == "drain":
+        from gpuguard.recovery.actions import drain_command, drain_node
+
+        node = options.node or socket.gethostname().split(".")[0]
+        cmd = drain_command(node, verdict.summary)
+        doc["drain"] = {
+            "command": cmd,
+            "ran": options.run_drain,
+            "result": drain_node(node, verdict.summary, timeout_s=10.0).summary if options.run_drain else None,
+        }
+        if options.out_fmt in ("npd", "nagios"):
+            print(f"gpu-doctor: drain: {' '.join(cmd)}", file=sys.stderr)
+    doc["duration_s"] = round(time.monotonic() - started, 4)
+    return _render(doc, options.out_fmt)
+
+
+def _deliver(doc: dict[str, Any], verdict: Any, previous: str | None, options: SweepOptions) -> list[Any]:
+    """The textfile, the webhook (when unhealthy or just recovered), then the plugins, within the budget."""
+    from gpuguard.plugins import outputs as builtin
+    from gpuguard.plugins.registry import load, run_safely
+
+    deadline = time.monotonic() + options.budget
+    results = []
+    textfile, webhook = options.textfile, options.webhook
+    if textfile:
+        results.append(
+            run_safely(
+                "gpuguard.outputs",
+                "prometheus",
+                lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc),
+            )
+        )
+    if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):
+        left = max(0.1, deadline - time.monotonic())
+        results.append(
+            run_safely(
+                "gpuguard.outputs",
+                "webhook",
+                lambda: builtin.post_webhook(
+                    webhook,
+                    builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
+                    timeout=options.webhook_timeout,
+                    retries=options.webhook_retries,
+                    budget=left,
+                ),
+            )
+        )
+    if options.outputs:
+        plugins, failures = load("gpuguard.outputs", list(options.outputs))
+        for f in failures:
+            results.append(_failed(f))
+        for name, cls in plugins.items():
+            if time.monotonic() > deadline:
+                results.append(run_safely("gpuguard.outputs", name, _budget_spent))
+                continue
+            opts = dict(options.output_options.get(name, {}))
+            results.append(run_safely("gpuguard.outputs", name, lambda cls=cls, opts=opts: cls(opts).emit(doc)))
+    return results
+
+
+def plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
+    """List installed plugins (collectors, outputs, actions) and whether each loads."""
+    from gpuguard.plugins.registry import discover
+
+    found = discover()
+    if json_:
+        emit_json({"schema": "gpuguard.plugins/1", "plugins": [p.to_json() for p in found]})
+        return EXIT_OK
+    if not found:
+        print("no plugins installed")
+    for p in found:
+        origin = f"{p.distribution} {p.version}" if p.distribution else "?"
+        line = f"{p.group:<20} {p.name:<14} {p.status:<7} {p.target}  ({origin})"
+        if p.error:
+            line += f"  error: {p.error}"
+        print(line)
+    return EXIT_OK
+
+
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
     """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app."""
-
-    @diagnose.command("node")
-    def diagnose_node(
-        kernel_log: str | None = typer.Option(
-            None,
-            "--kernel-log",
-            metavar="FILE|-",
-            help="Kernel log to read (a file, or - for stdin). "
-            "Default: dmesg, else journalctl -k, else /var/log/kern.log.",
-        ),
-        nvml_snapshot: str | None = typer.Option(
-            None, "--nvml-snapshot", metavar="FILE", help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."
-        ),
-        since: str | None = typer.Option(
-            None,
-            "--since",
-            metavar="D",
-            help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). A log file is judged whole otherwise.",
-        ),
-        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
-        demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
-        dump_nvml: str | None = typer.Option(
-            None, "--dump-nvml", metavar="FILE", help="Also save the NVML snapshot (replay it with --nvml-snapshot)."
-        ),
-        processes: bool | None = typer.Option(
-            None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
-        ),
-        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
-        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
-    ) -> int:
-        """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action."""
-        started = time.monotonic()
-        out_fmt = _format(json_, fmt)
-        if demo:
-            kernel_log = kernel_log or str(SAMPLE_KERNEL_LOG)
-            nvml_snapshot = nvml_snapshot or str(SAMPLE_NVML)
-        cutoff = parse_since(since)
-        from gpuguard.diagnostics import node_thresholds
-
-        thresholds = node_thresholds.load(config)
-        log = _kernel_log(kernel_log, timeout=timeout)
-        if log.status != "ok":
-            _warn(f"kernel log not read: {log.reason}")
-        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
-        if dump_nvml:
-            import json
-
-            from gpuguard.foundation.jobdir import atomic_write_bytes
-
-            atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
-        live = nvml_snapshot is None and not demo
-        procs = _processes() if (processes if processes is not None else live) else None
-        doc, _ = build_document(snapshot, nvml_source, log, list(log.events), thresholds, cutoff, started, procs)
-        return _render(doc, out_fmt)
-
-    @app.command("sweep")
-    def sweep(
-        kernel_log: str | None = typer.Option(
-            None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
-        ),
-        nvml_snapshot: str | None = typer.Option(
-            None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
-        ),
-        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-        state_dir: str | None = typer.Option(
-            None,
-            "--state-dir",
-            metavar="DIR",
-            envvar=STATE_ENV,
-            help="Where the kernel-log cursor and recent events are kept "
-            "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
-        ),
-        retain: str = typer.Option(
-            "24h",
-            "--retain",
-            metavar="D",
-            help="How long a kernel-log event keeps counting after the sweep that saw it.",
-        ),
-        textfile: str | None = typer.Option(
-            None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
-        ),
-        webhook: str | None = typer.Option(
-            None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
-        ),
-        webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
-        webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
-        budget: float = typer.Option(
-            30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
-        ),
-        output: list[str] = typer.Option(
-            [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
-        ),
-        output_option: list[str] = typer.Option(
-            [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
-        ),
-        drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
-        run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
-        node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
-        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
-        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
-        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
-    ) -> int:
-        """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
-        started = time.monotonic()
-        out_fmt = _format(json_, fmt)
-        retain_s = time.time() - parse_since(retain, now=time.time())
-        if webhook_retries < 0 or webhook_retries > 10:
-            raise UsageError("--webhook-retries must be between 0 and 10")
-        opts = _parse_options(output_option)
-        from gpuguard.diagnostics import node_thresholds
-
-        thresholds = node_thresholds.load(config)
-        state_path = Path(state_dir) if state_dir else _default_state_dir()
-        state_file = state_path / "sweep-state.json"
-        with _sweep_lock(state_path, wait=min(10.0, budget)):
-            return _sweep_locked(
-                state_file=state_file,
-                kernel_log=kernel_log,
-                timeout=timeout,
-                retain_s=retain_s,
-                nvml_snapshot=nvml_snapshot,
-                nvml_timeout=nvml_timeout,
-                thresholds=thresholds,
-                started=started,
-                budget=budget,
-                textfile=textfile,
-                webhook=webhook,
-                webhook_timeout=webhook_timeout,
-                webhook_retries=webhook_retries,
-                output=output,
-                opts=opts,
-                drain=drain,
-                run_drain=run_drain,
-                node=node,
-                out_fmt=out_fmt,
-            )
-
-    def _sweep_locked(
-        *,
-        state_file: Path,
-        kernel_log: str | None,
-        timeout: float,
-        retain_s: float,
-        nvml_snapshot: str | None,
-        nvml_timeout: float,
-        thresholds: Any,
-        started: float,
-        budget: float,
-        textfile: str | None,
-        webhook: str | None,
-        webhook_timeout: float,
-        webhook_retries: int,
-        output: list[str],
-        opts: dict[str, dict[str, str]],
-        drain: bool,
-        run_drain: bool,
-        node: str | None,
-        out_fmt: str,
-    ) -> int:
-        """The sweep proper, under the state directory's lock."""
-        state, notes = _load_state(state_file)
-        for note in notes:
-            _warn(note)
-        log = _kernel_log(kernel_log, cursor=state["cursor"], timeout=timeout)
-        if log.status != "ok":
-            _warn(f"kernel log not read: {log.reason}")
-        now = time.time()
-        kept = [r for r in state["events"] if (r.get("seen_at") or now) >= now - retain_s]
-        fresh = [e for e in log.events if e.kind in ("xid", "sxid", "gpu_lost")]
-        for e in fresh:
-            if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
-                key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
-                state["xid_totals"][key] = state["xid_totals"].get(key, 0) + 1
-        kept.extend(_event_record(e, now) for e in fresh)
-        state["events"] = cap_history(kept)
-        if log.cursor is not None:
-            state["cursor"] = log.cursor
-        events = [_event_from_record(r) for r in state["events"]]
-        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
-        extra = {
-            "state": {"status": "ok", "path": str(state_file), "retained_events": len(events), "new_events": len(fresh)}
-        }
-        doc, verdict = build_document(
-            snapshot, nvml_source, log, events, thresholds, None, started, extra_sections=extra
-        )
-        doc["xid_totals"] = dict(state["xid_totals"])
-        previous = state.get("last_verdict")
-        state["last_verdict"] = verdict.verdict
-        _save_state(state_file, state)  # before the outputs: a crashing notifier never loses the cursor
-
-        deadline = time.monotonic() + budget
-        results = []
-        from gpuguard.plugins import outputs as builtin
-        from gpuguard.plugins.registry import load, run_safely
-
-        if textfile:
-            results.append(
-                run_safely(
-                    "gpuguard.outputs",
-                    "prometheus",
-                    lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc),
-                )
-            )
-        if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):
-            left = max(0.1, deadline - time.monotonic())
-            results.append(
-                run_safely(
-                    "gpuguard.outputs",
-                    "webhook",
-                    lambda: builtin.post_webhook(
-                        webhook,
-                        builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
-                        timeout=webhook_timeout,
-                        retries=webhook_retries,
-                        budget=left,
-                    ),
-                )
-            )
-        if output:
-            plugins, failures = load("gpuguard.outputs", list(dict.fromkeys(output)))
-            for f in failures:
-                results.append(_failed(f))
-            for name, cls in plugins.items():
-                if time.monotonic() > deadline:
-                    results.append(run_safely("gpuguard.outputs", name, _budget_spent))
-                    continue
-                results.append(
-                    run_safely("gpuguard.outputs", name, lambda cls=cls, name=name: cls(opts.get(name, {})).emit(doc))
-                )
-        doc["outputs"] = [r.to_json() for r in results]
-        for r in results:
-            if r.status != "ok":
-                _warn(f"output {r.name} failed: {r.message}")
-        if (drain or run_drain) and verdict.verdict == "drain":
-            cmd = drain_command(node or socket.gethostname().split(".")[0], verdict.summary)
-            doc["drain"] = {
-                "command": cmd,
-                "ran": run_drain,
-                "result": _run_drain(cmd, node or socket.gethostname().split(".")[0], 10.0) if run_drain else None,
-            }
-            if out_fmt in ("npd", "nagios"):
-                print(f"gpu-doctor: drain: {' '.join(cmd)}", file=sys.stderr)
-        doc["duration_s"] = round(time.monotonic() - started, 4)
-        return _render(doc, out_fmt)
-
-    @app.command("plugins")
-    def plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
-        """List installed plugins (collectors, outputs, actions) and whether each loads."""
-        from gpuguard.plugins.registry import discover
-
-        found = discover()
-        if json_:
-            emit_json({"schema": "gpuguard.plugins/1", "plugins": [p.to_json() for p in found]})
-            return 0
-        if not found:
-            print("no plugins installed")
-        for p in found:
-            origin = f"{p.distribution} {p.version}" if p.distribution else "?"
-            line = f"{p.group:<20} {p.name:<14} {p.status:<7} {p.target}  ({origin})"
-            if p.error:
-                line += f"  error: {p.error}"
-            print(line)
-        return 0
-
-
-class _sweep_lock:  # noqa: N801 - used as a context manager
-    """One sweep per state directory at a time: an overlapping cron run must not read the same
-    kernel-log lines twice or overwrite the other's cursor."""
-
-    def __init__(self, state_dir: Path, wait: float) -> None:
-        self.path = state_dir / "sweep.lock"
-        self.wait = wait
-        self.fd: int | None = None
-
-    def __enter__(self) -> _sweep_lock:
-        import fcntl
-
-        from gpuguard.foundation.errors import UnavailableError, from_os_error
-
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise from_os_error(exc, f"sweep lock {self.path}") from None
-        deadline = time.monotonic() + self.wait
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(self.fd)
-                    raise UnavailableError(f"another sweep holds {self.path} (waited {self.wait:g} s)") from None
-                time.sleep(0.05)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
+    diagnose.command("node")(diagnose_node)
+    app.command("sweep")(sweep_cmd)
+    app.command("plugins")(plugins_cmd)
 
 
 def _failed(info: Any) -> Any:
@@ -794,3 +588,23 @@ def _budget_spent() -> str:
     from gpuguard.foundation.errors import UnavailableError
 
     raise UnavailableError("output budget spent before this plugin ran")
+
+
+# The sweep-state helpers live in `gpuguard.recovery.sweep`; older callers (tests/cli/test_sweep.py)
+# reach them through this module. Resolved on first use so that start-up never imports them.
+_MOVED = {
+    "_load_state": "load_state",
+    "_event_from_record": "event_from_record",
+    "cap_history": "cap_history",
+    "PER_CODE_HISTORY": "PER_CODE_HISTORY",
+    "MAX_HISTORY": "MAX_HISTORY",
+    "STATE_SCHEMA": "STATE_SCHEMA",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from gpuguard.recovery import sweep
+
+        return getattr(sweep, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ import typer
 
 from gpuguard.cli import recover_demo
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app
+from gpuguard.foundation.errors import EXIT_OK
 
 app = make_app(
     "gpu-recover",
@@ -108,7 +109,7 @@ def rendezvous_cmd(
                 markup=False,
                 soft_wrap=True,
             )
-            return 0
+            return EXIT_OK
         return _emit(result, True)
     return _act(
         "rendezvous",
@@ -174,10 +175,10 @@ def runbook_list(as_json: bool = _JSON) -> int:
                 ],
             }
         )
-        return 0
+        return EXIT_OK
     for b in books:
         console().print(f"{b.name:14} {' -> '.join(s.name for s in b.steps)}", markup=False, soft_wrap=True)
-    return 0
+    return EXIT_OK
 
 
 @runbook_app.command("show")
@@ -213,14 +214,14 @@ def runbook_show(
                 ],
             }
         )
-        return 0
+        return EXIT_OK
     out = console()
     out.print(f"{book.name} ({book.source}): {book.description.strip()}", markup=False, soft_wrap=True)
     for i, s in enumerate(book.steps, 1):
         extra = f" when {s.when}" if s.when else ""
         args = f" {dict(s.args)}" if s.args else ""
         out.print(f"  {i}. {s.name}: {s.action}{args}{extra}", markup=False, soft_wrap=True)
-    return 0
+    return EXIT_OK
 
 
 @runbook_app.command("run")

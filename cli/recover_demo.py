@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from gpuguard.cli._app import console, emit_json, stdout_is_terminal
+from gpuguard.foundation.errors import EXIT_OK, EXIT_WARNING
 
 _STEP = re.compile(r"\[demo\] (generation \d+ step \d+ loss \S+)")
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
@@ -104,7 +105,7 @@ def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: b
             "matches_reference": res.matches_reference,
             "agents_restarted_nothing": res.agents_restarted_nothing,
             "verify_rc": ver_rc,
-            "ok": res.recovered and ver_rc == 0,
+            "ok": res.recovered and ver_rc == EXIT_OK,
         },
     )
 
@@ -118,7 +119,7 @@ def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:
             f"\n{f'[green]{success}[/]' if doc['ok'] else '[red]demo failed[/]'} "
             f"in {time.monotonic() - t0:.0f} s; job dir kept: {doc['job_dir']}"
         )
-    return 0 if doc["ok"] else 1
+    return EXIT_OK if doc["ok"] else EXIT_WARNING
 
 
 def register(*, app: typer.Typer) -> None:
@@ -219,6 +220,6 @@ def register(*, app: typer.Typer) -> None:
                 "resume_s": res.resume_s,
                 "final_hashes_equal": res.final_hashes_equal,
                 "verify_rc": ver_rc,
-                "ok": recovered and ver_rc == 0,
+                "ok": recovered and ver_rc == EXIT_OK,
             },
         )
