@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
 from gpuguard.examples.inplace_train import Cluster, reference  # noqa: E402
+from gpuguard.foundation.inplace_files import inplace_dir  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
-from gpuguard.recovery.inplace import inplace_dir  # noqa: E402
 
 WORKERS = 4
 KILL_EVERY = 6

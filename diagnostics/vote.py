@@ -10,6 +10,8 @@ Rules (DESIGN §3):
   that never arrived is the one named. Everyone present and still stuck is `hung` for all.
 
 Pure and deterministic: same observations, config and previous result → same verdict.
+
+Lazy imports (start-up time): yaml, only when the vote configuration is read.
 """
 
 from __future__ import annotations

@@ -43,11 +43,11 @@ _STEP_DIR = re.compile(r"^step-(\d{1,15})$")
 # ---------------------------------------------------------------- paths
 
 
-def job_json_path(job_dir: str | Path) -> Path:
+def job_json_path(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / JOB_JSON
 
 
-def ledger_dir(job_dir: str | Path) -> Path:
+def ledger_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "ledger"
 
 
@@ -56,45 +56,45 @@ def ranks_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "ranks"
 
 
-def incarnations_dir(job_dir: str | Path) -> Path:
+def incarnations_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "incarnations"
 
 
-def incarnation_path(job_dir: str | Path, incarnation_id: str) -> Path:
+def incarnation_path(job_dir: str | os.PathLike[str], incarnation_id: str) -> Path:
     _check_name(incarnation_id, "incarnation id")
     return incarnations_dir(job_dir) / f"{incarnation_id}.json"
 
 
-def snapshots_dir(job_dir: str | Path) -> Path:
+def snapshots_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "snapshots"
 
 
-def snapshot_dir(job_dir: str | Path, step: int) -> Path:
+def snapshot_dir(job_dir: str | os.PathLike[str], step: int) -> Path:
     return snapshots_dir(job_dir) / step_dir_name(step)
 
 
-def checkpoints_dir(job_dir: str | Path) -> Path:
+def checkpoints_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "checkpoints"
 
 
-def checkpoint_dir(job_dir: str | Path, step: int) -> Path:
+def checkpoint_dir(job_dir: str | os.PathLike[str], step: int) -> Path:
     return checkpoints_dir(job_dir) / step_dir_name(step)
 
 
-def coord_dir(job_dir: str | Path) -> Path:
+def coord_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "coord"
 
 
-def activation_path(job_dir: str | Path, generation: int) -> Path:
+def activation_path(job_dir: str | os.PathLike[str], generation: int) -> Path:
     """The activation record of a generation (docs/formats/activation.md)."""
     return coord_dir(job_dir) / f"activation-g{int(generation)}.json"
 
 
-def traces_dir(job_dir: str | Path) -> Path:
+def traces_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "traces"
 
 
-def audit_log_path(job_dir: str | Path) -> Path:
+def audit_log_path(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "audit.log"
 
 
@@ -217,7 +217,7 @@ class JobInfo:
             raise DataError(f"job.json: {exc}") from exc
 
 
-def read_job(job_dir: str | Path) -> JobInfo | None:
+def read_job(job_dir: str | os.PathLike[str]) -> JobInfo | None:
     """The job's identity, or None if the job directory has not been initialised."""
     try:
         return JobInfo.from_dict(read_json(job_json_path(job_dir)))
@@ -225,7 +225,7 @@ def read_job(job_dir: str | Path) -> JobInfo | None:
         return None
 
 
-def ensure_job(job_dir: str | Path, job_id: str | None = None, created_by: str = "runtime") -> JobInfo:
+def ensure_job(job_dir: str | os.PathLike[str], job_id: str | None = None, created_by: str = "runtime") -> JobInfo:
     """Create `job.json` once (race-safe between ranks: the first writer wins); return it."""
     job_dir = Path(job_dir)
     existing = read_job(job_dir)
@@ -325,13 +325,13 @@ class IncarnationRecord:
             raise DataError(f"incarnation record: {exc}") from exc
 
 
-def write_incarnation(job_dir: str | Path, record: IncarnationRecord) -> Path:
+def write_incarnation(job_dir: str | os.PathLike[str], record: IncarnationRecord) -> Path:
     path = incarnation_path(job_dir, record.incarnation_id)
     atomic_write_json(path, record.to_dict())
     return path
 
 
-def iter_incarnations(job_dir: str | Path) -> Iterator[IncarnationRecord | DataError]:
+def iter_incarnations(job_dir: str | os.PathLike[str]) -> Iterator[IncarnationRecord | DataError]:
     """Every incarnation record, oldest file first; a malformed one is yielded as its DataError
     (readers decide whether to skip or report it, nothing is silently dropped)."""
     folder = incarnations_dir(job_dir)
@@ -350,6 +350,6 @@ def iter_incarnations(job_dir: str | Path) -> Iterator[IncarnationRecord | DataE
             continue  # removed between listing and reading
 
 
-def read_incarnations(job_dir: str | Path) -> list[IncarnationRecord]:
+def read_incarnations(job_dir: str | os.PathLike[str]) -> list[IncarnationRecord]:
     """The well-formed incarnation records (see `iter_incarnations` for the malformed ones)."""
     return [r for r in iter_incarnations(job_dir) if isinstance(r, IncarnationRecord)]

@@ -11,6 +11,8 @@ Keys under the prefix P:
 Activation of N is one transaction: compare `P/gen/N`'s create revision with 0 and `P/active`
 with "N-1" (its create revision with 0 for the genesis), then put both. Exactly one racer's
 transaction succeeds.
+
+Lazy imports (start-up time): etcd3gw and requests, only when an etcd ledger is opened.
 """
 
 from __future__ import annotations

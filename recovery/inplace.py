@@ -30,7 +30,6 @@ survivor exits with status 4: the restart path takes over.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -39,12 +38,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation import jobdir
-from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.errors import EXIT_REFUSED, RefusedError, UnavailableError
 from gpuguard.foundation.identity import process_status
+from gpuguard.foundation.inplace_files import (
+    abort_requested,
+    inplace_dir,
+    read_reports,
+    request_abort,
+    write_report,
+)
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
@@ -71,38 +76,6 @@ from gpuguard.recovery.switch import (
 )
 
 StepFn = Callable[[int, int, int], None]
-ABORT_FILE = "abort.json"
-
-
-def inplace_dir(job_dir: str | Path) -> Path:
-    return jobdir.coord_dir(job_dir) / "inplace"
-
-
-def request_abort(job_dir: str | Path, generation: int, why: str = "operator") -> Path:
-    """An operator's abort of generation `generation`: its members switch in place at the next step."""
-    path = inplace_dir(job_dir) / ABORT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    jobdir.atomic_write_json(path, {"generation": generation, "why": why, "time": time.time()})
-    return path
-
-
-def read_reports(job_dir: str | Path, generation: int) -> dict[int, Report]:
-    """The reports of generation G's survivors by old rank (malformed or partial files are skipped)."""
-    out: dict[int, Report] = {}
-    d = inplace_dir(job_dir) / f"g{generation}"
-    try:
-        names = os.listdir(d)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not name.startswith("report-"):
-            continue
-        try:
-            rep = Report.from_dict(json.loads((d / name).read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        out[rep.rank] = rep
-    return out
 
 
 def _process_state(pid: int, start_time: float) -> Liveness:
@@ -205,13 +178,7 @@ class InPlaceRuntime(Runtime):
         return self.committed if self.committed is not None else state.frontier_step
 
     def _abort_requested(self) -> bool:
-        path = inplace_dir(self.job_dir) / ABORT_FILE
-        if not path.exists():
-            return False
-        try:
-            return jobdir.read_json(path).get("generation") == self.generation
-        except GpuguardError:
-            return False
+        return abort_requested(self.job_dir, self.generation)
 
     def _try_step(self, step: int, step_fn: StepFn) -> str | None:
         """One step and its commit; the failure text (no exception object survives this frame)."""
@@ -264,9 +231,7 @@ class InPlaceRuntime(Runtime):
             failure,
             time.time(),
         )
-        d = inplace_dir(self.job_dir) / f"g{generation}"
-        d.mkdir(parents=True, exist_ok=True)
-        jobdir.atomic_write_json(d / f"report-{self.rank}-{self.incarnation.id}.json", rep.to_dict())
+        write_report(self.job_dir, rep)
         return rep
 
     def _agree(self, generation: int, failure: str, t_detect: float, operator: bool) -> tuple[Any, dict[str, float]]:

@@ -18,60 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gpuguard.foundation.identity import GONE_STATES
+from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
 from gpuguard.recovery.snapshot import Selection
 
-REPORT_SCHEMA = "gpuguard.inplace-report/1"
 OPERATOR_ABORT = "operator abort"  # the failure text of a switch an operator asked for (`request_abort`)
 REMOTE_WAIT_S = 5.0  # at least this long for a member on another host to report before giving up
 
 Liveness = Literal["gone", "stopped", "running"]
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one survivor of generation G publishes after its group failed (one JSON file)."""
-
-    generation: int
-    rank: int  # its logical rank in G
-    incarnation_id: str
-    pid: int
-    host: str
-    committed_step: int | None  # the newest step it committed (None: none yet)
-    digests: Mapping[int, str]  # step -> replicated-state digest of each local snapshot
-    failure: str
-    time: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": REPORT_SCHEMA,
-            "generation": self.generation,
-            "rank": self.rank,
-            "incarnation_id": self.incarnation_id,
-            "pid": self.pid,
-            "host": self.host,
-            "committed_step": self.committed_step,
-            "digests": {str(k): v for k, v in sorted(self.digests.items())},
-            "failure": self.failure,
-            "time": self.time,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Report:
-        if d.get("schema") != REPORT_SCHEMA:
-            raise ValueError(f"not a {REPORT_SCHEMA} record")
-        step = d.get("committed_step")
-        return cls(
-            int(d["generation"]),
-            int(d["rank"]),
-            str(d["incarnation_id"]),
-            int(d["pid"]),
-            str(d["host"]),
-            None if step is None else int(step),
-            {int(k): str(v) for k, v in dict(d["digests"]).items()},
-            str(d.get("failure", "")),
-            float(d["time"]),
-        )
 
 
 @dataclass(frozen=True)

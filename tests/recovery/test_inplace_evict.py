@@ -10,7 +10,8 @@ import time
 
 import psutil
 
-from gpuguard.recovery.inplace import _kill_and_confirm, _process_state, inplace_dir, read_reports, request_abort
+from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
+from gpuguard.recovery.inplace import _kill_and_confirm, _process_state
 from gpuguard.recovery.switch import Report
 
 

@@ -27,8 +27,8 @@ import psutil
 import pytest
 
 from gpuguard.examples.inplace_train import reference
+from gpuguard.foundation.inplace_files import request_abort
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.recovery.inplace import request_abort
 from tests.support.cli import free_port, run_cli
 
 pytestmark = pytest.mark.timeout(150)

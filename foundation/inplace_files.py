@@ -1,0 +1,121 @@
+"""The in-place switch's files under `<job-dir>/coord/inplace/`: survivors' reports and abort requests.
+
+Writer and reader side by side (docs/formats/inplace.md). Survivors of a failed generation G each
+write one report (`g<G>/report-<rank>-<incarnation>.json`, atomic rename), the coordinator reads them
+all; an operator's abort of generation G is `abort.json`. Readers skip torn, foreign or malformed
+files: a report that cannot be read is a survivor that did not report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuguard.foundation import jobdir
+from gpuguard.foundation.errors import GpuguardError
+
+REPORT_SCHEMA = "gpuguard.inplace-report/1"
+ABORT_FILE = "abort.json"
+
+
+def inplace_dir(job_dir: str | os.PathLike[str]) -> Path:
+    """Where the in-place switch coordinates (a directory every member can read)."""
+    return jobdir.coord_dir(job_dir) / "inplace"
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one survivor of generation G publishes after its group failed (one JSON file)."""
+
+    generation: int
+    rank: int  # its logical rank in G
+    incarnation_id: str
+    pid: int
+    host: str
+    committed_step: int | None  # the newest step it committed (None: none yet)
+    digests: Mapping[int, str]  # step -> replicated-state digest of each local snapshot
+    failure: str
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "generation": self.generation,
+            "rank": self.rank,
+            "incarnation_id": self.incarnation_id,
+            "pid": self.pid,
+            "host": self.host,
+            "committed_step": self.committed_step,
+            "digests": {str(k): v for k, v in sorted(self.digests.items())},
+            "failure": self.failure,
+            "time": self.time,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Report:
+        if d.get("schema") != REPORT_SCHEMA:
+            raise ValueError(f"not a {REPORT_SCHEMA} record")
+        step = d.get("committed_step")
+        return cls(
+            int(d["generation"]),
+            int(d["rank"]),
+            str(d["incarnation_id"]),
+            int(d["pid"]),
+            str(d["host"]),
+            None if step is None else int(step),
+            {int(k): str(v) for k, v in dict(d["digests"]).items()},
+            str(d.get("failure", "")),
+            float(d["time"]),
+        )
+
+
+def write_report(job_dir: str | os.PathLike[str], report: Report) -> Path:
+    """Publish one survivor's report for its generation (atomic: readers never see half of it)."""
+    d = inplace_dir(job_dir) / f"g{report.generation}"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"report-{report.rank}-{report.incarnation_id}.json"
+    jobdir.atomic_write_json(path, report.to_dict())
+    return path
+
+
+def read_reports(job_dir: str | os.PathLike[str], generation: int) -> dict[int, Report]:
+    """The reports of generation G's survivors by old rank (malformed or partial files are skipped)."""
+    out: dict[int, Report] = {}
+    d = inplace_dir(job_dir) / f"g{generation}"
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith("report-"):
+            continue
+        try:
+            rep = Report.from_dict(json.loads((d / name).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out[rep.rank] = rep
+    return out
+
+
+def request_abort(job_dir: str | os.PathLike[str], generation: int, why: str = "operator") -> Path:
+    """An operator's abort of generation `generation`: its members switch in place at the next step."""
+    path = inplace_dir(job_dir) / ABORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    jobdir.atomic_write_json(path, {"generation": generation, "why": why, "time": time.time()})
+    return path
+
+
+def abort_requested(job_dir: str | os.PathLike[str], generation: int) -> bool:
+    """Has an operator asked generation `generation` to switch (a torn or foreign file: no)?"""
+    path = inplace_dir(job_dir) / ABORT_FILE
+    if not path.exists():
+        return False
+    try:
+        return jobdir.read_json(path).get("generation") == generation
+    except GpuguardError:
+        return False
