@@ -588,23 +588,3 @@ def _budget_spent() -> str:
     from gpuguard.foundation.errors import UnavailableError
 
     raise UnavailableError("output budget spent before this plugin ran")
-
-
-# The sweep-state helpers live in `gpuguard.recovery.sweep`; older callers (tests/cli/test_sweep.py)
-# reach them through this module. Resolved on first use so that start-up never imports them.
-_MOVED = {
-    "_load_state": "load_state",
-    "_event_from_record": "event_from_record",
-    "cap_history": "cap_history",
-    "PER_CODE_HISTORY": "PER_CODE_HISTORY",
-    "MAX_HISTORY": "MAX_HISTORY",
-    "STATE_SCHEMA": "STATE_SCHEMA",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from gpuguard.recovery import sweep
-
-        return getattr(sweep, _MOVED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,7 +96,7 @@ def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionRes
 
 
 def _active_generation(job_dir: Path) -> int | None:
-    if not (job_dir / "ledger").exists():
+    if not jobdir.ledger_dir(job_dir).exists():
         return None
     try:
         with open_ledger(job_dir) as ledger:
@@ -354,7 +354,7 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
 
 def _frontier(job_dir: Path) -> tuple[int | None, str]:
     """The newest step the next generation may start from (the runtime's own rule: `frontier_limit`)."""
-    if not (job_dir / "ledger").exists():
+    if not jobdir.ledger_dir(job_dir).exists():
         return None, "none (no ledger: bounded by --step only)"
 
     with open_ledger(job_dir) as ledger:

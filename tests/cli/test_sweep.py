@@ -222,7 +222,8 @@ def test_overlapping_sweeps_are_serialised(node):
     )
 )
 def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
-    from gpuguard.cli.doctor_node import _event_from_record, _load_state
+    from gpuguard.recovery.sweep import event_from_record as _event_from_record
+    from gpuguard.recovery.sweep import load_state as _load_state
 
     path = tmp_path_factory.mktemp("st") / "sweep-state.json"
     path.write_bytes(raw)
@@ -236,7 +237,7 @@ def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
 
 
 def test_history_is_bounded_per_gpu_and_code():
-    from gpuguard.cli.doctor_node import PER_CODE_HISTORY, cap_history
+    from gpuguard.recovery.sweep import PER_CODE_HISTORY, cap_history
 
     storm = [{"kind": "xid", "line": i, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 13}} for i in range(500)]
     rare = [{"kind": "xid", "line": 1000, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 79}}]
