@@ -68,7 +68,7 @@ def run_bench(
     notes = [
         "simulated: recovery_s is modelled from measurements on this machine "
         "(restart-all 8.20 s, survivors regroup 0.077 s, a new worker 4.45 s: "
-        "reference/torchrun-gloo-findings.md) plus the measured wall time of each strategy's own "
+        "docs/torchrun-hazards.md) plus the measured wall time of each strategy's own "
         "recovery work; --real measures it end to end"
     ]
     if not show_progress:

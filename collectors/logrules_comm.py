@@ -2,7 +2,7 @@
 
 Why: a collective failure surfaces on every rank, but only some lines name the op, the sequence
 number, the rank and the cause; these rules extract exactly those fields so the job vote can compare
-ranks. Formats: `shared/reference/diagnostics-formats.md` §3.1-3.4 (several PyTorch eras).
+ranks. Formats: docs/log-formats.md, "Communication lines" (several PyTorch eras).
 """
 
 from __future__ import annotations

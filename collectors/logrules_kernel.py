@@ -3,7 +3,7 @@
 Why here: the driver's formats drifted for 15 years (no `PCI:` prefix, `pid='<unknown>'`,
 `Ch 00000008` vs `channel 0x0000000c`, PCI domains, multi-line fallen-off-bus without an Xid) and the
 node verdict must read all of them. Each rule is pure: (line text, line number, state) -> a finding.
-Formats: `shared/reference/diagnostics-formats.md` §1.1.
+Formats: docs/log-formats.md, "Kernel driver lines".
 """
 
 from __future__ import annotations

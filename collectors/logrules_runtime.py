@@ -2,7 +2,7 @@
 
 Why: a torchrun summary says *which* worker died and how (exit code, signal), CUDA errors say whether
 the GPU or the program is at fault, and rendezvous errors say the job cannot even form. Formats:
-`shared/reference/diagnostics-formats.md` §3.5-3.6 (old `ERROR:torch.distributed...`, 2024
+docs/log-formats.md, "Launcher and process lines" (old `ERROR:torch.distributed...`, 2024
 `[...] torch.distributed...: [ERROR]`, glog-style, launcher prefixes) and the real logs.
 """
 

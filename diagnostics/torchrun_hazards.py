@@ -1,6 +1,6 @@
 """Hazards of a live torchrun job that torchrun itself never reports (pure: facts in, findings out).
 
-Measured on torch 2.13 + gloo (reference/torchrun-gloo-findings.md):
+Measured on torch 2.13 + gloo (docs/torchrun-hazards.md):
 - after a restart, workers can hang inside `init_process_group` for the whole PG timeout while the
   agent reports the group HEALTHY: alive, but no step since they started (`stuck-in-init`);
 - an unhandled signal (SIGUSR1) kills only the agent and leaves its workers training with PPID 1,

@@ -1,6 +1,6 @@
 """The dead-vs-slow vote: combine the voters per rank, then apply the coupling of synchronous ranks.
 
-Rules (DESIGN §3):
+Rules:
 * `dead` only on a decisive signal (process gone without a clean close, zombie, GPU lost), or when two
   independent dimensions vote dead/hung together and did so at the previous check too;
 * `hung` = alive (or not visibly dead) without progress past its own learned bound for M checks;

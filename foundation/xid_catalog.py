@@ -7,7 +7,7 @@ operator action, not just a count.
 
 Data: `data/xid_catalog.csv`, transcribed from NVIDIA's public Ampere+ Xid catalog (meaning,
 Immediate and Investigatory resolution buckets), NVIDIA NVSentinel's FATAL/NONFATAL mapping and the
-legacy cause matrix, as collected in `shared/reference/diagnostics-formats.md` §1. Codes NVIDIA marks
+legacy cause matrix (sources and links: docs/log-formats.md, "The Xid catalog"). Codes NVIDIA marks
 "Unused" on Ampere+ carry their legacy meaning and the bucket CONTACT_SUPPORT.
 
 gpuguard severity scale (ordered, see `SEVERITIES`):

@@ -1,6 +1,6 @@
 """Recovery: the in-job runtime, operator actions, runbooks.
 
-`gpuguard.recovery.Runtime` is the training-side entry point (DESIGN §5); it is resolved lazily so
+`gpuguard.recovery.Runtime` is the training-side entry point; it is resolved lazily so
 that torch-free users of this package (gpu-doctor, gpu-recover) never import the runtime.
 
 Lazy imports (start-up time): the runtime, only when `gpuguard.recovery.Runtime` is used.

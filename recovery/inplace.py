@@ -5,7 +5,7 @@
     last = rt.run(state, step_fn, until=N)                # step_fn(step, rank, world): fwd, bwd, all_reduce, update
 
 On a collective failure (peer closed, timeout) or an operator's abort (`request_abort`), every
-survivor, in this order (measured on torch 2.13 + gloo, see the findings reference, Q3-Q4):
+survivor, in this order (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; files: docs/formats/inplace.md):
 1. leaves the `except` scope, then destroys G's gloo group: that closes its sockets, which wakes a
    survivor still blocked on a *live* neighbour (inside `except` the traceback keeps the group
    alive: a 30 s stall);

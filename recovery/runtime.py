@@ -6,7 +6,7 @@
         ...                                   # forward, backward, all-reduce on rt.pg / the default group
         rt.commit(step)                       # step record + commit record (+ async snapshot every k)
 
-Why each piece (measured on torch 2.13 + gloo, see the findings reference):
+Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protocol: docs/formats/activation.md):
 - the gloo group of every generation rendezvouses under its own store namespace
   `gpuguard/<job>/g<N>/a<attempt>/pg`, where the attempt is the torchrun rendezvous round: the dead
   attempt's gloo keys in torchrun's shared store can never be read again (1/9 resumes otherwise);
@@ -718,7 +718,7 @@ class Runtime:
             self.fault_hook(point, step)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Flush the last snapshot, tear the group down (outside any `except`: see the findings)."""
+        """Flush the last snapshot, tear the group down (outside any `except`: docs/torchrun-hazards.md)."""
         import torch.distributed as dist  # noqa: PLC0415
 
         if self._snapshotter is not None:

@@ -97,7 +97,7 @@ def run_job(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", PG_TIMEOUT_ENV: "20"}
     if strategy == "restart-all":
-        # the known fix for torchrun's stale gloo keys (reference/torchrun-gloo-findings.md, 1/9 resumes without)
+        # the known fix for torchrun's stale gloo keys (1/9 resumes without it: docs/torchrun-hazards.md)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -296,7 +296,7 @@ def run_real(*, strategies: list[str], seed: int = 0, timeout_s: float = 150.0) 
         f"real: {WORKERS} torchrun/gloo workers, --max-restarts=1, {STEPS} steps, fault at step {FAULT_STEP}; "
         "recovery_s measured from the SIGKILL to the first step done by every rank of the new generation",
         "restart-all runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torchrun+gloo restarts "
-        "resume 1 time in 9 here: reference/torchrun-gloo-findings.md)",
+        "resume 1 time in 9 here: docs/torchrun-hazards.md)",
     ]
     if "communicator-only" in strategies:
         notes.append(

@@ -280,8 +280,9 @@ def train_comm_only(a: argparse.Namespace) -> int:
 
     No torchrun (its agent would stop the survivors): the driver starts the workers, rank 0 hosts
     the store, each generation's group lives under its own store prefix, and the old group is torn
-    down outside the `except` block (reference/torchrun-gloo-findings.md Q6). A step whose
-    collective failed is retried from the top, as a raw shrink loop does.
+    down outside the `except` block (inside it, the traceback keeps the old group alive and one
+    survivor waits out the whole PG timeout: docs/torchrun-hazards.md). A step whose collective
+    failed is retried from the top, as a raw shrink loop does.
     """
     from datetime import timedelta  # noqa: PLC0415
 

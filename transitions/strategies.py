@@ -14,9 +14,9 @@
   incarnation; checkpoints carry a manifest (BLAKE3 digests per object, owners) and are restored
   only when complete and valid; survivors restore their snapshot at the committed frontier.
 
-Latency in the simulator is modelled from measurements on this machine
-(`reference/torchrun-gloo-findings.md`) plus the measured wall time of each strategy's own
-recovery work; `--real` mode measures it end to end.
+Latency in the simulator is modelled from measurements of torchrun + gloo (torch 2.13, 4 workers;
+docs/torchrun-hazards.md) plus the measured wall time of each strategy's own recovery work;
+`--real` mode measures it end to end.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from gpuguard.transitions import model as m
 from gpuguard.transitions.sim import Late, Proc, Sim, new_incarnation
 
-# Measured on this machine (reference/torchrun-gloo-findings.md, torch 2.13, gloo, 4 workers):
+# Measured with torch 2.13, gloo, 4 workers (docs/torchrun-hazards.md):
 RESTART_ALL_S = 8.20  # SIGKILL of 1 of 4 workers -> first step done by all restarted ranks (median, n=8)
 REGROUP_S = 0.077  # kill -> first collective in the re-formed 3-rank gloo group, survivors kept (median, n=6)
 SPAWN_S = 4.45  # a new worker process: spawn, import torch, process group ready (median)

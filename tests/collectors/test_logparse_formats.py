@@ -1,5 +1,6 @@
-"""Every line format of diagnostics-formats.md §1.1 and §3 that the real-log fixtures do not already cover,
-plus the timestamp prefixes (dmesg, dmesg -T, syslog, journalctl short-iso, ISO-8601, glog, Talos)."""
+"""Every line format of docs/log-formats.md (kernel driver, communication and launcher lines) that the
+real-log fixtures do not already cover, plus the timestamp prefixes (dmesg, dmesg -T, syslog, journalctl
+short-iso, ISO-8601, glog, Talos)."""
 
 from __future__ import annotations
 
