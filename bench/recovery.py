@@ -150,7 +150,7 @@ def run_series(method: str, n: int, resume_timeout: float, work: Path, log) -> l
 def _watch_one(
     method: str, job: Path, proc: subprocess.Popen, rank: int, step: int, resume_timeout: float
 ) -> Trial | None:
-    from gpuguard.examples.demo_train import kill_marker  # noqa: PLC0415
+    from gpuguard.examples.demo_train import kill_marker
 
     marker = kill_marker(job, rank, step, "after-allreduce")
     deadline = time.monotonic() + 180  # reaching the kill: start-up under load
@@ -204,7 +204,7 @@ def _add_phases(job: Path, trials: list[Trial]) -> None:
 
     The generation that answered a kill is the first one certified after it (ledger activation
     time); its rank-0 activation record has the in-process timestamps."""
-    from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
+    from gpuguard.generation.ledger_open import open_ledger
 
     fails = _agent_fail_times(job)
     history = open_ledger(job).history()

@@ -49,7 +49,7 @@ def _spinner(out, as_json: bool) -> Iterator[None]:
 
 def _show_and_verify(out, job: Path, as_json: bool) -> int:
     """Print `gpu-generation show` + `verify` of the job (not with --json); verify's exit code."""
-    from gpuguard.examples import demo as d  # noqa: PLC0415
+    from gpuguard.examples import demo as d
 
     show_rc, show_text = d.gpu_generation("show", "--job-dir", str(job))
     ver_rc, ver_text = d.gpu_generation("verify", "--job-dir", str(job))
@@ -66,7 +66,7 @@ def _show_and_verify(out, job: Path, as_json: bool) -> int:
 
 
 def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
-    from gpuguard.examples import demo_node_loss as nl  # noqa: PLC0415
+    from gpuguard.examples import demo_node_loss as nl
 
     out = console(stderr=as_json)
     out.print(f"[bold]gpuguard demo[/] (node loss): {nl.LAUNCHER}; job dir {job}")
@@ -149,18 +149,18 @@ def register(*, app: typer.Typer) -> None:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
 
         With --scenario node-loss: lose a whole node; the survivors continue in place, no restart."""
-        from gpuguard.foundation.optional import require_torch  # noqa: PLC0415
+        from gpuguard.foundation.optional import require_torch
 
         require_torch("gpu-recover demo")  # the demo's workers train with torch: one line, exit 69
-        from gpuguard.examples import demo as d  # noqa: PLC0415
+        from gpuguard.examples import demo as d
 
         if kill_step >= steps:
-            from gpuguard.foundation.errors import UsageError  # noqa: PLC0415
+            from gpuguard.foundation.errors import UsageError
 
             raise UsageError("--kill-step must be before the last step")
         job = (job_dir or Path(tempfile.mkdtemp(prefix="gpuguard-demo-"))).resolve()
         if job.exists() and any(job.iterdir()):
-            from gpuguard.foundation.errors import UsageError  # noqa: PLC0415
+            from gpuguard.foundation.errors import UsageError
 
             raise UsageError(f"{job} is not empty: pick a new --job-dir")
         job.mkdir(parents=True, exist_ok=True)

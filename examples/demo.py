@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.verify import verify_ledger
@@ -129,7 +131,6 @@ def stop_job(proc: subprocess.Popen, job_dir: Path) -> None:
             proc.wait(timeout=wait)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
-    import psutil  # noqa: PLC0415
 
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info.get("cmdline") or []

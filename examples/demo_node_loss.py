@@ -20,11 +20,15 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import psutil
+import torch.distributed as dist
 
 from gpuguard.examples.demo import _first_commit_time, free_port
 from gpuguard.examples.inplace_train import reference
@@ -92,7 +96,6 @@ def _node_env(job: Path, steps: int) -> dict[str, str]:
 
 
 def _tree(pid: int) -> list[Any]:
-    import psutil  # noqa: PLC0415
 
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -131,11 +134,9 @@ def run_node_loss(
     job: Path, *, steps: int, kill_step: int, timeout_s: float, on_event: Callable[[str], None]
 ) -> NodeLossResult:
     """Run the scenario in `job` (an empty dir); `on_event` gets one line per milestone."""
-    import warnings  # noqa: PLC0415
 
     with warnings.catch_warnings():  # torch without numpy warns at import: not the demo's business
         warnings.simplefilter("ignore")
-        import torch.distributed as dist  # noqa: PLC0415
 
     res = NodeLossResult(job)
     port = free_port()

@@ -27,6 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from gpuguard.foundation.env import JOB_DIR_ENV
 from gpuguard.recovery.runtime import Runtime
 from gpuguard.recovery.snapshot import state_digest
@@ -80,8 +84,6 @@ class Faults:
 
 
 def build(seed: int = 0):
-    import torch  # noqa: PLC0415
-    from torch import nn  # noqa: PLC0415
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -90,7 +92,6 @@ def build(seed: int = 0):
 
 
 def batch(step: int, rank: int):
-    import torch  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(step * 1009 + rank)
     return torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
@@ -98,7 +99,6 @@ def batch(step: int, rank: int):
 
 def burn(seconds: float) -> None:
     """Stand-in compute: matmuls for `seconds` of wall time (a ~100 ms step for the overhead bench)."""
-    import torch  # noqa: PLC0415
 
     end = time.perf_counter() + seconds
     a = torch.ones(128, 128)
@@ -110,8 +110,6 @@ def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: floa
     """One data-parallel step with the fault points in their places.
 
     `collective(op, nbytes)` (the runtime's) marks the all-reduce in the step records."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     if burn_s:
         burn(burn_s)
@@ -197,8 +195,6 @@ def run_gpuguard(args: argparse.Namespace) -> int:
 
 def run_plain(args: argparse.Namespace) -> int:
     """The seed recipe: env:// gloo group, rank 0 saves a checkpoint every k steps, resume from it."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     job_dir = Path(args.job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)

@@ -19,12 +19,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
 
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.inplace import InPlaceRuntime
@@ -37,7 +43,6 @@ FAULTS_ENV = "INPLACE_FAULTS"
 
 
 def batch(step: int) -> tuple[Any, Any]:
-    import torch  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64)
@@ -52,7 +57,6 @@ def shard(rank: int, world: int) -> tuple[int, int]:
 
 
 def make_model() -> tuple[Any, Any]:
-    import torch  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = torch.nn.Linear(DIM, 1, dtype=torch.float64)
@@ -67,7 +71,6 @@ def local_grads(model: Any, opt: Any, step: int, rank: int, world: int) -> None:
 
 
 def flat_params(model: Any) -> list[float]:
-    import torch  # noqa: PLC0415
 
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
@@ -94,8 +97,6 @@ def parse_faults(text: str) -> list[tuple[int, int, str, str]]:
 
 
 def worker_main() -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     job_dir = Path(os.environ[JOB_DIR_ENV])
     orig = int(os.environ["RANK"])
@@ -199,9 +200,6 @@ class Cluster:
         grace: float = 1.0,
         extra_env: dict[str, str] | None = None,
     ) -> Cluster:
-        from datetime import timedelta  # noqa: PLC0415
-
-        import torch.distributed as dist  # noqa: PLC0415
 
         job_dir.mkdir(parents=True, exist_ok=True)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -285,13 +283,11 @@ class Cluster:
 
 
 def _median(values: list[float]) -> float | None:
-    import statistics  # noqa: PLC0415
 
     return statistics.median(values) if values else None
 
 
 def _stopped(pid: int) -> bool:
-    import psutil  # noqa: PLC0415
 
     try:
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED

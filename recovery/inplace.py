@@ -26,6 +26,8 @@ survivor, in this order (measured on torch 2.13 + gloo: docs/torchrun-hazards.md
 If the switch cannot happen in place (a TP/PP group lost a member, the survivors disagree on the
 state, a member on another host cannot be proved gone) the coordinator records why and every
 survivor exits with status 4: the restart path takes over.
+
+Lazy imports (start-up time): torch.distributed, only in the methods that run inside a training process (optional `gpuguard[runtime]`).
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ class InPlaceRuntime(Runtime):
             self._teardown()
 
     def _teardown(self) -> None:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -428,7 +430,7 @@ class InPlaceRuntime(Runtime):
         return None
 
     def _init_group(self, generation: int) -> str | None:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         path = inplace_dir(self.job_dir) / f"g{generation}.store"
         failure = None

@@ -18,6 +18,8 @@ Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protoco
 - snapshots every k steps in a background thread (DCP); a SIGTERM from the agent lets an in-flight
   snapshot finish first (bounded), so a survivor's last snapshot is not lost: RPO one step;
 - fencing: commits and snapshot writes stamped with an older generation are dropped and counted.
+
+Lazy imports (start-up time): torch, only in the methods that run inside a training process (torch is the optional `gpuguard[runtime]`; `gpu-recover` imports this package without it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.env import (
+    CHECKPOINT_EVERY_ENV,
+    JOB_DIR_ENV,
+    JOB_ID_ENV,
+    LEDGER_ENV,
+    PG_TIMEOUT_ENV,
+    SNAPSHOT_EVERY_ENV,
+)
 from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation.identity import same_process
 from gpuguard.foundation.steplog import StepLog
@@ -69,10 +79,6 @@ from gpuguard.recovery.snapshot import (
     state_digest,
 )
 
-PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"
-SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"
-CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"
-LEDGER_ENV = "GPUGUARD_LEDGER"
 RESTORE_PIN = "restore.json"  # written by `gpu-recover restore` (recovery/actions.py)
 
 
@@ -211,7 +217,7 @@ class Runtime:
         self._log = log or (lambda msg: print(f"[gpuguard rank {self.rank}] {msg}", file=sys.stderr, flush=True))
         self.incarnation = Incarnation.current()
         self.t_created = time.time()
-        self.job = jobdir.ensure_job(self.job_dir, job_id=os.environ.get("GPUGUARD_JOB_ID") or None)
+        self.job = jobdir.ensure_job(self.job_dir, job_id=os.environ.get(JOB_ID_ENV) or None)
         self.generation: int | None = None
         self.counters = Counters()
         self.attempt: Attempt | None = None
@@ -235,7 +241,7 @@ class Runtime:
     def from_env(cls, job_dir: str | Path | None = None, **options: Any) -> Runtime:
         """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
         env = os.environ
-        job_dir = job_dir or env.get("GPUGUARD_JOB_DIR")
+        job_dir = job_dir or env.get(JOB_DIR_ENV)
         if not job_dir:
             raise GpuguardError("no job directory: pass one or set GPUGUARD_JOB_DIR", exit_code=64)
         try:
@@ -336,7 +342,7 @@ class Runtime:
             os._exit(EXIT_REFUSED)
 
     def _activate(self) -> TrainState:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         phases: dict[str, float] = {
             "process_start": self.incarnation.start_time,
@@ -394,7 +400,7 @@ class Runtime:
         self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
         if self.rank == 0:
             jobdir.atomic_write_json(
-                jobdir.coord_dir(self.job_dir) / f"activation-g{self.generation}.json",
+                jobdir.activation_path(self.job_dir, self.generation),
                 {
                     "schema": "gpuguard.activation/1",
                     "generation": self.generation,
@@ -417,7 +423,7 @@ class Runtime:
         return state
 
     def _connect_store(self) -> Any:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         # Shared mode: torchrun's agent hosts the store at MASTER_PORT. Otherwise nobody does until
         # rank 0 hosts it (env:// init would have; we do not use env://).
@@ -582,8 +588,8 @@ class Runtime:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """model / optim / sched / rng / extra, as DCP saves and loads it."""
-        import torch  # noqa: PLC0415
-        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
         if opt is not None:
@@ -605,8 +611,8 @@ class Runtime:
 
     def _apply_state(self, loaded: Mapping[str, Any]) -> None:
         """Put a loaded state (model, optimizer, scheduler, RNG, extra) into the live objects."""
-        import torch  # noqa: PLC0415
-        from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415
+        import torch
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
         if opt is not None:
@@ -719,7 +725,7 @@ class Runtime:
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush the last snapshot, tear the group down (outside any `except`: docs/torchrun-hazards.md)."""
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         if self._snapshotter is not None:
             self._snapshotter.close(timeout)

@@ -9,6 +9,8 @@ takes for a snapshot.
 
 Reading (`list_snapshots`, `select_restorable`) is torch-free: `gpu-recover restore` uses it.
 Writing and loading import torch lazily.
+
+Lazy imports (start-up time): torch and DCP, only where a snapshot is written or loaded: `gpu-recover restore` lists snapshots without torch.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
 def state_digest(state: Mapping[str, Any]) -> str:
     """SHA-256 over a (nested) state dict: keys, dtypes, shapes and bytes of every tensor, in key
     order. Equal on every rank that holds the same state, whatever the world size."""
-    import torch  # noqa: PLC0415
+    import torch
 
     h = hashlib.sha256()
 
@@ -218,7 +220,7 @@ def state_digest(state: Mapping[str, Any]) -> str:
 
 def _tensor_bytes(t: Any) -> bytes:
     """The raw bytes of a contiguous CPU tensor (numpy is not installed everywhere)."""
-    import ctypes  # noqa: PLC0415
+    import ctypes
 
     n = t.numel() * t.element_size()
     return ctypes.string_at(t.data_ptr(), n) if n else b""
@@ -226,7 +228,7 @@ def _tensor_bytes(t: Any) -> bytes:
 
 def clone_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """A detached deep copy of a state dict: the snapshot thread writes it while training goes on."""
-    import torch  # noqa: PLC0415
+    import torch
 
     def walk(value: Any) -> Any:
         if isinstance(value, Mapping):
@@ -259,7 +261,7 @@ def save_snapshot(
 
     DCP writes into a temp dir; `state.json` and the manifest follow; then one rename publishes it.
     """
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}")
@@ -309,7 +311,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, Any]:
     """Load the snapshot into `template` (a state dict of the right structure, loaded in place)."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp
 
     state = dict(template)
     _quiet_dcp(lambda: dcp.load(state, checkpoint_id=str(info.path), no_dist=True))
@@ -361,7 +363,7 @@ def copy_to_checkpoint(job_dir: str | Path, info: SnapshotInfo) -> SnapshotInfo:
 
 def _quiet_dcp(fn: Callable[[], Any]) -> Any:
     """DCP warns 'assuming the intent is to save in a single process' on every no_dist call."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -24,6 +24,7 @@ from gpuguard.examples.demo import run_job as run_torchrun
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
+from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.transitions.model import TrainState
 from gpuguard.transitions.oracle import Applied, Effect, RankOutcome, RunOutcome, judge
 from gpuguard.transitions.runner import Row
@@ -215,8 +216,6 @@ def outcome(
     claimed = None
     meas: dict = {"sync_ops": 0}
     if strategy == "gpuguard" and jobdir.ledger_dir(job).exists():
-        from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
-
         ledger = open_ledger(job)
         active = ledger.require_active()
         claimed = ledger.last_committed_by_all(active.generation)

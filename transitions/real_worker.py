@@ -27,9 +27,16 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from gpuguard.foundation import jobdir
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.recovery.runtime import Runtime
 from gpuguard.transitions import model as m
 
 POINTS = ("before-allreduce", "mid-optimizer-write", "before-commit")
@@ -47,8 +54,6 @@ class Holder:
     """The training state as tensors (what DCP / torch.save see) <-> model.TrainState."""
 
     def __init__(self, seed: int) -> None:
-        import torch  # noqa: PLC0415
-        from torch import nn  # noqa: PLC0415
 
         s0 = m.initial_state(seed)
         self.module = nn.Module()
@@ -70,7 +75,6 @@ class Holder:
         )
 
     def set(self, s: m.TrainState) -> None:
-        import torch  # noqa: PLC0415
 
         self.module.params.copy_(torch.tensor(s.params, dtype=torch.int64))
         self.module.momentum.copy_(torch.tensor([0 if x is None else x for x in s.momentum], dtype=torch.int64))
@@ -121,8 +125,6 @@ def corrupt_newest(a: argparse.Namespace) -> None:
     """Flip one stored value of the newest complete checkpoint (it still loads)."""
     job = Path(a.job_dir)
     if a.strategy == "restart-all":
-        import torch  # noqa: PLC0415
-
         path = job / "ckpt.pt"
         d = torch.load(path, weights_only=True)
         d["params"][0] ^= 1
@@ -178,8 +180,6 @@ def late_writer(spec_path: str) -> int:
     }
     while time.monotonic() < deadline:
         if spec["strategy"] == "gpuguard":
-            from gpuguard.generation.ledger_open import open_ledger  # noqa: PLC0415
-
             active = open_ledger(job).active()
             if active is not None and active.generation > spec["generation"]:
                 ok = open_ledger(job).record_commit(spec["generation"], spec["step"], spec["rank"], spec["incarnation"])
@@ -188,8 +188,6 @@ def late_writer(spec_path: str) -> int:
         else:
             first = job / "bench-out" / f"first-step-g{spec['generation'] + 1}-r0.json"
             if first.exists():  # the restarted group has run a step: the old write lands now
-                import torch  # noqa: PLC0415
-
                 s = m.TrainState.from_dict(spec["state"])
                 torch.save(
                     {
@@ -214,8 +212,6 @@ def one_step(step: int, holder: Holder, world: int, rank: int, generation: int, 
     Each bucket carries the sender's step and generation in two extra slots: the sums say whether
     every contribution belonged to this step of this generation. Raises on a collective error.
     """
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     s = holder.get()
     part = m.local_gradient(s, world, rank)
@@ -284,9 +280,6 @@ def train_comm_only(a: argparse.Namespace) -> int:
     survivor waits out the whole PG timeout: docs/torchrun-hazards.md). A step whose collective
     failed is retried from the top, as a raw shrink loop does.
     """
-    from datetime import timedelta  # noqa: PLC0415
-
-    import torch.distributed as dist  # noqa: PLC0415
 
     job = Path(a.job_dir)
     out = job / "bench-out"
@@ -343,8 +336,6 @@ def train_comm_only(a: argparse.Namespace) -> int:
 
 
 def train(a: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     job = Path(a.job_dir)
     out = job / "bench-out"
@@ -355,8 +346,6 @@ def train(a: argparse.Namespace) -> int:
     rt = None
     extra: dict = {}
     if a.strategy == "gpuguard":
-        from gpuguard.recovery.runtime import Runtime  # noqa: PLC0415
-
         rt = Runtime.from_env(job, snapshot_every=1, checkpoint_every=0)
         st = rt.activate(holder.module, None, extra=holder.extra)
         generation, base = st.generation, st.frontier_step
