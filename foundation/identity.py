@@ -1,8 +1,9 @@
 """Process identity: is the process at this pid still the one we recorded?
 
 A pid alone names nothing: the kernel hands it to the next process once the old one is reaped. Every
-record gpuguard keeps of a process (incarnation records, step-log headers, in-place reports) stores
-the pair (pid, start time), where the start time is psutil's `create_time()` of that process, and
+record gpuguard keeps of a process (incarnation records and the certificates' incarnations, step-log
+headers) stores the pair (pid, start time), where the start time is psutil's `create_time()` of that
+process (in-place reports carry the pid; their start time is the member's in the parent certificate), and
 every reader asks this module whether the live process at that pid is the same one. One rule, here.
 
 The tolerance: both sides of the comparison are psutil `create_time()` values of one process on one

@@ -4,17 +4,18 @@ The runtime (inside training processes), `gpu-recover`, `gpu-doctor` and `gpu-ge
 read and write the same `<job-dir>`; they import these helpers instead of hard-coding paths, so
 the layout can change in one place. Small JSON records are written atomically (temp file +
 fsync + rename) because a worker may be SIGKILLed mid-write and a reader must never see half a
-record. Stdlib only: `gpu-doctor` imports this and must stay torch-free.
+record. Standard library only: `gpu-doctor` imports this and must stay torch-free.
 
-Layout::
+Layout (docs/formats/job-dir.md)::
 
-    <job-dir>/job.json                        job id (gpu-generation init, or the runtime's first start)
-    <job-dir>/ledger/ + key                   generation ledger and signing key (generation/)
+    <job-dir>/job.json                        job id (written by the runtime's first start: `ensure_job`)
+    <job-dir>/generation.key                  the 0600 signing key (generation/keys.py)
+    <job-dir>/ledger/                         the directory ledger (generation/ledger_dir.py)
     <job-dir>/ranks/                          per-rank step records (foundation/steplog.py)
     <job-dir>/incarnations/<id>.json          one per worker process (this module)
     <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshot.py)
     <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
-    <job-dir>/coord/                          activation protocol files (if any)
+    <job-dir>/coord/                          activation and in-place files (recovery/, foundation/inplace_files.py)
     <job-dir>/traces/<rank>.<incarnation>.json collective traces
     <job-dir>/audit.log                       operator actions, JSON lines (recovery/audit.py)
 """
