@@ -7,46 +7,12 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuguard.generation.certificate import issue
-from gpuguard.generation.records import Frontier, Incarnation, Member
 from gpuguard.recovery import activation as act
 from gpuguard.recovery.attempt import current_attempt
-from gpuguard.recovery.snapshot import Rejection, Selection, SnapshotInfo
-
-KEY = b"k" * 32
-
-
-def inc(i: int, host: str = "h") -> Incarnation:
-    return Incarnation(f"inc{i}", host, 1000 + i, 1.0 + i)
-
-
-def cert(n_members: int, frontier: int = 0, host: str = "h"):
-    genesis = issue(
-        parent=None,
-        job_id="j",
-        members=(),
-        reason="genesis",
-        frontier=Frontier(0),
-        quiescence="proved",
-        issued_by="t",
-        key=KEY,
-    )
-    if n_members == 0:
-        return genesis
-    return issue(
-        parent=genesis,
-        job_id="j",
-        members=[Member(r, inc(r, host)) for r in range(n_members)],
-        reason="start",
-        frontier=Frontier(frontier, "d" if frontier else ""),
-        quiescence="proved",
-        issued_by="t",
-        key=KEY,
-    )
-
-
-def snap(step: int, digest: str = "m") -> SnapshotInfo:
-    return SnapshotInfo(step, Path(f"/x/step-{step}"), "snapshots", 1, "s", digest)
+from gpuguard.recovery.snapshot import Rejection, Selection
+from tests.support.generation import numbered as inc
+from tests.support.generation import snapshot_info as snap
+from tests.support.generation import started as cert
 
 
 @given(parent_frontier=st.integers(0, 100), committed=st.none() | st.integers(0, 200))

@@ -2,47 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuguard.generation.certificate import issue
-from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
+from gpuguard.generation.records import Certificate, Frontier, Member
 from gpuguard.recovery import switch as sw
-from gpuguard.recovery.snapshot import Selection, SnapshotInfo
+from gpuguard.recovery.snapshot import Selection
+from tests.support.generation import numbered, started
+from tests.support.generation import snapshot_info as snap
 
-KEY = b"k" * 32
 HOST = "h"
-
-
-def inc(r: int, host: str = HOST) -> Incarnation:
-    return Incarnation(f"inc{r}", host, 100 + r, 10.0 + r)
-
-
-def parent(hosts: list[str]) -> Certificate:
-    """Generation 1 with one member per entry of `hosts` (rank = index)."""
-    genesis = issue(
-        parent=None,
-        job_id="j",
-        members=(),
-        reason="genesis",
-        frontier=Frontier(0),
-        quiescence="proved",
-        issued_by="t",
-        key=KEY,
-    )
-    return issue(
-        parent=genesis,
-        job_id="j",
-        members=[Member(r, inc(r, h)) for r, h in enumerate(hosts)],
-        reason="start",
-        frontier=Frontier(0),
-        quiescence="proved",
-        issued_by="t",
-        key=KEY,
-    )
+inc = partial(numbered, pid=100, start=10.0)  # inc0 is pid 100 started at 10.0 on HOST, inc1 pid 101 at 11.0...
+parent = partial(started, incarnation=inc)  # generation 1 with one member per entry of a list of hosts (rank = index)
 
 
 def rep(
@@ -269,10 +243,6 @@ def test_disagreeing_survivors_cannot_certify_the_frontier():
     assert split.digest is None and "disagree" in split.problems[0]
     behind = sw.agree_on_state([rep(0, 6, {5: "a", 6: "c"}), rep(1, 4, {3: "x", 4: "y"})], 5)
     assert behind.digest is None and "rank 1 holds no local state of step 5" in behind.problems[0]
-
-
-def snap(step: int, manifest: str | None) -> SnapshotInfo:
-    return SnapshotInfo(step, Path(f"/x/step-{step}"), "snapshots", 1, "s", manifest)
 
 
 def test_the_manifest_is_bound_only_for_a_snapshot_of_exactly_the_frontier():
