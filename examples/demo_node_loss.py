@@ -3,7 +3,7 @@
 Three real `torchrun` agents (`--nnodes=3`, one gloo worker each, c10d rendezvous) run
 `gpuguard.examples.inplace_train` on this host as three "nodes". The rendezvous TCPStore lives in
 this process, a host that runs no training: with the agent-hosted default, losing the node that
-hosts it makes every surviving agent kill its workers (see tests/test_inplace_torchrun.py). Once
+hosts it makes every surviving agent kill its workers (see tests/recovery/test_inplace_torchrun.py). Once
 the job has committed `kill_step` steps, the node whose worker is rank 0 (the first coordinator
 and the snapshot writer) is lost: its agent and its worker are SIGKILLed at once. The surviving
 agents restart nothing; their workers certify the next generation in place (`switch: in-place`)
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -95,6 +95,39 @@ def _node_env(job: Path, steps: int) -> dict[str, str]:
     return env
 
 
+def start_agent(log: Path, *, port: int, rdzv_id: str, env: Mapping[str, str]) -> subprocess.Popen:
+    """One of the `AGENTS` torchrun "nodes": one `inplace_train` worker, c10d rendezvous on the store at
+    127.0.0.1:`port`, no restarts, in a session of its own (killed as a group), output to `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(AGENTS),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                rdzv_id,
+                "--max-restarts",
+                "0",
+                "--monitor-interval",
+                "0.1",
+                "-m",
+                "gpuguard.examples.inplace_train",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _tree(pid: int) -> list[Any]:
 
     try:
@@ -146,36 +179,7 @@ def run_node_loss(
     agents: list[subprocess.Popen] = []
     try:
         for i in range(AGENTS):
-            with open(job / f"agent-{i}.log", "wb") as log:
-                agents.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "torch.distributed.run",
-                            "--nnodes",
-                            str(AGENTS),
-                            "--nproc-per-node",
-                            "1",
-                            "--rdzv-backend",
-                            "c10d",
-                            "--rdzv-endpoint",
-                            f"127.0.0.1:{port}",
-                            "--rdzv-id",
-                            f"demo-{job.name}",
-                            "--max-restarts",
-                            "0",
-                            "--monitor-interval",
-                            "0.1",
-                            "-m",
-                            "gpuguard.examples.inplace_train",
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+            agents.append(start_agent(job / f"agent-{i}.log", port=port, rdzv_id=f"demo-{job.name}", env=env))
         on_event(
             f"started {AGENTS} agents (pids {', '.join(str(a.pid) for a in agents)}); "
             f"rendezvous store on 127.0.0.1:{port} in this process"

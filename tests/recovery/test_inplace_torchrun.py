@@ -20,12 +20,12 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
+from gpuguard.examples.demo_node_loss import AGENTS, start_agent
 from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation.inplace_files import request_abort
 from gpuguard.generation.ledger_open import open_ledger
@@ -33,7 +33,6 @@ from tests.support.cli import free_port, run_cli
 
 pytestmark = pytest.mark.timeout(150)
 
-AGENTS = 3
 STEPS = 60
 
 
@@ -78,37 +77,7 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
     agents: list[subprocess.Popen] = []
     try:
         for i in range(AGENTS):
-            log = open(tmp_path / f"agent-{i}.log", "wb")
-            agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "torch.distributed.run",
-                        "--nnodes",
-                        str(AGENTS),
-                        "--nproc-per-node",
-                        "1",
-                        "--rdzv-backend",
-                        "c10d",
-                        "--rdzv-endpoint",
-                        f"127.0.0.1:{port}",
-                        "--rdzv-id",
-                        "inplace",
-                        "--max-restarts",
-                        "0",
-                        "--monitor-interval",
-                        "0.1",
-                        "-m",
-                        "gpuguard.examples.inplace_train",
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            log.close()
+            agents.append(start_agent(tmp_path / f"agent-{i}.log", port=port, rdzv_id="inplace", env=env))
         end = time.monotonic() + 90
         while _committed(job) < 5 and time.monotonic() < end:
             time.sleep(0.05)
