@@ -59,10 +59,10 @@ def run_bench(
     from gpuguard.transitions.runner import run_matrix
 
     if real:
-        from gpuguard.foundation.optional import require_torch
+        from gpuguard.foundation.optional import check_torch
         from gpuguard.transitions.real import run_real
 
-        require_torch("bench transitions --real")
+        check_torch("bench transitions --real")
 
         return run_real(strategies=strategies, seed=seed)
     notes = [

@@ -149,9 +149,9 @@ def register(*, app: typer.Typer) -> None:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
 
         With --scenario node-loss: lose a whole node; the survivors continue in place, no restart."""
-        from gpuguard.foundation.optional import require_torch
+        from gpuguard.foundation.optional import check_torch
 
-        require_torch("gpu-recover demo")  # the demo's workers train with torch: one line, exit 69
+        check_torch("gpu-recover demo")  # the demo's workers train with torch: one line, exit 69
         from gpuguard.examples import demo as d
 
         if kill_step >= steps:

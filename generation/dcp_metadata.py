@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
-from gpuguard.foundation.optional import require_torch
+from gpuguard.foundation.optional import check_torch, require_torch
 from gpuguard.foundation.unpickle import restricted_loads
 
 _DCP_METADATA = {
@@ -55,7 +55,7 @@ def _resolve(module: str, name: str) -> Any:
 
 def load_metadata(checkpoint_dir: str | Path) -> Any:
     """The DCP `Metadata` object of a checkpoint directory (restricted unpickling)."""
-    require_torch("reading DCP checkpoint metadata")  # its classes live in torch.distributed.checkpoint
+    check_torch("reading DCP checkpoint metadata")  # its classes live in torch.distributed.checkpoint
     path = Path(checkpoint_dir) / ".metadata"
     try:
         data = path.read_bytes()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from gpuguard.foundation.steplog import StepLog, segment_name
+from tests.support.cli import REAL_LOGS
 
 
 def _steps(log: StepLog, n: int, compute: float, start: int = 0) -> None:
@@ -233,9 +234,7 @@ def test_a_rank_that_never_wrote_is_unknown(cli, tmp_path: Path, monkeypatch) ->
 
 
 def test_real_watchdog_log_marks_the_reporting_ranks_as_victims(cli, tmp_path: Path) -> None:
-    import os as _os
 
-    shared = Path(_os.environ.get("GPUGUARD_SHARED", Path(__file__).resolve().parents[2].parent / "shared"))
     for r in range(6):
         _steps(StepLog(tmp_path, r, f"i{r}"), 3, 0.001)
     r = cli(
@@ -246,7 +245,7 @@ def test_real_watchdog_log_marks_the_reporting_ranks_as_victims(cli, tmp_path: P
         str(tmp_path),
         "--json",
         "--log",
-        str(shared / "real-logs" / "051-watchdog.log"),
+        str(REAL_LOGS / "051-watchdog.log"),
     )
     doc = json.loads(r.stdout)
     assert r.returncode in (0, 1), r.stderr

@@ -13,9 +13,9 @@ from gpuguard.collectors.logparse import iter_events
 from gpuguard.diagnostics import node_thresholds
 from gpuguard.diagnostics.node_verdict import judge
 from gpuguard.foundation.errors import UsageError
+from tests.support.cli import REAL_LOGS
 from tests.support.node import REPO, healthy_gpu, sample_snapshot, snapshot
 
-REAL_LOGS = REPO.parent / "shared" / "real-logs"
 T = node_thresholds.load()
 DEFAULTS = node_thresholds.validate(yaml.safe_load(node_thresholds.DEFAULTS_PATH.read_text()), complete=True)
 

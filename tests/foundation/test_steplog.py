@@ -14,6 +14,7 @@ from gpuguard.collectors.step_records import read_job
 from gpuguard.foundation.observations import BETWEEN, CLOSED, COLLECTIVE, COMPUTING, STARTING
 from gpuguard.foundation.steplog import StepLog, safe_incarnation, segment_name
 from gpuguard.foundation.steplog import decode_lines as parse_lines
+from tests.support.cli import REAL_LOGS
 
 
 def _one_step(log: StepLog, step: int, compute: float = 0.0, wait: float = 0.0, nbytes: int = 1024) -> None:
@@ -316,7 +317,7 @@ def test_doctor_path_does_not_import_torch(tmp_path: Path) -> None:
 def test_exit_codes_from_torchrun_lines(tmp_path: Path) -> None:
     from gpuguard.collectors.liveness import exit_codes_from_logs
 
-    real = Path(os.environ.get("GPUGUARD_SHARED", Path(__file__).resolve().parents[2].parent / "shared")) / "real-logs"
+    real = REAL_LOGS
     log = tmp_path / "t.log"
     log.write_text(
         "ERROR: failed (exitcode: -9) local_rank: 0 (pid: 31631) of binary: /usr/bin/python3\n"

@@ -1,6 +1,7 @@
 """Without torch (a plain `pip install gpuguard`): the doctor, the ledger and the operator actions
 work; the features that need torch say so in one line and exit 69. torch is hidden from the real
-console scripts by a `torch` package on PYTHONPATH that fails to import, as on a machine without it.
+console scripts by a `sitecustomize` on PYTHONPATH whose import hook finds no torch, as on a machine
+without it.
 (.ci/run also installs the wheel into a fresh venv without torch and runs the same commands.)"""
 
 from __future__ import annotations
@@ -13,14 +14,27 @@ import pytest
 from tests.support.cli import run_cli
 
 EXIT_UNAVAILABLE = 69
+HIDE_TORCH = """
+import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError("No module named 'torch' (hidden by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
 
 
 @pytest.fixture
 def no_torch(tmp_path: Path) -> dict[str, str]:
-    shim = tmp_path / "shim" / "torch"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ImportError('No module named torch (hidden by the test)')\n")
-    return {"PYTHONPATH": str(shim.parent)}
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HIDE_TORCH)
+    return {"PYTHONPATH": str(shim)}
 
 
 def test_doctor_runs_without_torch(no_torch: dict[str, str]) -> None:
