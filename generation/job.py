@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuguard.foundation.env import LEDGER_ENV
-from gpuguard.foundation.errors import GpuguardError, from_os_error
+from gpuguard.foundation.errors import EXIT_CANTCREAT, GpuguardError, from_os_error
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
 from gpuguard.generation.ledger import Ledger
@@ -61,11 +61,13 @@ def init_job(
     """Create `<job_dir>`, its key (0600, never overwritten) and generation 0 in the ledger."""
     job_dir = Path(job_dir)
     if key_path(job_dir).exists():
-        raise GpuguardError(f"{job_dir}: already initialized (signing key exists; refusing to overwrite)", exit_code=73)
+        raise GpuguardError(
+            f"{job_dir}: already initialized (signing key exists; refusing to overwrite)", exit_code=EXIT_CANTCREAT
+        )
     # Reach the ledger before creating anything, so an unreachable etcd leaves nothing behind.
     probe = open_ledger(job_dir, url, timeout=timeout)
     if probe.generations():
-        raise GpuguardError(f"{probe.url}: ledger already holds certificates", exit_code=73)
+        raise GpuguardError(f"{probe.url}: ledger already holds certificates", exit_code=EXIT_CANTCREAT)
     try:
         job_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

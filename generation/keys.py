@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError, from_os_error
 
 KEY_FILE = "generation.key"
 KEY_BYTES = 32
@@ -30,7 +30,9 @@ def create_key(job_dir: str | os.PathLike[str]) -> bytes:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise GpuguardError(f"{path}: a signing key already exists (refusing to overwrite it)", exit_code=73) from None
+        raise GpuguardError(
+            f"{path}: a signing key already exists (refusing to overwrite it)", exit_code=EXIT_CANTCREAT
+        ) from None
     except OSError as exc:
         raise from_os_error(exc, str(path)) from None
     try:

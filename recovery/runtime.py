@@ -49,7 +49,7 @@ from gpuguard.foundation.env import (
     PG_TIMEOUT_ENV,
     SNAPSHOT_EVERY_ENV,
 )
-from gpuguard.foundation.errors import EXIT_REFUSED, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation.identity import same_process
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
@@ -243,12 +243,12 @@ class Runtime:
         env = os.environ
         job_dir = job_dir or env.get(JOB_DIR_ENV)
         if not job_dir:
-            raise GpuguardError("no job directory: pass one or set GPUGUARD_JOB_DIR", exit_code=64)
+            raise GpuguardError("no job directory: pass one or set GPUGUARD_JOB_DIR", exit_code=EXIT_USAGE)
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
             master_addr, master_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         except (KeyError, ValueError) as exc:
-            raise GpuguardError(f"not started by torchrun (missing or bad {exc})", exit_code=64) from None
+            raise GpuguardError(f"not started by torchrun (missing or bad {exc})", exit_code=EXIT_USAGE) from None
         options.setdefault("snapshot_every", int(env.get(SNAPSHOT_EVERY_ENV, "1")))
         options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "50")))
         options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
