@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -152,4 +153,10 @@ def job_dir_option(required: bool = True) -> Any:
         envvar=JOB_DIR_ENV,
         help=f"Job directory (ledger, key, records, snapshots, audit log). Default: ${JOB_DIR_ENV}.",
         show_envvar=True,
+        callback=_real_job_dir,
     )
+
+
+def _real_job_dir(value: Path | None) -> Path | None:
+    """The job dir the operator named, its links followed once here; nothing inside it is followed."""
+    return None if value is None else Path(os.path.realpath(value))

@@ -18,7 +18,8 @@ Lazy imports (start-up time): psutil, only when a process is probed.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import psutil
@@ -109,3 +110,69 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False
+
+
+# -- is it the job's? (before any signal) ------------------------------------------------------------
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker's environment at spawn
+
+JobVerdict = Literal["job", "gone", "not-the-job", "unknown"]
+
+
+@dataclass(frozen=True)
+class JobProcessClaim:
+    """What a record says about a worker process: the identity a live process must prove."""
+
+    pid: int
+    start_time: float
+    uid: int | None = None  # the real uid it ran as (records written before this field: None)
+    run_id: str | None = None  # TORCHELASTIC_RUN_ID of the job (None: not checked)
+    agent_pid: int | None = None  # its torchrun agent (None: not checked)
+
+
+@dataclass(frozen=True)
+class JobProcessCheck:
+    """The answer: `job` only when every recorded fact matches; the reason names the first mismatch."""
+
+    verdict: JobVerdict
+    reason: str
+    process: Any = None  # the psutil.Process, only when verdict == "job"
+
+
+def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
+    """Prove (or refuse) that the live process at `claim.pid` is the job's recorded worker.
+
+    Checked in order: pid + start time (a reused pid is `gone`), uid, the torchrun run id in the
+    process's own environment (as the kernel holds it from exec: a forged record naming an unrelated
+    process fails here), and the parent agent (a process re-parented away from a live agent is not
+    the job's; one whose agent is gone is an orphan of the job and still its own). Anything that
+    cannot be read is `unknown`, which callers treat as "not signalled, not proved gone".
+    """
+    import psutil
+
+    status = process_status(claim.pid, claim.start_time)
+    if status in GONE_STATES:
+        return JobProcessCheck("gone", f"{status}" if status != "reused" else "pid now belongs to a newer process")
+    if status == "unknown":
+        return JobProcessCheck("unknown", "no access to the process")
+    try:
+        proc = psutil.Process(claim.pid)
+        if not matches(claim.start_time, proc.create_time()):
+            return JobProcessCheck("gone", "pid now belongs to a newer process")
+        if claim.uid is not None and proc.uids().real != claim.uid:
+            return JobProcessCheck("not-the-job", f"runs as uid {proc.uids().real}, the record says {claim.uid}")
+        if claim.run_id is not None:
+            found = proc.environ().get(RUN_ID_ENV, "")
+            if found != claim.run_id:
+                shown = f"{found!r}" if found else "none"
+                return JobProcessCheck("not-the-job", f"its {RUN_ID_ENV} is {shown}, the job's is {claim.run_id!r}")
+        if claim.agent_pid is not None:
+            parent = proc.ppid()
+            if parent != claim.agent_pid and pid_alive(claim.agent_pid):
+                return JobProcessCheck(
+                    "not-the-job", f"its parent is pid {parent}, not the job's live agent {claim.agent_pid}"
+                )
+        return JobProcessCheck("job", "pid, start time, uid, run id and agent match", proc)
+    except psutil.NoSuchProcess:
+        return JobProcessCheck("gone", "exited while being checked")
+    except psutil.AccessDenied:
+        return JobProcessCheck("unknown", "cannot read its uid or environment (run as root or as the job's user)")

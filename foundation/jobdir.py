@@ -22,10 +22,12 @@ Layout (docs/formats/job-dir.md)::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, from_os_error
 
 JOB_JSON = "job.json"
 JOB_SCHEMA = "gpuguard.job-dir/1"
@@ -140,6 +142,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None
     """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    refuse_linked_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -155,6 +158,13 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> None
             pass
         raise
     fsync_dir(path.parent)
+
+
+def refuse_linked_dir(path: str | os.PathLike[str]) -> None:
+    """DataError if the folder a record is written into is a symbolic link: no write follows a link
+    (a link planted in a job dir would redirect root's writes anywhere)."""
+    if os.path.islink(path):
+        raise DataError(f"{path}: is a symbolic link: refusing to write through it")
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -175,15 +185,35 @@ def atomic_write_json(path: str | Path, doc: Mapping[str, Any], mode: int = 0o64
     atomic_write_bytes(path, (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode(), mode)
 
 
-def read_json(path: str | Path) -> dict[str, Any]:
-    """A JSON object from `path`: NoInputError if missing, DataError if malformed."""
+MAX_RECORD_BYTES = 16 << 20  # job-dir records are a few KiB; a larger file is not one of ours
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """A JSON object from `path`: NoInputError if missing, DataError if malformed, a link, not a
+    regular file (a FIFO would block) or larger than `max_bytes`."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError as exc:
         raise NoInputError(f"{path}: no such file") from exc
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DataError(f"{path}: is a symbolic link: refusing to follow it") from None
         raise from_os_error(exc, str(path)) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise DataError(f"{path}: {st.st_size} bytes, more than the {max_bytes} a record may have")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise from_os_error(exc, str(path)) from exc
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:
+        raise DataError(f"{path}: more than the {max_bytes} bytes a record may have")
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -278,6 +308,7 @@ class IncarnationRecord:
     restart_count: int
     attempt: str = ""  # the rendezvous attempt token this process joined under
     extra: Mapping[str, Any] = field(default_factory=dict)
+    uid: int | None = None  # the real uid the worker ran as (identity.check_job_process); None: older record
 
     @property
     def incarnation_id(self) -> str:
@@ -321,6 +352,7 @@ class IncarnationRecord:
                 restart_count=int(doc["restart_count"]),
                 attempt=str(doc.get("attempt", "")),
                 extra=dict(doc.get("extra") or {}),
+                uid=None if doc.get("uid") is None else int(doc["uid"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DataError(f"incarnation record: {exc}") from exc
@@ -333,22 +365,38 @@ def write_incarnation(job_dir: str | os.PathLike[str], record: IncarnationRecord
 
 
 def iter_incarnations(job_dir: str | os.PathLike[str]) -> Iterator[IncarnationRecord | DataError]:
-    """Every incarnation record, oldest file first; a malformed one is yielded as its DataError
-    (readers decide whether to skip or report it, nothing is silently dropped)."""
+    """Every incarnation record, oldest file first; an unreadable one is yielded as its DataError.
+
+    Records come and go while we scan (workers start, temp files are renamed into place): an entry
+    that vanishes between the listing and its read is skipped, one that cannot be read (a link, a
+    FIFO, garbage, no permission) is reported, and neither ever hides the other records.
+    """
     folder = incarnations_dir(job_dir)
     try:
-        names = sorted(os.scandir(folder), key=lambda e: e.stat().st_mtime)
-    except FileNotFoundError:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
         return
-    for entry in names:
-        if not entry.name.endswith(".json") or entry.name.startswith("."):
+    except OSError as exc:
+        yield DataError(f"{folder}: cannot list: {exc.strerror or exc}")
+        return
+    dated: list[tuple[float, str]] = []
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            yield IncarnationRecord.from_dict(read_json(entry.path))
-        except DataError as exc:
-            yield DataError(f"{entry.path}: {exc}")
+            dated.append((os.lstat(os.path.join(folder, name)).st_mtime, name))
+        except FileNotFoundError:
+            continue  # renamed or removed since the listing
+        except OSError as exc:
+            yield DataError(f"{folder / name}: cannot stat: {exc.strerror or exc}")
+    for _, name in sorted(dated):
+        path = folder / name
+        try:
+            yield IncarnationRecord.from_dict(read_json(path))
         except NoInputError:
             continue  # removed between listing and reading
+        except GpuguardError as exc:
+            yield DataError(f"{path}: {exc}")
 
 
 def read_incarnations(job_dir: str | os.PathLike[str]) -> list[IncarnationRecord]:

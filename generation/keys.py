@@ -2,18 +2,29 @@
 
 HMAC-SHA256 with this key signs every certificate. Whoever can read the key can issue
 certificates, so it is created owner-only and exclusively (O_EXCL): a second `init` can never
-replace the key that signed the existing chain.
+replace the key that signed the existing chain. It is read the same way it is trusted: never
+through a link, refused when others can read or write it, and refused as root when another user
+owns it (a key planted by someone else would let them forge the job's history).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
-from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.errors import (
+    EXIT_CANTCREAT,
+    DataError,
+    GpuguardError,
+    NoInputError,
+    PermissionDeniedError,
+    from_os_error,
+)
 
 KEY_FILE = "generation.key"
 KEY_BYTES = 32
@@ -48,11 +59,32 @@ def load_key(job_dir: str | os.PathLike[str]) -> bytes:
     """Read the job key; a missing, unreadable or malformed key is a one-line error."""
     path = key_path(job_dir)
     try:
-        text = path.read_text().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise NoInputError(f"{path}: no signing key (run `gpu-generation init`)") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DataError(f"{path}: the signing key is a symbolic link: refusing to follow it") from None
         raise from_os_error(exc, str(path)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: the signing key is not a regular file")
+        if st.st_mode & 0o077:
+            raise PermissionDeniedError(
+                f"{path}: the signing key is readable or writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                f"whoever can read it can issue certificates; fix with `chmod 600 {path}`"
+            )
+        if os.geteuid() == 0 and st.st_uid != 0:
+            raise PermissionDeniedError(
+                f"{path}: owned by uid {st.st_uid} while running as root: refusing another user's key "
+                f"(run as that user, or `chown root {path}` if it is yours)"
+            )
+        text = os.read(fd, 4096).decode("ascii", "replace").strip()
+    except OSError as exc:
+        raise from_os_error(exc, str(path)) from None
+    finally:
+        os.close(fd)
     try:
         key = bytes.fromhex(text)
     except ValueError:

@@ -30,6 +30,7 @@ from gpuguard.foundation.errors import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_TEMPFAIL,
+    DataError,
     GpuguardError,
     NoInputError,
     PermissionDeniedError,
@@ -37,8 +38,8 @@ from gpuguard.foundation.errors import (
     UnavailableError,
     UsageError,
 )
-from gpuguard.foundation.identity import ALIVE_STATES, matching_process, process_status
-from gpuguard.foundation.jobdir import read_incarnations
+from gpuguard.foundation.identity import ALIVE_STATES, JobProcessClaim, check_job_process, process_status
+from gpuguard.foundation.jobdir import iter_incarnations
 from gpuguard.generation.keys import load_key
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.verify import verify_ledger
@@ -119,38 +120,49 @@ def abort(
 ) -> ActionResult:
     """Terminate the recorded workers (SIGTERM, grace, SIGKILL) and prove every one of them is gone.
 
-    Only processes whose pid AND create time match an incarnation record are signalled; a reused
-    pid is reported and left alone. `generation` limits it to incarnations of that generation or
-    older (records without a generation count as old); `ranks` to those ranks.
+    A process is signalled only when it is proven to be the recorded worker
+    (`foundation.identity.check_job_process`: pid, start time, uid, the job's torchrun run id in its
+    own environment, its parent agent); a reused pid is reported as gone, anything else that does not
+    match is reported "not the job's" and left alone. An unreadable record is an unverified worker,
+    so it can never turn into a quiescence proof. `generation` limits it to incarnations of that
+    generation or older (records without a generation count as old); `ranks` to those ranks.
     """
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
-    records = [
-        r
-        for r in read_incarnations(job_dir)
-        if (generation is None or r.generation is None or r.generation <= generation) and (not ranks or r.rank in ranks)
-    ]
+    records = []
+    unknown: list[str] = []
+    for rec in iter_incarnations(job_dir):
+        if isinstance(rec, DataError):
+            unknown.append(f"unreadable incarnation record, not verified: {rec}")
+        elif (generation is None or rec.generation is None or rec.generation <= generation) and (
+            not ranks or rec.rank in ranks
+        ):
+            records.append(rec)
     host = os.uname().nodename
     targets: list[tuple[Any, Any]] = []
     evidence: list[str] = []
-    unknown: list[str] = []
+    unverified_ids: set[str] = set()
     for rec in records:
         who = f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}"
         if rec.host and rec.host not in (host, _hostname()):
             unknown.append(f"{who} on {rec.host}: not on this host, not verified")
+            unverified_ids.add(rec.incarnation_id)
             continue
-        state = process_status(rec.pid, rec.start_time)
-        if state in ALIVE_STATES:
-            proc = matching_process(rec.pid, rec.start_time)
-            if proc is not None:
-                targets.append((rec, proc))
-                continue
-            state = "gone"
-        if state == "reused":
-            evidence.append(f"{who}: gone (pid now belongs to a newer process: not signalled)")
+        check = check_job_process(
+            JobProcessClaim(rec.pid, rec.start_time, uid=rec.uid, run_id=rec.run_id, agent_pid=rec.agent_pid)
+        )
+        if check.verdict == "job":
+            targets.append((rec, check.process))
+        elif check.verdict == "gone":
+            suffix = ": not signalled" if "newer process" in check.reason else ""
+            evidence.append(f"{who}: gone ({check.reason}{suffix})")
+        elif check.verdict == "not-the-job":
+            unknown.append(f"{who}: alive but not the job's ({check.reason}): not signalled")
+            unverified_ids.add(rec.incarnation_id)
         else:
-            evidence.append(f"{who}: {state}")
+            unknown.append(f"{who}: cannot be verified ({check.reason}): not signalled")
+            unverified_ids.add(rec.incarnation_id)
     if dry_run:
         plan = [f"rank {r.rank} pid {r.pid}: would SIGTERM, then SIGKILL after {grace_s:g} s" for r, _ in targets]
         return ActionResult(
@@ -182,7 +194,7 @@ def abort(
     evidence_file = _write_quiescence(
         job_dir,
         records,
-        unknown_ids={r.incarnation_id for r in records if r.host and r.host not in (host, _hostname())},
+        unknown_ids=unverified_ids,
         alive_ids={rec.incarnation_id for rec, _ in still},
     )
     details = {

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import from_os_error
-from gpuguard.foundation.jobdir import audit_log_path
+from gpuguard.foundation.jobdir import audit_log_path, refuse_linked_dir
 
 SCHEMA = "gpuguard.audit/1"
 MAX_RECORD_BYTES = 64 * 1024  # one line; details beyond this are cut, never the record
@@ -126,7 +126,8 @@ def append(job_dir: str | Path, record: AuditRecord) -> None:
     data = encode(record)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        refuse_linked_dir(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":

@@ -203,7 +203,7 @@ class Runtime:
         log: Callable[[str], None] | None = None,
     ):
 
-        self.job_dir = Path(job_dir)
+        self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.master_addr, self.master_port = master_addr, master_port
         self.run_id, self.restart_count = run_id, restart_count
@@ -280,6 +280,7 @@ class Runtime:
             restart_count=self.restart_count,
             attempt=self.attempt.token if self.attempt else "",
             extra=extra,
+            uid=os.getuid(),
         )
         jobdir.write_incarnation(self.job_dir, rec)
 

@@ -247,6 +247,10 @@ def test_ledger_without_write_permission(cli):
         )
         assert p.returncode == 77 and "permission denied" in p.stdout, p
         assert sorted(os.listdir(jd / "ledger")) == before
+        # 3. root does not trust a key another user owns (they could have planted it), until it is root's again
+        res = cli("gpu-generation", "verify", "--job-dir", str(jd))
+        assert res.returncode == 77 and "another user's key" in res.stderr
+        os.chown(jd / "generation.key", 0, 0)
         assert cli("gpu-generation", "verify", "--job-dir", str(jd)).returncode == 0
     finally:
         shutil.rmtree(base, ignore_errors=True)

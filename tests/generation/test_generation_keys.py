@@ -29,6 +29,7 @@ def test_bad_key_files(tmp_path):
     with pytest.raises(NoInputError):
         load_key(tmp_path)
     key_path(tmp_path).write_text("zz\n")
+    os.chmod(key_path(tmp_path), 0o600)
     with pytest.raises(DataError, match="not hex"):
         load_key(tmp_path)
     key_path(tmp_path).write_text("ab" * 16)
@@ -41,3 +42,22 @@ def test_signature_is_hmac_and_checked_in_constant_time():
     sig = sign(k, b"msg")
     assert signature_ok(k, b"msg", sig)
     assert not signature_ok(k, b"msg!", sig) and not signature_ok(bytes(range(32)), b"msg", sig)
+
+
+def test_a_key_others_can_read_or_a_linked_key_is_refused(tmp_path):
+    import os
+
+    from gpuguard.foundation.errors import DataError, PermissionDeniedError
+
+    key = create_key(tmp_path)
+    path = tmp_path / "generation.key"
+    os.chmod(path, 0o640)
+    with pytest.raises(PermissionDeniedError, match="chmod 600"):
+        load_key(tmp_path)
+    os.chmod(path, 0o600)
+    assert load_key(tmp_path) == key
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation.key").symlink_to(path)
+    with pytest.raises(DataError, match="symbolic link"):
+        load_key(other)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tests.support.cli import run_cli
@@ -113,3 +114,44 @@ def test_restore_skips_a_corrupted_snapshot_and_pins_the_previous_verified_one(t
     assert json.loads(r.stdout)["outcome"] == "noop"
     r = run_cli("gpu-recover", "restore", "--job-dir", str(tmp_path), "--yes", "--step", "5", "--json")
     assert json.loads(r.stdout)["details"]["chosen"]["step"] == 3
+
+
+def test_abort_never_signals_a_process_that_is_not_the_jobs(tmp_path):
+    """A forged record with the right pid and start time names an unrelated process: it lacks the
+    job's run id in its environment (or runs as another uid), so it is reported and left alone,
+    and the abort proves nothing."""
+    stranger, other_uid, worker = spawn(run_id=None), spawn(), spawn()
+    try:
+        record(tmp_path, stranger, 0)
+        record(tmp_path, other_uid, 1, uid=12345)
+        record(tmp_path, worker, 2)
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), "--yes", "--grace", "1", "--json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        details = json.loads(r.stdout)["details"]
+        assert details["terminated"] == [worker.pid] and worker.wait(10) == -15
+        assert stranger.poll() is None and other_uid.poll() is None  # never signalled
+        unverified = "\n".join(details["unverified"])
+        assert f"pid {stranger.pid}: alive but not the job's (its TORCHELASTIC_RUN_ID is none" in unverified
+        assert f"pid {other_uid.pid}: alive but not the job's (runs as uid {os.getuid()}, the record says 12345)" in (
+            unverified
+        )
+        assert details["quiescence"] == "unknown"
+    finally:
+        reap(stranger, other_uid, worker)
+
+
+def test_an_unreadable_record_is_never_a_quiescence_proof(tmp_path):
+    """A dangling link among the records used to empty the whole scan ("every incarnation is gone")."""
+    worker = spawn()
+    try:
+        record(tmp_path, worker, 0)
+        (tmp_path / "incarnations" / "zz-dangling.json").symlink_to(tmp_path / "nowhere.json")
+        (tmp_path / "incarnations" / "garbage.json").write_text("{not json")
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), "--yes", "--grace", "1", "--json", timeout=60)
+        details = json.loads(r.stdout)["details"]
+        assert details["terminated"] == [worker.pid]  # the good record was still read
+        assert details["quiescence"] == "unknown"
+        assert sum("unreadable incarnation record" in u for u in details["unverified"]) == 2
+        assert any("symbolic link" in u for u in details["unverified"])
+    finally:
+        reap(worker)

@@ -19,14 +19,30 @@ IGNORE_TERM = (
 )
 
 
-def spawn(ignore_term: bool = False) -> subprocess.Popen:
+RUN_ID = "t"  # the torchrun run id the fake workers carry in their environment, as torchrun's do
+
+
+def spawn(ignore_term: bool = False, *, run_id: str | None = RUN_ID) -> subprocess.Popen:
+    """A process that looks like one of the job's workers (run id in its environment), or, with
+    `run_id=None`, an unrelated process a forged record could name."""
     code = IGNORE_TERM if ignore_term else "import time; print('ready', flush=True); time.sleep(300)"
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if run_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = run_id
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
 
-def record(job_dir: Path, proc: subprocess.Popen, rank: int, *, start_shift: float = 0.0, generation=None) -> str:
+def record(
+    job_dir: Path,
+    proc: subprocess.Popen,
+    rank: int,
+    *,
+    start_shift: float = 0.0,
+    generation: int | None = None,
+    uid: int | None = None,
+) -> str:
     inc = uuid.uuid4().hex
     write_incarnation(
         job_dir,
@@ -42,10 +58,11 @@ def record(job_dir: Path, proc: subprocess.Popen, rank: int, *, start_shift: flo
             world_size=2,
             generation=generation,
             agent_pid=os.getpid(),
-            run_id="t",
+            run_id=RUN_ID,
             master_addr="127.0.0.1",
             master_port=1,
             restart_count=0,
+            uid=os.getuid() if uid is None else uid,
         ),
     )
     return inc
