@@ -161,9 +161,11 @@ def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
         if claim.uid is not None and proc.uids().real != claim.uid:
             return JobProcessCheck("not-the-job", f"runs as uid {proc.uids().real}, the record says {claim.uid}")
         if claim.run_id is not None:
-            found = proc.environ().get(RUN_ID_ENV, "")
-            if found != claim.run_id:
-                shown = f"{found!r}" if found else "none"
+            # torchrun's own default run id is the literal "none"; a worker started without torchrun
+            # records that too, so an unset variable reads as "none" (the agent check still applies)
+            found = proc.environ().get(RUN_ID_ENV)
+            if (found if found is not None else "none") != claim.run_id:
+                shown = f"{found!r}" if found is not None else "unset"
                 return JobProcessCheck("not-the-job", f"its {RUN_ID_ENV} is {shown}, the job's is {claim.run_id!r}")
         if claim.agent_pid is not None:
             parent = proc.ppid()

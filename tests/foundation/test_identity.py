@@ -70,7 +70,7 @@ def test_an_unrelated_process_with_the_right_pid_and_start_time_is_not_the_jobs(
     stranger = spawn(run_id=None)  # what a forged record would point at
     try:
         check = check_job_process(_claim(stranger))
-        assert check.verdict == "not-the-job" and "TORCHELASTIC_RUN_ID is none" in check.reason
+        assert check.verdict == "not-the-job" and "TORCHELASTIC_RUN_ID is unset" in check.reason
     finally:
         reap(stranger)
 

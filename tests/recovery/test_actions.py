@@ -131,7 +131,7 @@ def test_abort_never_signals_a_process_that_is_not_the_jobs(tmp_path):
         assert details["terminated"] == [worker.pid] and worker.wait(10) == -15
         assert stranger.poll() is None and other_uid.poll() is None  # never signalled
         unverified = "\n".join(details["unverified"])
-        assert f"pid {stranger.pid}: alive but not the job's (its TORCHELASTIC_RUN_ID is none" in unverified
+        assert f"pid {stranger.pid}: alive but not the job's (its TORCHELASTIC_RUN_ID is unset" in unverified
         assert f"pid {other_uid.pid}: alive but not the job's (runs as uid {os.getuid()}, the record says 12345)" in (
             unverified
         )
