@@ -14,4 +14,5 @@ SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"  # snapshot interval in steps
 CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"  # durable checkpoint interval in steps
 RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is read (else the agent's argv)
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
+LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each in-place incarnation's etcd lease (docs/formats/leases.md)
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
