@@ -75,6 +75,7 @@ def check(
         *rules.unique_incarnations(cert),
         *rules.members_admitted(cert, parent),
         *rules.quiescence(cert),
+        *rules.quiescence_proofs(cert, parent),
         *rules.frontier_committed(cert, parent, committed_by_all),
         *rules.frontier_state_verified(cert, manifest_ok),
     ]
@@ -89,4 +90,5 @@ def check_stored(cert: Certificate, *, parent: Certificate | None, key: bytes) -
         *rules.unique_incarnations(cert),
         *rules.members_admitted(cert, parent),
         *rules.quiescence(cert),
+        *rules.quiescence_proofs(cert, parent),
     ]

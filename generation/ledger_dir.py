@@ -11,19 +11,43 @@ record, one JSON line each; a torn last line is ignored by readers. They are *no
 record by default: losing the newest commit records after a power loss can only move the
 commit frontier back (the safe direction), never forward. Pass `fsync_logs=True` to fsync each.
 On NFS, O_APPEND is not atomic across hosts: use the etcd backend for multi-host commit records.
+Activating a certificate whose members span hosts warns once per process (`warn_many_hosts`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import from_os_error
 from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
+from gpuguard.generation.records import Certificate
 
 _GEN = re.compile(r"^gen-(\d+)\.json$")
+_warned_many_hosts = False
+
+
+def warn_many_hosts(hosts: Iterable[str], log: Callable[[str], None] | None = None) -> bool:
+    """Once per process, when members sit on more than one host: a directory ledger (and the
+    in-place switch's files next to it) only coordinates if the job dir is one filesystem all of
+    them share, and nothing proves a member on another host quiet. True when it warned."""
+    global _warned_many_hosts
+    names = sorted(set(hosts))
+    if len(names) <= 1 or _warned_many_hosts:
+        return False
+    _warned_many_hosts = True
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    msg = (
+        f"gpuguard: warning: generation members on {len(names)} hosts ({shown}) share a directory ledger: "
+        "that needs one shared filesystem, and a member on another host can only be waited for; "
+        "use GPUGUARD_LEDGER=etcd://host:port/prefix for jobs that span hosts"
+    )
+    (log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
+    return True
 
 
 class DirectoryLedger(Ledger):
@@ -32,6 +56,10 @@ class DirectoryLedger(Ledger):
         self.root = Path(root)
         self.url = str(self.root)
         self.fsync_logs = fsync_logs
+
+    def activate(self, cert: Certificate, *, manifest_ok: bool | None = None) -> None:
+        warn_many_hosts(m.incarnation.host for m in cert.members)
+        super().activate(cert, manifest_ok=manifest_ok)
 
     def gen_path(self, generation: int) -> Path:
         return self.root / f"gen-{generation}.json"

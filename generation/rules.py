@@ -78,6 +78,42 @@ def quiescence(cert: Certificate) -> list[Violation]:
     return []
 
 
+PROOF_GONE = "process gone"  # pid + start time no longer a live process, seen on its own host
+PROOF_KILLED = "killed, process gone"  # SIGKILLed by the coordinator on its host, then seen gone
+PROOF_LEASE = "lease expired, self-fenced"  # its etcd lease expired: it fenced itself before (docs/formats/leases.md)
+PROOF_REPORTED = "reported, left its group"  # a survivor: it tore the old group down and joins the new one
+PROOFS = (PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED)
+
+
+def quiescence_proofs(cert: Certificate, parent: Certificate | None) -> list[Violation]:
+    """When a certificate says how each old incarnation was proved quiet (`extra.quiescence_by`),
+    every parent member needs one accepted proof: a lease that expired is one (its holder fenced
+    itself first), a member nobody could account for is not."""
+    by = cert.extra.get("quiescence_by")
+    if by is None or parent is None:
+        return []
+    rule = "quiescence"
+    if cert.quiescence != "proved":
+        return [Violation(rule, f"quiescence_by is given but quiescence is {cert.quiescence!r}")]
+    out = []
+    for m in parent.members:
+        kind = by.get(m.incarnation.id)
+        if kind is None:
+            out.append(
+                Violation(rule, f"old rank {m.rank} incarnation {m.incarnation.id}: no quiescence proof", m.rank)
+            )
+        elif kind not in PROOFS:
+            out.append(
+                Violation(
+                    rule,
+                    f"old rank {m.rank} incarnation {m.incarnation.id}: {kind!r} is not a proof "
+                    f"(accepted: {', '.join(PROOFS)})",
+                    m.rank,
+                )
+            )
+    return out
+
+
 def frontier_committed(cert: Certificate, parent: Certificate | None, committed_by_all: int | None) -> list[Violation]:
     """The frontier never passes the last step committed by *all* parent members.
 

@@ -118,3 +118,38 @@ def test_forged_member_claiming_an_old_incarnation_id():
 def test_frontier_records_collective_sequence():
     g1 = child(genesis(), members(2), step=0)
     assert isinstance(g1.frontier, Frontier) and g1.frontier.collective_seq == {"default": 0}
+
+
+# ---------------------------------------------------------------------- quiescence proofs
+def _with_proofs(proofs):
+    from gpuguard.generation.certificate import check_stored, issue
+    from gpuguard.generation.records import Frontier, Member
+    from tests.support.generation import KEY, started
+
+    parent = started(["h1", "h2"])
+    child = issue(
+        parent=parent,
+        job_id=parent.job_id,
+        members=[Member(0, parent.members[0].incarnation)],
+        reason="rank-failure",
+        frontier=Frontier(0),
+        quiescence="proved",
+        issued_by="test",
+        key=KEY,
+        extra={"quiescence_by": proofs(parent)},
+    )
+    return check_stored(child, parent=parent, key=KEY)
+
+
+def test_a_lease_that_expired_proves_a_remote_member_quiet():
+    ids = lambda p: [m.incarnation.id for m in p.members]  # noqa: E731
+    ok = _with_proofs(lambda p: dict(zip(ids(p), ["reported, left its group", "lease expired, self-fenced"])))
+    assert ok == []
+
+
+def test_a_member_without_an_accepted_proof_is_refused():
+    ids = lambda p: [m.incarnation.id for m in p.members]  # noqa: E731
+    missing = _with_proofs(lambda p: {ids(p)[0]: "reported, left its group"})
+    assert [v.rule for v in missing] == ["quiescence"] and missing[0].member == 1
+    unknown = _with_proofs(lambda p: dict(zip(ids(p), ["reported, left its group", "unknown"])))
+    assert "is not a proof" in unknown[0].message

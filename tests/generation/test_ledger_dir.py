@@ -211,3 +211,14 @@ def test_unverified_frontier_state_is_refused_by_the_ledger(ledger):
         ledger.activate(g1, manifest_ok=False)
     ledger.activate(g1, manifest_ok=True)
     assert ledger.require_active() == g1
+
+
+def test_members_on_many_hosts_warn_once_per_process(monkeypatch):
+    from gpuguard.generation import ledger_dir
+
+    monkeypatch.setattr(ledger_dir, "_warned_many_hosts", False)
+    said: list[str] = []
+    assert not ledger_dir.warn_many_hosts(["h1", "h1"], said.append)  # one host: a directory ledger is fine
+    assert ledger_dir.warn_many_hosts(["h1", "h2"], said.append)
+    assert not ledger_dir.warn_many_hosts(["h1", "h3"], said.append)
+    assert len(said) == 1 and "2 hosts (h1, h2)" in said[0] and "etcd://" in said[0]
