@@ -20,6 +20,7 @@ from typing import Any, Literal
 from gpuguard.foundation.identity import GONE_STATES
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
+from gpuguard.generation.rules import PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED
 from gpuguard.recovery.snapshot import Selection
 
 OPERATOR_ABORT = "operator abort"  # the failure text of a switch an operator asked for (`request_abort`)
@@ -184,6 +185,8 @@ class EvictionFacts:
     killed_before: Mapping[str, str]  # incarnation id -> evidence, killed by this coordinator earlier
     waited_s: float  # since this coordinator started deciding
     grace_s: float  # how long a member on this host may take to report before it is killed
+    lease_expired: frozenset[str] = frozenset()  # remote incarnations whose lease expired (each fenced itself first)
+    remote_wait_s: float = REMOTE_WAIT_S  # how long to wait for a remote member (with leases: past its TTL)
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,7 @@ class Eviction:
     kept: tuple[int, ...] = ()
     evidence: tuple[str, ...] = ()
     give_up: str = ""  # non-empty: stop waiting, refuse the in-place switch with this reason
+    proof: Mapping[str, str] = field(default_factory=dict)  # incarnation id -> kind (generation.rules.PROOFS)
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -220,7 +224,9 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
     A report counts only if it carries the member's own incarnation (another process on that rank
     number is not this member). On this host: gone (pid + start time) -> dead; stopped, or no
     report after the grace -> killed. On another host nothing can be probed: a member there either
-    reported (kept) or is awaited, and after max(grace, REMOTE_WAIT_S) the switch gives up.
+    reported (kept) or is awaited, and after max(grace, remote_wait_s) the switch gives up — unless
+    its lease expired: it fenced itself before that could happen (recovery.lease), so it is dead,
+    whether it reported first or not (a reporter that is gone now would only make G+1 fail to form).
     """
     dead: list[int] = []
     killed: list[int] = []
@@ -228,6 +234,7 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
     waiting: list[int] = []
     kept: list[int] = []
     evidence: list[str] = []
+    proof: dict[str, str] = {}
     host = facts.host
     for m in facts.members:
         inc, rep = m.incarnation, facts.reports.get(m.rank)
@@ -238,15 +245,22 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
         if st == "gone" and inc.id in facts.killed_before:  # killed in an earlier pass of this decision
             killed.append(m.rank)
             evidence.append(facts.killed_before[inc.id])
+            proof[inc.id] = PROOF_KILLED
         elif st == "gone":
             dead.append(m.rank)
             evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {host} gone")
+            proof[inc.id] = PROOF_GONE
+        elif st == "remote" and inc.id in facts.lease_expired:
+            dead.append(m.rank)
+            evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {inc.host}: {PROOF_LEASE}")
+            proof[inc.id] = PROOF_LEASE
         elif st == "stopped" or overdue:
             why = "stopped (SIGSTOP)" if st == "stopped" else f"no report within {facts.grace_s:g} s"
             said = f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"
             killed.append(m.rank)
             kill.append(Kill(m.rank, inc.id, inc.pid, inc.start_time, said))
             evidence.append(said)
+            proof[inc.id] = PROOF_KILLED
         elif rep is None:
             waiting.append(m.rank)
         else:
@@ -254,11 +268,14 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
             evidence.append(
                 f"rank {m.rank} incarnation {inc.id}: reported, tore down generation {facts.generation}'s group"
             )
+            proof[inc.id] = PROOF_REPORTED
     give_up = ""
     remote = {m.rank for m in facts.members if m.incarnation.host != host}
-    if waiting and facts.waited_s > max(facts.grace_s, REMOTE_WAIT_S) and remote.intersection(waiting):
+    if waiting and facts.waited_s > max(facts.grace_s, facts.remote_wait_s) and remote.intersection(waiting):
         give_up = f"ranks {waiting} on other hosts neither reported nor can be proved gone from here"
-    return Eviction(tuple(dead), tuple(killed), tuple(kill), tuple(waiting), tuple(kept), tuple(evidence), give_up)
+    return Eviction(
+        tuple(dead), tuple(killed), tuple(kill), tuple(waiting), tuple(kept), tuple(evidence), give_up, proof
+    )
 
 
 # ---------------------------------------------------------------------- admission and frontier
@@ -339,6 +356,7 @@ def plan_switch(facts: SwitchFacts) -> SwitchPlan:
         "replicated_state_digest": facts.state_digest,
         "coordinator": {"rank": facts.coordinator_rank, "incarnation": facts.coordinator_incarnation},
         "rolled_back": sorted(r for r in kept if (facts.reports[r].committed_step or 0) > facts.frontier),
+        "quiescence_by": dict(ev.proof),
     }
     return SwitchPlan(
         members=tuple(Member(new_rank[r], old[r]) for r in kept),

@@ -333,3 +333,66 @@ def test_a_refused_activation_follows_a_racer_only_past_the_parent():
     assert sw.follow_racer(2, 1)
     assert not sw.follow_racer(1, 1)  # still the parent: the refusal is real
     assert not sw.follow_racer(None, 1)  # no valid chain at all
+
+
+# ---------------------------------------------------------------------- leases (remote members)
+def lease_facts(p: Certificate, reports: dict[int, sw.Report], expired: set[str], **kw) -> sw.EvictionFacts:
+    import dataclasses
+
+    return dataclasses.replace(facts(p, reports, **kw), lease_expired=frozenset(expired), remote_wait_s=7.0)
+
+
+def test_a_remote_member_whose_lease_expired_is_dead_with_that_proof():
+    p = parent([HOST, "other"])
+    ev = sw.decide_eviction(lease_facts(p, {0: rep(0)}, {"inc1"}))
+    assert ev.dead == (1,) and ev.waiting == () and ev.kept == (0,)
+    assert ev.proof == {"inc0": "reported, left its group", "inc1": "lease expired, self-fenced"}
+    assert "on other: lease expired, self-fenced" in ev.evidence[1]
+
+
+def test_a_remote_reporter_whose_lease_expired_since_is_dead_not_kept():
+    p = parent([HOST, "other"])
+    ev = sw.decide_eviction(lease_facts(p, {0: rep(0), 1: rep(1, host="other")}, {"inc1"}))
+    assert ev.dead == (1,) and ev.kept == (0,)
+
+
+def test_with_leases_a_remote_member_is_awaited_past_its_ttl_then_given_up():
+    p = parent([HOST, "other"])
+    assert not sw.decide_eviction(lease_facts(p, {0: rep(0)}, set(), waited=6.9)).give_up
+    assert sw.decide_eviction(lease_facts(p, {0: rep(0)}, set(), waited=7.1)).give_up
+
+
+def test_a_lease_never_overrides_the_local_process_table():
+    p = parent([HOST, "other"])
+    ev = sw.decide_eviction(lease_facts(p, {1: rep(1, host="other")}, {"inc0"}, status={"inc0": "stopped"}))
+    assert ev.killed == (0,) and ev.proof["inc0"] == "killed, process gone"
+
+
+def test_the_plan_records_each_old_incarnations_proof():
+    p = parent([HOST, "other", "other"])
+    ev = sw.decide_eviction(lease_facts(p, {0: rep(0), 1: rep(1, host="other")}, {"inc2"}))
+    adm = sw.admit_survivors(sw.Layout(dp=3), ev)
+    plan = sw.plan_switch(
+        sw.SwitchFacts(
+            parent=p,
+            previous_layout=sw.Layout(dp=3),
+            layout=adm.layout,
+            kept=adm.kept,
+            eviction=ev,
+            reports={0: rep(0), 1: rep(1, host="other")},
+            committed_by_all=5,
+            frontier=5,
+            manifest="",
+            state_digest="a",
+            operator=False,
+            phases={"detect": 1.0},
+            since=1.0,
+            coordinator_rank=0,
+            coordinator_incarnation="inc0",
+        )
+    )
+    assert plan.extra["quiescence_by"] == {
+        "inc0": "reported, left its group",
+        "inc1": "reported, left its group",
+        "inc2": "lease expired, self-fenced",
+    }
