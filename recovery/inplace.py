@@ -9,19 +9,22 @@ survivor, in this order (measured on torch 2.13 + gloo: docs/torchrun-hazards.md
 1. leaves the `except` scope, then destroys G's gloo group: that closes its sockets, which wakes a
    survivor still blocked on a *live* neighbour (inside `except` the traceback keeps the group
    alive: a 30 s stall);
-2. writes a report (rank, incarnation, committed step, digests of its local state snapshots) to
-   `<job-dir>/coord/inplace/g<G>/` — the job dir is the shared filesystem, so no single node's
-   store holds the decision;
+2. writes a report (rank, incarnation, committed step, digests of its local state snapshots)
+   through the coordination transport (`recovery.coord`): etcd next to an etcd ledger, so no
+   host's filesystem coordinates anything; `<job-dir>/coord/inplace/g<G>/` with a directory
+   ledger (one host, or a job dir that really is shared);
 3. waits for the ledger to show a newer generation. The coordinator is the lowest old rank that
    reported and is alive (`switch.choose_coordinator`); if it dies, the next one takes over. It
    evicts members that are gone (pid + start time) at once, kills stopped (SIGSTOP) members and
-   members that did not report within the grace period, computes the frontier (never past the
+   members that did not report within the grace period, evicts members on other hosts whose etcd
+   lease expired (each fenced itself before: `recovery.lease`, docs/formats/leases.md), computes the frontier (never past the
    last step *all* G members committed), checks that every survivor holds that state with one
    digest, issues the certificate (`extra.switch = "in-place"`, phases, layout) and activates it
    with the ledger's compare-and-swap: two coordinators racing -> one generation;
 4. verifies the certificate, rolls back to the frontier from its in-memory snapshot if it had
    already committed a step past it (the mid-update case), and joins G+1's gloo group through a
-   fresh per-generation FileStore in the job dir. A member of G+1 that is gone or frozen makes
+   fresh per-generation store (a FileStore in the job dir, or a TCPStore served by the new
+   rank 0 and published in etcd). A member of G+1 that is gone or frozen makes
    that group fail: the survivors repeat the protocol as G+1's survivors (a clean G+2).
 If the switch cannot happen in place (a TP/PP group lost a member, the survivors disagree on the
 state, a member on another host cannot be proved gone) the coordinator records why and every
@@ -43,19 +46,16 @@ from datetime import timedelta
 from typing import Any
 
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.env import LEASE_TTL_ENV
 from gpuguard.foundation.errors import EXIT_REFUSED, RefusedError, UnavailableError
 from gpuguard.foundation.identity import process_status
-from gpuguard.foundation.inplace_files import (
-    abort_requested,
-    inplace_dir,
-    read_reports,
-    request_abort,
-    write_report,
-)
+from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
 from gpuguard.recovery.activation import frontier_limit
+from gpuguard.recovery.coord import open_coordination
+from gpuguard.recovery.lease import DEFAULT_TTL_S, Heartbeat, LeaseTiming
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
 from gpuguard.recovery.switch import (
@@ -113,9 +113,21 @@ class InPlaceRuntime(Runtime):
         grace_s: float = 1.0,
         switch_timeout_s: float = 60.0,
         keep_local: int = 3,
+        lease_ttl_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        ttl = lease_ttl_s if lease_ttl_s is not None else float(os.environ.get(LEASE_TTL_ENV, DEFAULT_TTL_S))
+        self.lease_timing = LeaseTiming(ttl)
+        self.coord = open_coordination(self.job_dir, self.ledger_url)
+        self.heartbeat: Heartbeat | None = None
+        if self.coord.kind == "etcd":
+            self.heartbeat = self.coord.hold_lease(
+                self.incarnation.id,
+                {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
+                self.lease_timing,
+                self._fenced,
+            )
         self.layout = layout or Layout(dp=self.world_size)
         self.grace_s, self.switch_timeout_s = grace_s, switch_timeout_s
         self.keep_local = max(2, keep_local)
@@ -125,6 +137,27 @@ class InPlaceRuntime(Runtime):
         self.remember_times: list[float] = []  # cost of the in-memory rollback snapshot, per commit
         self._pending_first_commit: dict[str, Any] | None = None
         self._killed: dict[str, str] = {}  # incarnation id -> eviction evidence (this process killed it)
+
+    # ------------------------------------------------------------------ the lease
+    def _fenced(self, why: str) -> None:
+        """The self-fence: this incarnation may no longer be alive in etcd's eyes, so it writes
+        nothing more and leaves at once (the process's group sockets die with it). Exit status 4."""
+        print(
+            f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) fenced itself: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_REFUSED)
+
+    def _require_lease(self, what: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.require(what)
+
+    def _still_current(self) -> bool:
+        # the snapshot writer's check: a snapshot is published only while the lease is provably alive
+        if self.heartbeat is not None and not self.heartbeat.valid():
+            return False
+        return super()._still_current()
 
     # ------------------------------------------------------------------ local state
     def replicated_digest(self, state: dict[str, Any] | None = None) -> str:
@@ -151,6 +184,7 @@ class InPlaceRuntime(Runtime):
         return state
 
     def commit(self, step: int) -> None:
+        self._require_lease(f"commit of step {step}")
         super().commit(step)
         self.committed = step
         t0 = time.perf_counter()
@@ -180,7 +214,7 @@ class InPlaceRuntime(Runtime):
         return self.committed if self.committed is not None else state.frontier_step
 
     def _abort_requested(self) -> bool:
-        return abort_requested(self.job_dir, self.generation)
+        return self.generation is not None and self.coord.abort_requested(self.generation)
 
     def _try_step(self, step: int, step_fn: StepFn) -> str | None:
         """One step and its commit; the failure text (no exception object survives this frame)."""
@@ -233,7 +267,10 @@ class InPlaceRuntime(Runtime):
             failure,
             time.time(),
         )
-        write_report(self.job_dir, rep)
+        self._require_lease(f"report of generation {generation}")
+        if not self.coord.write_report(rep):
+            self._require_lease(f"report of generation {generation}")
+            self._log(f"report of generation {generation} fenced: generation {generation} is no longer active")
         return rep
 
     def _agree(self, generation: int, failure: str, t_detect: float, operator: bool) -> tuple[Any, dict[str, float]]:
@@ -244,7 +281,6 @@ class InPlaceRuntime(Runtime):
         self.fault("reported", generation)
         ledger = self.ledger()
         parent = ledger.get(generation)
-        refused = inplace_dir(self.job_dir) / f"g{generation}" / "refused.json"
         deadline = time.monotonic() + self.switch_timeout_s
         coordinating_since: float | None = None
         while time.monotonic() < deadline:
@@ -252,11 +288,16 @@ class InPlaceRuntime(Runtime):
             if active.generation > generation:
                 phases["decided"] = time.time()
                 return active, phases
-            if refused.exists():
-                self._refuse(f"in-place switch refused: {jobdir.read_json(refused).get('reason')}")
-            reports = read_reports(self.job_dir, generation)
+            self._require_lease(f"switch from generation {generation}")
+            refused = self.coord.refusal(generation)
+            if refused is not None:
+                self._refuse(f"in-place switch refused: {refused.get('reason')}")
+            reports = self.coord.read_reports(generation)
             probes = coordinator_probes(reports, parent.ranks, me.host)
             gone = [r for r, (pid, start) in probes.items() if _process_state(pid, start) == "gone"]
+            remote = {r: rep.incarnation_id for r, rep in reports.items() if rep.host != me.host}
+            expired = self.coord.expired(remote.values()) if remote else frozenset()
+            gone += [r for r, inc in remote.items() if inc in expired]  # a reporter that has fenced since
             if choose_coordinator(reports, gone) == self.rank:
                 if coordinating_since is None:
                     coordinating_since = time.time()
@@ -303,6 +344,11 @@ class InPlaceRuntime(Runtime):
                 killed_before=dict(self._killed),
                 waited_s=time.time() - since,
                 grace_s=self.grace_s,
+                lease_expired=self.coord.expired(
+                    m.incarnation.id for m in parent.members if m.incarnation.host != host
+                ),
+                # a remote member's lease is gone at most TTL (+ etcd's expiry sweep) after its last beat
+                remote_wait_s=max(5.0, 2 * self.lease_timing.ttl_s + 1.0) if self.heartbeat else 5.0,
             )
         )
         for kill in eviction.kill:
@@ -359,6 +405,7 @@ class InPlaceRuntime(Runtime):
             key=ledger.key,
             extra=plan.extra,
         )
+        self._require_lease(f"certificate of generation {cert.generation}")
         try:
             ledger.activate(cert, manifest_ok=True if manifest else None)
         except RefusedError as exc:
@@ -375,9 +422,9 @@ class InPlaceRuntime(Runtime):
         return True
 
     def _record_refusal(self, generation: int, reason: str) -> None:
-        path = inplace_dir(self.job_dir) / f"g{generation}" / "refused.json"
-        jobdir.atomic_write_json(
-            path, {"generation": generation, "reason": reason, "by": self.incarnation.id, "time": time.time()}
+        self._require_lease(f"refusal of generation {generation}")
+        self.coord.record_refusal(
+            generation, {"generation": generation, "reason": reason, "by": self.incarnation.id, "time": time.time()}
         )
         self._refuse(f"in-place switch refused: {reason}")
 
@@ -413,6 +460,10 @@ class InPlaceRuntime(Runtime):
             inc = m.incarnation
             if inc.host == host and _process_state(inc.pid, inc.start_time) != "running":
                 return f"member rank {m.rank} (pid {inc.pid}) of generation {cert.generation} is gone or stopped"
+        expired = self.coord.expired(m.incarnation.id for m in cert.members if m.incarnation.host != host)
+        if expired:
+            ranks = sorted(m.rank for m in cert.members if m.incarnation.id in expired)
+            return f"members {ranks} of generation {cert.generation} lost their lease"
         if self._snapshotter is not None:
             # a snapshot queued in the old generation is stamped with it (the writer reads the generation
             # when it writes): let it finish, or be fenced, before the generation changes
@@ -432,11 +483,9 @@ class InPlaceRuntime(Runtime):
     def _init_group(self, generation: int) -> str | None:
         import torch.distributed as dist
 
-        path = inplace_dir(self.job_dir) / f"g{generation}.store"
         failure = None
         try:
-            store = dist.FileStore(str(path), -1)
-            store.set_timeout(timedelta(seconds=self.pg_timeout_s))
+            store = self.coord.group_store(generation, self.rank, self.pg_timeout_s)
             dist.init_process_group(
                 "gloo",
                 store=dist.PrefixStore("pg", store),
@@ -444,13 +493,18 @@ class InPlaceRuntime(Runtime):
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.pg_timeout_s),
             )
-        except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+        except (RuntimeError, ValueError, UnavailableError) as exc:  # DistStoreError is a RuntimeError
             failure = f"group of generation {generation} did not form: {type(exc).__name__}: {str(exc)[:200]}"
         if failure is not None:
             self._teardown()
             return failure
         self.pg = dist.group.WORLD
         return None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush and leave (the Runtime's close), then give the lease back: a clean exit frees it at once."""
+        super().close(timeout)
+        self.coord.close()
 
     def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
 
