@@ -9,7 +9,9 @@ the oracle.
 
 Workers are plain processes (no torchrun): the launcher hosts the TCPStore used by the first,
 restart-path activation only; every in-place generation rendezvouses through a FileStore in the
-job dir. Faults: `INPLACE_FAULTS="<orig-rank>:<step>:<point>:<kill|stop|spin>,..."` (spin: a livelock), points
+job dir (or through etcd, with an etcd ledger: `HostJob` starts one worker per test host). Faults:
+`INPLACE_FAULTS="<orig-rank>:<step>:<point>:<kill|stop|spin|mark>,..."` (spin: a livelock; mark: only
+the file, for a harness that faults the whole host), points
 `before_allreduce | before_update | before_commit` (step = the step), `reported | coordinate`
 (step = the generation being left) and `joining` (step = the generation being joined); the time of each fault is written to `<job>/faults/`.
 """
@@ -90,8 +92,8 @@ def parse_faults(text: str) -> list[tuple[int, int, str, str]]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         r, s, point, action = part.split(":")
-        if action not in ("kill", "stop", "spin"):
-            raise ValueError(f"fault action must be kill, stop or spin, not {action!r}")
+        if action not in ("kill", "stop", "spin", "mark"):
+            raise ValueError(f"fault action must be kill, stop, spin or mark, not {action!r}")
         out.append((int(r), int(s), point, action))
     return out
 
@@ -121,6 +123,8 @@ def worker_main() -> int:
                         }
                     )
                 )
+                if action == "mark":  # only the file above: a harness acting on the host waits for it
+                    continue
                 if action == "spin":  # a livelock: alive, running, never reaching another collective
                     while True:
                         pass
