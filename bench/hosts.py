@@ -1,0 +1,258 @@
+"""Whole-host faults on namespace hosts: gpuguard's in-place switch against a plain restart.
+
+    python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze]
+
+Each trial brings up 3 training hosts and a control host running etcd (gpuguard.testhosts), trains
+the in-place demo's workload with one worker per host, and after step MARK powers off h1 (rank 0:
+the first coordinator and the snapshot writer), or partitions or freezes h3 (a partitioned or
+frozen host comes back once the survivors have moved on). Rows:
+- `in-place`: gpuguard (`examples.inplace_hosts`), etcd ledger and etcd coordination, lease TTL
+  3 s, collective timeout 3 s. Time = fault -> the first step every survivor committed in the next
+  generation (switch records' `first_commit`).
+- `restart-baseline`: the same workload in plain torch.distributed (`examples.plain_train`, same
+  collective timeout, rank 0 checkpoints every 5 steps to the shared checkpoint storage); a
+  supervisor that notices the first worker exit kills every worker and relaunches on the
+  surviving hosts from the newest checkpoint. Time = fault -> the first step committed after the
+  relaunch.
+`recovered`: trials whose survivors finished with the oracle's parameters (and, in place, one
+certified chain that `gpu-generation verify` accepts); `semantic_failures`: trials that finished
+with other parameters or an invalid chain; `zombie_writes_fenced`: commit records the ledger
+refused (stale generation); `steps_lost`: committed steps redone after recovery (mean).
+Needs root (real namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+from gpuguard.examples.inplace_hosts import HostJob  # noqa: E402
+from gpuguard.examples.inplace_train import reference  # noqa: E402
+from gpuguard.testhosts import preflight, up  # noqa: E402
+
+HOSTS = ["h1", "h2", "h3"]
+VICTIM = {"power-off": "h1", "partition": "h3", "freeze": "h3"}
+STEPS, MARK, STEP_SLEEP = 20, 6, 0.1
+TTL, PG_TIMEOUT, CKPT_EVERY = 3.0, 3.0, 5
+PLAIN_PORT = 29501
+
+
+def _wait(predicate: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.02)
+    return predicate()
+
+
+def _fault(c: Any, fault: str, host: str) -> None:
+    {"power-off": c.power_off, "partition": c.partition, "freeze": c.freeze}[fault](host)
+
+
+def _unfault(c: Any, fault: str, host: str) -> None:
+    if fault == "partition":
+        c.heal(host)
+    elif fault == "freeze":
+        c.thaw(host)
+
+
+def _same(params: list[float] | None, ref: list[float]) -> bool:
+    return bool(params) and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(params or [], ref))
+
+
+def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
+    victim = VICTIM[fault]
+    lost = HOSTS.index(victim)
+    survivors = [r for r in range(len(HOSTS)) if r != lost]
+    with up(len(HOSTS)) as c:
+        job = HostJob.launch(
+            c,
+            HOSTS,
+            logs,
+            steps=STEPS,
+            step_sleep=STEP_SLEEP,
+            pg_timeout=PG_TIMEOUT,
+            lease_ttl=TTL,
+            faults=f"{lost}:{MARK}:before_commit:mark",
+        )
+        with job:
+            if not job.wait_file(victim, f"faults/{lost}-before_commit-{MARK}.json", 90):
+                return {"recovered": False, "why": "never reached the fault"}
+            t_fault = time.time()
+            _fault(c, fault, victim)
+            if fault != "power-off":
+                _wait(lambda: all(job.switch_records(HOSTS[r]) for r in survivors), 60)
+                _unfault(c, fault, victim)
+            codes = job.wait(list(range(len(HOSTS))), 90)
+            ledger = job.ledger(HOSTS[survivors[0]])
+            verified, _ = job.verify(HOSTS[survivors[0]])
+        results = {r: job.result(r) for r in survivors}
+        records = [rec for r in survivors for rec in job.switch_records(HOSTS[r]) if rec.get("generation") == 2]
+    ref = reference(STEPS)
+    finished = all(codes[r] == 0 and results[r] for r in survivors)
+    good = finished and all(_same(results[r]["params"], ref) for r in survivors) and verified == 0  # type: ignore[index]
+    first = [rec["phases"].get("first_commit") for rec in records]
+    hist = ledger["history"]
+    frontier = hist[2]["frontier"] if len(hist) > 2 else None
+    before = max((s for _, _, s in ledger["commits"].get("1", [])), default=0)
+    return {
+        "recovered": finished and len(records) == len(survivors) and None not in first,
+        "semantic_failure": finished and not good,
+        "fenced": int(ledger["fenced"]),
+        "self_fenced": codes[lost] == 4,
+        "seconds": (max(first) - t_fault) if first and None not in first else None,
+        "steps_lost": (before - frontier) if frontier is not None else None,
+    }
+
+
+def _plain(c: Any, hosts: list[str], ckpt: str, logs: Path, name: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
+    env.update(
+        {
+            "WORLD_SIZE": str(len(hosts)),
+            "MASTER_ADDR": c.host(hosts[0]).address,
+            "MASTER_PORT": str(PLAIN_PORT),
+            "GPUGUARD_PG_TIMEOUT": str(PG_TIMEOUT),
+            "INPLACE_STEPS": str(STEPS),
+            "INPLACE_STEP_SLEEP": str(STEP_SLEEP),
+            "PLAIN_CKPT_EVERY": str(CKPT_EVERY),
+            "PLAIN_CKPT_DIR": ckpt,
+            "PYTHONWARNINGS": "ignore",
+        }
+    )
+    procs = {}
+    for rank, h in enumerate(hosts):
+        with open(logs / f"{name}-{h}.log", "wb") as log:
+            procs[h] = c.exec(
+                h,
+                [sys.executable, "-m", "gpuguard.examples.plain_train"],
+                env={**env, "RANK": str(rank)},
+                inherit_env=False,
+                stdout=log,
+                stderr=log,
+            )
+    return procs
+
+
+def baseline_trial(fault: str, logs: Path) -> dict[str, Any]:
+    victim = VICTIM[fault]
+    survivors = [h for h in HOSTS if h != victim]
+    name = f"plain-{uuid.uuid4().hex[:8]}"
+    with up(len(HOSTS)) as c:
+        ckpt = Path(c.shared_path) / name  # the shared checkpoint storage, same path inside and out
+        progress = ckpt / "progress"
+        first = _plain(c, HOSTS, str(ckpt), logs, name)
+        procs = dict(first)
+        try:
+            if not _wait(lambda: (progress / f"{MARK}-w3").exists(), 90):
+                return {"recovered": False, "why": "never reached the fault"}
+            t_fault = time.time()
+            _fault(c, fault, victim)
+            # the supervisor: the first worker to exit (its collective timed out) means the job is broken
+            _wait(lambda: any(first[h].poll() is not None for h in survivors), 60)
+            done = [int(p.name.split("-")[0]) for p in progress.glob("*-w3")]
+            for h in survivors:
+                first[h].kill()
+            for h in survivors:
+                first[h].wait(timeout=10)
+            again = _plain(c, survivors, str(ckpt), logs, name + "-again")
+            procs.update({f"{h}-again": p for h, p in again.items()})
+            t_first = _wait(lambda: sorted(progress.glob("*-w2")), 90)
+            for p in again.values():
+                p.wait(timeout=90)
+            _unfault(c, fault, victim)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+        result = json.loads((ckpt / "result.json").read_text()) if (ckpt / "result.json").exists() else {}
+        steps_w2 = sorted(int(p.name.split("-")[0]) for p in progress.glob("*-w2"))
+        first_time = float((progress / f"{steps_w2[0]}-w2").read_text()) if steps_w2 else None
+        shutil.rmtree(ckpt, ignore_errors=True)
+    finished = bool(result) and all(p.returncode == 0 for p in again.values())
+    return {
+        "recovered": finished and bool(t_first),
+        "semantic_failure": finished and not _same(result.get("params"), reference(STEPS)),
+        "fenced": 0,
+        "self_fenced": False,
+        "seconds": (first_time - t_fault) if first_time is not None else None,
+        "steps_lost": (max(done) - (steps_w2[0] - 1)) if done and steps_w2 else None,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
+    secs = [t["seconds"] for t in trials if t.get("recovered") and t.get("seconds") is not None]
+    lost = [t["steps_lost"] for t in trials if t.get("steps_lost") is not None]
+    return {
+        "fault": fault,
+        "path": path,
+        "trials": len(trials),
+        "recovered": sum(1 for t in trials if t.get("recovered")),
+        "semantic_failures": sum(1 for t in trials if t.get("semantic_failure")),
+        "zombie_writes_fenced": sum(int(t.get("fenced") or 0) for t in trials),
+        "self_fenced": sum(1 for t in trials if t.get("self_fenced")),
+        "steps_lost": round(statistics.mean(lost), 2) if lost else None,
+        "p50_s": round(statistics.median(secs), 3) if secs else None,
+        "p90_s": round(_quantile(secs, 0.9) or 0.0, 3) if secs else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--faults", default="power-off,partition,freeze")
+    args = ap.parse_args(argv)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    bad = [f for f in faults if f not in VICTIM]
+    if bad:
+        print(f"unknown fault(s) {bad}: choose from {', '.join(VICTIM)}", file=sys.stderr)
+        return 64
+    reason = preflight()
+    if reason:
+        print(f"bench/hosts.py: {reason}", file=sys.stderr)
+        return 69
+    logs = Path(tempfile.mkdtemp(prefix="gpuguard-bench-hosts-"))
+    results = []
+    for fault in faults:
+        results.append(row(fault, "in-place", [in_place_trial(fault, logs) for _ in range(max(1, args.trials))]))
+        results.append(
+            row(fault, "restart-baseline", [baseline_trial(fault, logs) for _ in range(max(1, args.trials))])
+        )
+    notes = [
+        f"3 training hosts x 1 worker (gloo over the hosts' links), etcd on a control host; {STEPS} steps, "
+        f"fault after step {MARK}; lease TTL {TTL:g} s (fence margin {TTL / 2:g} s), collective timeout {PG_TIMEOUT:g} s",
+        f"victims: power-off {VICTIM['power-off']} (rank 0), partition/freeze {VICTIM['partition']} (healed/thawed "
+        "after the survivors moved on)",
+        f"restart-baseline: plain torch.distributed, checkpoint every {CKPT_EVERY} steps on shared storage, "
+        "kill all + relaunch on the survivors from the newest checkpoint once the first worker exits",
+        f"logs: {logs}",
+    ]
+    emit("hosts", results, args.json, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
