@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from gpuguard.foundation.errors import UnavailableError, UsageError
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.recovery.lease import Heartbeat, LeaseTiming
+from gpuguard.recovery.lease import now as lease_clock
 
 ABORT_POLL_S = 0.2  # an abort request is read at most this often (not once per step)
 
@@ -136,6 +137,7 @@ class EtcdCoordination:
         import etcd3gw
 
         ttl = max(1, round(timing.ttl_s))
+        granted_at = lease_clock()  # before the request: etcd's countdown starts after it
         lease = self._call("lease grant", self.client.lease, ttl)
         key = self._key("lease", incarnation_id)
         self._call("put", self.client.put, key, json.dumps({**info, **timing.to_dict()}), lease=lease)
@@ -149,7 +151,7 @@ class EtcdCoordination:
         def keepalive() -> bool:
             return int(beat_lease.refresh()) > 0  # -1: etcd says the lease is gone (already expired)
 
-        self.heartbeat = Heartbeat(keepalive, timing, on_fence).start()
+        self.heartbeat = Heartbeat(keepalive, timing, on_fence, granted_at=granted_at).start()
         return self.heartbeat
 
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:

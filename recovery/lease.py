@@ -85,11 +85,11 @@ class Heartbeat:
         on_fence: Callable[[str], None],
         *,
         clock: Callable[[], float] = now,
-        poll: Callable[[], None] | None = None,
+        granted_at: float | None = None,
     ) -> None:
         self.keepalive, self.timing, self.on_fence, self.clock = keepalive, timing, on_fence, clock
-        self.poll = poll  # extra work each beat (the abort request), never allowed to stop the beat
-        self.last_ok = clock()  # the lease was granted (or last renewed) just now
+        # when the grant request was *sent* (etcd's TTL started after it), else now
+        self.last_ok = clock() if granted_at is None else granted_at
         self.beats = 0
         self.failures = 0
         self.fenced: str | None = None
@@ -150,11 +150,6 @@ class Heartbeat:
             else:
                 self.failures += 1
                 next_at = self.clock() + self.timing.retry_s
-            if self.poll is not None and ok:
-                try:
-                    self.poll()
-                except Exception:  # noqa: BLE001, S110 - the beat matters more than the poll
-                    pass
             self._stop.wait(max(0.0, next_at - self.clock()))
 
     def _watch(self) -> None:
