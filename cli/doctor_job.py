@@ -34,9 +34,9 @@ def assess(
     launcher_logs: tuple[Path, ...] = (),
 ) -> tuple[Any, dict[str, Any], Any]:
     """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
-    from gpuguard.cli.job_observation import observe_job
     from gpuguard.diagnostics.jobstats import distribution
     from gpuguard.diagnostics.vote import load_config, to_json, vote
+    from gpuguard.recovery.job_observation import observe_job
 
     path = Path(job_dir)
     if not path.is_dir():

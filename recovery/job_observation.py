@@ -1,8 +1,10 @@
-"""Readers in, vote features out: the join `diagnose job` and `watch job` run before the vote.
+"""Readers in, vote features out: the join `diagnose job`, `watch job` and `gpu-recover status` run
+before the vote.
 
 Readers (`collectors`) and judges (`diagnostics`) never import each other, so the one place that
 reads the step records, the process table and the launcher's logs and hands them to the judges'
-feature extraction is here, above both. The clock is read here too: the judges take `now` as data.
+feature extraction is here, above both (in the actor layer, so that `recovery.status` can use it
+as well as the CLI). The clock is read here too: the judges take `now` as data.
 """
 
 from __future__ import annotations

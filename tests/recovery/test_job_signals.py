@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuguard.cli.job_observation import observe_job
 from gpuguard.diagnostics.vote import load_config, vote
+from gpuguard.recovery.job_observation import observe_job
 from tests.support.cli import JOBS
 
 pytestmark = pytest.mark.timeout(240)
