@@ -73,6 +73,25 @@ _SEVERITY_OVERRIDES = {
     172: "drain",  # detail of Xid 48 (uncorrectable SRAM)
 }
 
+_OVERRIDE_REASON = {
+    162: "power smoothing re-engaged",
+    163: "power transients no longer smoothed",
+    164: "power-smoothing circuitry near end of life",
+    165: "power-smoothing circuitry lifetime exhausted",
+    167: "PCIe fatal timeout, like Xid 79",
+    168: "reduced memory capacity",
+    169: "SEC2 halt, like Xid 62",
+    171: "detail of Xid 48 (DRAM)",
+    172: "detail of Xid 48 (SRAM)",
+}
+_OVERRIDE_RESOLUTION = {
+    "info": "ignore",
+    "warning": "restart_app",
+    "review": "contact_support",
+    "reset": "reset_gpu",
+    "drain": "reboot_node",
+}
+
 # Codes that only echo a primary Xid: (primary codes, or () for "any other Xid on this GPU").
 SYMPATHETIC_TO: Mapping[int, tuple[int, ...]] = {
     45: (),  # preemptive channel cleanup after another error; newer drivers name it
@@ -112,6 +131,42 @@ _SEVERITY_ACTION = {
 }
 
 
+# NVIDIA's published resolution buckets, collapsed to the five operator actions (source of each code's
+# bucket: the catalog's "Resolution Bucket (Immediate Action)" column, data/xid_catalog.csv).
+RESOLUTIONS = ("ignore", "restart_app", "reset_gpu", "reboot_node", "contact_support")
+_BUCKET_RESOLUTION = {
+    "IGNORE": "ignore",
+    "XID_154": "ignore",  # informational about another Xid; the line's own action decides
+    "RESTART_APP": "restart_app",
+    "CHECK_APP/CUDA": "restart_app",
+    "CHECK_UVM": "restart_app",
+    "WORKFLOW_XID_13": "restart_app",
+    "WORKFLOW_XID_31": "restart_app",
+    "WORKFLOW_XID_45": "restart_app",
+    "RESET_GPU": "reset_gpu",
+    "WORKFLOW_NVLINK_ERR": "reset_gpu",
+    "WORKFLOW_NVLINK5_ERR": "reset_gpu",
+    "RESTART_BM": "reboot_node",
+    "RESTART_VM": "reboot_node",
+    "CHECK_MECHANICALS": "reboot_node",
+    "UPDATE_SWFW": "reboot_node",
+    "WORKFLOW_XID_48": "reboot_node",
+    "CONTACT_SUPPORT": "contact_support",
+}
+CATALOG_SOURCE = "NVIDIA Xid catalog (Ampere+), Resolution Bucket (Immediate Action)"
+# Per-code actions where the bucket's generic text is not enough (NVIDIA's memory-error guidance).
+_CODE_ACTION = {
+    63: "Row remap recorded. If the line says 'reset gpu to activate' (or 'reload the driver'), the remap is "
+    "pending: reset the GPU at a convenient time (nvidia-smi -r -i <id>); check `nvidia-smi -q -d ROW_REMAPPER`.",
+    64: "Row remap / page retirement FAILED: reset the GPU; check `nvidia-smi -q -d ROW_REMAPPER`; a remap failure "
+    "or a repeat after reset means RMA.",
+    94: "Contained ECC error: only the faulting application must restart; other work keeps running. Reset the GPU "
+    "at a convenient time so the row remap takes effect (`nvidia-smi -q -d ECC,ROW_REMAPPER`).",
+    95: "Uncontained ECC error: stop the GPU's processes and reset it (nvidia-smi -r -i <id>); check "
+    "`nvidia-smi -q -d ECC,ROW_REMAPPER`; repeats after reset mean RMA.",
+}
+
+
 @dataclass(frozen=True)
 class XidInfo:
     """One catalog entry. `known` is False for codes NVIDIA never documented (severity `review`)."""
@@ -128,6 +183,8 @@ class XidInfo:
     nvsentinel: str = "-"
     legacy_causes: str = "-"
     sympathetic_to: tuple[int, ...] | None = None  # None: a primary code; (): any other Xid
+    resolution: str = "contact_support"  # one of RESOLUTIONS
+    source: str = CATALOG_SOURCE
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,6 +197,8 @@ class XidInfo:
             "severity": self.severity,
             "action": self.action,
             "known": self.known,
+            "resolution": self.resolution,
+            "source": self.source,
         }
 
 
@@ -152,7 +211,7 @@ def _table() -> dict[int, XidInfo]:
         bucket = row["immediate"].strip()
         unused = row["mnemonic"] == "UNUSED"
         severity = "review" if unused else (_SEVERITY_OVERRIDES.get(code) or _BUCKET_SEVERITY.get(bucket, "review"))
-        action = _ACTION_TEXT.get(bucket) or _SEVERITY_ACTION[severity]
+        action = _CODE_ACTION.get(code) or _ACTION_TEXT.get(bucket) or _SEVERITY_ACTION[severity]
         if unused:  # legacy meaning on older GPUs; "should not happen" on Ampere and newer
             action = (
                 "Legacy code, unused on Ampere and newer: on older GPUs review the application and driver; "
@@ -171,6 +230,10 @@ def _table() -> dict[int, XidInfo]:
             nvsentinel=row["nvsentinel"],
             legacy_causes=row["legacy_causes"],
             sympathetic_to=SYMPATHETIC_TO.get(code),
+            resolution="contact_support" if unused else _BUCKET_RESOLUTION.get(bucket, _OVERRIDE_RESOLUTION[severity]),
+            source=CATALOG_SOURCE
+            if bucket in _BUCKET_RESOLUTION and code not in _SEVERITY_OVERRIDES
+            else "gpuguard (catalog bucket blank for this code): " + _OVERRIDE_REASON.get(code, "needs review"),
         )
     return table
 
@@ -218,8 +281,8 @@ RECOVERY_ACTIONS: Mapping[int, tuple[str, str]] = {
     0: ("none", "info"),
     1: ("gpu_reset", "reset"),
     2: ("node_reboot", "drain"),
-    3: ("drain_p2p", "reset"),
-    4: ("drain_and_reset", "reset"),
+    3: ("drain_p2p", "drain"),  # "drain": take the work off the GPU first (NVIDIA's word), then reset
+    4: ("drain_and_reset", "drain"),
     5: ("recover_imex_domain", "drain"),
     6: ("bus_reset", "reset"),
     7: ("system_reboot", "drain"),
@@ -228,8 +291,8 @@ _RECOVERY_TEXT = {
     "none": "No recovery needed: the GPU can be used again by starting a new process.",
     "gpu_reset": "GPU reset required: stop all GPU processes and reset it (nvidia-smi -r -i <id>).",
     "node_reboot": "Node reboot required: the fault may have left the OS inconsistent.",
-    "drain_p2p": "Drain peer-to-peer (NVLink) traffic from this GPU, then reset it.",
-    "drain_and_reset": "Drain the GPU's work, then reset the GPU.",
+    "drain_p2p": "Drain: move the work off this node (peer-to-peer NVLink traffic must stop), then reset the GPU.",
+    "drain_and_reset": "Drain: let the node's jobs finish or move them, then reset the GPU (nvidia-smi -r -i <id>).",
     "recover_imex_domain": "Recover the IMEX domain (multi-node NVLink); drain the node.",
     "bus_reset": "PCIe bus reset required.",
     "system_reboot": "System reboot required.",
@@ -323,6 +386,7 @@ class Resolution:
     primary: tuple[int, ...] = ()
     sympathetic: tuple[tuple[int, int | None], ...] = field(default=())  # (code, primary or None)
     recovery_action: str | None = None  # the authoritative Xid 154 action name, when one was logged
+    inferred: tuple[int, ...] = ()  # primaries named by a sympathetic code (Xid 45 "caused by previous Xid N")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -332,6 +396,7 @@ class Resolution:
             "primary": list(self.primary),
             "sympathetic": [list(s) for s in self.sympathetic],
             "recovery_action": self.recovery_action,
+            "inferred": list(self.inferred),
         }
 
 
@@ -358,6 +423,8 @@ def xid_severity(code: int, fields: Mapping[str, Any] | None = None) -> str:
         return RECOVERY_ACTIONS.get(to, ("", "review"))[1] if to is not None else "review"
     if code == 45 and fields.get("caused_by") is not None:
         return "info"
+    if code in (63, 64) and fields.get("remap_pending"):
+        return "reset"  # "reset gpu to activate" / "reload the driver to activate": the remap waits for a reset
     if 144 <= code <= 150 and fields.get("nvlink_severity"):
         return str(fields["nvlink_severity"])
     return lookup(code).severity
@@ -372,8 +439,14 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
     and other echo codes attach to their primary instead of raising their own alarm; a solo echo
     code keeps its own catalog severity. Events of other kinds are ignored.
     """
+    events = list(events)
     items = [(c, _fields_of(ev)) for ev in events if (c := _code_of(ev)) is not None]
+    unread = [str(_fields_of(ev).get("xid_raw")) for ev in events if _is_unread_xid(ev)]
     if not items:
+        if unread:
+            return Resolution(
+                "review", _SEVERITY_ACTION["review"], "unreadable Xid code " + ", ".join(sorted(set(unread)))
+            )
         return Resolution("info", _SEVERITY_ACTION["info"], "no Xid events")
     last154 = max((i for i, (c, _) in enumerate(items) if c == 154), default=None)
     severities: list[str] = []
@@ -391,6 +464,7 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
     codes_all = {c for c, _ in items}
     primary: list[int] = []
     sympathetic: list[tuple[int, int | None]] = []
+    inferred: list[int] = []
     lost = False
     for i, (code, fields) in enumerate(items):
         if code == 154:
@@ -400,6 +474,10 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
             echo_of = 79
         elif code == 45 and fields.get("caused_by") is not None:
             echo_of = int(fields["caused_by"])
+            if echo_of not in codes_all and echo_of not in inferred:
+                inferred.append(echo_of)  # the named primary is evidence even when its line is not here
+                if i >= start:
+                    severities.append(xid_severity(echo_of))
         elif code in SYMPATHETIC_TO:
             targets = SYMPATHETIC_TO[code]
             others = [c for c in codes_all if c != code and c != 154 and (not targets or c in targets)]
@@ -415,14 +493,201 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
             primary.append(code)
         if i >= start:
             severities.append(xid_severity(code, fields))
+    if unread:
+        severities.append("review")
     sev = worst(severities) if severities else "info"
     if primary:
         reasons.append("primary Xid " + ", ".join(map(str, primary)))
+    if inferred:
+        reasons.append("inferred Xid " + ", ".join(map(str, inferred)) + " (named by Xid 45, line not in the log)")
+    if unread:
+        reasons.append("unreadable Xid code " + ", ".join(sorted(set(unread))) + " (needs review)")
     if sympathetic:
         reasons.append("sympathetic " + ", ".join(f"{c}->{p}" for c, p in sympathetic))
     if to is not None and sev == RECOVERY_ACTIONS.get(to, ("", ""))[1]:
         action = recovery_action(to).action
     else:
-        worst_primary = [c for c in primary if xid_severity(c) == sev]
+        worst_primary = [c for c in [*primary, *inferred] if xid_severity(c) == sev]
         action = lookup(worst_primary[0]).action if worst_primary else _SEVERITY_ACTION[sev]
-    return Resolution(sev, action, "; ".join(reasons), tuple(primary), tuple(sympathetic), recovery)
+    return Resolution(sev, action, "; ".join(reasons), tuple(primary), tuple(sympathetic), recovery, tuple(inferred))
+
+
+def _is_unread_xid(ev: Event | Mapping[str, Any]) -> bool:
+    fields = _fields_of(ev)
+    kind = fields.get("kind") if isinstance(ev, Mapping) else ev.kind
+    return kind == "xid" and not isinstance(fields.get("xid"), int)
+
+
+# --- GPU faults that carry no Xid -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultInfo:
+    """A GPU / node fault the driver, the kernel or a training log reports without an Xid code."""
+
+    fault: str  # the `fault` field of the event
+    name: str
+    severity: str  # on the SEVERITIES scale
+    resolution: str  # one of RESOLUTIONS
+    action: str
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault,
+            "name": self.name,
+            "severity": self.severity,
+            "resolution": self.resolution,
+            "action": self.action,
+            "source": self.source,
+        }
+
+
+_ECC_RUN = "run `nvidia-smi -q -d ECC,ROW_REMAPPER` on the node"
+FAULTS: Mapping[str, FaultInfo] = {
+    f.fault: f
+    for f in (
+        FaultInfo(
+            "init_failed",
+            "GPU initialisation failed",
+            "drain",
+            "reboot_node",
+            "The driver could not initialise this GPU (RmInitAdapter failed / Cannot attach gpu / No devices were "
+            "found): the GPU is unusable. Drain the node, check `lspci -d 10de:` and `nvidia-smi -q`, reboot; if it "
+            "stays, check seating, power and SBIOS, then RMA.",
+            "NVIDIA driver messages (NVRM: RmInitAdapter failed); NVIDIA Xid catalog: Xid 143 (GPU initialization "
+            "error) is RESET_GPU / CONTACT_SUPPORT",
+        ),
+        FaultInfo(
+            "unreachable",
+            "GPU does not answer (device handle: Unknown Error)",
+            "drain",
+            "reboot_node",
+            "nvidia-smi cannot open the GPU (Unknown Error / GPU is lost): like Xid 79. Drain the node and reboot; "
+            "check the PCIe link (AER errors above), power and seating; RMA if it repeats.",
+            "NVIDIA Xid catalog, Xid 79 practical notes (nvidia-smi: Unable to determine the device handle)",
+        ),
+        FaultInfo(
+            "pcie_fatal",
+            "PCIe uncorrected fatal error (AER)",
+            "drain",
+            "reboot_node",
+            "A fatal PCIe error on the GPU or the bridge above it: the GPU is (or will fall) off the bus. Drain the "
+            "node and reboot; check risers, seating and the PCIe switch; RMA if it repeats.",
+            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): fatal = link unreliable, reset needed",
+        ),
+        FaultInfo(
+            "pcie_nonfatal",
+            "PCIe uncorrected non-fatal error (AER)",
+            "reset",
+            "reset_gpu",
+            "An uncorrected (non-fatal) PCIe error on the GPU or its bridge: a transaction was lost. Stop the GPU's "
+            "processes and reset it (nvidia-smi -r -i <id>); repeats: check the link and the slot.",
+            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): non-fatal = this transaction unreliable",
+        ),
+        FaultInfo(
+            "pcie_corrected",
+            "PCIe corrected error (AER)",
+            "info",
+            "ignore",
+            "Corrected by the link layer: no action. Many of them on one GPU: watch its PCIe replay counter and "
+            "link width (nvidia-smi -q -d PCIE).",
+            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): corrected = no functional impact",
+        ),
+        FaultInfo(
+            "fabric_manager",
+            "Fabric Manager / NVSwitch failure",
+            "warning",
+            "restart_app",
+            "Fabric Manager failed: on an NVSwitch system (HGX/DGX) CUDA then fails with 'system not yet "
+            "initialized' (802). Check `systemctl status nvidia-fabricmanager` and that its version equals the "
+            "driver's; restart it (a GPU reset may be needed in between). On a system without NVSwitch it is not "
+            "needed.",
+            "NVIDIA Fabric Manager user guide",
+        ),
+        FaultInfo(
+            "fabric_not_initialized",
+            "CUDA: system not yet initialized (NVSwitch fabric)",
+            "drain",
+            "reboot_node",
+            "CUDA cannot start on this node (802): the NVLink fabric is not up. Drain the node; start "
+            "nvidia-fabricmanager with the driver's version (`systemctl status nvidia-fabricmanager`), reboot if "
+            "the GPUs stay unregistered.",
+            "CUDA runtime cudaErrorSystemNotReady (802); NVIDIA Fabric Manager user guide",
+        ),
+        FaultInfo(
+            "ecc_uncorrectable",
+            "Uncorrectable ECC error (seen by CUDA)",
+            "reset",
+            "reset_gpu",
+            f"GPU memory hardware: {_ECC_RUN}. A pending row remap: reset the GPU (nvidia-smi -r -i <id>) and "
+            "restart the job; a remap failure, or errors again after the reset: drain and RMA. The kernel log's "
+            "Xid 48/94/95 names the GPU.",
+            "CUDA runtime cudaErrorECCUncorrectable (214); NVIDIA A100/H100 memory error management",
+        ),
+        FaultInfo(
+            "nvlink_uncorrectable",
+            "Uncorrectable NVLink error (seen by CUDA)",
+            "reset",
+            "reset_gpu",
+            "NVLink hardware: run `nvidia-smi nvlink -e` (error counters) and `nvidia-smi nvlink -s` on the node, "
+            "look for Xid 74 / 144-150 and SXids in the kernel log; reset the GPU (nvidia-smi -r -i <id>); errors "
+            "again on the same link: drain and check the link / NVSwitch.",
+            "CUDA runtime cudaErrorNvlinkUncorrectable (220); NVIDIA Xid catalog WORKFLOW_NVLINK_ERR",
+        ),
+        FaultInfo(
+            "gpu_lost",
+            "GPU lost (seen by the application)",
+            "drain",
+            "reboot_node",
+            "The GPU fell off the bus (treated as Xid 79): drain the node and reboot; check power, seating, cooling "
+            "and SBIOS; RMA if it repeats.",
+            "NVIDIA Xid catalog, Xid 79 (RESTART_BM)",
+        ),
+        FaultInfo(
+            "unknown_error",
+            "CUDA unknown error",
+            "reset",
+            "reset_gpu",
+            "CUDA 'unknown error' (999): the GPU or the driver is in a bad state. Check the kernel log for Xids; "
+            "reset the GPU or reboot.",
+            "CUDA runtime cudaErrorUnknown (999)",
+        ),
+    )
+}
+
+
+def fault(name: str) -> FaultInfo:
+    """The catalog entry of a no-Xid fault; an unknown name needs review."""
+    return FAULTS.get(name) or FaultInfo(name, name, "review", "contact_support", _SEVERITY_ACTION["review"], "-")
+
+
+# --- Incidents: one fault printed as many lines --------------------------------------------------
+
+INCIDENT_WINDOW_S = 10.0
+
+
+def incident_key(ev: Event, previous: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+    """(GPU, code, pid, time window): the driver prints one Xid 13 as several lines (warp, global, ESR).
+
+    With no time on the line, consecutive lines of the same GPU, code and pid are one incident (pass the
+    previous event's key as `previous`).
+    """
+    f = ev.fields
+    code = 79 if ev.kind == "gpu_lost" else f.get("xid")
+    base = (f.get("pci_bus_id"), code, f.get("pid"))
+    when = ev.timestamp if ev.timestamp is not None else f.get("uptime_s")
+    if isinstance(when, (int, float)):
+        return (*base, int(when // INCIDENT_WINDOW_S))
+    if previous is not None and previous[:3] == base:
+        return previous
+    return (*base, ("line", ev.line))
+
+
+def count_incidents(events: Iterable[Event]) -> int:
+    keys: set[tuple[Any, ...]] = set()
+    prev: tuple[Any, ...] | None = None
+    for ev in events:
+        prev = incident_key(ev, prev)
+        keys.add(prev)
+    return len(keys)

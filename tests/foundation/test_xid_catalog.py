@@ -171,3 +171,51 @@ def test_an_echo_never_raises_the_severity(history, primary):
     base = catalog.resolution_for([xid(c) for c in history] + [xid(primary)])
     echoed = catalog.resolution_for([xid(c) for c in history] + [xid(primary), xid(45, caused_by=primary)])
     assert catalog.severity_rank(echoed.severity) <= catalog.severity_rank(base.severity)
+
+
+def test_resolution_buckets_per_code_with_their_source():
+    assert {c: catalog.lookup(c).resolution for c in (13, 46, 63, 79, 48, 5, 154)} == {
+        13: "restart_app",
+        46: "reset_gpu",
+        63: "ignore",
+        79: "reboot_node",
+        48: "reboot_node",
+        5: "contact_support",
+        154: "ignore",
+    }
+    assert catalog.lookup(13).source.startswith("NVIDIA Xid catalog")
+    assert catalog.lookup(171).source.startswith("gpuguard") and "Xid 48" in catalog.lookup(171).source
+    assert all(catalog.lookup(c).resolution in catalog.RESOLUTIONS for c in catalog.all_codes())
+    assert all(f.resolution in catalog.RESOLUTIONS and f.source for f in catalog.FAULTS.values())
+    assert catalog.fault("no_such_fault").severity == "review"
+
+
+def test_calibration_pending_remap_drain_and_reset_contained_ecc():
+    assert catalog.xid_severity(63, {"remap_pending": True}) == "reset"
+    assert catalog.xid_severity(63, {}) == "info"
+    assert catalog.resolution_for([xid(154, recovery_action_to=4)]).severity == "drain"  # Drain and Reset
+    assert catalog.resolution_for([xid(154, recovery_action_to=3)]).severity == "drain"  # Drain P2P
+    assert catalog.lookup(95).severity == "reset" and "ROW_REMAPPER" in catalog.lookup(94).action
+
+
+def test_a_sympathetic_code_naming_its_primary_counts_the_primary():
+    res = catalog.resolution_for([xid(45, caused_by=149), xid(45, caused_by=149)])
+    assert res.severity == "reset" and res.inferred == (149,) and "inferred Xid 149" in res.reason
+    # the primary in the log: it is judged itself, nothing inferred
+    res = catalog.resolution_for([xid(48), xid(45, caused_by=48)])
+    assert res.inferred == () and res.severity == "drain"
+
+
+def test_unreadable_codes_need_review():
+    res = catalog.resolution_for([Event("xid", 1, "", {"xid": None, "xid_raw": "0x1f"})])
+    assert res.severity == "review" and "0x1f" in res.reason
+
+
+def test_incidents_are_gpu_code_pid_and_time_window():
+    def ev(line, pid=7, ts=None, code=13):
+        return Event("xid", line, "", {"xid": code, "pci_bus_id": "0000:3b:00.0", "pid": pid}, timestamp=ts)
+
+    assert catalog.count_incidents([ev(n, ts=1000.0 + n * 0.1) for n in range(8)]) == 1
+    assert catalog.count_incidents([ev(n) for n in range(8)]) == 1  # untimed, adjacent
+    assert catalog.count_incidents([ev(n, pid=n) for n in range(5)]) == 5
+    assert catalog.count_incidents([ev(1, ts=0.0), ev(2, ts=60.0)]) == 2
