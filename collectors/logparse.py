@@ -45,13 +45,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault
 from gpuguard.collectors.logrules_comm import RULES as _COMM
 from gpuguard.collectors.logrules_kernel import RULES as _KERNEL
 from gpuguard.collectors.logrules_runtime import CUDA_RULES as _CUDA
 from gpuguard.collectors.logrules_runtime import HOST_RULES as _HOST
 from gpuguard.collectors.logrules_runtime import RULES as _RUNTIME
 from gpuguard.collectors.logtime import line_time
+from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.foundation.events import EVENTS_SCHEMA, Event
 
 __all__ = [
@@ -84,6 +85,8 @@ _MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(MARKERS, key=len, 
 MAX_LINE = 2 << 20  # characters parsed per line
 MAX_TEXT = 2000  # characters of the line kept in the event
 _PENDING_SPAN = 12  # lines a rendezvous result block may span
+# Application-side kinds whose message may name a hardware cause (`fault` field, xid_catalog.FAULTS).
+_HW_KINDS = frozenset(("nccl_warn", "nccl_error", "watchdog_abort", "watchdog_failure", "watchdog_hang", "gloo_error"))
 
 
 def _marker_test():
@@ -130,6 +133,14 @@ class LogParser:
         fields = dict(found.fields)
         if uptime is not None:
             fields["uptime_s"] = uptime
+        severity, diagnosis = found.severity, found.diagnosis
+        if found.kind in _HW_KINDS and "fault" not in fields:
+            fault = hw_fault(text)
+            if fault is not None:  # e.g. NCCL "unhandled cuda error ... 'uncorrectable ECC error encountered'"
+                info = catalog.fault(fault)
+                fields["fault"] = fault
+                severity = catalog.event_severity(info.severity)
+                diagnosis = f"{info.name}. {info.action} ({diagnosis})" if diagnosis else f"{info.name}. {info.action}"
         kept = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
         return Event(
             kind=found.kind,
@@ -138,8 +149,8 @@ class LogParser:
             fields=fields,
             timestamp=timestamp,
             source=self.source,
-            severity=found.severity,
-            diagnosis=found.diagnosis,
+            severity=severity,
+            diagnosis=diagnosis,
         )
 
     def _flush_pending(self) -> list[Event]:

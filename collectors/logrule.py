@@ -39,6 +39,7 @@ class ParseState:
     summary_line: int = 0
     root_cause_line: int = 0
     pending: tuple[int, str, Found] | None = None  # an event still collecting its key=value lines
+    aer_fatal_line: int = 0  # the last fatal PCIe AER line (a following "no AER-aware driver" names the GPU)
 
 
 Parse = Callable[[str, int, ParseState], "Found | None"]
@@ -50,3 +51,24 @@ class Rule:
 
     markers: tuple[str, ...]
     parse: Parse
+
+
+# Hardware causes named inside application-side errors (CUDA, NCCL, the watchdog's re-throw): the fault
+# names of `gpuguard.foundation.xid_catalog.FAULTS`.
+_HW_FAULTS = (
+    ("uncorrectable ecc", "ecc_uncorrectable"),
+    ("uncorrectable nvlink", "nvlink_uncorrectable"),
+    ("nvlink uncorrectable", "nvlink_uncorrectable"),
+    ("system not yet initialized", "fabric_not_initialized"),
+    ("fallen off the bus", "gpu_lost"),
+    ("gpu is lost", "gpu_lost"),
+)
+
+
+def hw_fault(text: str) -> str | None:
+    """The hardware fault an error message names, if any (`CUDA error: uncorrectable ECC error ...`)."""
+    low = text.lower()
+    for needle, name in _HW_FAULTS:
+        if needle in low:
+            return name
+    return None

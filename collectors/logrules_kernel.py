@@ -20,8 +20,12 @@ _PCI_RE = re.compile(
 )
 
 
+_BUSDEV_RE = re.compile(r"^(?P<bus>[0-9A-Fa-f]{1,4}):(?P<dev>[0-9A-Fa-f]{1,2})$")
+
+
 def normalize_pci(text: str | None) -> str | None:
-    """`PCI:0000:CB:00` / `0000:01:00` / `00000000:10:1C.0` / `01:00.0` -> `dddd:bb:dd.f` (lower case)."""
+    """`PCI:0000:CB:00` / `0000:01:00` / `00000000:10:1C.0` / `01:00.0` / old `0003:00` (bus:device, no
+    domain) -> `dddd:bb:dd.f` (lower case)."""
     if not text:
         return None
     text = text.strip()
@@ -29,19 +33,25 @@ def normalize_pci(text: str | None) -> str | None:
         text = text[4:]
     m = _PCI_RE.match(text)
     if m is None:
-        return None
+        old = _BUSDEV_RE.match(text)
+        if old is None or int(old["bus"], 16) > 0xFF:
+            return None
+        return f"0000:{int(old['bus'], 16):02x}:{int(old['dev'], 16):02x}.0"
     dom = int(m["dom"] or "0", 16)
     return f"{dom:04x}:{int(m['bus'], 16):02x}:{int(m['dev'], 16):02x}.{m['fn'] or '0'}"
 
 
+# The code is any token up to the comma: only 1-6 ASCII digits are a code; anything else (7+ digits, hex,
+# a sign, other scripts' digits) is reported as an unreadable code that needs review, never dropped.
 _XID = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r"|\.\.\.)\):\s*(?P<xid>\d{1,6}),\s*"
-    r"(?:pid=(?P<pid>'<unknown>'|<unknown>|\d+),\s*(?:name=(?P<name>[^,]*),\s*)?)?(?P<msg>.*)"
+    r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r"|[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]{1,2}|\.\.\.)\):\s*(?P<xid>[^,\s]+),?\s*"
+    r"(?:pid=(?P<pid>'<unknown>'|<unknown>|[0-9]+),\s*(?:name=(?P<name>[^,]*),\s*)?)?(?P<msg>.*)"
 )
+_CODE = re.compile(r"[0-9]{1,6}", re.ASCII)
 _CHANNEL = re.compile(r"(?:\bCh (?P<ch>[0-9a-fA-F]{8})\b|\bchannel (?P<ch2>0x[0-9a-fA-F]+))")
 _CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
 _GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
-_PLUGIN_XID = re.compile(r"XidCriticalError: Xid=(?P<xid>\d{1,6}) on Device=(?P<dev>[^,\s]+),")
+_PLUGIN_XID = re.compile(r"XidCriticalError: Xid=(?P<xid>[0-9]{1,6}) on Device=(?P<dev>[^,\s]+),")
 
 
 def _xid_found(code: int, fields: dict, message: str) -> Found:
@@ -61,8 +71,8 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
         if dec is not None:
             fields["nvlink_severity"] = dec.pop("severity")
             fields.update({("nvlink_" + k if k in ("unit", "fatal") else k): v for k, v in dec.items()})
-    elif code == 63 and "reset gpu to activate" in message.lower():
-        fields["remap_pending"] = True
+    elif code in (63, 64) and ("reset gpu to activate" in message.lower() or "to activate" in message.lower()):
+        fields["remap_pending"] = True  # Ampere+ "reset gpu to activate", pre-Ampere "reload the driver to activate"
     elif code == 13:
         m = _GPC.search(message)
         if m is not None:
@@ -94,7 +104,10 @@ def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _XID.search(text)
     if m is None:
         return None
-    code = int(m["xid"])
+    raw = m["xid"]
+    if _CODE.fullmatch(raw) is None:
+        return _unreadable_xid(raw, m, text)
+    code = int(raw)
     pid = m["pid"]
     name = (m["name"] or "").strip()
     message = m["msg"].strip()
@@ -110,6 +123,26 @@ def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
     if ch is not None:
         fields["channel"] = int(ch["ch"], 16) if ch["ch"] else int(ch["ch2"], 16)
     return _xid_found(code, fields, message)
+
+
+def _unreadable_xid(raw: str, m: re.Match[str], text: str) -> Found:
+    fields: dict = {
+        "xid": None,
+        "xid_raw": raw[:40],
+        "pci_bus_id": normalize_pci(m["pci"]),
+        "pid": int(m["pid"]) if m["pid"] and m["pid"].isdigit() else None,
+        "process": (m["name"] or "").strip() or None,
+        "name": "UNREADABLE",
+        "message": m["msg"].strip()[:500],
+        "catalog_severity": "review",
+    }
+    return Found(
+        "xid",
+        fields,
+        "warning",
+        f"Xid code {raw[:40]!r} is not a code gpuguard can read (1-6 ASCII digits): needs review by an "
+        "operator (never treated as healthy).",
+    )
 
 
 def _plugin_xid(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -133,7 +166,7 @@ def _plugin_xid(text: str, line_no: int, state: ParseState) -> Found | None:
 _SXID = re.compile(
     r"SXid \((?:PCI:)?(?P<pci>"
     + _PCI
-    + r")\):\s*(?P<sxid>\d{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
+    + r")\):\s*(?P<sxid>[0-9]{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
 )
 
 
@@ -160,7 +193,7 @@ def _sxid(text: str, line_no: int, state: ParseState) -> Found | None:
 
 _GPU_LOST_LINE = re.compile(r"GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):? (?:GPU )?has fallen off the bus")
 _GPU_NAMED = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b")
-_GPU_IS_LOST = re.compile(r"device handle for GPU (?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
+_GPU_IS_LOST = re.compile(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
 _LOST_DIAG = (
     "GPU lost: it fell off the PCIe bus (treated as Xid 79). Drain the node and reboot; if it "
     "repeats, check power, seating, cooling and SBIOS, then RMA."
@@ -253,13 +286,135 @@ def _hung_task(text: str, line_no: int, state: ParseState) -> Found | None:
     )
 
 
+# --- GPU faults without an Xid --------------------------------------------------------------------
+
+_INIT_FAILED = re.compile(
+    r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):\s*(?P<what>RmInitAdapter failed!?|rm_init_adapter failed)"
+    r"(?:\s*\((?P<code>[^)]*)\))?(?:, device minor number (?P<minor>[0-9]+))?"
+)
+_ATTACH = re.compile(r"[Cc]annot attach (?:gpu|GPU)(?:\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + _PCI + r"))?")
+_HANDLE_UNKNOWN = re.compile(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): (?P<err>Unknown Error|[^.]*)")
+
+
+def _fault(name: str, fields: dict, severity: str | None = None, diagnosis: str | None = None) -> Found:
+    info = catalog.fault(name)
+    fields = {"fault": name, **fields}
+    return Found(
+        "gpu_fault",
+        fields,
+        severity or catalog.event_severity(info.severity),
+        diagnosis or f"{info.name}. {info.action}",
+    )
+
+
+def _init_failed(text: str, line_no: int, state: ParseState) -> Found | None:
+    m = _INIT_FAILED.search(text)
+    if m is not None:
+        fields: dict = {"pci_bus_id": normalize_pci(m["pci"]), "message": text.strip()[-300:]}
+        if m["code"]:
+            fields["init_code"] = m["code"]
+        if m["minor"]:
+            fields["minor"] = int(m["minor"])
+        return _fault("init_failed", fields)
+    m = _ATTACH.search(text)
+    if m is not None:
+        return _fault("init_failed", {"pci_bus_id": normalize_pci(m["pci"]), "message": text.strip()[-300:]})
+    if "No devices were found" in text:
+        return _fault("init_failed", {"pci_bus_id": None, "message": "nvidia-smi: No devices were found"})
+    m = _HANDLE_UNKNOWN.search(text)
+    if m is not None and "GPU is lost" not in text:
+        return _fault("unreachable", {"pci_bus_id": normalize_pci(m["pci"]), "error": m["err"].strip()[:200]})
+    return None
+
+
+# PCIe Advanced Error Reporting, from the GPU (`nvidia <pci>:`) or the port above it (`pcieport <pci>:`).
+_AER_DEV = re.compile(
+    r"(?:^|[\s\]])(?P<drv>nvidia|pcieport) (?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]):"
+)
+_AER_SEV = re.compile(
+    r"(?:severity=)?(?P<sev>Uncorrected \(Fatal\)|Uncorrectable \(Fatal\)|Uncorrected \(Non-Fatal\)|"
+    r"Uncorrectable \(Non-Fatal\)|Corrected|Correctable)"
+)
+_AER_SOURCE = re.compile(
+    r"(?:error received|error message received from):? (?P<src>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])"
+)
+_AER_FAILED = re.compile(r"AER: (?:can't recover|device recovery failed)|has no AER-aware driver")
+
+
+def _aer(text: str, line_no: int, state: ParseState) -> Found | None:
+    d = _AER_DEV.search(text)
+    if d is None:
+        return None  # another device (audio function, USB, NIC): not a GPU or its port
+    m = _AER_SEV.search(text, d.end())
+    failed = _AER_FAILED.search(text, d.end()) is not None
+    if m is None and not failed:
+        return None
+    sev = m["sev"].lower() if m else ""
+    fault = (
+        "pcie_fatal"
+        if "fatal" in sev and "non-fatal" not in sev
+        else "pcie_nonfatal"
+        if "non-fatal" in sev
+        else "pcie_corrected"
+        if sev
+        else "pcie_fatal"
+        if "recovery failed" in text or "can't recover" in text
+        else "pcie_corrected"
+    )
+    if "has no AER-aware driver" in text:
+        fault = "pcie_fatal" if state.aer_fatal_line and 0 < line_no - state.aer_fatal_line <= 12 else ""
+        if not fault:
+            return None
+    if fault == "pcie_fatal":
+        state.aer_fatal_line = line_no
+    fields: dict = {"pci_bus_id": d["pci"].lower(), "device": "gpu" if d["drv"] == "nvidia" else "port"}
+    src = _AER_SOURCE.search(text)
+    if src is not None:
+        fields["error_source"] = src["src"].lower()
+    if failed:
+        fields["recovery_failed"] = True
+    return _fault(fault, fields)
+
+
+_FM = re.compile(r"fabric ?manager", re.I)
+_FM_FAILED = re.compile(r"fail|error|FAILURE|exited", re.I)
+
+
+def _fabric(text: str, line_no: int, state: ParseState) -> Found | None:
+    if _FM.search(text) is None or _FM_FAILED.search(text) is None:
+        return None
+    fields = {"pci_bus_id": None, "message": text.strip()[-300:]}
+    if "NV_WARN_NOTHING_TO_DO" in text:
+        return _fault(
+            "fabric_manager",
+            fields,
+            "info",
+            "Fabric Manager found no NVSwitch (NV_WARN_NOTHING_TO_DO): this system has none, so Fabric Manager is "
+            "not needed; disable the service. On an HGX/DGX system it means the NVSwitch driver sees no switches.",
+        )
+    return _fault("fabric_manager", fields)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("NVRM: Xid",), _xid),
     Rule(("XidCriticalError",), _plugin_xid),
     Rule(("SXid",), _sxid),
     Rule(("NVRM: The NVIDIA GPU",), _gpu_named),
     Rule(("fallen off the bus", "GPU is lost"), _gpu_lost),
+    Rule(
+        (
+            "RmInitAdapter failed",
+            "rm_init_adapter failed",
+            "annot attach gpu",
+            "annot attach GPU",
+            "No devices were found",
+            "device handle for GPU",
+        ),
+        _init_failed,
+    ),
     Rule(("NVRM: GPU",), _identity),
+    Rule(("AER", "PCIe Bus Error"), _aer),
+    Rule(("fabricmanager", "fabric manager", "Fabric Manager", "Fabric manager", "FabricManager"), _fabric),
     Rule(("NV_ERR_RESET_REQUIRED", "Reset required"), _reset_required),
     Rule(("blocked for more than",), _hung_task),
 )

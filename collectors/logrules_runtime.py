@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import signal as _signal
 
-from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault
 from gpuguard.collectors.logrules_comm import rank_of
+from gpuguard.foundation import xid_catalog as catalog
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -221,6 +222,7 @@ def _rendezvous_kv(text: str, line_no: int, state: ParseState) -> Found | None:
 _CUDA_PATTERNS = (
     re.compile(r"cuda runtime error \((?P<code>\d+)\) : (?P<err>.*?)(?: at \S+:\d+)?\s*$"),
     re.compile(r"CUDA error: (?P<err>.*?)\s*$"),
+    re.compile(r"failed to initialize CUDA: (?P<err>.*?)\s*$"),
     re.compile(r"Triton Error \[CUDA\]: (?P<err>.*?)\s*$"),
     re.compile(r"Cuda failure (?:(?P<code>\d+) )?'(?P<err>[^']*)'"),
     re.compile(r"(?P<err>CUDA-capable device\(s\) is/are busy or unavailable|no CUDA-capable device is detected)"),
@@ -309,6 +311,12 @@ def _cuda(text: str, line_no: int, state: ParseState) -> Found | None:
             severity, diag = sev, text_
             fields.setdefault("cuda_code", rt_code)
             break
+    fault = hw_fault(err) or ("unknown_error" if "unknown error" in low else None)
+    if fault is not None:
+        info = catalog.fault(fault)
+        fields["fault"] = fault
+        severity = catalog.event_severity(info.severity)
+        diag = f"{info.name}. {info.action}"
     if "watchdog" in text:
         fields["via_watchdog"] = True
     return Found("cuda_error", fields, severity, diag)
