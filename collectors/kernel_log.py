@@ -6,8 +6,11 @@ last sweep stopped. Rotation (a new inode; the old file is looked for as `<path>
 (size below the offset, or the last line's hash no longer matches) restart from the top. Only complete
 lines are consumed, and the cursor is written atomically, so a crash never skips or doubles a line.
 
-Only lines that can matter to the node verdict (`NVRM`, `Xid`) reach the parser: a byte search finds
-them, so the scan runs at close to disk speed.
+Only lines that can matter to the node verdict (`NVRM`, `Xid`, PCIe AER, Fabric Manager, nvidia-smi's
+"No devices were found" / "device handle" pasted into a ticket) reach the parser: a byte search finds
+them, so the scan runs at close to disk speed. A gzip-compressed (rotated) log is decompressed as it is
+read (no cursor: an archive does not grow); a truncated archive is a DataError (exit 65), never "ok".
+Lines that look like an Xid but that no rule reads are returned as `unread_lines`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -26,12 +30,27 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpuguard.collectors.logparse import iter_events
+from gpuguard.collectors.logscan import close_log, is_corrupt_archive, open_log
 from gpuguard.foundation.errors import DataError, from_os_error
 from gpuguard.foundation.events import Event
 from gpuguard.foundation.jobdir import atomic_write_bytes
 
 CURSOR_SCHEMA = "gpuguard.kernel-log-cursor/1"
-KEYWORDS = (b"NVRM", b"Xid")
+KEYWORDS = (
+    b"NVRM",
+    b"Xid",
+    b"XID",
+    b"AER",
+    b"PCIe Bus Error",
+    b"abricmanager",
+    b"abric manager",
+    b"abric Manager",
+    b"No devices were found",
+    b"device handle for GPU",
+    b"annot attach",
+    b"fallen off the bus",
+)
+_XID_WORD = re.compile(r"\bX[Ii][Dd]\b")
 CHUNK = 8 * 1024 * 1024
 MAX_LINE = 4 * 1024 * 1024  # a "line" longer than this is cut (a binary file must not exhaust memory)
 DEFAULT_TIMEOUT_S = 10.0
@@ -67,6 +86,8 @@ class KernelLog:
     bytes_read: int = 0
     cursor: Cursor | None = None
     notes: tuple[str, ...] = ()
+    unread_lines: tuple[int, ...] = ()  # lines that look like an Xid but that no rule read
+    compressed: bool = False
 
     def section(self) -> dict[str, Any]:
         """The `kernel_log` section of `gpuguard.node/1`."""
@@ -77,6 +98,8 @@ class KernelLog:
             "lines_read": self.lines_read,
             "bytes_read": self.bytes_read,
             "events": len(self.events),
+            "unread_lines": len(self.unread_lines),
+            "compressed": self.compressed,
             "notes": list(self.notes),
         }
 
@@ -246,6 +269,14 @@ def parse_candidates(candidates: list[tuple[int, bytes]], source: str | None) ->
     return tuple(events)
 
 
+def unread_xid_lines(candidates: list[tuple[int, bytes]], events: tuple[Event, ...]) -> tuple[int, ...]:
+    """Candidate lines that name an Xid but carry no event: the parser could not read them."""
+    seen = {e.line for e in events}
+    return tuple(
+        n for n, raw in candidates if n not in seen and _XID_WORD.search(raw.decode("utf-8", "replace")) is not None
+    )
+
+
 def _hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
@@ -307,9 +338,23 @@ def read_file(
     deadline = time.monotonic() + timeout
     notes: list[str] = []
     try:
-        fh = open(path, "rb")
+        fh, compressed = open_log(path)
     except OSError as exc:
         raise from_os_error(exc, f"kernel log {path}") from None
+    if compressed:
+        try:
+            log = read_stream(fh, str(path), timeout=timeout)
+        except (OSError, EOFError) as exc:
+            if is_corrupt_archive(exc):
+                raise DataError(f"kernel log {path}: compressed log is truncated or corrupt ({exc})") from None
+            raise from_os_error(exc, f"kernel log {path}") from None
+        except Exception as exc:  # zlib.error
+            if is_corrupt_archive(exc):
+                raise DataError(f"kernel log {path}: compressed log is truncated or corrupt ({exc})") from None
+            raise
+        finally:
+            close_log(fh)
+        return replace(log, compressed=True, notes=(*log.notes, "gzip-compressed: read whole, no cursor"))
     with fh:
         st = os.fstat(fh.fileno())
         if not _is_regular(st):  # a pipe or device (/dev/stdin): read it whole, no cursor
@@ -331,11 +376,14 @@ def read_file(
     )
     new_cursor = Cursor(str(path), st.st_dev, st.st_ino, result.offset, result.line, last_hash, last_len)
     events: tuple[Event, ...] = ()
+    unread: tuple[int, ...] = ()
     if parse:
         source = str(path)
         if previous is not None:
             events = parse_candidates(previous.candidates, source + ".1")
-        events += parse_candidates(result.candidates, source)
+        own = parse_candidates(result.candidates, source)
+        unread = unread_xid_lines(result.candidates, own)
+        events += own
     lines = result.line - line + (previous.line - (cursor.line if cursor else 0) if previous else 0)
     return KernelLog(
         str(path),
@@ -346,6 +394,7 @@ def read_file(
         result.bytes_read + (previous.bytes_read if previous else 0),
         new_cursor,
         tuple(notes),
+        unread,
     )
 
 
@@ -357,8 +406,17 @@ def read_stream(fh: IO[bytes], source: str = "-", *, timeout: float = DEFAULT_TI
     """Read a whole stream (stdin, command output): no cursor."""
     result = scan(fh, final=True, deadline=time.monotonic() + timeout)
     notes = ("stopped at the deadline",) if result.stopped_early else ()
+    events = parse_candidates(result.candidates, source)
     return KernelLog(
-        source, "ok", None, parse_candidates(result.candidates, source), result.line, result.bytes_read, None, notes
+        source,
+        "ok",
+        None,
+        events,
+        result.line,
+        result.bytes_read,
+        None,
+        notes,
+        unread_xid_lines(result.candidates, events),
     )
 
 
@@ -457,21 +515,16 @@ def read_live(
         log = read_stream(io.BytesIO(new_part), name, timeout=timeout)
         last = out.splitlines(keepends=True)[-1]
         new_cursor = Cursor(name, 0, 0, len(last), 0, _hash(last), len(last), boot_id())
-        return KernelLog(
-            name, "ok", None, _place_in_time(log.events), log.lines_read, len(out), new_cursor, tuple(notes) + log.notes
+        return replace(
+            log,
+            events=_place_in_time(log.events),
+            bytes_read=len(out),
+            cursor=new_cursor,
+            notes=tuple(notes) + log.notes,
         )
     for path in files:
         if os.access(path, os.R_OK):
             log = read_file(path, cursor=cursor if cursor and cursor.path == path else None, timeout=timeout)
-            return KernelLog(
-                log.source,
-                log.status,
-                None,
-                log.events,
-                log.lines_read,
-                log.bytes_read,
-                log.cursor,
-                (f"fell back to {path}: " + "; ".join(reasons),) + log.notes,
-            )
+            return replace(log, reason=None, notes=(f"fell back to {path}: " + "; ".join(reasons),) + log.notes)
         reasons.append(f"{path}: not readable")
     return KernelLog("live", "unknown", "; ".join(reasons))

@@ -71,6 +71,42 @@ def _fallback_finder() -> Finder:
     return find
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_log(path: str | os.PathLike[str]) -> tuple[BinaryIO, bool]:
+    """Open a log file for reading bytes: (file, compressed). A gzip-compressed (rotated) log such as
+    `kern.log.2.gz` is recognised by its magic bytes and decompressed as it is read. The one opener of
+    `gpu-doctor logs`, `diagnose node` and `sweep`. OSError as the OS gives it."""
+    import gzip  # lazy: only when a file is opened
+
+    fh = open(path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
+    try:
+        magic = fh.peek(2)[:2] if hasattr(fh, "peek") else b""
+    except OSError:
+        fh.close()
+        raise
+    if magic == GZIP_MAGIC:
+        return gzip.GzipFile(fileobj=fh, mode="rb"), True  # closing it does not close fh: see close_log
+    return fh, False
+
+
+def close_log(fh: BinaryIO) -> None:
+    inner = getattr(fh, "fileobj", None)
+    fh.close()
+    if inner is not None:
+        inner.close()
+
+
+def is_corrupt_archive(exc: BaseException) -> bool:
+    """A truncated or corrupt .gz (EOFError, zlib.error, gzip.BadGzipFile), as opposed to an I/O error."""
+    import zlib
+
+    if isinstance(exc, (EOFError, zlib.error)):
+        return True
+    return isinstance(exc, OSError) and exc.errno is None
+
+
 @dataclass
 class LogScan:
     """Scan one binary file from `start_offset`; iterate for events.
@@ -200,3 +236,58 @@ def iter_file_events(
         partial_last_line=partial_last_line,
         accelerated=accelerated,
     )
+
+
+def read_log(path: str | os.PathLike[str], *, source: str | None = None) -> tuple[list[Event], dict[str, object]]:
+    """All events of one log file, `.gz` or not: (events, {"lines", "bytes", "compressed", "rejoined"}).
+
+    A small input (a paste, up to `logwrap.MAX_BYTES` after decompression) is read whole and its wrapped
+    lines are re-joined (`logwrap`); a bigger one streams through `LogScan`. Errors: OSError from the OS;
+    a truncated or corrupt archive raises what gzip raises (see `is_corrupt_archive`).
+    """
+    from gpuguard.collectors import logwrap
+
+    name = source or os.fspath(path)
+    fh, compressed = open_log(path)
+    try:
+        head = fh.read(logwrap.MAX_BYTES + 1)
+        if len(head) <= logwrap.MAX_BYTES:
+            lines = head.decode("utf-8", "replace").split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            events = list(logwrap.iter_rejoined(lines, source=name))
+            return events, {"lines": len(lines), "bytes": len(head), "compressed": compressed, "rejoined": True}
+        scan = LogScan(_Chained(head, fh), source=name)
+        events = list(scan)
+        return events, {
+            "lines": scan.next_line - 1,
+            "bytes": scan.bytes_read,
+            "compressed": compressed,
+            "rejoined": False,
+        }
+    finally:
+        close_log(fh)
+
+
+class _Chained:
+    """A binary reader over `head` and then the rest of `rest` (what was read ahead, then the file)."""
+
+    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+        self._head = memoryview(head)
+        self._rest = rest
+
+    def readinto(self, view: memoryview) -> int:
+        if self._head:
+            n = min(len(view), len(self._head))
+            view[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._rest.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        buf = bytearray(n if n > 0 else 1 << 20)
+        with memoryview(buf) as view:
+            got = self.readinto(view)
+        return bytes(buf[:got])
