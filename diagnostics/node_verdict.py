@@ -4,6 +4,12 @@ Pure: data in, data out, no I/O. Verdicts, best to worst: `healthy < degraded < 
 `unknown` means the evidence is missing (no driver, hung probe), never "probably fine". Every verdict
 carries the findings that produced it and the action that follows, so an on-call engineer can check
 the reasoning instead of trusting it.
+
+Two modes. `live`: the judge runs on the node, and a driver that should answer and does not is a
+finding (`unknown`). `replay`: the node's state comes from files (a kernel log, training logs, a recorded
+NVML snapshot) read on another machine; NVML missing *there* says nothing about the node, so the
+verdict comes from the evidence given and the NVML dimension is reported as not examined. "healthy"
+then means "no evidence of a fault in what was given", never proof of health.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ ACTIONS = {
 # Catalog severity (gpuguard.foundation.xid_catalog.SEVERITIES) -> verdict; `review` is configurable.
 SEVERITY_VERDICT = {"info": "healthy", "warning": "degraded", "reset": "reset", "drain": "drain"}
 KERNEL_KINDS = ("xid", "gpu_lost")
+MODES = ("live", "replay")
+# Application-side kinds that count as node evidence when they name a hardware fault (`fault` field).
+LOG_FAULT_KINDS = ("cuda_error", "nccl_warn", "nccl_error", "watchdog_abort", "watchdog_failure", "watchdog_hang")
+_PORT_SPAN = 12  # lines between a PCIe port's AER line and the GPU's own line that names it
 
 
 @dataclass(frozen=True)
@@ -87,9 +97,11 @@ class NodeVerdict:
     action: str
     summary: str
     counts: Mapping[str, int] = field(default_factory=dict)
+    mode: str = "live"
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "mode": self.mode,
             "verdict": self.verdict,
             "summary": self.summary,
             "action": self.action,
@@ -205,17 +217,30 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
     """
 
     ignore = set(t.get("xid", "ignore"))
+    unread = [e for e in events if e.kind == "xid" and not isinstance(e.fields.get("xid"), int)]
     evs = [
         e
         for e in events
         if e.kind == "gpu_lost"
         or (e.kind == "xid" and isinstance(e.fields.get("xid"), int) and e.fields["xid"] not in ignore)
     ]
+    findings: list[Finding] = []
+    if unread:  # 7+ digits, hex, a sign, non-ASCII digits: reported, never dropped
+        raw = sorted({str(e.fields.get("xid_raw")) for e in unread})
+        findings.append(
+            Finding(
+                t.get("xid", "unknown_code"),
+                "kernel_log",
+                "xid.unreadable",
+                f"Xid code {', '.join(raw)} is not a code gpuguard can read: needs review",
+                "look at the line and the driver version; report the code if it is new",
+                unread[0].line,
+            )
+        )
     if not evs:
-        return "healthy", []
+        return (findings[0].verdict if findings else "healthy"), findings
     res = catalog.resolution_for(evs)
     verdict = _verdict_of(res.severity, t)
-    findings: list[Finding] = []
     by_code: dict[int, list[Event]] = {}
     for e in evs:
         by_code.setdefault(79 if e.kind == "gpu_lost" else e.fields["xid"], []).append(e)
@@ -230,7 +255,8 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
         and catalog.xid_severity(e.fields["xid"], e.fields) == "warning"
     ]
     repeat = t.get("xid", "repeat_degraded")
-    if res.severity == "warning" and (repeat is None or len(warnings) < repeat):
+    incidents = catalog.count_incidents(warnings)  # per (GPU, code, pid, time window), not per printed line
+    if res.severity == "warning" and (repeat is None or incidents < repeat):
         verdict = "healthy"  # an application fault the GPU survived: evidence, not a verdict
     forced = []
     for e in after:
@@ -239,20 +265,34 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
             if code in t.get("xid", key):
                 forced.append(key)
                 break
-    if res.severity == "warning" and repeat is not None and len(warnings) >= repeat:
+    if res.severity == "warning" and repeat is not None and incidents >= repeat:
         codes = sorted({e.fields["xid"] for e in warnings})
         findings.append(
             Finding(
                 "degraded",
                 "kernel_log",
                 "xid.repeat",
-                f"{len(warnings)} application-level Xids ({', '.join(map(str, codes))}): "
+                f"{incidents} application-level Xid incidents ({', '.join(map(str, codes))}): "
                 "a repeating fault may be hardware",
                 res.action,
                 warnings[-1].line,
             )
         )
-    verdict = worst([verdict, *forced])
+    verdict = worst([verdict, *forced, *(f.verdict for f in findings)])
+    for code in res.inferred:
+        info = catalog.lookup(code)
+        cause = next(e for e in evs if e.fields.get("caused_by") == code)
+        findings.append(
+            Finding(
+                _verdict_of(catalog.xid_severity(code), t),
+                "kernel_log",
+                f"xid.{code}",
+                f"Xid {code} (inferred: named by Xid 45 'caused by previous Xid {code}'; its own line is not in "
+                f"the log): {info.name}",
+                info.action,
+                cause.line,
+            )
+        )
     if res.recovery_action is not None:
         e = evs[last154]
         findings.append(
@@ -269,7 +309,10 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
         if code == 154:
             continue
         info = catalog.lookup(code)
+        n_inc = catalog.count_incidents(group)
         times = f" x{len(group)}" if len(group) > 1 else ""
+        if len(group) > 1:
+            times += f" ({n_inc} incident{'s' if n_inc != 1 else ''})"
         if code in echo:
             findings.append(
                 Finding(
@@ -285,7 +328,7 @@ def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Find
         label = "GPU has fallen off the bus" if group[0].kind == "gpu_lost" and code == 79 else info.name
         sev = catalog.xid_severity(code, group[-1].fields if group[-1].kind == "xid" else {})
         code_verdict = _verdict_of(sev, t)
-        if sev == "warning" and (repeat is None or len(warnings) < repeat):
+        if sev == "warning" and (repeat is None or incidents < repeat):
             code_verdict = "healthy"  # below the repeat threshold: evidence only
         for key in ("drain", "reset", "degraded"):
             if code in t.get("xid", key):
@@ -306,17 +349,30 @@ def judge(
     *,
     since: float | None = None,
     kernel_log_status: str = "ok",
+    mode: str = "live",
+    unread_lines: Sequence[int] = (),
 ) -> NodeVerdict:
     """One verdict per GPU and for the node.
 
-    snapshot: a `gpuguard.nvml/1` document (None = not collected). events: kernel-log events in file
-    order; with `since`, events stamped earlier are dropped (untimed events are kept: their time is
-    unknown, and a cron sweep's cursor already limits them to what is new).
+    snapshot: a `gpuguard.nvml/1` document (None = not collected). events: kernel-log events (and, for
+    `diagnose node --log`, training-log events) in file order; with `since`, events stamped earlier are
+    dropped (untimed events are kept: their time is unknown, and a cron sweep's cursor already limits
+    them to what is new). mode: `live` or `replay` (see the module docstring): in replay a missing
+    snapshot is "not examined", not `unknown`. unread_lines: lines that look like GPU errors (an Xid)
+    but that no rule could read: a warning (`degraded`), never a silent all clear.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t = thresholds
     gpus: dict[str, dict[str, Any]] = {}
     node_findings: list[Finding] = []
+    examined = snapshot is not None or mode == "live"
     nvml_status = snapshot.get("status", "ok") if snapshot is not None else "missing"
+
+    def entry_for(pci: str, nvml_ok: bool = False) -> dict[str, Any]:
+        return gpus.setdefault(
+            pci, {"meta": {"pci_bus_id": pci}, "findings": [], "events": [], "faults": [], "nvml_ok": nvml_ok}
+        )
 
     for gpu in (snapshot or {}).get("gpus") or []:
         key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
@@ -329,6 +385,7 @@ def judge(
             },
             "findings": nvml_findings(gpu, t),
             "events": [],
+            "faults": [],
             "nvml_ok": nvml_status == "ok",
         }
 
@@ -362,6 +419,7 @@ def judge(
     counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
     unplaced: list[Event] = []
     identities: dict[str, str] = {}
+    window: list[Event] = []
     for ev in events:
         counts["events"] += 1
         if since is not None and ev.timestamp is not None and ev.timestamp < since:
@@ -369,6 +427,16 @@ def judge(
         counts["events_in_window"] += 1
         if ev.timestamp is None:
             counts["events_untimed"] += 1
+        window.append(ev)
+    gpu_addrs = {k for k in gpus} | {
+        str(e.fields["pci_bus_id"])
+        for e in window
+        if e.fields.get("pci_bus_id")
+        and (e.kind in (*KERNEL_KINDS, "gpu_identity") or (e.kind == "gpu_fault" and e.fields.get("device") != "port"))
+    }
+    node_faults: list[Event] = []
+    port_faults: list[Event] = []
+    for ev in window:
         fields = ev.fields if isinstance(ev.fields, Mapping) else {}
         if ev.kind == "sxid":
             text = (ev.text or "").lower()
@@ -389,25 +457,57 @@ def judge(
             # `NVRM: GPU at PCI:...: GPU-<uuid>`: names a GPU even when NVML has lost it
             identities[pci] = str(fields["uuid"])
             continue
+        if ev.kind == "gpu_fault":
+            if fields.get("device") == "port":
+                port_faults.append(ev)
+            elif pci:
+                entry_for(str(pci))["faults"].append(ev)
+            else:
+                node_faults.append(ev)
+            continue
+        if ev.kind in LOG_FAULT_KINDS and fields.get("fault"):
+            node_faults.append(ev)  # training-log evidence: names a rank / host, not a PCI address
+            continue
         if ev.kind not in KERNEL_KINDS:
             continue
         if not pci:
             unplaced.append(ev)
             continue
-        gpus.setdefault(pci, {"meta": {"pci_bus_id": pci}, "findings": [], "events": [], "nvml_ok": False})
-        gpus[pci]["events"].append(ev)
+        entry_for(str(pci))["events"].append(ev)
+
+    gpu_faults = [e for e in window if e.kind == "gpu_fault" and e.fields.get("device") == "gpu"]
+    for ev in port_faults:  # a PCIe port's error belongs to the GPU below it, where the log says which
+        target = _gpu_below(ev, gpu_addrs, gpu_faults)
+        if target is not None:
+            entry_for(target)["faults"].append(ev)
+        else:
+            node_faults.append(ev)
 
     if unplaced:  # e.g. a redacted `PCI:...` address: the node still owns the finding
         level, found = xid_findings(unplaced, t)
         node_findings.extend(f for f in found)
+    node_findings.extend(fault_findings(node_faults, t))
+    if unread_lines:
+        node_findings.append(
+            Finding(
+                "degraded",
+                "kernel_log",
+                "kernel_log.unread",
+                f"{len(unread_lines)} line(s) look like GPU errors (Xid) but could not be read: no evidence of a "
+                "fault is not the same as evidence of health here",
+                "read those lines yourself (gpu-doctor logs FILE shows what was parsed)",
+                unread_lines[0],
+            )
+        )
 
     results: list[GpuVerdict] = []
     for key, entry in gpus.items():
         xid_level, found = xid_findings(entry["events"], t)
-        evidence = list(entry["findings"]) + found
-        level = worst([f.verdict for f in entry["findings"]] + [xid_level])
+        faults = fault_findings(entry["faults"], t)
+        evidence = list(entry["findings"]) + found + faults
+        level = worst([f.verdict for f in entry["findings"]] + [xid_level] + [f.verdict for f in faults])
         verdict = level
-        if level == "healthy" and not entry["nvml_ok"]:
+        if level == "healthy" and snapshot is not None and not entry["nvml_ok"]:
             verdict = "unknown"
             evidence.append(
                 Finding(
@@ -434,7 +534,16 @@ def judge(
     results.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci_bus_id or ""))
 
     level = worst([g.verdict for g in results] + [f.verdict for f in node_findings])
-    if level == "healthy":
+    if not examined:
+        node_findings.append(
+            Finding(
+                "healthy",
+                "nvml",
+                "nvml.not_examined",
+                "NVML not examined: replaying files, and the replaying machine's NVML says nothing about the node",
+            )
+        )
+    elif level == "healthy":
         if nvml_status != "ok":
             node_findings.append(Finding("unknown", "nvml", "nvml.status", _nvml_reason(snapshot), ACTIONS["unknown"]))
             level = "unknown"
@@ -450,9 +559,59 @@ def judge(
     node_action = _action(
         [f.action for f in [*node_findings, *[e for g in results for e in g.evidence]] if f.verdict == level], level
     )
-    return NodeVerdict(
-        level, tuple(results), tuple(node_findings), node_action, summarize(level, results, node_findings), counts
-    )
+    summary = summarize(level, results, node_findings)
+    if level == "healthy" and not examined:
+        summary = "no evidence of a fault in the given files (not proof of health)"
+    return NodeVerdict(level, tuple(results), tuple(node_findings), node_action, summary, counts, mode)
+
+
+def _gpu_below(ev: Event, gpu_addrs: set[str], gpu_faults: Sequence[Event]) -> str | None:
+    """The GPU a PCIe port's AER line is about: the source it names, else the one GPU whose own AER line
+    is next to it (same source, within `_PORT_SPAN` lines). None when the log does not say."""
+    src = ev.fields.get("error_source")
+    if src and src != ev.fields.get("pci_bus_id") and src in gpu_addrs:
+        return str(src)
+    near = {
+        str(g.fields["pci_bus_id"])
+        for g in gpu_faults
+        if g.source == ev.source and abs(g.line - ev.line) <= _PORT_SPAN and g.fields.get("pci_bus_id")
+    }
+    return near.pop() if len(near) == 1 else None
+
+
+def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
+    """Findings from GPU faults that carry no Xid (init failures, AER, fabric, training-log hardware errors),
+    one per fault (and rank / port), with the catalog's severity and action."""
+    groups: dict[tuple[Any, ...], list[Event]] = {}
+    for ev in events:
+        f = ev.fields
+        where = f.get("pci_bus_id") if f.get("device") == "port" else None
+        groups.setdefault((f.get("fault"), f.get("rank"), f.get("host"), where, ev.source), []).append(ev)
+    out: list[Finding] = []
+    for (name, rank, host, port, source), group in groups.items():
+        info = catalog.fault(str(name))
+        first = group[0]
+        sev = info.severity
+        if first.severity == "info" and sev != "info":
+            sev = "info"  # the line itself says it is benign (e.g. Fabric Manager: NV_WARN_NOTHING_TO_DO)
+        verdict = _verdict_of(sev, t)
+        who = []
+        if rank is not None:
+            who.append(f"rank {rank}")
+        if host:
+            who.append(f"host {host}")
+        if port:
+            who.append(f"via PCIe port {port}")
+        where = f" ({', '.join(who)})" if who else ""
+        times = f" x{len(group)}" if len(group) > 1 else ""
+        origin = "kernel_log" if first.kind == "gpu_fault" else "log"
+        message = f"{info.name}{times}{where}"
+        if origin == "log" and source:
+            message += f" in {source}"
+        out.append(
+            Finding(verdict, origin, f"fault.{name}", message, info.action if verdict != "healthy" else "", first.line)
+        )
+    return out
 
 
 def _action(actions: Sequence[str], verdict: str) -> str:

@@ -111,9 +111,14 @@ def test_application_xids_degrade_only_when_they_repeat():
     line = "NVRM: Xid (PCI:0000:10:00): 13, pid=7, name=python, Graphics SM Warp Exception on (GPC 1, TPC 1, SM 0)"
     gpu = healthy_gpu(0, "0000:10:00.0")
     assert judge(snapshot(gpu), _events(line), T).verdict == "healthy"
-    result = judge(snapshot(gpu), _events("\n".join([line] * 5)), T)
+    # five incidents (five processes) repeat: degraded
+    result = judge(snapshot(gpu), _events("\n".join(line.replace("pid=7", f"pid={p}") for p in range(5))), T)
     assert result.verdict == "degraded"
     assert any(f.check == "xid.repeat" for f in result.gpus[0].evidence)
+    # one incident printed as five lines (same GPU, code, pid; untimed and adjacent): not a repeat
+    assert judge(snapshot(gpu), _events("\n".join([line] * 5)), T).verdict == "healthy"
+    stamped = [f"[Mon Apr  1 12:00:0{s} 2024] {line}" for s in (1, 1, 2, 3, 4, 5, 6, 7)]
+    assert judge(snapshot(gpu), _events("\n".join(stamped)), T).verdict == "healthy"  # 8 lines, one 10 s window
 
 
 def test_unknown_xid_code_needs_review_never_healthy():
@@ -265,3 +270,72 @@ def test_redacted_addresses_become_node_evidence():
     result = judge(snapshot(healthy_gpu(0)), events, T)
     assert {f.check for f in result.evidence} >= {"xid.145", "xid.137"}
     assert [g.pci_bus_id for g in result.gpus] == ["0000:10:00.0"]
+
+
+def test_replay_judges_the_evidence_and_reports_nvml_not_examined():
+    result = judge(None, _events((REAL_LOGS / "013-xid.log").read_text()), T, mode="replay")
+    assert result.verdict == "drain" and result.mode == "replay"
+    assert any(f.check == "nvml.not_examined" and f.verdict == "healthy" for f in result.evidence)
+    clear = judge(None, [], T, mode="replay")
+    assert clear.verdict == "healthy" and "not proof of health" in clear.summary
+    assert clear.to_json()["mode"] == "replay"
+    # live: no NVML is a finding
+    assert judge(None, [], T).verdict == "unknown"
+    with pytest.raises(ValueError):
+        judge(None, [], T, mode="sometimes")
+
+
+def test_gpu_faults_without_an_xid():
+    text = "\n".join(
+        [
+            "[ 5521.0] NVRM: Xid (PCI:0000:b1:00): 48, pid=1, name=python, An uncorrectable double bit error",
+            "[ 5633.8] NVRM: GPU 0000:b2:00.0: RmInitAdapter failed! (0x62:0x55:2477)",
+            "[ 5633.9] NVRM: GPU 0000:b2:00.0: rm_init_adapter failed, device minor number 5",
+        ]
+    )
+    result = judge(None, _events(text), T, mode="replay")
+    by_gpu = {g.pci_bus_id: g for g in result.gpus}
+    assert by_gpu["0000:b1:00.0"].verdict == "drain" and by_gpu["0000:b2:00.0"].verdict == "drain"
+    (init,) = [f for f in by_gpu["0000:b2:00.0"].evidence if f.check == "fault.init_failed"]
+    assert "x2" in init.message and "RMA" in init.action
+
+
+def test_a_port_error_is_mapped_to_the_gpu_below_it():
+    text = "\n".join(
+        [
+            "Unable to determine the device handle for GPU0000:3B:00.0: Unknown Error",
+            "pcieport 0000:3a:00.0: AER: Uncorrected (Non-Fatal) error received: 0000:3b:00.0",
+            "pcieport 0000:00:03.1: AER: Corrected error received: 0000:00:00.0",
+        ]
+    )
+    result = judge(None, _events(text), T, mode="replay")
+    (gpu,) = result.gpus
+    assert gpu.pci_bus_id == "0000:3b:00.0" and gpu.verdict == "drain"
+    assert any(f.check == "fault.pcie_nonfatal" and "0000:3a:00.0" in f.message for f in gpu.evidence)
+    # the root port's corrected error names no GPU: node evidence, healthy
+    assert any(f.check == "fault.pcie_corrected" and f.verdict == "healthy" for f in result.evidence)
+
+
+def test_training_log_evidence_and_unread_lines():
+    ev = _events("[rank5]: RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    result = judge(None, ev, T, mode="replay")
+    assert result.verdict == "reset" and any("rank 5" in f.message for f in result.evidence)
+    # lines that look like an Xid but were not read: a warning, never an all clear
+    result = judge(None, [], T, mode="replay", unread_lines=(4, 9))
+    assert result.verdict == "degraded" and result.evidence[0].check == "kernel_log.unread"
+
+
+def test_calibration_in_the_node_verdict():
+    gpu = healthy_gpu(0, "0000:4e:00.0")
+    line63 = "NVRM: Xid (PCI:0000:4e:00): 63, pid=1, name=p, Row Remapper: New row marked for remapping, reset gpu to activate."
+    assert judge(snapshot(gpu), _events(line63), T).verdict == "reset"
+    line154 = "NVRM: Xid (PCI:0000:4e:00): 154, GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)"
+    assert judge(snapshot(gpu), _events(line154), T).verdict == "drain"
+    line94 = "NVRM: Xid (PCI:0000:4e:00): 94, pid=5, name=python3, Contained: SM (0x1). RST: No, D-RST: No"
+    assert judge(snapshot(gpu), _events(line94), T).verdict == "degraded"
+    line45 = "NVRM: Xid (PCI:0000:4e:00): 45, pid=9, name=p, Ch 00000003 caused by previous Xid 149"
+    result = judge(snapshot(gpu), _events(line45), T)
+    assert result.verdict == "reset" and any("inferred" in f.message for f in result.gpus[0].evidence)
+    odd = "NVRM: Xid (PCI:0000:4e:00): 0x1F, pid=9, name=p, what"
+    result = judge(snapshot(gpu), _events(odd), T)
+    assert result.verdict == "degraded" and result.gpus[0].evidence[0].check == "xid.unreadable"
