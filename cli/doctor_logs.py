@@ -77,23 +77,25 @@ def _open_inputs(paths: list[str]) -> list[tuple[str, BinaryIO, int | None]]:
                 raise from_os_error(exc, path) from None
             if stat.S_ISDIR(st.st_mode):
                 raise NoInputError(f"{path}: is a directory, not a log file")
+            from gpuguard.collectors.logscan import open_log
+
             try:
-                fh = open(path, "rb")  # noqa: SIM115 - closed below
-                magic = fh.peek(2)[:2] if hasattr(fh, "peek") else b""
+                fh, compressed = open_log(path)  # a rotated kern.log.2.gz is decompressed as it is read
             except OSError as exc:
                 raise from_os_error(exc, path) from None
-            if magic == b"\x1f\x8b":  # a rotated, gzip-compressed log (kern.log.2.gz): decompress as we go
-                import gzip
-
-                opened.append((path, gzip.GzipFile(fileobj=fh, mode="rb"), None))
-                continue
-            opened.append((path, fh, st.st_size if stat.S_ISREG(st.st_mode) else None))
+            opened.append((path, fh, None if compressed or not stat.S_ISREG(st.st_mode) else st.st_size))
     except BaseException:
-        for path, fh, _ in opened:
-            if path != "-":
-                fh.close()
+        _close_all(opened)
         raise
     return opened
+
+
+def _close_all(opened: list[tuple[str, BinaryIO, int | None]]) -> None:
+    from gpuguard.collectors.logscan import close_log
+
+    for path, fh, _ in opened:
+        if path != "-":
+            close_log(fh)
 
 
 def _progress(total: int) -> Any:
@@ -113,7 +115,8 @@ def _progress(total: int) -> Any:
 
 
 def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, Any]]) -> Iterator[Any]:
-    from gpuguard.collectors.logscan import LogScan
+    from gpuguard.collectors import logwrap
+    from gpuguard.collectors.logscan import LogScan, _Chained, is_corrupt_archive
 
     show_progress = sys.stderr.isatty() and any((size or 0) >= _PROGRESS_MIN_BYTES for *_, size in opened)
     progress = _progress(sum(size or 0 for *_, size in opened)) if show_progress else None
@@ -123,23 +126,33 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
         for path, fh, size in opened:
             task = progress.add_task(path, total=size) if progress is not None and size else None
             on_progress = (lambda n, t=task: progress.advance(t, n)) if task is not None else None
-            scan = LogScan(fh, source=path, on_progress=on_progress)
             count = 0
             try:
+                small = size is not None and size <= logwrap.MAX_BYTES
+                head = fh.read(logwrap.MAX_BYTES + 1) if small or size is None else b""
+                if len(head) <= logwrap.MAX_BYTES and (small or size is None):
+                    # a paste or a small log: read whole, wrapped lines re-joined (logwrap)
+                    lines = head.decode("utf-8", "replace").split("\n")
+                    if lines and lines[-1] == "":
+                        lines.pop()
+                    for event in logwrap.iter_rejoined(lines, source=path):
+                        count += 1
+                        yield event
+                    stats.append({"path": path, "bytes": len(head), "lines": len(lines), "events": count})
+                    continue
+                scan = LogScan(_Chained(head, fh) if head else fh, source=path, on_progress=on_progress)
                 for event in scan:
                     count += 1
                     yield event
             except (OSError, EOFError, zlib.error) as exc:  # EOFError / zlib.error / BadGzipFile: a bad .gz
-                if not isinstance(exc, OSError) or exc.errno is None:
+                if is_corrupt_archive(exc):
                     raise DataError(f"{path}: compressed log is truncated or corrupt ({exc})") from None
                 raise from_os_error(exc, path) from None
             stats.append({"path": path, "bytes": scan.bytes_read, "lines": scan.next_line - 1, "events": count})
     finally:
         if progress is not None:
             progress.stop()
-        for path, fh, _ in opened:
-            if path != "-":
-                fh.close()
+        _close_all(opened)
 
 
 class _Summary:

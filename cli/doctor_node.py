@@ -147,6 +147,35 @@ class _ProgressBar:
             self.progress.stop()
 
 
+def _training_logs(paths: list[str]) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Events and per-file stats of `--log` files (gzip-compressed ones decompressed, pastes re-joined)."""
+    from gpuguard.collectors import logscan
+    from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
+
+    events: list[Any] = []
+    stats: list[dict[str, Any]] = []
+    for path in paths:
+        if Path(path).is_dir():
+            raise NoInputError(f"--log {path}: is a directory, not a log file")
+        try:
+            found, info = logscan.read_log(path)
+        except OSError as exc:
+            if logscan.is_corrupt_archive(exc):
+                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
+            raise from_os_error(exc, f"--log {path}") from None
+        except (EOFError, ValueError) as exc:
+            if logscan.is_corrupt_archive(exc) or "zlib" in type(exc).__module__:
+                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
+            raise
+        except Exception as exc:
+            if logscan.is_corrupt_archive(exc):
+                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
+            raise
+        events.extend(found)
+        stats.append({"path": path, **info, "events": len(found)})
+    return events, stats
+
+
 def _processes() -> dict[str, Any]:
     try:
         from gpuguard.collectors import processes
@@ -157,7 +186,7 @@ def _processes() -> dict[str, Any]:
 
 
 def build_document(
-    snapshot: dict[str, Any],
+    snapshot: dict[str, Any] | None,
     nvml_source: str,
     log: Any,
     events: list[Any],
@@ -166,16 +195,27 @@ def build_document(
     started: float,
     processes: dict[str, Any] | None = None,
     extra_sections: dict[str, Any] | None = None,
+    *,
+    mode: str = "live",
+    log_events: list[Any] | None = None,
+    log_stats: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], Any]:
-    """Judge and assemble the `gpuguard.node/1` document."""
+    """Judge and assemble the `gpuguard.node/1` document.
+
+    snapshot None: NVML not examined (replay without --nvml-snapshot). log None: no kernel log read.
+    log_events / log_stats: the `--log` training logs.
+    """
     from gpuguard.diagnostics import node_verdict
 
+    kernel_events = list(events)
     verdict = node_verdict.judge(
         snapshot,
-        events,
+        kernel_events + list(log_events or []),
         thresholds,
         since=since,
-        kernel_log_status="ok" if log.status == "ok" else (log.reason or log.status),
+        kernel_log_status="ok" if log is None or log.status == "ok" else (log.reason or log.status),
+        mode=mode,
+        unread_lines=tuple(log.unread_lines) if log is not None else (),
     )
     now = time.time()
     doc: dict[str, Any] = {
@@ -186,19 +226,30 @@ def build_document(
     }
     doc.update(verdict.to_json())
     doc["exit_code"] = EXIT_BY_VERDICT[verdict.verdict]
-    sections: dict[str, Any] = {
-        "nvml": {
+    nvml_section: dict[str, Any] = (
+        {
             "status": snapshot.get("status"),
             "reason": snapshot.get("reason"),
             "source": nvml_source,
             "driver_version": snapshot.get("driver_version"),
             "gpu_count": len(snapshot.get("gpus") or []),
-        },
-        "kernel_log": log.section(),
+        }
+        if snapshot is not None
+        else {"status": "not_examined", "reason": "replay: the node's NVML was not recorded", "source": None}
+    )
+    sections: dict[str, Any] = {
+        "nvml": nvml_section,
+        "kernel_log": log.section()
+        if log is not None
+        else {"status": "not_examined", "reason": "replay without --kernel-log", "source": None},
         "config": {"status": "ok", "source": thresholds.source},
     }
+    if log_stats is not None:
+        sections["logs"] = {"status": "ok", "files": log_stats}
+    dropped = verdict.counts.get("events", 0) - verdict.counts.get("events_in_window", 0)
     if since is not None:
         sections["kernel_log"]["since"] = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
+        sections["kernel_log"]["dropped_by_since"] = dropped
     if processes is not None:
         sections["processes"] = {
             "status": processes.get("status"),
@@ -207,15 +258,23 @@ def build_document(
         }
     sections.update(extra_sections or {})
     doc["sections"] = sections
-    kernel_kinds = ("xid", "sxid", "gpu_lost")
-    in_window = [e for e in events if since is None or e.timestamp is None or e.timestamp >= since]
+    kernel_kinds = ("xid", "sxid", "gpu_lost", "gpu_fault")
+    in_window = [e for e in kernel_events if since is None or e.timestamp is None or e.timestamp >= since]
     doc["events"] = [e.to_json() for e in in_window if e.kind in kernel_kinds][-200:]
+    if log_events:
+        doc["log_events"] = [e.to_json() for e in log_events if e.fields.get("fault") or e.kind in kernel_kinds][-200:]
     totals: dict[str, int] = {}
     for e in events:
         if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
             key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
             totals[key] = totals.get(key, 0) + 1
     doc["xid_totals"] = totals
+    lost: dict[str, int] = {}
+    for e in events:
+        if e.kind == "gpu_lost" or (e.kind == "xid" and e.fields.get("xid") == 79):
+            key = str(e.fields.get("pci_bus_id") or "")
+            lost[key] = lost.get(key, 0) + 1
+    doc["gpu_lost_totals"] = lost
     doc["nvml"] = snapshot
     if processes is not None:
         doc["processes"] = processes.get("processes") or []
@@ -276,11 +335,41 @@ def _render_human(doc: dict[str, Any]) -> None:
         if isinstance(sec, dict) and sec.get("status") not in ("ok", None):
             out.print(f"  {name}: {sec.get('status')} - {escape(str(sec.get('reason')))}")
     out.print(f"\n[bold]action[/bold]: {escape(doc['action'])}")
+    out.print(escape(_read_summary(doc)))
     drain = doc.get("drain")
     if drain:
         out.print(
             f"drain: {escape(' '.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
         )
+
+
+def _read_summary(doc: dict[str, Any]) -> str:
+    """What was read, in words: the honest basis of the verdict (an all clear is not proof of health)."""
+    secs = doc.get("sections") or {}
+    parts: list[str] = []
+    kl = secs.get("kernel_log") or {}
+    if kl.get("status") == "not_examined":
+        parts.append("kernel log: not examined")
+    elif kl.get("source"):
+        text = f"kernel log {kl['source']}: {kl.get('lines_read', 0)} lines, {kl.get('events', 0)} events"
+        if kl.get("compressed"):
+            text += " (gzip)"
+        if kl.get("dropped_by_since"):
+            text += f", {kl['dropped_by_since']} older than --since dropped"
+        if kl.get("unread_lines"):
+            text += f", {kl['unread_lines']} Xid-looking lines not readable"
+        parts.append(text)
+    for f in (secs.get("logs") or {}).get("files") or []:
+        parts.append(f"log {f['path']}: {f.get('lines', 0)} lines, {f.get('events', 0)} events")
+    nv = secs.get("nvml") or {}
+    if nv.get("status") == "not_examined":
+        parts.append("NVML: not examined (replay)")
+    else:
+        parts.append(f"NVML: {nv.get('status')} ({nv.get('source')})")
+    text = f"read ({doc.get('mode', 'live')}): " + "; ".join(parts)
+    if doc.get("verdict") == "healthy":
+        text += "\nfound: no evidence of a fault in what was read; that is not proof of health"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,30 +416,70 @@ def diagnose_node(
     ),
     nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
     timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
+    log: list[str] = typer.Option(
+        [],
+        "--log",
+        metavar="FILE",
+        help="A training / job log (repeatable, .gz ok): CUDA / NCCL hardware errors in it (uncorrectable ECC, "
+        "NVLink, GPU lost, fabric not initialised) count as node evidence, with rank and host.",
+    ),
+    mode: str | None = typer.Option(
+        None,
+        "--mode",
+        metavar="live|replay",
+        help="live: judge this node (NVML absent = a finding). replay: judge the files given (NVML of this "
+        "machine is not evidence; not examined unless --nvml-snapshot). Default: replay when --kernel-log, "
+        "--log or --nvml-snapshot is given, else live.",
+    ),
 ) -> int:
-    """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action."""
+    """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action.
+
+    Two modes: live (on the node: dmesg/journal + NVML; a driver that does not answer is a finding) and
+    replay (files from a node, read anywhere: the verdict comes from the evidence given, and NVML is "not
+    examined" unless --nvml-snapshot). "healthy" means no evidence of a fault in what was read.
+    """
     started = time.monotonic()
     out_fmt = _format(json_, fmt)
     if demo:
         kernel_log = kernel_log or str(SAMPLE_KERNEL_LOG)
         nvml_snapshot = nvml_snapshot or str(SAMPLE_NVML)
+    if mode is None:
+        mode = "replay" if (kernel_log is not None or log or nvml_snapshot is not None) else "live"
+    if mode not in ("live", "replay"):
+        raise UsageError(f"--mode {mode!r}: expected live or replay")
     cutoff = parse_since(since)
     from gpuguard.diagnostics import node_thresholds
 
     thresholds = node_thresholds.load(config)
-    log = _kernel_log(kernel_log, timeout=timeout)
-    if log.status != "ok":
-        _warn(f"kernel log not read: {log.reason}")
-    snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+    klog = _kernel_log(kernel_log, timeout=timeout) if (kernel_log is not None or mode == "live") else None
+    if klog is not None and klog.status != "ok":
+        _warn(f"kernel log not read: {klog.reason}")
+    log_events, log_stats = _training_logs(log) if log else ([], None)
+    snapshot: dict[str, Any] | None
+    if nvml_snapshot is not None or mode == "live":
+        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+    else:
+        snapshot, nvml_source = None, "not examined"
     if dump_nvml:
         import json
 
         from gpuguard.foundation.jobdir import atomic_write_bytes
 
         atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
-    live = nvml_snapshot is None and not demo
-    procs = _processes() if (processes if processes is not None else live) else None
-    doc, _ = build_document(snapshot, nvml_source, log, list(log.events), thresholds, cutoff, started, procs)
+    procs = _processes() if (processes if processes is not None else mode == "live") else None
+    doc, _ = build_document(
+        snapshot,
+        nvml_source,
+        klog,
+        list(klog.events) if klog is not None else [],
+        thresholds,
+        cutoff,
+        started,
+        procs,
+        mode=mode,
+        log_events=log_events,
+        log_stats=log_stats,
+    )
     return _render(doc, out_fmt)
 
 
@@ -480,7 +609,15 @@ def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
         }
     }
     doc, verdict = build_document(
-        snapshot, nvml_source, log, list(kept.events), thresholds, None, started, extra_sections=extra
+        snapshot,
+        nvml_source,
+        log,
+        list(kept.events),
+        thresholds,
+        None,
+        started,
+        extra_sections=extra,
+        mode="replay" if options.nvml_snapshot is not None else "live",
     )
     doc["xid_totals"] = dict(kept.state["xid_totals"])
     previous = kept.state["last_verdict"]

@@ -13,7 +13,7 @@ _gpuguard_gpu_doctor() {
         "/contract") words="--help --jobs --json --pg --world-size -h" ;;
         "/diagnose") words="job node torchrun --help -h" ;;
         "/diagnose/job") words="--config --help --job-dir --json --log --log-regex --log-spec --node-report --torchrun-log --window -h" ;;
-        "/diagnose/node") words="--config --demo --dump-nvml --format --help --json --kernel-log --no-processes --nvml-snapshot --nvml-timeout --processes --since --timeout -h" ;;
+        "/diagnose/node") words="--config --demo --dump-nvml --format --help --json --kernel-log --log --mode --no-processes --nvml-snapshot --nvml-timeout --processes --since --timeout -h" ;;
         "/diagnose/torchrun") words="--help --init-timeout --job-dir --json -h" ;;
         "/logs") words="--help --json --min-severity -h" ;;
         "/plan") words="checkpoint collective layout --help -h" ;;

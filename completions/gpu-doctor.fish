@@ -50,6 +50,8 @@ complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'"
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l help -d 'Show the help and exit.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l json -d 'Print the gpuguard.node/1 JSON document.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l kernel-log -r -F -d 'Kernel log to read (a file, or - for stdin). Default: dmesg, else jour'
+complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l log -r -F -d 'A training / job log (repeatable, .gz ok): CUDA / NCCL hardware errors'
+complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l mode -r -F -d 'live: judge this node (NVML absent = a finding). replay: judge the fil'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l no-processes -d 'List torchrun agents/workers (default: on for live runs).'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l nvml-snapshot -r -F -d 'A recorded gpuguard.nvml/1 snapshot instead of live NVML.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/diagnose/node'" -l nvml-timeout -r -F -d 'Deadline of the NVML probe.'

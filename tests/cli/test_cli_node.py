@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.cli import BIN, run_cli
+from tests.support.cli import BIN, REAL_LOGS, run_cli
 from tests.support.node import (
     SAMPLE_LOG,
     SAMPLE_NVML,
@@ -90,7 +90,16 @@ def test_fake_nvml_healthy_node_exits_0(tmp_path):
     empty = tmp_path / "kern.log"
     empty.write_text("[    1.0] Linux version 6.8.0\n")
     r = run_cli(
-        "gpu-doctor", "diagnose", "node", "--kernel-log", str(empty), "--json", "--no-processes", env=fake_env(snap)
+        "gpu-doctor",
+        "diagnose",
+        "node",
+        "--mode",
+        "live",
+        "--kernel-log",
+        str(empty),
+        "--json",
+        "--no-processes",
+        env=fake_env(snap),
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -106,6 +115,8 @@ def test_dump_nvml_replays_to_the_same_verdict(tmp_path):
         "gpu-doctor",
         "diagnose",
         "node",
+        "--mode",
+        "live",
         "--kernel-log",
         str(SAMPLE_LOG),
         "--json",
@@ -138,14 +149,69 @@ def test_real_pynvml_without_driver_is_unknown_not_a_traceback(tmp_path):
         driver = False
     empty = tmp_path / "kern.log"
     empty.write_text("")
-    r = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(empty), "--json")
+    r = run_cli("gpu-doctor", "diagnose", "node", "--mode", "live", "--kernel-log", str(empty), "--json")
     _no_traceback(r)
     doc = json.loads(r.stdout)
+    assert doc["mode"] == "live"
     if driver:
         assert doc["sections"]["nvml"]["status"] in ("ok", "unknown", "failed")
         return
     assert r.returncode == 3
     assert doc["verdict"] == "unknown" and "NVML Shared Library Not Found" in doc["summary"]
+
+
+def test_replay_judges_the_evidence_given_not_the_replaying_machine(tmp_path):
+    """--kernel-log without --nvml-snapshot is a replay: this machine's NVML (absent here) is not evidence."""
+    empty = tmp_path / "kern.log"
+    empty.write_text("[    1.0] Linux version 6.8.0\n")
+    r = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(empty), "--json")
+    _no_traceback(r)
+    doc = json.loads(r.stdout)
+    assert doc["mode"] == "replay" and doc["sections"]["nvml"]["status"] == "not_examined"
+    assert r.returncode == 0 and doc["verdict"] == "healthy" and "not proof of health" in doc["summary"]
+    r = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(REAL_LOGS / "013-xid.log"), "--json")
+    assert json.loads(r.stdout)["verdict"] == "drain" and r.returncode == 2
+    human = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(empty))
+    assert "read (replay): kernel log" in human.stdout and "NVML: not examined" in human.stdout
+    assert "no evidence of a fault in what was read; that is not proof of health" in human.stdout
+    helptext = run_cli("gpu-doctor", "diagnose", "node", "--help").stdout
+    assert "replay" in helptext and "--mode" in helptext and "--log" in helptext
+
+
+def test_training_log_hardware_errors_are_node_evidence(tmp_path):
+    log = tmp_path / "rank5.log"
+    log.write_text("[rank5]: RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
+    r = run_cli("gpu-doctor", "diagnose", "node", "--log", str(log), "--json")
+    doc = json.loads(r.stdout)
+    assert doc["verdict"] == "reset" and r.returncode == 2
+    (finding,) = [f for f in doc["evidence"] if f["check"] == "fault.ecc_uncorrectable"]
+    assert "rank 5" in finding["message"] and "ROW_REMAPPER" in finding["action"]
+    nvlink = tmp_path / "nvlink.log"
+    nvlink.write_text(
+        "[E ProcessGroupNCCL.cpp:1182] [Rank 2] NCCL watchdog thread terminated with exception: CUDA error: "
+        "uncorrectable NVLink error detected during the execution\n"
+    )
+    r = run_cli("gpu-doctor", "logs", str(nvlink))
+    assert r.returncode == 2 and "nvidia-smi nvlink -e" in r.stdout
+
+
+def test_gz_kernel_logs_in_diagnose_node_and_a_truncated_archive_is_65(tmp_path):
+    import gzip
+
+    gz = tmp_path / "kern.log.1.gz"
+    gz.write_bytes(gzip.compress((REAL_LOGS / "013-xid.log").read_bytes()))
+    r = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(gz), "--json")
+    assert json.loads(r.stdout)["verdict"] == "drain" and r.returncode == 2
+    bad = tmp_path / "kern.log.2.gz"
+    bad.write_bytes(gz.read_bytes()[:40])
+    for args in (
+        ["diagnose", "node", "--kernel-log", str(bad)],
+        ["diagnose", "node", "--log", str(bad)],
+        ["logs", str(bad)],
+    ):
+        r = run_cli("gpu-doctor", *args)
+        _no_traceback(r)
+        assert r.returncode == 65, (args, r.stdout, r.stderr)
 
 
 def test_hung_probe_is_unknown_within_the_deadline(tmp_path):
@@ -155,6 +221,8 @@ def test_hung_probe_is_unknown_within_the_deadline(tmp_path):
         "gpu-doctor",
         "diagnose",
         "node",
+        "--mode",
+        "live",
         "--kernel-log",
         str(SAMPLE_LOG),
         "--nvml-timeout",
