@@ -1,6 +1,6 @@
 """Whole-host faults on namespace hosts: gpuguard's in-place switch against a plain restart.
 
-    python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze]
+    python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze] [--stores N]
 
 Each trial brings up 3 training hosts and a control host running etcd (gpuguard.testhosts), trains
 the in-place demo's workload with one worker per host, and after step MARK powers off h1 (rank 0:
@@ -18,7 +18,9 @@ frozen host comes back once the survivors have moved on). Rows:
 certified chain that `gpu-generation verify` accepts); `semantic_failures`: trials that finished
 with other parameters or an invalid chain; `zombie_writes_fenced`: commit records the ledger
 refused (stale generation); `steps_lost`: committed steps redone after recovery (mean).
-Needs root (real namespaces).
+`--stores N` adds rows `group-store`: N formations of a 2-host gloo group (store, init_process_group,
+one all_reduce) through a TCPStore served by rank 0 (what each in-place generation uses) and
+through `recovery.etcd_store.EtcdStore`. Needs root (real namespaces).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -195,6 +198,69 @@ def baseline_trial(fault: str, logs: Path) -> dict[str, Any]:
     }
 
 
+STORE_PROBE = (  # one rank of a 2-host gloo group formed REPEAT times through the chosen store
+    "import json, socket, sys, time\n"
+    "from datetime import timedelta\n"
+    "import torch, torch.distributed as dist\n"
+    "kind, rank, addr, etcd = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]\n"
+    "out = []\n"
+    "for i in range(int(sys.argv[5])):\n"
+    "    t = time.perf_counter()\n"
+    "    if kind == 'tcpstore':  # as coord_etcd does: the client dials only once the server listens\n"
+    "        if rank == 1:\n"
+    "            for _ in range(30000):\n"
+    "                try:\n"
+    "                    socket.create_connection((addr, 29600 + i), timeout=1).close()\n"
+    "                    break\n"
+    "                except OSError:\n"
+    "                    time.sleep(0.001)\n"
+    "        store = dist.TCPStore(addr, 29600 + i, is_master=rank == 0, wait_for_workers=False,\n"
+    "                              timeout=timedelta(seconds=30))\n"
+    "    else:\n"
+    "        from gpuguard.recovery.etcd_store import EtcdStore\n"
+    "        store = EtcdStore.connect(etcd, f'probe-{sys.argv[6]}-{i}', store_timeout=30.0)\n"
+    "    dist.init_process_group('gloo', store=dist.PrefixStore('pg', store), rank=rank, world_size=2,\n"
+    "                            timeout=timedelta(seconds=30))\n"
+    "    x = torch.ones(1)\n"
+    "    dist.all_reduce(x)\n"
+    "    out.append(time.perf_counter() - t)\n"
+    "    dist.destroy_process_group()\n"
+    "    del store\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def store_rows(repeat: int) -> list[dict[str, Any]]:
+    """Group formation (store + init_process_group + one all_reduce) across two hosts, per store."""
+    rows = []
+    with up(2) as c:
+        etcd = c.etcd_url.replace("http://", "")
+        for kind in ("tcpstore", "etcd_store"):
+            tag = uuid.uuid4().hex[:6]
+            procs = [
+                c.exec(
+                    h,
+                    [sys.executable, "-c", STORE_PROBE, kind, str(r), c.host("h1").address, etcd, str(repeat), tag],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for r, h in enumerate(("h1", "h2"))
+            ]
+            outs = [p.communicate(timeout=300) for p in procs]
+            times = [max(a, b) for a, b in zip(*(json.loads(o.strip().splitlines()[-1]) for o, _ in outs))]
+            rows.append(
+                {
+                    "case": "group-store",
+                    "store": kind,
+                    "trials": len(times),
+                    "p50_s": round(statistics.median(times), 4),
+                    "p90_s": round(_quantile(times, 0.9) or 0.0, 4),
+                }
+            )
+    return rows
+
+
 def _quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -224,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--faults", default="power-off,partition,freeze")
+    ap.add_argument("--stores", type=int, default=0, metavar="N", help="also time N group formations per store")
     args = ap.parse_args(argv)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     bad = [f for f in faults if f not in VICTIM]
@@ -241,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             row(fault, "restart-baseline", [baseline_trial(fault, logs) for _ in range(max(1, args.trials))])
         )
+    if args.stores:
+        results += store_rows(args.stores)
     notes = [
         f"3 training hosts x 1 worker (gloo over the hosts' links), etcd on a control host; {STEPS} steps, "
         f"fault after step {MARK}; lease TTL {TTL:g} s (fence margin {TTL / 2:g} s), collective timeout {PG_TIMEOUT:g} s",
