@@ -275,6 +275,12 @@ def build_document(
             key = str(e.fields.get("pci_bus_id") or "")
             lost[key] = lost.get(key, 0) + 1
     doc["gpu_lost_totals"] = lost
+    faults: dict[str, int] = {}
+    for e in events:
+        if e.kind == "gpu_fault":
+            key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields.get('fault')}"
+            faults[key] = faults.get(key, 0) + 1
+    doc["fault_totals"] = faults
     doc["nvml"] = snapshot
     if processes is not None:
         doc["processes"] = processes.get("processes") or []

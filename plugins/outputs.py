@@ -144,7 +144,8 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
             )
             status.add_metric(["node"], float(NAGIOS_EXIT.get(verdict, 3)))
             for name, sec in (doc.get("sections") or {}).items():
-                if isinstance(sec, Mapping) and "status" in sec:
+                # a dimension a replay did not examine (no NVML snapshot given) is not a failed check
+                if isinstance(sec, Mapping) and "status" in sec and sec["status"] != "not_examined":
                     status.add_metric([name], 0.0 if sec["status"] == "ok" else 3.0)
             yield status
             gv = GaugeMetricFamily(
@@ -155,12 +156,13 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
             for g in doc.get("gpus") or []:
                 for v in NAGIOS_EXIT:
                     gv.add_metric(
-                        [str(g.get("index", "")), str(g.get("pci_bus_id") or ""), v],
+                        [_label(g.get("index")), _label(g.get("pci_bus_id")), v],
                         1.0 if g.get("verdict") == v else 0.0,
                     )
             yield gv
-            yield from _nvml_families(doc, GaugeMetricFamily)
-            xid = CounterMetricFamily(
+            yield from _nvml_families(doc, GaugeMetricFamily, _NVML_GAUGES)
+            yield from _nvml_families(doc, CounterMetricFamily, _NVML_COUNTERS)
+            xid = CounterMetricFamily(  # exposed as gpudoctor_gpu_xid_events_total
                 "gpudoctor_gpu_xid_events",
                 "Xid events seen in the kernel log, by GPU and code.",
                 labels=["pci_bus_id", "xid"],
@@ -169,6 +171,23 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
                 pci, _, code = key.rpartition("|")
                 xid.add_metric([pci, code], float(value))
             yield xid
+            lost = CounterMetricFamily(  # gpudoctor_gpu_lost_events_total
+                "gpudoctor_gpu_lost_events",
+                "GPU-lost events (Xid 79, fallen off the bus) seen in the kernel log, by GPU.",
+                labels=["pci_bus_id"],
+            )
+            for pci, value in sorted((doc.get("gpu_lost_totals") or {}).items()):
+                lost.add_metric([_label(pci)], float(value))
+            yield lost
+            faults = CounterMetricFamily(  # gpudoctor_gpu_fault_events_total
+                "gpudoctor_gpu_fault_events",
+                "GPU faults without an Xid (init failure, PCIe AER, Fabric Manager, ...) seen in the logs.",
+                labels=["pci_bus_id", "fault"],
+            )
+            for key, value in sorted((doc.get("fault_totals") or {}).items()):
+                pci, _, fault = key.rpartition("|")
+                faults.add_metric([pci, fault], float(value))
+            yield faults
             run = GaugeMetricFamily("gpudoctor_last_run_timestamp_seconds", "Unix time the diagnosis finished.")
             run.add_metric([], float(doc.get("generated_at_unix") or time.time()))
             yield run
@@ -194,25 +213,10 @@ _NVML_GAUGES = (
         "1 if a row remapping ever failed on the GPU.",
         lambda g: (g.get("remapped_rows") or {}).get("failure"),
     ),
-    (
-        "gpudoctor_gpu_ecc_volatile_uncorrected",
-        "Uncorrectable ECC errors since the last driver load or reset.",
-        lambda g: (g.get("ecc") or {}).get("volatile_uncorrected"),
-    ),
-    (
-        "gpudoctor_gpu_ecc_aggregate_uncorrected",
-        "Lifetime uncorrectable ECC errors.",
-        lambda g: (g.get("ecc") or {}).get("aggregate_uncorrected"),
-    ),
     ("gpudoctor_gpu_temperature_celsius", "GPU temperature.", lambda g: g.get("temperature_c")),
     ("gpudoctor_gpu_power_watts", "GPU power draw.", lambda g: g.get("power_w")),
     ("gpudoctor_gpu_pcie_link_width", "Current PCIe link width.", lambda g: (g.get("pcie") or {}).get("width")),
     ("gpudoctor_gpu_pcie_link_width_max", "Maximum PCIe link width.", lambda g: (g.get("pcie") or {}).get("width_max")),
-    (
-        "gpudoctor_gpu_pcie_replay_counter",
-        "PCIe replay counter.",
-        lambda g: (g.get("pcie") or {}).get("replay_counter"),
-    ),
     (
         "gpudoctor_gpu_recovery_action",
         "Driver GPU recovery action (0 none, 1 reset, 2 reboot, 4 drain+reset).",
@@ -221,15 +225,41 @@ _NVML_GAUGES = (
 )
 
 
-def _nvml_families(doc: Mapping[str, Any], family: Any):
+# NVML's counters only grow (the volatile ones restart at a driver load / GPU reset, which Prometheus'
+# rate() treats as a counter reset): counters, exposed with the _total suffix.
+_NVML_COUNTERS = (
+    (
+        "gpudoctor_gpu_ecc_volatile_uncorrected_errors",
+        "Uncorrectable ECC errors since the last driver load or reset.",
+        lambda g: (g.get("ecc") or {}).get("volatile_uncorrected"),
+    ),
+    (
+        "gpudoctor_gpu_ecc_aggregate_uncorrected_errors",
+        "Lifetime uncorrectable ECC errors.",
+        lambda g: (g.get("ecc") or {}).get("aggregate_uncorrected"),
+    ),
+    (
+        "gpudoctor_gpu_pcie_replays",
+        "PCIe replay counter (link-level retransmissions).",
+        lambda g: (g.get("pcie") or {}).get("replay_counter"),
+    ),
+)
+
+
+def _label(value: Any) -> str:
+    """A label value: an absent one is empty (never the string "None")."""
+    return "" if value is None else str(value)
+
+
+def _nvml_families(doc: Mapping[str, Any], family: Any, specs: Any):
     gpus = (doc.get("nvml") or {}).get("gpus") or []
-    for name, help_text, get in _NVML_GAUGES:
+    for name, help_text, get in specs:
         fam = family(name, help_text, labels=["gpu", "pci_bus_id", "uuid"])
         for g in gpus:
             value = get(g)
             if value is not None:
                 fam.add_metric(
-                    [str(g.get("index", "")), str(g.get("pci_bus_id") or ""), str(g.get("uuid") or "")], float(value)
+                    [_label(g.get("index")), _label(g.get("pci_bus_id")), _label(g.get("uuid"))], float(value)
                 )
         yield fam
 
