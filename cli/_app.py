@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from gpuguard import __version__
 from gpuguard.foundation.env import DEBUG_ENV, JOB_DIR_ENV
 from gpuguard.foundation.errors import (
     EXIT_INTERRUPTED,
+    EXIT_IOERR,
     EXIT_OK,
     EXIT_SOFTWARE,
     EXIT_USAGE,
@@ -69,9 +71,79 @@ def fail(message: str, code: int) -> NoReturn:
     raise GpuguardError(message, exit_code=code)
 
 
+class OutputError(GpuguardError):
+    """Standard output could not be written (a full disk, an I/O error): exit 74."""
+
+    exit_code = EXIT_IOERR
+
+
+class _GuardedStdout:
+    """sys.stdout for one command run: a reader that went away (`| head`) silences the rest of the
+    output and the command still ends with its verdict's exit code; any other write error is one
+    `OutputError` (74) instead of a traceback or a verdict printed nowhere."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.reader_gone = False
+
+    def _gone(self) -> None:
+        self.reader_gone = True
+        try:  # the interpreter's own flush at exit must not complain either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._inner.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text: str) -> int:
+        if self.reader_gone:
+            return len(text)
+        try:
+            return int(self._inner.write(text))
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+        except OSError as exc:
+            raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+
+    def flush(self) -> None:
+        if self.reader_gone:
+            return
+        try:
+            self._inner.flush()
+        except BrokenPipeError:
+            self._gone()
+        except OSError as exc:
+            raise OutputError(f"cannot write the output: {exc.strerror or exc}") from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
-    """Run a Typer app; return its exit code. Never lets a traceback reach the user."""
+    """Run a Typer app; return its exit code. Never lets a traceback reach the user.
+
+    Ctrl-C is 130 with one line; a closed stdout (`| head`) ends quietly with the command's own exit
+    code; a failed write to stdout is 74.
+    """
     command = typer.main.get_command(app)
+    guarded = None
+    if sys.stdout is not None and not isinstance(sys.stdout, _GuardedStdout):
+        guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
+    try:
+        code = _run(command, prog, argv)
+        if guarded is not None:
+            guarded.flush()
+        return code
+    except OutputError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    finally:
+        if guarded is not None and sys.stdout is guarded:
+            sys.stdout = guarded._inner
+
+
+def _run(command: Any, prog: str, argv: list[str] | None) -> int:
     try:
         rv = command.main(args=argv, prog_name=prog, standalone_mode=False)
     except click.exceptions.UsageError as exc:
@@ -95,7 +167,7 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
-        # `gpu-doctor logs big.log | head`: not an error worth a line.
+        # a write that bypassed the guard (a raw fd): `| head` is not an error worth a line
         try:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush
         except OSError:
@@ -113,6 +185,8 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_SOFTWARE
+    if rv == EXIT_INTERRUPTED:  # typer turns Ctrl-C into a silent 130: the one line is ours to say
+        print(f"{prog}: interrupted", file=sys.stderr)
     if isinstance(rv, int):
         return rv
     return 0
@@ -160,3 +234,23 @@ def job_dir_option(required: bool = True) -> Any:
 def _real_job_dir(value: Path | None) -> Path | None:
     """The job dir the operator named, its links followed once here; nothing inside it is followed."""
     return None if value is None else Path(os.path.realpath(value))
+
+
+# C0 and C1 control characters except tab and newline (ESC starts terminal escape sequences: a log
+# line or a dump field must never move the cursor, retitle the window or hide the text after it)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def safe_text(value: object) -> str:
+    """`value` as text with every control character but tab and newline escaped (`\\x1b`), for human output."""
+    text = value if isinstance(value, str) else str(value)
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def require_job(job_dir: Path | None) -> Path:
+    """The job dir, or one line and 66: see `foundation.jobdir.require_job_dir`."""
+    from gpuguard.foundation.jobdir import require_job_dir
+
+    if job_dir is None:
+        fail(f"no job directory: pass --job-dir or set ${JOB_DIR_ENV}", EXIT_USAGE)
+    return require_job_dir(job_dir)

@@ -4,7 +4,9 @@ typer 0.29 coerces every non-bool option value through a pydantic `TypeAdapter`,
 pydantic (0.25 s on an idle core here, up to 0.9 s under load) on *every* command run. A cron sweep on
 10,000 nodes cannot pay that for converting "10" into 10.0. `install()` swaps in a tiny coercion for
 the plain annotations (str, int, float, bool, their Optional, list of them) and leaves everything else
-(paths, choices, ranges, files, datetimes, enums) to typer's own code, unchanged.
+(paths, choices, ranges, files, datetimes, enums) to typer's own code, unchanged. A float option,
+plain or ranged, is a finite number: `nan` and `inf` are usage errors (a NaN cost or an infinite
+grace would turn into nonsense or a wait forever).
 
 It patches a private hook (`typer.core.build_runtime_param`), so pyproject.toml bounds typer to the
 minor version it was written for, and tests/cli/test_fastparams.py fails when the patch does not take.
@@ -12,6 +14,7 @@ minor version it was written for, and tests/cli/test_fastparams.py fails when th
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin
@@ -83,18 +86,39 @@ def install() -> None:
                     return _BOOL[str(value).strip().lower()]
                 raise BadParameter(f"{value!r} is not a valid boolean.", ctx=ctx, param=param)
             try:
-                return self.kind(value)
+                converted = self.kind(value)
             except (TypeError, ValueError):
                 raise BadParameter(f"{value!r} is not a valid {self.kind.__name__}.", ctx=ctx, param=param) from None
+            return _finite(converted, param, ctx)
 
         def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
             if self.many:
                 return [self._one(v, param, ctx) for v in value]
             return self._one(value, param, ctx)
 
+    @dataclass(frozen=True)
+    class FiniteRuntimeParam(base):  # type: ignore[misc, valid-type]
+        """typer's own coercion of a ranged float, then the finiteness check."""
+
+        inner: Any = None
+
+        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+            value = self.inner._coerce_value(value, param, ctx)
+            if isinstance(value, list):
+                return [_finite(v, param, ctx) for v in value]
+            return _finite(value, param, ctx)
+
+    def _finite(value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadParameter(f"{value!r} is not a finite number.", ctx=ctx, param=param)
+        return value
+
     def build(descriptor: Any) -> Any:
         plain = _plain(descriptor.annotation)
         info = descriptor.parameter_info
+        if plain is not None and plain[0] is float and descriptor.is_ranged:
+            inner = original(descriptor)
+            return FiniteRuntimeParam(parameter_info=info, annotation=descriptor.annotation, inner=inner)
         if (
             plain is None
             or descriptor.file_annotation is not None

@@ -248,6 +248,21 @@ class JobInfo:
             raise DataError(f"job.json: {exc}") from exc
 
 
+JOB_MARKERS = (JOB_JSON, "ledger", "ledger.url", "generation.key")  # what makes a directory a job's
+
+
+def require_job_dir(job_dir: str | os.PathLike[str]) -> Path:
+    """`job_dir` if it is a gpuguard job (a directory holding `job.json`, a ledger, a recorded ledger
+    URL or the signing key), else one NoInputError (66) "no gpuguard job at …": a typo'd path is
+    answered as a typo, never with a wait, an "init" hint or files written into it."""
+    path = Path(job_dir)
+    if not path.is_dir():
+        raise NoInputError(f"no gpuguard job at {path} (no such directory)")
+    if not any(os.path.lexists(path / marker) for marker in JOB_MARKERS):
+        raise NoInputError(f"no gpuguard job at {path} (no {JOB_JSON}, ledger or key there)")
+    return path
+
+
 def read_job(job_dir: str | os.PathLike[str]) -> JobInfo | None:
     """The job's identity, or None if the job directory has not been initialised."""
     try:
