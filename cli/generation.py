@@ -1,6 +1,7 @@
 """`gpu-generation`: create, show and verify generation certificates.
 
-Exit codes: 0 ok/verified, 2 verification failed, 4 refused, 64 usage, 65 malformed input,
+Exit codes: 0 ok/verified, 2 verification failed (or `show`/`history` found a stored generation
+newer than the verified chain: the active generation they can name is not the newest one), 4 refused, 64 usage, 65 malformed input,
 66 missing job/ledger/key, 73 already initialized, 75 etcd unreachable, 77 permission denied.
 """
 
@@ -14,7 +15,16 @@ from typing import Any
 import typer
 
 from gpuguard.cli import generation_bench
-from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, stdout_is_terminal
+from gpuguard.cli._app import (
+    console,
+    emit_json,
+    entry,
+    job_dir_option,
+    make_app,
+    require_job,
+    safe_text,
+    stdout_is_terminal,
+)
 from gpuguard.foundation.env import LEDGER_ENV
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK
 
@@ -42,7 +52,8 @@ def _when(t: float) -> str:
 
 
 def _emit_text(title: str, lines: list[str]) -> None:
-    """A rich panel on a terminal, plain lines when piped."""
+    """A rich panel on a terminal, plain lines when piped; control characters from records escaped."""
+    title, lines = safe_text(title), [safe_text(line) for line in lines]
     if stdout_is_terminal():
         from rich.panel import Panel
         from rich.text import Text
@@ -153,16 +164,18 @@ def show_cmd(
     """The active generation: members and incarnations, frontier, state digest, why the parent retired."""
     from gpuguard.generation.job import open_job_ledger
 
-    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    led = open_job_ledger(require_job(job_dir), ledger, timeout=timeout)
     cert = led.require_active()
+    beyond = _unverified_after(led, cert.generation)
     if as_json:
         emit_json(
             {
                 "schema": CERT_SCHEMA,
                 "ledger": led.url,
-                "active": True,
+                "active": not beyond,
                 "digest": cert.digest(),
                 "signature_checked": led.key is not None,
+                "unverified_after_active": beyond,
                 "certificate": cert.to_dict(),
             }
         )
@@ -171,8 +184,24 @@ def show_cmd(
         lines = _cert_lines(cert, parent)
         if led.key is None:
             lines.append("warning: no signing key in the job directory: signatures were not checked")
-        _emit_text(f"active generation {cert.generation} — {led.url}", lines)
-    return EXIT_OK
+        title = f"active generation {cert.generation} — {led.url}"
+        if beyond:
+            title = f"NOT VERIFIED: newest verified generation {cert.generation} — {led.url}"
+            lines.insert(0, _beyond_line(beyond))
+        _emit_text(title, lines)
+    return EXIT_CRITICAL if beyond else EXIT_OK
+
+
+def _unverified_after(led: Any, active: int) -> list[int]:
+    """Stored generations past the verified chain: a corrupt, forged or unreachable newest certificate."""
+    return sorted(n for n in led.generations() if n > active)
+
+
+def _beyond_line(beyond: list[int]) -> str:
+    return (
+        f"CORRUPT OR UNVERIFIABLE: generation(s) {beyond} are stored but do not verify, so the newest "
+        "generation is unknown (run `gpu-generation verify`)"
+    )
 
 
 @app.command("history")
@@ -185,7 +214,7 @@ def history_cmd(
     """Every generation of the verified chain, oldest first, with fenced commits and refusals counted."""
     from gpuguard.generation.job import open_job_ledger
 
-    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    led = open_job_ledger(require_job(job_dir), ledger, timeout=timeout)
     chain = led.history()
     if not chain:
         led.require_active()
@@ -206,8 +235,7 @@ def history_cmd(
         }
         for c in chain
     ]
-    stored = led.generations()
-    beyond = sorted(n for n in stored if n > chain[-1].generation)
+    beyond = _unverified_after(led, chain[-1].generation)
     if as_json:
         emit_json(
             {
@@ -220,7 +248,7 @@ def history_cmd(
                 "refusals": len(led.refusals()),
             }
         )
-        return EXIT_OK
+        return EXIT_CRITICAL if beyond else EXIT_OK
     typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
     typer.echo(
         f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'members':>7}  {'step':>8}  quiescence  digest"
@@ -229,13 +257,15 @@ def history_cmd(
         q = c.quiescence + (" FORCED" if c.forced else "")
         switch = str((c.extra or {}).get("switch") or "-")
         typer.echo(
-            f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
-            f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
+            safe_text(
+                f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
+                f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
+            )
         )
     if beyond:
-        typer.echo(f"warning: stored generation(s) {beyond} are not part of the verified chain: run `verify`")
+        typer.echo(_beyond_line(beyond))
     typer.echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")
-    return EXIT_OK
+    return EXIT_CRITICAL if beyond else EXIT_OK
 
 
 def _deep_check(
@@ -320,7 +350,7 @@ def verify_cmd(
     from gpuguard.generation.keys import load_key
     from gpuguard.generation.verify import verify_ledger
 
-    key = load_key(job_dir)
+    key = load_key(require_job(job_dir))
     led = open_job_ledger(job_dir, ledger, timeout=timeout)
     report = verify_ledger(led, key, generation=generation)
     deep_stats = None
@@ -344,9 +374,9 @@ def verify_cmd(
         )
     else:
         for f in report.findings:
-            typer.echo(f"FAIL {f}")
+            typer.echo(safe_text(f"FAIL {f}"))
         for note in report.notes:
-            typer.echo(f"note: {note}")
+            typer.echo(safe_text(f"note: {note}"))
         what = f"generation {generation}" if generation is not None else f"{len(report.checked)} generation(s)"
         extra = (
             (
@@ -374,7 +404,7 @@ def explain_cmd(
     """Why an activation was refused: which rule, which member."""
     from gpuguard.generation.job import open_job_ledger
 
-    led = open_job_ledger(job_dir, ledger, timeout=timeout)
+    led = open_job_ledger(require_job(job_dir), ledger, timeout=timeout)
     refusals = sorted(led.refusals(), key=lambda r: r.time)
     if generation is not None:
         refusals = [r for r in refusals if r.generation == generation]
@@ -388,12 +418,14 @@ def explain_cmd(
         return EXIT_OK
     for r in refusals:
         typer.echo(
-            f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
-            f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:"
+            safe_text(
+                f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
+                f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:"
+            )
         )
         for v in r.violations:
             who = f" rank {v.member}:" if v.member is not None else ""
-            typer.echo(f"  rule {v.rule}:{who} {v.message}")
+            typer.echo(safe_text(f"  rule {v.rule}:{who} {v.message}"))
     return EXIT_OK
 
 

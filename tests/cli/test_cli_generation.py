@@ -117,8 +117,11 @@ def test_tampered_certificate_fails_verify_naming_the_record(tmp_path, cli):
         and doc["findings"][0]["rule"] == "encoding"
         and "gen-1.json" in doc["findings"][0]["record"]
     )
-    # show stops at the end of the valid chain rather than trusting a damaged record
-    assert j(cli("gpu-generation", "show", "--job-dir", str(jd), "--json"))["certificate"]["generation"] == 0
+    # show stops at the end of the valid chain rather than trusting a damaged record, and says so (exit 2)
+    res = cli("gpu-generation", "show", "--job-dir", str(jd), "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 2 and doc["certificate"]["generation"] == 0
+    assert doc["active"] is False and doc["unverified_after_active"] == [1, 2]
 
 
 def test_certificate_signed_with_another_key_fails_verify(tmp_path, cli):
@@ -205,7 +208,7 @@ def test_unreachable_etcd_exit_75_and_nothing_written(tmp_path, cli):
 
 def test_missing_job_and_usage_errors(tmp_path, cli):
     res = cli("gpu-generation", "show", "--job-dir", str(tmp_path / "nope"))
-    assert res.returncode == 66 and "init" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 66 and "no gpuguard job at" in res.stderr and "Traceback" not in res.stderr
     assert cli("gpu-generation", "verify", "--job-dir", str(tmp_path / "nope")).returncode == 66
     assert cli("gpu-generation", "show").returncode == 64
     assert cli("gpu-generation", "init", "--job-dir", str(tmp_path), "--ledger", "ftp://x").returncode == 64
