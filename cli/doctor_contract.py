@@ -6,7 +6,8 @@ This reads every rank's Flight Recorder dump (pickle or JSON, through a restrict
 gpuguard collective trace, and names the first divergent sequence number, the ranks, the field and
 the call sites, with the "one call ahead" explanation when the traces show it.
 
-Exit codes: 0 every contract holds; 1 a contract is broken; 64 usage error; 65 unreadable,
+Exit codes: 0 every contract holds; 1 a contract is broken; 3 no divergence found but the result is
+partial (a rank's dump missing or duplicated: its part of the contract is unknown); 64 usage error; 65 unreadable,
 truncated, unsafe or malformed dump; 66 input missing; 77 permission denied. Never imports torch.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import typer
 
-from gpuguard.foundation.errors import EXIT_OK, EXIT_WARNING
+from gpuguard.foundation.errors import EXIT_OK, EXIT_UNKNOWN, EXIT_WARNING
 
 _PROGRESS_MIN_FILES = 64
 
@@ -37,7 +38,8 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         """Check the collective contract (same order, op, count, dtype, reduce op on every rank).
 
         Reads PyTorch Flight Recorder dumps (pickle or JSON; named <prefix><rank>) and gpuguard
-        collective traces. Exit 0: contract holds; 1: broken; 65 bad dump; 66 missing input.
+        collective traces. Exit 0: contract holds; 1: broken; 3: no divergence but partial (a dump
+        missing or duplicated); 65 bad dump; 66 missing input.
         """
         return run_contract(paths, as_json=as_json, pg=pg, world_size=world_size, jobs=jobs)
 
@@ -79,12 +81,20 @@ def run_contract(
     ]
     doc = report_to_json(report, inputs)
     doc["notes"] = notes
-    code = EXIT_OK if report.holds else EXIT_WARNING
+    code = contract_exit_code(report.holds, report.partial)
     if as_json:
         emit_json(doc)
         return code
     _render(report, traces, interner, notes, len(loaded), console())
     return code
+
+
+def contract_exit_code(holds: bool, partial: bool) -> int:
+    """1 broken (a divergence among the dumps read is real even when some are missing); 3 when no
+    divergence was found but some rank's part is unknown (never "holds"); 0 only when complete."""
+    if not holds:
+        return EXIT_WARNING
+    return EXIT_UNKNOWN if partial else EXIT_OK
 
 
 def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
@@ -109,24 +119,32 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
     from rich.table import Table
     from rich.text import Text
 
+    from gpuguard.cli._app import safe_text
     from gpuguard.diagnostics.contract import around, format_ranks
 
     for w in (*report.warnings, *notes):
-        out.print(Text.assemble(("warning: ", "yellow"), w))
+        out.print(Text.assemble(("warning: ", "yellow"), safe_text(w)))
     label = " (PARTIAL: some ranks' dumps are missing or duplicated)" if report.partial else ""
     checked = sum(t.checked for t in report.timelines)
     div = report.first_divergence
     if div is None:
-        out.print(
-            f"[bold green]contract holds[/]{label}: {len(report.timelines)} process group timeline(s), "
-            f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
-            markup=True,
-        )
+        if report.partial:
+            out.print(
+                f"[bold yellow]contract UNKNOWN[/]{label}: no divergence among {n_files} dump(s) "
+                f"({checked} collective(s) compared), but the missing ranks' part is unknown.",
+                markup=True,
+            )
+        else:
+            out.print(
+                f"[bold green]contract holds[/]: {len(report.timelines)} process group timeline(s), "
+                f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
+                markup=True,
+            )
         table = Table("pg", "generation", "ranks", "window", "checked")
         for t in report.timelines:
             window = f"#{t.first_seq}..#{t.last_seq}" if t.first_seq is not None else "empty"
             table.add_row(
-                f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else ""),
+                safe_text(f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else "")),
                 str(t.generation),
                 format_ranks(t.ranks),
                 window,
@@ -134,10 +152,13 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
             )
         out.print(table)
         return
-    where = f"pg {div.pg}" + (f" ({_desc(report, div)})" if _desc(report, div) else "")
+    from rich.markup import escape
+
+    where = escape(safe_text(f"pg {div.pg}" + (f" ({_desc(report, div)})" if _desc(report, div) else "")))
     out.print(
         f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
-        f"seq #{div.seq}: [bold]{div.kind}[/] ({div.field}), culprit rank(s) {format_ranks(div.ranks)}",
+        f"seq #{div.seq}: [bold]{escape(safe_text(div.kind))}[/] ({escape(safe_text(div.field))}), "
+        f"culprit rank(s) {format_ranks(div.ranks)}",
         markup=True,
     )
     table = Table(title=None)
@@ -148,19 +169,21 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
         table.add_column(f"{role}: rank(s) {format_ranks(side.ranks)}")
     for seq, cells in around(traces, interner, div):
         mark = seq == div.seq
-        table.add_row(f"{'>' if mark else ' '} {seq}", *(Text(c) for c in cells), style="bold" if mark else None)
+        table.add_row(
+            f"{'>' if mark else ' '} {seq}", *(Text(safe_text(c)) for c in cells), style="bold" if mark else None
+        )
     out.print(table)
-    out.print(div.explanation, markup=False)
+    out.print(safe_text(div.explanation), markup=False)
     for side in sides:
         if side.call_site:
-            out.print(f"  call site of rank(s) {format_ranks(side.ranks)}: {side.call_site}", markup=False)
+            out.print(safe_text(f"  call site of rank(s) {format_ranks(side.ranks)}: {side.call_site}"), markup=False)
     for hint in div.hints:
-        out.print(f"hint: {hint}", markup=False)
+        out.print(safe_text(f"hint: {hint}"), markup=False)
     rest = report.divergences[1:]
     if rest:
         out.print(
             f"{len(rest)} other process group(s) diverge too: "
-            + "; ".join(f"pg {d.pg} #{d.seq} {d.kind} rank(s) {format_ranks(d.ranks)}" for d in rest),
+            + safe_text("; ".join(f"pg {d.pg} #{d.seq} {d.kind} rank(s) {format_ranks(d.ranks)}" for d in rest)),
             markup=False,
         )
 

@@ -133,9 +133,36 @@ def test_missing_rank_dump_is_partial(cli, dumps, tmp_path):
 
 
 def test_two_dumps_for_one_rank_is_partial(cli, dumps):
+    """No divergence but a partial result is "unknown" (3), never "holds" (0)."""
     res, doc = _json(cli, dumps["clean"] / "fr_pickle", dumps["clean"] / "fr_json" / "rank_0.json")
-    assert res.returncode == 0
+    assert res.returncode == 3
     assert doc["partial"] is True and any("rank 0: two dumps" in w for w in doc["warnings"])
+    assert doc["holds"] is True  # the document still says what was found
+
+
+def test_missing_dumps_without_divergence_exit_3_not_holds(cli, dumps, tmp_path):
+    for r in (0, 1, 2):
+        shutil.copy(dumps["clean"] / "fr_pickle" / f"rank_{r}", tmp_path / f"rank_{r}")
+    human = cli("gpu-doctor", "contract", str(tmp_path), "--world-size", "4")
+    assert human.returncode == 3, human.stdout + human.stderr
+    assert "contract UNKNOWN" in human.stdout and "contract holds" not in human.stdout
+    res, doc = _json(cli, tmp_path, "--world-size", "4")
+    assert res.returncode == 3 and doc["partial"] is True
+
+
+def test_control_characters_in_dump_fields_are_escaped(cli, dumps, tmp_path):
+    """A dump is input from the job: its strings (op names, call sites) must not drive the terminal."""
+    payload = "\x1b]0;owned\x07\x1b[2J"
+    for f in (dumps["size"] / "gg").iterdir():
+        doc = json.loads(f.read_text())
+        for e in doc["entries"]:
+            e["op"] += payload
+            e["call_site"] = (e.get("call_site") or "train.py:1") + payload
+        (tmp_path / f.name).write_text(json.dumps(doc))
+    human = cli("gpu-doctor", "contract", str(tmp_path))
+    assert human.returncode == 1, human.stderr
+    assert "\x1b" not in human.stdout and "\x07" not in human.stdout
+    assert "\\x1b]0;owned\\x07" in human.stdout
 
 
 def test_generations_never_mix(cli, dumps, tmp_path):
