@@ -14,8 +14,8 @@ from typing import Any
 
 import typer
 
-from gpuguard.cli import recover_demo
-from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app
+from gpuguard.cli import recover_demo, recover_status
+from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, require_job, safe_text
 from gpuguard.foundation.errors import EXIT_OK
 
 app = make_app(
@@ -34,7 +34,7 @@ def _confirm() -> Callable[[str], bool] | None:
     """A terminal prompt, or None when stdin is not a terminal (then --yes is required)."""
     if not sys.stdin.isatty():
         return None
-    return lambda question: typer.confirm(f"gpu-recover: {question}", default=False)
+    return lambda question: typer.confirm(safe_text(f"gpu-recover: {question}"), default=False)
 
 
 def _emit(result: Any, as_json: bool) -> int:
@@ -42,19 +42,26 @@ def _emit(result: Any, as_json: bool) -> int:
         emit_json(result.to_json())
         return result.exit_code
     out = console()
-    out.print(f"{result.action}: {result.outcome}: {result.summary}", markup=False, soft_wrap=True)
-    for key in ("evidence", "would_terminate", "unverified", "findings", "notes"):
+
+    def say(text: str) -> None:
+        out.print(safe_text(text), markup=False, soft_wrap=True)
+
+    say(f"{result.action}: {result.outcome}: {result.summary}")
+    for key in ("evidence", "would_terminate", "left_alone", "unverified", "findings", "notes"):
         for line in result.details.get(key) or ():
-            out.print(f"  {line}", markup=False, soft_wrap=True)
+            say(f"  {line}")
     for hazard in result.details.get("hazards") or ():
-        out.print(f"  [{hazard['severity']}] {hazard['kind']}: {hazard['message']}", markup=False, soft_wrap=True)
+        say(f"  [{hazard['severity']}] {hazard['kind']}: {hazard['message']}")
     for rej in result.details.get("rejected") or ():
-        out.print(f"  rejected step {rej['step']}: {rej['reason']}", markup=False, soft_wrap=True)
+        say(f"  rejected step {rej['step']}: {rej['reason']}")
     return result.exit_code
 
 
 def _act(name: str, kwargs: dict[str, Any], job_dir: Path | None, dry_run: bool, yes: bool, as_json: bool) -> int:
     from gpuguard.recovery import actions
+
+    if job_dir is not None:
+        require_job(job_dir)  # a typo'd dir: 66 at once, no wait, nothing written there
 
     result = actions.run_action(
         name, actions.ACTIONS[name], kwargs, job_dir=job_dir, dry_run=dry_run, yes=yes, confirm=_confirm()
@@ -68,14 +75,29 @@ def abort_cmd(
     generation: int | None = typer.Option(None, "--generation", help="Only incarnations of this generation or older."),
     rank: list[int] = typer.Option([], "--rank", help="Only these ranks (repeatable)."),
     grace: float = typer.Option(10.0, "--grace", min=0.0, help="Seconds between SIGTERM and SIGKILL."),
+    include_active: bool = typer.Option(
+        False,
+        "--include-active",
+        help="Also the ACTIVE generation's workers (the running job); default: old ones only.",
+    ),
     dry_run: bool = _DRY,
     yes: bool = _YES,
     as_json: bool = _JSON,
 ) -> int:
-    """Terminate the old generation's workers by PID (SIGTERM, grace, SIGKILL) and prove they are gone."""
+    """Terminate the old generations' workers by PID (SIGTERM, grace, SIGKILL) and prove they are gone.
+
+    Only processes proven to be the job's recorded workers are signalled. The active generation's
+    workers are left alone unless --include-active.
+    """
     return _act(
         "abort",
-        {"job_dir": job_dir, "generation": generation, "ranks": tuple(rank), "grace_s": grace},
+        {
+            "job_dir": job_dir,
+            "generation": generation,
+            "ranks": tuple(rank),
+            "grace_s": grace,
+            "include_active": include_active,
+        },
         job_dir,
         dry_run,
         yes,
@@ -101,11 +123,13 @@ def rendezvous_cmd(
     if state:
         from gpuguard.recovery import actions
 
+        if job_dir is not None:
+            require_job(job_dir)
         result = actions.read_rendezvous(job_dir, endpoint=endpoint, run_id=run_id)
         if not as_json:
             st = result.details["state"]
             console().print(
-                f"{result.summary}\n  participants: {st['participants']}\n  wait_list: {st['wait_list']}",
+                safe_text(f"{result.summary}\n  participants: {st['participants']}\n  wait_list: {st['wait_list']}"),
                 markup=False,
                 soft_wrap=True,
             )
@@ -161,7 +185,7 @@ def verify_cmd(
 
 @runbook_app.command("list")
 def runbook_list(as_json: bool = _JSON) -> int:
-    """The built-in runbooks."""
+    """The built-in runbooks, with what each is for."""
     from gpuguard.recovery import runbooks
 
     books = [runbooks.load(n) for n in runbooks.builtin_names()]
@@ -176,16 +200,55 @@ def runbook_list(as_json: bool = _JSON) -> int:
             }
         )
         return EXIT_OK
+    out = console()
     for b in books:
-        console().print(f"{b.name:14} {' -> '.join(s.name for s in b.steps)}", markup=False, soft_wrap=True)
+        out.print(safe_text(f"{b.name}: {' -> '.join(s.name for s in b.steps)}"), markup=False, soft_wrap=True)
+        out.print(safe_text(f"  {' '.join(b.description.split())}"), markup=False, soft_wrap=True)
     return EXIT_OK
+
+
+def _step_json(s: Any) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "action": s.action,
+        "when": s.when,
+        "args": dict(s.args),
+        "argv": list(s.argv),
+        "newer_than": s.newer_than,
+        "on_failure": s.on_failure,
+    }
+
+
+def _step_lines(i: int, s: Any) -> list[str]:
+    """One step as a person reads it: what it does, when, with which arguments, and on failure."""
+    lines = [f"{i}. {s.name}: {s.action}"]
+    lines.append(f"     when:       {s.when}" if s.when else "     when:       always")
+    if s.argv:
+        import shlex
+
+        lines.append(f"     runs:       {shlex.join(s.argv)}")
+    for key, value in s.args.items():
+        shown = (
+            " ".join(map(str, value))
+            if isinstance(value, list)
+            else str(value).lower()
+            if isinstance(value, bool)
+            else value
+        )
+        label = f"{key[:-2].replace('_', ' ')} (s)" if key.endswith("_s") else key.replace("_", " ")
+        lines.append(f"     {label + ':':<11} {shown}")
+    if s.newer_than:
+        lines.append(f"     waits for:  a generation newer than step {s.newer_than}'s")
+    lines.append(f"     on failure: {'stop the run' if s.on_failure == 'stop' else 'continue with the next step'}")
+    return lines
 
 
 @runbook_app.command("show")
 def runbook_show(
-    name: str = typer.Argument(..., help="Built-in runbook name or YAML file."), as_json: bool = _JSON
+    name: str = typer.Argument(..., help="Built-in runbook name or YAML file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw runbook (gpuguard.runbooks/1)."),
 ) -> int:
-    """Validate and print a runbook."""
+    """Validate and print a runbook: its steps, their conditions and arguments (--json: the raw form)."""
     from gpuguard.recovery import runbooks
 
     book = runbooks.load(name)
@@ -198,29 +261,21 @@ def runbook_show(
                         "name": book.name,
                         "description": book.description.strip(),
                         "source": book.source,
-                        "steps": [
-                            {
-                                "name": s.name,
-                                "action": s.action,
-                                "when": s.when,
-                                "args": dict(s.args),
-                                "argv": list(s.argv),
-                                "newer_than": s.newer_than,
-                                "on_failure": s.on_failure,
-                            }
-                            for s in book.steps
-                        ],
+                        "steps": [_step_json(s) for s in book.steps],
                     }
                 ],
             }
         )
         return EXIT_OK
-    out = console()
-    out.print(f"{book.name} ({book.source}): {book.description.strip()}", markup=False, soft_wrap=True)
+    lines = [f"runbook {book.name} ({book.source})"]
+    if book.description.strip():
+        lines.append(f"  {' '.join(book.description.split())}")
+    lines.append(f"steps ({len(book.steps)}, in order; a step whose condition is false is skipped):")
     for i, s in enumerate(book.steps, 1):
-        extra = f" when {s.when}" if s.when else ""
-        args = f" {dict(s.args)}" if s.args else ""
-        out.print(f"  {i}. {s.name}: {s.action}{args}{extra}", markup=False, soft_wrap=True)
+        lines += [f"  {line}" for line in _step_lines(i, s)]
+    out = console()
+    for line in lines:
+        out.print(safe_text(line), markup=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -238,6 +293,7 @@ def runbook_run(
     from gpuguard.recovery import runbooks
 
     book = runbooks.load(name)
+    require_job(job_dir)  # an empty or typo'd dir is not a job that was recovered
     if new and run_id is None:
         import uuid
 
@@ -246,7 +302,9 @@ def runbook_run(
 
     def progress(rep: Any) -> None:
         mark = " (resumed)" if rep.resumed else ""
-        out.print(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}", markup=False, soft_wrap=True)
+        out.print(
+            safe_text(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}"), markup=False, soft_wrap=True
+        )
 
     report = runbooks.run(book, job_dir, dry_run=dry_run, yes=yes, confirm=_confirm(), run_id=run_id, progress=progress)
     if as_json:
@@ -256,6 +314,7 @@ def runbook_run(
     return report.exit_code
 
 
+recover_status.register(app=app)
 recover_demo.register(app=app)
 
 main = entry(app, "gpu-recover")

@@ -5,12 +5,12 @@ _gpuguard_gpu_recover() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /abort|/demo|/rendezvous|/restore|/runbook|/runbook/list|/runbook/run|/runbook/show|/verify) path="${path}/${w}" ;;
+            /abort|/demo|/rendezvous|/restore|/runbook|/runbook/list|/runbook/run|/runbook/show|/status|/verify) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
-        "") words="abort demo rendezvous restore runbook verify --help --version -h" ;;
-        "/abort") words="--dry-run --generation --grace --help --job-dir --json --rank --yes -h -y" ;;
+        "") words="abort demo rendezvous restore runbook status verify --help --version -h" ;;
+        "/abort") words="--dry-run --generation --grace --help --include-active --job-dir --json --rank --yes -h -y" ;;
         "/demo") words="--help --job-dir --json --kill-step --scenario --steps --timeout --workers -h" ;;
         "/rendezvous") words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-endpoint --run-id --state --yes -h -y" ;;
         "/restore") words="--dry-run --help --job-dir --json --max-tries --step --yes -h -y" ;;
@@ -18,6 +18,7 @@ _gpuguard_gpu_recover() {
         "/runbook/list") words="--help --json -h" ;;
         "/runbook/run") words="--dry-run --help --job-dir --json --new --run-id --yes -h -y" ;;
         "/runbook/show") words="--help --json -h" ;;
+        "/status") words="--count --follow --help --interval --job-dir --json --ledger --probe-timeout -h" ;;
         "/verify") words="--help --job-dir --json --ledger --newer-than --timeout -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cur" ]]; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -116,6 +117,7 @@ def abort(
     generation: int | None = None,
     ranks: tuple[int, ...] = (),
     grace_s: float = 10.0,
+    include_active: bool = False,
     dry_run: bool = False,
 ) -> ActionResult:
     """Terminate the recorded workers (SIGTERM, grace, SIGKILL) and prove every one of them is gone.
@@ -125,19 +127,29 @@ def abort(
     own environment, its parent agent); a reused pid is reported as gone, anything else that does not
     match is reported "not the job's" and left alone. An unreadable record is an unverified worker,
     so it can never turn into a quiescence proof. `generation` limits it to incarnations of that
-    generation or older (records without a generation count as old); `ranks` to those ranks.
+    generation or older (records without a generation count as old); `ranks` to those ranks. The
+    active generation's workers (the ledger's active certificate) are left alone unless
+    `include_active`: the command is for the old generation's leftovers, not the running job.
     """
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
+    active = _active_generation(job_dir)
     records = []
     unknown: list[str] = []
+    spared: list[str] = []
     for rec in iter_incarnations(job_dir):
         if isinstance(rec, DataError):
             unknown.append(f"unreadable incarnation record, not verified: {rec}")
         elif (generation is None or rec.generation is None or rec.generation <= generation) and (
             not ranks or rec.rank in ranks
         ):
+            if not include_active and _is_active(rec.generation, active):
+                spared.append(
+                    f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid} on {rec.host or '?'}: "
+                    f"generation {rec.generation} is the ACTIVE generation: left alone (--include-active to abort it)"
+                )
+                continue
             records.append(rec)
     host = os.uname().nodename
     targets: list[tuple[Any, Any]] = []
@@ -170,7 +182,24 @@ def abort(
             "dry-run",
             EXIT_OK,
             f"would terminate {len(targets)} process(es)",
-            {"would_terminate": plan, "evidence": evidence, "unverified": unknown},
+            {
+                "would_terminate": plan,
+                "targets": [
+                    {
+                        "host": r.host or _hostname(),
+                        "pid": r.pid,
+                        "rank": r.rank,
+                        "generation": r.generation,
+                        "active": _is_active(r.generation, active),
+                    }
+                    for r, _ in targets
+                ],
+                "active_generation": active,
+                "grace_s": grace_s,
+                "evidence": evidence,
+                "unverified": unknown,
+                "left_alone": spared,
+            },
             dry_run=True,
         )
     t0 = time.monotonic()
@@ -203,6 +232,7 @@ def abort(
         "evidence": evidence,
         "unverified": unknown,
         "quiescence": "proved" if quiescent else "unknown",
+        "left_alone": spared,
         "evidence_file": str(evidence_file),
         "elapsed_s": round(time.monotonic() - t0, 3),
     }
@@ -221,6 +251,42 @@ def abort(
         else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified"
     )
     return ActionResult("abort", outcome, EXIT_OK, summary, details)
+
+
+def _is_active(record_generation: int | None, active: int | None) -> bool:
+    """A record of the active generation (or one newer than the ledger knows: being activated)."""
+    return active is not None and record_generation is not None and record_generation >= active
+
+
+def describe_abort(plan: ActionResult) -> str:
+    """The abort confirmation in words: each process (host, pid, rank, generation) and the signals."""
+    targets = plan.details.get("targets") or []
+    grace = plan.details.get("grace_s", 10.0)
+    lines = [
+        f"abort will send SIGTERM to {len(targets)} process(es), then SIGKILL to any still alive after {grace:g} s:"
+        if targets
+        else "abort finds no process of the job to signal:"
+    ]
+    for t in targets:
+        gen = "-" if t["generation"] is None else str(t["generation"])
+        mark = "  (ACTIVE generation)" if t["active"] else ""
+        lines.append(f"  host {t['host']}  pid {t['pid']}  rank {t['rank']}  generation {gen}{mark}")
+    for line in (*(plan.details.get("left_alone") or ()), *(plan.details.get("unverified") or ())):
+        lines.append(f"  not signalled: {line}")
+    lines.append("Proceed?")
+    return "\n".join(lines)
+
+
+def _describe(name: str, fn: Callable[..., ActionResult], kwargs: Mapping[str, Any]) -> str:
+    """What a mutating action is about to do, as a person reads it (never a Python dict)."""
+    if name == "abort":
+        return describe_abort(fn(**kwargs, dry_run=True))
+    shown = ", ".join(
+        f"{k.replace('_', ' ')} {v if not isinstance(v, (tuple, list)) else ' '.join(map(str, v)) or '-'}"
+        for k, v in kwargs.items()
+        if v is not None and v != ()
+    )
+    return f"{name}: {shown}. Proceed?"
 
 
 def _write_quiescence(job_dir: Path, records: list[Any], *, unknown_ids: set[str], alive_ids: set[str]) -> Path:
@@ -442,6 +508,12 @@ def drain_command(node: str, summary: str) -> list[str]:
     return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
 
 
+def drain_command_line(node: str, summary: str) -> str:
+    """`drain_command` as a line to print and paste: quoted with `shlex.join` (the reason has spaces,
+    and a summary from a log may hold `;`, `$(...)` or quotes)."""
+    return shlex.join(drain_command(node, summary))
+
+
 def foreign_reason(show_output: str) -> str | None:
     """The Reason= in `scontrol show node <node> -o` output when someone other than gpu-doctor set it.
 
@@ -524,7 +596,7 @@ def run_action(
 
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}
     if name in MUTATING and not dry_run and not yes:
-        if confirm is None or not confirm(f"{name} {args}?"):
+        if confirm is None or not confirm(_describe(name, fn, kwargs)):
             why = "not confirmed" if confirm is not None else "no terminal to confirm on: pass --yes (or --dry-run)"
             if job_dir is not None and job_dir.is_dir():
                 audit.append(

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.jobdir import require_job_dir
 from gpuguard.recovery import actions, audit, conditions
 
 BUILTIN_DIR = "runbooks"
@@ -44,7 +45,7 @@ CONSOLE_SCRIPTS = ("gpu-doctor", "gpu-generation", "gpu-recover")
 READ_ONLY_DOCTOR = ("diagnose", "logs", "contract")  # run even in a dry run: they change nothing
 ACTION_ARGS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "diagnose": {"init_timeout_s": (int, float)},
-    "abort": {"grace_s": (int, float), "generation": int, "ranks": list},
+    "abort": {"grace_s": (int, float), "generation": int, "ranks": list, "include_active": bool},
     "rendezvous": {"deadline_s": (int, float), "endpoint": str, "run_id": str},
     "restore": {"step": int, "max_tries": int},
     "verify": {"timeout_s": (int, float), "poll_s": (int, float)},
@@ -191,7 +192,7 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
             raise err(
                 f"{where}: field 'args.{shown}': not an argument of {action} (allowed: {', '.join(allowed) or 'none'})"
             )
-        if isinstance(value, bool) or not isinstance(value, allowed[key]):
+        if (isinstance(value, bool) and allowed[key] is not bool) or not isinstance(value, allowed[key]):
             raise err(f"{where}: field 'args.{key}': wrong type {type(value).__name__}")
         if key == "ranks" and not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
             raise err(f"{where}: field 'args.ranks': must be a list of integers")
@@ -298,8 +299,7 @@ def run(
     progress: Callable[[StepReport], None] | None = None,
 ) -> RunReport:
 
-    if not job_dir.is_dir():
-        raise NoInputError(f"{job_dir}: no such job directory")
+    require_job_dir(job_dir)  # an empty or typo'd dir is not a job that was recovered ("done")
     resumed_from = run_id or (None if dry_run else unfinished_run(job_dir, book.name))
     run_id = resumed_from or f"{book.name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     report = RunReport(book.name, run_id, dry_run)

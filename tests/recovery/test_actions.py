@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from gpuguard.foundation.jobdir import ensure_job
 from tests.support.cli import run_cli
 from tests.support.processes import reap, record, spawn
 
@@ -55,6 +56,7 @@ def test_dry_run_changes_nothing_and_no_confirmation_is_refused(tmp_path):
 
 
 def test_restore_refuses_corrupt_states_with_bounded_tries(tmp_path):
+    ensure_job(tmp_path)
     for step in (2, 4, 6, 8, 10):
         d = tmp_path / "snapshots" / f"step-{step}"
         d.mkdir(parents=True)
@@ -72,6 +74,7 @@ def test_restore_refuses_corrupt_states_with_bounded_tries(tmp_path):
 
 
 def test_verify_waits_with_a_timeout_then_verifies(tmp_path):
+    ensure_job(tmp_path)  # a job whose first certificate is not there yet
     r = run_cli("gpu-recover", "verify", "--job-dir", str(tmp_path), "--timeout", "0.5")
     assert r.returncode == 75 and "within 0.5 s" in r.stderr
     from gpuguard.generation.job import init_job
@@ -95,6 +98,7 @@ def test_restore_skips_a_corrupted_snapshot_and_pins_the_previous_verified_one(t
 
     from gpuguard.recovery.snapshot import save_snapshot
 
+    ensure_job(tmp_path)
     for step in (3, 6, 9):
         save_snapshot(tmp_path, step, {"w": torch.full((4,), float(step))}, generation=0, owner="test")
     shard = next(p for p in (tmp_path / "snapshots" / "step-9").rglob("*.distcp"))

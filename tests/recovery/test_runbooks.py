@@ -14,6 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuguard.foundation.jobdir import ensure_job
 from gpuguard.recovery import runbooks  # noqa: E402
 from gpuguard.recovery.runbooks import RunbookError  # noqa: E402
 from tests.support.cli import run_cli
@@ -27,7 +28,29 @@ def test_builtin_runbooks_are_valid_and_listed(cli):
     books = {b["name"]: b["steps"] for b in json.loads(r.stdout)["runbooks"]}
     assert books["rank-failure"] == ["diagnose", "vote", "abort", "rendezvous", "restore", "verify"]
     r = cli("gpu-recover", "runbook", "show", "hang")
-    assert r.returncode == 0 and "when diagnose.verdict == hung" in r.stdout
+    assert r.returncode == 0 and "when:       diagnose.verdict == hung or diagnose.verdict == orphaned" in r.stdout
+
+
+def test_list_shows_descriptions_and_show_reads_as_prose(cli):
+    """`list` says what each runbook is for; `show` prints steps, conditions and arguments in words
+    (the raw form is --json), never Python reprs."""
+    r = cli("gpu-recover", "runbook", "list")
+    assert r.returncode == 0
+    assert "hang: diagnose -> abort -> restore -> verify" in r.stdout
+    assert "Workers are alive but make no progress" in r.stdout  # the description, on its own line
+    assert "This node is being drained" in r.stdout
+    r = cli("gpu-recover", "runbook", "show", "hang")
+    lines = r.stdout.splitlines()
+    assert lines[0] == "runbook hang (builtin:hang)"
+    assert "  1. diagnose: diagnose" in lines and "       when:       always" in lines
+    assert "       init timeout (s): 60" in lines and "       grace (s):  10" in lines
+    assert "  2. abort: abort" in lines and "       include active: true" in lines
+    assert "       waits for:  a generation newer than step diagnose's" in lines
+    assert "       on failure: stop the run" in lines
+    assert "{'" not in r.stdout and "':" not in r.stdout  # no dict reprs
+    raw = json.loads(cli("gpu-recover", "runbook", "show", "hang", "--json").stdout)
+    (book,) = raw["runbooks"]
+    assert book["steps"][1]["args"] == {"grace_s": 10, "include_active": True}
 
 
 @pytest.mark.parametrize(
@@ -202,6 +225,7 @@ def test_command_steps_run_gpuguard_scripts_without_a_shell(tmp_path, cli):
         "- {name: doctor, action: command, argv: [gpu-doctor, diagnose, torchrun, --job-dir, '{job_dir}', --json]}\n"
         "- {name: abort, action: abort, when: doctor.verdict == orphaned}\n"
     )
+    ensure_job(tmp_path)
     r = cli("gpu-recover", "runbook", "run", str(book), "--job-dir", str(tmp_path), "--yes", "--json")
     assert r.returncode == 0, r.stderr
     steps = json.loads(r.stdout)["steps"]

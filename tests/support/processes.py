@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from gpuguard.foundation.jobdir import IncarnationRecord, write_incarnation
+from gpuguard.foundation.jobdir import IncarnationRecord, ensure_job, write_incarnation
 
 IGNORE_TERM = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
@@ -44,6 +44,7 @@ def record(
     uid: int | None = None,
 ) -> str:
     inc = uuid.uuid4().hex
+    ensure_job(job_dir)  # what the runtime's first start writes: the directory is a job's
     write_incarnation(
         job_dir,
         IncarnationRecord(
