@@ -41,6 +41,7 @@ from gpuguard.foundation.errors import (
 )
 from gpuguard.foundation.identity import ALIVE_STATES, JobProcessClaim, check_job_process, process_status
 from gpuguard.foundation.jobdir import iter_incarnations
+from gpuguard.generation.job import ledger_url, open_job_ledger
 from gpuguard.generation.keys import load_key
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.verify import verify_ledger
@@ -98,14 +99,24 @@ def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionRes
 
 
 def _active_generation(job_dir: Path) -> int | None:
-    if not jobdir.ledger_dir(job_dir).exists():
-        return None
+    return _read_active_generation(job_dir)[0]
+
+
+def _read_active_generation(job_dir: Path, timeout_s: float = 5.0) -> tuple[int | None, str | None]:
+    """(active generation, why it could not be read): (None, None) when the job has no ledger at all.
+
+    The ledger is wherever `init` put it (`<job-dir>/ledger/`, `ledger.url`, $GPUGUARD_LEDGER).
+    """
     try:
-        with open_ledger(job_dir) as ledger:
+        if ledger_url(job_dir) is None and not jobdir.ledger_dir(job_dir).exists():
+            return None, None
+        with open_job_ledger(job_dir, timeout=timeout_s) as ledger:
             cert = ledger.active()
-        return cert.generation if cert is not None else None
-    except GpuguardError:
-        return None
+    except GpuguardError as exc:
+        return None, str(exc)
+    if cert is None:
+        return None, "the ledger holds no valid certificate"
+    return cert.generation, None
 
 
 # --- abort -------------------------------------------------------------------------------------
@@ -134,7 +145,7 @@ def abort(
 
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
-    active = _active_generation(job_dir)
+    active, ledger_problem = _read_active_generation(job_dir)
     records = []
     unknown: list[str] = []
     spared: list[str] = []
@@ -144,10 +155,18 @@ def abort(
         elif (generation is None or rec.generation is None or rec.generation <= generation) and (
             not ranks or rec.rank in ranks
         ):
+            who = f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid} on {rec.host or '?'}"
             if not include_active and _is_active(rec.generation, active):
                 spared.append(
-                    f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid} on {rec.host or '?'}: "
-                    f"generation {rec.generation} is the ACTIVE generation: left alone (--include-active to abort it)"
+                    f"{who}: generation {rec.generation} is the ACTIVE generation: left alone "
+                    "(--include-active to abort it)"
+                )
+                continue
+            if not include_active and ledger_problem is not None and rec.generation is not None:
+                # which generation is active is unknown: this one may be the running job's
+                spared.append(
+                    f"{who}: generation {rec.generation} may be the active one (ledger: {ledger_problem}): "
+                    "left alone (--include-active to abort it)"
                 )
                 continue
             records.append(rec)
@@ -231,7 +250,8 @@ def abort(
         "killed_after_grace": sorted(killed),
         "evidence": evidence,
         "unverified": unknown,
-        "quiescence": "proved" if quiescent else "unknown",
+        # "proved" covers every recorded incarnation; with the active generation left running it cannot
+        "quiescence": ("proved" if not spared else "active-running") if quiescent else "unknown",
         "left_alone": spared,
         "evidence_file": str(evidence_file),
         "elapsed_s": round(time.monotonic() - t0, 3),
@@ -250,6 +270,10 @@ def abort(
         if quiescent
         else f"terminated {len(targets)} process(es); {len(unknown)} incarnation(s) could not be verified"
     )
+    if spared:
+        summary += f"; {len(spared)} incarnation(s) of the active generation left alone (--include-active)"
+        if quiescent:
+            summary = summary.replace("every recorded incarnation is gone", "every old incarnation is gone")
     return ActionResult("abort", outcome, EXIT_OK, summary, details)
 
 

@@ -179,11 +179,55 @@ def test_abort_leaves_the_active_generation_alone_unless_include_active(tmp_path
         assert current.poll() is None  # the running job's worker: never signalled by default
         (spared,) = details["left_alone"]
         assert f"pid {current.pid}" in spared and "ACTIVE generation" in spared and "--include-active" in spared
+        assert details["quiescence"] == "active-running"  # never "proved" while the active generation runs
         r = run_cli("gpu-recover", "abort", "--job-dir", str(jd), "--yes", "--grace", "1", "--include-active", "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["details"]["terminated"] == [current.pid] and current.wait(10) == -15
     finally:
         reap(old, current)
+
+
+def test_abort_finds_the_active_generation_in_an_etcd_ledger(tmp_path, etcd_url):
+    """The ledger is where `init` put it (ledger.url), not only <job-dir>/ledger/."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(etcd_url)
+    jd = tmp_path / "job"
+    init_job(jd, url=f"etcd://{u.hostname}:{u.port}/abort-{os.getpid()}-{time.time_ns()}")
+    current = spawn()
+    try:
+        active = _active_with(jd, [current])
+        record(jd, current, 0, generation=active)
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(jd), "--yes", "--grace", "1", "--json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        details = json.loads(r.stdout)["details"]
+        assert details["terminated"] == [] and current.poll() is None
+        assert "ACTIVE generation" in details["left_alone"][0]
+    finally:
+        reap(current)
+
+
+def test_abort_with_an_unreadable_ledger_leaves_generation_records_alone(tmp_path):
+    """Which generation is active cannot be read (etcd down): a worker that may be the running job's
+    is not signalled without --include-active."""
+    from tests.support.cli import free_port
+
+    jd = tmp_path / "job"
+    jd.mkdir()
+    (jd / "ledger.url").write_text(f"etcd://127.0.0.1:{free_port()}/gone\n")
+    worker = spawn()
+    try:
+        record(jd, worker, 0, generation=4)
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(jd), "--yes", "--grace", "1", "--json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        details = json.loads(r.stdout)["details"]
+        assert details["terminated"] == [] and worker.poll() is None
+        assert "may be the active one (ledger:" in details["left_alone"][0]
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(jd), "--yes", "--grace", "1", "--include-active")
+        assert r.returncode == 0, r.stderr
+        assert worker.wait(10) == -15
+    finally:
+        reap(worker)
 
 
 def test_abort_confirmation_lists_host_pid_rank_generation_and_the_signal_plan(tmp_path):
