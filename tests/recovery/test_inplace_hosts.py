@@ -7,12 +7,14 @@ One host is powered off, partitioned or frozen after step MARK. The survivors mu
 generation 2 without an operator, with the lost incarnation proved quiet by its expired lease,
 resume at the certified step and end equal to the single-process oracle; a partitioned or frozen
 host that comes back must have fenced itself (exit 4) without one more commit, and `gpu-generation
-verify --ledger etcd://...` must accept the chain. Skipped only where hosts cannot be made (no root).
+verify --ledger etcd://...` must accept the chain. An operator's abort, sent from the control host, reaches
+every worker through etcd alone. Skipped only where hosts cannot be made (no root).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import pytest
@@ -105,3 +107,39 @@ def test_a_lost_host_is_fenced_by_its_lease_and_the_survivors_switch_in_place(ca
         assert "fenced itself" in logs[lost] and "generation 2 active" not in logs[lost]
     # nothing of the job is left running on any host (each live host holds only its PID 1)
     assert all(len(pids) <= 1 for pids in left.values()), left
+
+
+ABORT = (
+    "import sys\n"
+    "from gpuguard.recovery.coord import open_coordination\n"
+    "open_coordination(sys.argv[1], sys.argv[2]).request_abort(int(sys.argv[3]), 'test operator')\n"
+)
+
+
+def test_an_operators_abort_travels_through_etcd_and_every_host_switches(can_make_hosts, tmp_path):
+    with up(len(HOSTS)) as c:
+        job = HostJob.launch(
+            c,
+            HOSTS,
+            tmp_path,
+            steps=STEPS,
+            step_sleep=0.1,
+            pg_timeout=PG_TIMEOUT,
+            lease_ttl=TTL,
+            faults=f"2:{MARK}:before_commit:mark",
+        )
+        with job:
+            assert job.wait_file("h3", f"faults/2-before_commit-{MARK}.json", 60), job.log(2)
+            # from the control host: it shares no filesystem with the training hosts' job dirs
+            c.run("ctl", [sys.executable, "-c", ABORT, job.job_dir, job.url, "1"], timeout=30, check=True)
+            codes = job.wait([0, 1, 2], 60)
+            ledger = job.ledger("h1")
+            logs = {r: job.log(r) for r in range(3)}
+        results = {r: job.result(r) for r in range(3)}
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, logs)
+    g2 = ledger["history"][2]
+    assert g2["reason"] == "operator" and len(g2["members"]) == 3 and g2["extra"]["switch"] == "in-place"
+    assert set(g2["extra"]["quiescence_by"].values()) == {"reported, left its group"}
+    ref = reference(STEPS)
+    assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(results[0]["params"], ref))
+    assert not (job.outside("h1") / "coord" / "inplace" / "abort.json").exists()  # nothing through files
