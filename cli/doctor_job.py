@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from gpuguard.cli._app import emit_json, job_dir_option, stdout_is_terminal
+from gpuguard.cli._app import emit_json, job_dir_option, safe_text, stdout_is_terminal
 from gpuguard.foundation.errors import EXIT_OK, EXIT_UNKNOWN, NoInputError
 
 _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red", "unknown": "magenta"}
@@ -89,7 +89,7 @@ def render(doc: dict[str, Any]):  # -> rich renderable
     head = Text.assemble(
         ("job ", "bold"),
         (doc["verdict"].upper(), _COLOR.get(doc["verdict"], "")),
-        f"  {doc['reason']}\n",
+        f"  {safe_text(doc['reason'])}\n",
         f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
         f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
     )
@@ -114,11 +114,11 @@ def render(doc: dict[str, Any]):  # -> rich renderable
             f"{own.get('p50', 0):.3f}/{own.get('p99', 0):.3f}",
             f"{r.get('own_compute_recent_s', 0):.3f}",
             sparkline(r.get("recent_periods_s", [])[-30:], top),
-            r["reason"],
+            safe_text(r["reason"]),
         )
     if hidden:
         table.add_row("…", Text("healthy", "green"), "", "", "", "", "", f"{hidden} more healthy rank(s) not shown")
-    steps = Text("next: " + "\n      ".join(doc["next_steps"]))
+    steps = Text(safe_text("next: " + "\n      ".join(doc["next_steps"])))
     return Group(head, table, steps)
 
 
@@ -142,7 +142,7 @@ def _print_human(doc: dict[str, Any]) -> None:
         console().print(render(doc))
         return
     per, comp = doc["cohort_step_s"]["period"], doc["cohort_step_s"]["compute"]
-    print(f"job {doc['verdict'].upper()}: {doc['reason']}")
+    print(safe_text(f"job {doc['verdict'].upper()}: {doc['reason']}"))
     print(
         f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
         f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s"
@@ -152,14 +152,16 @@ def _print_human(doc: dict[str, Any]) -> None:
     for r in shown:
         mark = " (culprit)" if r.get("culprit") else ""
         print(
-            f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
-            f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
-            f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}"
+            safe_text(
+                f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
+                f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
+                f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}"
+            )
         )
     if hidden:
         print(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
     for step in doc["next_steps"]:
-        print(f"next: {step}")
+        print(safe_text(f"next: {step}"))
 
 
 def diagnose_job(

@@ -256,3 +256,27 @@ def test_real_watchdog_log_marks_the_reporting_ranks_as_victims(cli, tmp_path: P
         assert comm[rank] is not None and comm[rank]["numbers"]["errors_seen_by_rank"] >= 1
         assert "watchdog" in comm[rank]["reason"].lower()
     assert comm[2] is None and comm[5] is None
+
+
+def test_record_text_is_escaped_in_human_output(cli, tmp_path: Path, monkeypatch) -> None:
+    """A node report's (or a log's) text reaches the rank's reason: its control characters must not
+    drive the operator's terminal."""
+    import socket
+
+    for r in range(3):
+        monkeypatch.setenv("LOCAL_RANK", str(r))
+        _steps(StepLog(tmp_path, r, f"i{r}"), 3, 0.001)
+    report = tmp_path / "node.json"
+    evil = {"verdict": "drain", "check": "gpu_lost", "message": "GPU is lost \x1b]0;owned\x07\x1b[2J"}
+    report.write_text(
+        json.dumps(
+            {
+                "schema": "gpuguard.node/1",
+                "node": socket.gethostname(),
+                "gpus": [{"index": 1, "verdict": "drain", "evidence": [evil]}],
+            }
+        )
+    )
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--node-report", str(report))
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout, r.stdout
+    assert "GPU is lost \\x1b]0;owned\\x07\\x1b[2J" in r.stdout
