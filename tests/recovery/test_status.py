@@ -142,3 +142,34 @@ def test_status_page_and_json_on_a_real_job(tmp_path):
         assert follow.returncode == 2 and len(follow.stdout.splitlines()) == 2
     finally:
         reap(alive, dead)
+
+
+def test_status_writes_nothing_escapes_record_text_and_follow_ends_on_ctrl_c(tmp_path):
+    import signal
+    import time
+
+    from tests.support.cli import BIN
+
+    jd = tmp_path / "job"
+    init_job(jd)
+    audit.append(jd, audit.new_record("abort", "done", 0, detail={"summary": "x \x1b]0;owned\x07\x1b[2J"}))
+    before = sorted((p.name, p.stat().st_size) for p in jd.rglob("*"))
+    page = run_cli("gpu-recover", "status", "--job-dir", str(jd), timeout=60)
+    assert page.returncode == 0, page.stderr  # genesis: healthy, nothing has run yet
+    assert "\x1b" not in page.stdout and "x \\x1b]0;owned\\x07\\x1b[2J" in page.stdout
+    assert sorted((p.name, p.stat().st_size) for p in jd.rglob("*")) == before
+    proc = subprocess.Popen(
+        [str(BIN / "gpu-recover"), "status", "--job-dir", str(jd), "--follow", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err  # Ctrl-C ends --follow with the last page's code
+    assert out.count("safe to resume: yes") >= 2
