@@ -42,12 +42,11 @@ KEYWORDS = (
     b"XID",
     b"AER",
     b"PCIe Bus Error",
-    b"abricmanager",
-    b"abric manager",
-    b"abric Manager",
+    b"abric",
     b"No devices were found",
     b"device handle for GPU",
-    b"annot attach",
+    b"attach gpu",
+    b"attach GPU",
     b"fallen off the bus",
 )
 _XID_WORD = re.compile(r"\bX[Ii][Dd]\b")

@@ -401,20 +401,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("SXid",), _sxid),
     Rule(("NVRM: The NVIDIA GPU",), _gpu_named),
     Rule(("fallen off the bus", "GPU is lost"), _gpu_lost),
-    Rule(
-        (
-            "RmInitAdapter failed",
-            "rm_init_adapter failed",
-            "annot attach gpu",
-            "annot attach GPU",
-            "No devices were found",
-            "device handle for GPU",
-        ),
-        _init_failed,
-    ),
+    # Markers chosen for the fast scanner: a few that the Aho-Corasick prefilter copes with (each of
+    # "RmInitAdapter failed", "fabricmanager", ... alone costs ~25 % of the scan); the rule's regex decides.
+    Rule(("NVRM: GPU", "No devices were found", "device handle for GPU", "attach gpu", "attach GPU"), _init_failed),
     Rule(("NVRM: GPU",), _identity),
-    Rule(("AER", "PCIe Bus Error"), _aer),
-    Rule(("fabricmanager", "fabric manager", "Fabric Manager", "Fabric manager", "FabricManager"), _fabric),
+    Rule(("AER: ", "PCIe Bus Error", "AER-aware"), _aer),
+    Rule(("abric",), _fabric),
     Rule(("NV_ERR_RESET_REQUIRED", "Reset required"), _reset_required),
     Rule(("blocked for more than",), _hung_task),
 )

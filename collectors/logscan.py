@@ -282,6 +282,9 @@ class _Chained:
             view[:n] = self._head[:n]
             self._head = self._head[n:]
             return n
+        readinto = getattr(self._rest, "readinto", None)
+        if readinto is not None:
+            return readinto(view) or 0
         data = self._rest.read(len(view))
         view[: len(data)] = data
         return len(data)
