@@ -338,7 +338,7 @@ def _render_human(doc: dict[str, Any]) -> None:
         where = f" (line {e['line']})" if e.get("line") else ""
         out.print(f"  - [{_STYLE.get(e['verdict'], 'white')}]{e['verdict']}[/] {escape(e['message'])}{where}")
     for name, sec in doc["sections"].items():
-        if isinstance(sec, dict) and sec.get("status") not in ("ok", None):
+        if isinstance(sec, dict) and sec.get("status") not in ("ok", None, "not_examined"):
             out.print(f"  {name}: {sec.get('status')} - {escape(str(sec.get('reason')))}")
     out.print(f"\n[bold]action[/bold]: {escape(doc['action'])}")
     out.print(escape(_read_summary(doc)))
