@@ -256,4 +256,6 @@ def parse_quantity(text: str, *, what: str) -> float:
     value *= base ** "_KMGTP".index(prefix) if prefix else 1
     if unit == "b":
         value /= 8
+    if not math.isfinite(value):  # '1e999' reads as inf
+        raise UsageError(f"{what}: {text!r} is not a finite number")
     return value

@@ -86,6 +86,8 @@ def test_control_characters_from_records_are_escaped_in_human_output(tmp_path):
             "nan",
         ),
         ("gpu-recover", "abort", "--job-dir", "/nonexistent", "--grace", "inf", "--dry-run"),
+        ("gpu-doctor", "plan", "checkpoint", "--cost", "1e999", "--failures-per-hour", "1"),
+        ("gpu-doctor", "plan", "collective", "--ranks", "8", "--bytes", "1e999", "--bandwidth", "1e9"),
     ],
 )
 def test_nan_and_infinity_are_usage_errors(argv):
