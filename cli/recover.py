@@ -1,8 +1,10 @@
 """`gpu-recover`: drive recovery against a running torchrun job.
 
 Each command is a thin wrapper over `gpuguard.recovery.actions` (confirmation, audit log and the
-`gpuguard.action/1` document are shared with the runbooks). No torch import here: only `demo`
-(registered by `recover_demo`) and the in-job runtime import torch.
+`gpuguard.action/1` document are shared with the runbooks); `status` (registered by
+`recover_status`) renders `gpuguard.recovery.status`. Every command checks first that the job dir is
+a gpuguard job (66 otherwise). No torch import here: only `demo` (registered by `recover_demo`) and
+the in-job runtime import torch.
 """
 
 from __future__ import annotations
