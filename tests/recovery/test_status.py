@@ -173,3 +173,27 @@ def test_status_writes_nothing_escapes_record_text_and_follow_ends_on_ctrl_c(tmp
             proc.kill()
     assert proc.returncode == 0 and "Traceback" not in err  # Ctrl-C ends --follow with the last page's code
     assert out.count("safe to resume: yes") >= 2
+
+
+def test_a_silent_ledger_is_bounded_by_the_probe_deadline(tmp_path):
+    """An etcd that accepts the connection and never answers: the page still comes, unknown (3)."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the backlog; nothing ever reads or answers
+    try:
+        jd = tmp_path / "job"
+        jd.mkdir()
+        (jd / "ledger.url").write_text(f"etcd://127.0.0.1:{silent.getsockname()[1]}/x\n")
+        t0 = time.monotonic()
+        r = run_cli("gpu-recover", "status", "--job-dir", str(jd), "--probe-timeout", "1", "--json", timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        silent.close()
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ledger"]["active_generation"] is None and doc["ledger"]["problem"] == "timed out after 1 s"
+    assert doc["safe_to_resume"] is False
+    assert elapsed < 15, elapsed
