@@ -48,6 +48,11 @@ KEYWORDS = (
     b"attach gpu",
     b"attach GPU",
     b"fallen off the bus",
+    b"RESET_REQUIRED",
+    b"Hardware Error",
+    b"Failed to initialize NVML",
+    b"uncorrectable",  # a training log passed as --kernel-log: CUDA's uncorrectable ECC / NVLink errors
+    b"not yet initialized",
 )
 _XID_WORD = re.compile(r"\bX[Ii][Dd]\b")
 CHUNK = 8 * 1024 * 1024

@@ -468,6 +468,9 @@ def judge(
         if ev.kind in LOG_FAULT_KINDS and fields.get("fault"):
             node_faults.append(ev)  # training-log evidence: names a rank / host, not a PCI address
             continue
+        if implied_fault(ev) is not None:
+            node_faults.append(ev)
+            continue
         if ev.kind not in KERNEL_KINDS:
             continue
         if not pci:
@@ -579,6 +582,21 @@ def _gpu_below(ev: Event, gpu_addrs: set[str], gpu_faults: Sequence[Event]) -> s
     return near.pop() if len(near) == 1 else None
 
 
+def implied_fault(ev: Event) -> str | None:
+    """The catalog fault a line implies without naming one: a driver that needs a GPU reset, a driver /
+    library version mismatch, a fatal host hardware error."""
+    f = ev.fields
+    if f.get("fault"):
+        return str(f["fault"])
+    if ev.kind == "gpu_reset_required":
+        return "reset_required"
+    if ev.kind == "driver_error" and "mismatch" in str(f.get("error") or "").lower():
+        return "driver_mismatch"
+    if ev.kind == "host_hw_error" and f.get("hw_severity") == "fatal":
+        return "host_fatal"
+    return None
+
+
 def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
     """Findings from GPU faults that carry no Xid (init failures, AER, fabric, training-log hardware errors),
     one per fault (and rank / port), with the catalog's severity and action."""
@@ -586,7 +604,7 @@ def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
     for ev in events:
         f = ev.fields
         where = f.get("pci_bus_id") if f.get("device") == "port" else None
-        groups.setdefault((f.get("fault"), f.get("rank"), f.get("host"), where, ev.source), []).append(ev)
+        groups.setdefault((implied_fault(ev), f.get("rank"), f.get("host"), where, ev.source), []).append(ev)
     out: list[Finding] = []
     for (name, rank, host, port, source), group in groups.items():
         info = catalog.fault(str(name))
@@ -604,7 +622,7 @@ def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
             who.append(f"via PCIe port {port}")
         where = f" ({', '.join(who)})" if who else ""
         times = f" x{len(group)}" if len(group) > 1 else ""
-        origin = "kernel_log" if first.kind == "gpu_fault" else "log"
+        origin = "log" if first.kind in LOG_FAULT_KINDS else "kernel_log"
         message = f"{info.name}{times}{where}"
         if origin == "log" and source:
             message += f" in {source}"
@@ -644,4 +662,4 @@ def summarize(level: str, gpus: Sequence[GpuVerdict], node_findings: Sequence[Fi
             label = f"GPU{g.index}" if g.index is not None else (g.pci_bus_id or "GPU?")
             parts.append(f"{label} {top.check if top else level}")
     parts.extend(f.check for f in node_findings if f.verdict == level)
-    return f"{level}: " + ", ".join(parts)
+    return f"{level}: " + ", ".join(dict.fromkeys(parts))

@@ -645,6 +645,34 @@ FAULTS: Mapping[str, FaultInfo] = {
             "NVIDIA Xid catalog, Xid 79 (RESTART_BM)",
         ),
         FaultInfo(
+            "reset_required",
+            "GPU reset required (NV_ERR_RESET_REQUIRED)",
+            "reset",
+            "reset_gpu",
+            "The driver needs a GPU reset before the GPU works again (CUDA reports 'busy or unavailable'): drain "
+            "the GPU's work and reset it (nvidia-smi -r -i <id>); if the reset fails, reboot the node.",
+            "NVIDIA driver status NV_ERR_RESET_REQUIRED; NVML recovery action GPU_RESET",
+        ),
+        FaultInfo(
+            "driver_mismatch",
+            "NVIDIA driver / library version mismatch",
+            "drain",
+            "reboot_node",
+            "The loaded kernel module and the user-space NVIDIA libraries differ (driver upgraded without a "
+            "reboot, or broken packages): no CUDA job can start. Drain; compare /proc/driver/nvidia/version with "
+            "the packages, fix them and reboot.",
+            "NVML NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+        ),
+        FaultInfo(
+            "host_fatal",
+            "Fatal host hardware error (APEI/GHES)",
+            "drain",
+            "reboot_node",
+            "The platform reported a fatal hardware error (host memory, PCIe root complex, CPU): drain the node "
+            "and check the BMC / SEL record before it takes jobs again.",
+            "Linux APEI GHES ([Hardware Error]: event severity: fatal)",
+        ),
+        FaultInfo(
             "unknown_error",
             "CUDA unknown error",
             "reset",

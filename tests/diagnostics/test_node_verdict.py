@@ -339,3 +339,20 @@ def test_calibration_in_the_node_verdict():
     odd = "NVRM: Xid (PCI:0000:4e:00): 0x1F, pid=9, name=p, what"
     result = judge(snapshot(gpu), _events(odd), T)
     assert result.verdict == "degraded" and result.gpus[0].evidence[0].check == "xid.unreadable"
+
+
+def test_lines_that_imply_a_fault_without_naming_one():
+    cases = {
+        "[ 5.1] NVRM: GPU1 nvAssertFailed: status NV_ERR_RESET_REQUIRED": "reset",
+        "Failed to initialize NVML: Driver/library version mismatch": "drain",
+        "kernel: {7}[Hardware Error]: event severity: fatal": "drain",
+        "kernel: {7}[Hardware Error]: event severity: recoverable": "healthy",
+        "Failed to initialize NVML: Unknown Error": "healthy",  # not a claim about the node on its own
+    }
+    for line, verdict in cases.items():
+        assert judge(None, _events(line), T, mode="replay").verdict == verdict, line
+    # the same ECC error seen twice by the same rank is one finding
+    text = "\n".join(["[rank1]: RuntimeError: CUDA error: uncorrectable ECC error encountered"] * 2)
+    result = judge(None, _events(text), T, mode="replay")
+    (finding,) = [f for f in result.evidence if f.check == "fault.ecc_uncorrectable"]
+    assert "x2" in finding.message and result.summary == "reset: fault.ecc_uncorrectable"
