@@ -164,3 +164,20 @@ def test_fast_scanner_and_line_parser_agree_on_the_new_rules(lines, chunk):
     slow = [(e.line, e.kind, dict(e.fields)) for e in iter_events(lines)]
     fast = [(e.line, e.kind, dict(e.fields)) for e in LogScan(io.BytesIO(data), chunk_size=chunk)]
     assert fast == slow
+
+
+_KL_WORDS = st.sampled_from(
+    ["NVRM", "Xid", "AER: x", "PCIe Bus Error", "fabric", "abric", "no", "XID", "uncorrectable", "plain", "N", "\r"]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_KL_WORDS, max_size=5).map(" ".join), max_size=40))
+def test_kernel_log_candidates_are_exactly_the_lines_holding_a_keyword(lines):
+    from gpuguard.collectors import kernel_log
+
+    block = ("\n".join(lines) + "\n").encode()
+    out: list[tuple[int, bytes]] = []
+    kernel_log._scan_block(block, 1, out)
+    want = [(n, ln.encode()) for n, ln in enumerate(lines, 1) if any(k in ln.encode() for k in kernel_log.KEYWORDS)]
+    assert out == want
