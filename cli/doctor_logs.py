@@ -7,7 +7,9 @@ then sums up per GPU with the Xid catalog (Xid 154 actions authoritative, sympat
 Exit codes: 0 nothing at warning level, 1 warning events, 2 critical events (GPU lost, reset/drain Xid,
 uncorrectable ECC...), 64 usage error, 66 input missing or a directory, 74 read error, 77 permission
 denied, 65 a corrupt .gz. Never imports torch; reads files in bounded chunks (a 1 GiB log is never
-loaded whole); gzip-compressed (rotated) logs are decompressed on the fly.
+loaded whole); gzip-compressed (rotated) logs are decompressed on the fly (`logscan.open_log`, the
+same reader as `diagnose node` and `sweep`). Inputs up to 8 MiB (pastes) are read whole and lines a
+terminal or a ticket wrapped are re-joined (`collectors.logwrap`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ for line numbers, and only lines holding a marker are decoded and handed to the 
 line numbers count `\n` only. Memory stays bounded by the chunk size plus the longest record (records
 longer than `MAX_LINE_BYTES` are cut).
 
-Lazy imports (start-up time): ahocorasick_rs, only when a chunk is scanned.
+`open_log` / `read_log` are the one reader of `gpu-doctor logs`, `diagnose node --log` and the
+kernel-log collector: gzip-compressed (rotated) logs are decompressed as they are read, and small
+inputs (pastes) have their wrapped lines re-joined (`logwrap`).
+
+Lazy imports (start-up time): ahocorasick_rs, only when a chunk is scanned; gzip and logwrap, only when
+a file is opened through `open_log` / `read_log`.
 """
 
 from __future__ import annotations
