@@ -38,6 +38,7 @@ from gpuguard.foundation.errors import (
 _PROGRESS_MIN_BYTES = 64 << 20
 _TABLE_ROWS = 1000
 _SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
+_ALL_CLEAR = "no evidence of a fault in these lines; that is what was found, not proof of health"
 _BRIEF_SKIP = {"message", "name", "catalog_severity", "binary", "error", "location", "uptime_s", "summary"}
 
 
@@ -262,6 +263,8 @@ def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     out.write(
         f"summary: {total} events in {lines} lines of {len(stats)} file(s); worst: {summary.worst if total else 'none'}\n"
     )
+    if summary.worst == "info" or not total:
+        out.write(f"  {_ALL_CLEAR}\n")
     if summary.by_kind:
         out.write("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()) + "\n")
     for gpu, res in summary.gpus().items():
@@ -303,6 +306,8 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         f"[bold]summary[/bold]: {total} events in {lines} lines of {len(stats)} file(s); worst: "
         f"[{_SEVERITY_STYLE.get(worst, '')}]{worst}[/]"
     )
+    if summary.worst == "info" or not total:
+        con.print(f"  {_ALL_CLEAR}")
     if summary.by_kind:
         con.print("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()))
     gpus = summary.gpus()

@@ -288,3 +288,10 @@ def test_diagnose_node_never_imports_torch():
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "gpuguard.diagnostics.node_verdict" in imported  # the measurement saw the real path
     assert not any(name == "torch" or name.startswith("torch.") for name in imported)
+
+
+def test_logs_all_clear_says_it_is_not_proof_of_health(tmp_path):
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("[    1.0] Linux version 6.8.0\n")
+    r = run_cli("gpu-doctor", "logs", str(quiet))
+    assert r.returncode == 0 and "not proof of health" in r.stdout
