@@ -45,14 +45,14 @@ KEYWORDS = (
     b"abric",
     b"No devices were found",
     b"device handle for GPU",
-    b"attach gpu",
-    b"attach GPU",
+    b"annot attach",
     b"fallen off the bus",
     b"RESET_REQUIRED",
     b"Hardware Error",
     b"Failed to initialize NVML",
     b"uncorrectable",  # a training log passed as --kernel-log: CUDA's uncorrectable ECC / NVLink errors
     b"not yet initialized",
+    b"PCI bridge to",  # boot-time topology: maps an AER error on a port to the GPU below it
 )
 _XID_WORD = re.compile(r"\bX[Ii][Dd]\b")
 CHUNK = 8 * 1024 * 1024

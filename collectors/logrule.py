@@ -40,6 +40,7 @@ class ParseState:
     root_cause_line: int = 0
     pending: tuple[int, str, Found] | None = None  # an event still collecting its key=value lines
     aer_fatal_line: int = 0  # the last fatal PCIe AER line (a following "no AER-aware driver" names the GPU)
+    bridges: dict[str, tuple[int, int]] = field(default_factory=dict)  # "pci <port>: PCI bridge to [bus a-b]"
 
 
 Parse = Callable[[str, int, ParseState], "Found | None"]

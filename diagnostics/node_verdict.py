@@ -569,11 +569,17 @@ def judge(
 
 
 def _gpu_below(ev: Event, gpu_addrs: set[str], gpu_faults: Sequence[Event]) -> str | None:
-    """The GPU a PCIe port's AER line is about: the source it names, else the one GPU whose own AER line
-    is next to it (same source, within `_PORT_SPAN` lines). None when the log does not say."""
+    """The GPU a PCIe port's AER line is about: the source it names, else the one GPU on the buses below
+    the port (boot-time `PCI bridge to [bus ..]` lines), else the one GPU whose own AER line is next to
+    it (same source, within `_PORT_SPAN` lines). None when the log does not say."""
     src = ev.fields.get("error_source")
     if src and src != ev.fields.get("pci_bus_id") and src in gpu_addrs:
         return str(src)
+    buses = ev.fields.get("buses_below")
+    if isinstance(buses, (list, tuple)) and len(buses) == 2:
+        below = {a for a in gpu_addrs if _bus(a) is not None and buses[0] <= (_bus(a) or 0) <= buses[1]}
+        if len(below) == 1:
+            return below.pop()
     near = {
         str(g.fields["pci_bus_id"])
         for g in gpu_faults
@@ -595,6 +601,15 @@ def implied_fault(ev: Event) -> str | None:
     if ev.kind == "host_hw_error" and f.get("hw_severity") == "fatal":
         return "host_fatal"
     return None
+
+
+def _bus(pci: str) -> int | None:
+    """The bus number of `dddd:bb:dd.f`."""
+    parts = pci.split(":")
+    try:
+        return int(parts[1], 16) if len(parts) == 3 else None
+    except ValueError:
+        return None
 
 
 def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:

@@ -181,3 +181,22 @@ def test_kernel_log_candidates_are_exactly_the_lines_holding_a_keyword(lines):
     kernel_log._scan_block(block, 1, out)
     want = [(n, ln.encode()) for n, ln in enumerate(lines, 1) if any(k in ln.encode() for k in kernel_log.KEYWORDS)]
     assert out == want
+
+
+def test_markers_fit_the_scanners_simd_prefilter():
+    """ahocorasick_rs's Teddy prefilter takes at most 64 patterns; one more makes `gpu-doctor logs` ~2x
+    slower on a 1 GiB log (bench/logs.py). Share markers between rules instead of adding new ones."""
+    from gpuguard.collectors.logparse import MARKERS
+
+    assert len(MARKERS) <= 64
+
+
+def test_a_port_error_names_the_gpu_on_the_buses_below_it():
+    lines = [
+        "[    0.512] pci 0000:3a:00.0: PCI bridge to [bus 3b]",
+        "[ 8921.442103] pcieport 0000:3a:00.0: AER: Uncorrected (Fatal) error received: 0000:3a:00.0",
+    ]
+    (ev,) = iter_events(lines)
+    assert ev.line == 2 and ev.fields["buses_below"] == [0x3B, 0x3B]
+    data = ("\n".join(lines) + "\n").encode()
+    assert [e.fields for e in LogScan(io.BytesIO(data))] == [ev.fields]

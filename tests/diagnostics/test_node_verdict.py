@@ -356,3 +356,15 @@ def test_lines_that_imply_a_fault_without_naming_one():
     result = judge(None, _events(text), T, mode="replay")
     (finding,) = [f for f in result.evidence if f.check == "fault.ecc_uncorrectable"]
     assert "x2" in finding.message and result.summary == "reset: fault.ecc_uncorrectable"
+
+
+def test_a_port_error_maps_to_the_gpu_below_it_by_bus():
+    text = "\n".join(
+        [
+            "[    0.512] pci 0000:3a:00.0: PCI bridge to [bus 3b]",
+            "[    9.100] NVRM: GPU at PCI:0000:3b:00: GPU-aaaa",
+            "[ 8921.442] pcieport 0000:3a:00.0: AER: Uncorrected (Fatal) error received: 0000:3a:00.0",
+        ]
+    )
+    (gpu,) = judge(None, _events(text), T, mode="replay").gpus
+    assert (gpu.pci_bus_id, gpu.verdict) == ("0000:3b:00.0", "drain")
