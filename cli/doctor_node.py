@@ -467,6 +467,8 @@ def diagnose_node(
     else:
         snapshot, nvml_source = None, "not examined"
     if dump_nvml:
+        if snapshot is None:
+            raise UsageError("--dump-nvml: NVML is not examined in replay mode; add --mode live (or --nvml-snapshot)")
         import json
 
         from gpuguard.foundation.jobdir import atomic_write_bytes

@@ -295,3 +295,8 @@ def test_logs_all_clear_says_it_is_not_proof_of_health(tmp_path):
     quiet.write_text("[    1.0] Linux version 6.8.0\n")
     r = run_cli("gpu-doctor", "logs", str(quiet))
     assert r.returncode == 0 and "not proof of health" in r.stdout
+
+
+def test_dump_nvml_needs_nvml(tmp_path):
+    r = run_cli("gpu-doctor", "diagnose", "node", "--kernel-log", str(SAMPLE_LOG), "--dump-nvml", str(tmp_path / "d"))
+    assert r.returncode == 64 and "--mode live" in r.stderr and not (tmp_path / "d").exists()
