@@ -86,6 +86,7 @@ def test_no_torch_on_the_doctor_and_action_paths(tmp_path):
     code = (
         "import sys; from gpuguard.cli._app import run; from gpuguard.cli import doctor, recover; "
         f"jd = {str(tmp_path)!r}; "
+        "from gpuguard.foundation.jobdir import ensure_job; ensure_job(jd); "
         "codes = [run(doctor.app, 'gpu-doctor', ['diagnose', 'torchrun', '--job-dir', jd, '--json']), "
         "run(recover.app, 'gpu-recover', ['abort', '--job-dir', jd, '--dry-run', '--json']), "
         "run(recover.app, 'gpu-recover', ['runbook', 'run', 'hang', '--job-dir', jd, '--dry-run', '--json'])]; "
