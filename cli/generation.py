@@ -70,6 +70,10 @@ def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
     if extra.get("switch"):
         lines.append(f"switch         {extra['switch']}")
+    rnd = _rendezvous_round(extra)
+    if rnd is not None:
+        attempt = f" (attempt {extra['attempt']})" if extra.get("attempt") else ""
+        lines.append(f"rendezvous     round {rnd}{attempt}")
     phases = extra.get("phases")
     if isinstance(phases, Mapping) and phases:
         lines.append("phases         " + ", ".join(f"{k} {_seconds(v)}" for k, v in phases.items()))
@@ -80,6 +84,21 @@ def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
             shown = f"{_layout_text(before)} -> {shown}"
         lines.append(f"layout         {shown}")
     return lines
+
+
+def _rendezvous_round(extra: Mapping[str, Any] | None) -> int | None:
+    """The torchrun rendezvous round a generation was activated in: `extra["rendezvous_round"]`, or
+    for certificates issued before it was recorded, the round of the attempt token (`r<N>-p<port>`)."""
+    extra = extra or {}
+    rnd = extra.get("rendezvous_round")
+    if isinstance(rnd, int) and not isinstance(rnd, bool):
+        return rnd
+    token = extra.get("attempt")
+    if isinstance(token, str) and token.startswith("r"):
+        head = token[1:].split("-", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
 
 
 def _seconds(value: Any) -> str:
@@ -175,6 +194,7 @@ def show_cmd(
                 "active": not beyond,
                 "digest": cert.digest(),
                 "signature_checked": led.key is not None,
+                "rendezvous_round": _rendezvous_round(cert.extra),
                 "unverified_after_active": beyond,
                 "certificate": cert.to_dict(),
             }
@@ -232,6 +252,7 @@ def history_cmd(
             "activation_time": c.activation_time,
             "issued_by": c.issued_by,
             "switch": (c.extra or {}).get("switch"),
+            "rendezvous_round": _rendezvous_round(c.extra),
         }
         for c in chain
     ]
@@ -251,15 +272,18 @@ def history_cmd(
         return EXIT_CRITICAL if beyond else EXIT_OK
     typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
     typer.echo(
-        f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'members':>7}  {'step':>8}  quiescence  digest"
+        f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'round':>5}  {'members':>7}  {'step':>8}  "
+        "quiescence  digest"
     )
     for c in chain:
         q = c.quiescence + (" FORCED" if c.forced else "")
         switch = str((c.extra or {}).get("switch") or "-")
+        rnd = _rendezvous_round(c.extra)
+        shown_round = "-" if rnd is None else str(rnd)
         typer.echo(
             safe_text(
                 f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
-                f"{len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
+                f"{shown_round:>5}  {len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
             )
         )
     if beyond:

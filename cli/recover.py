@@ -110,8 +110,22 @@ def abort_cmd(
 @app.command("rendezvous")
 def rendezvous_cmd(
     job_dir: Path | None = job_dir_option(required=False),
-    endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST[:PORT] of the c10d rendezvous."),
+    endpoint: str | None = typer.Option(
+        None,
+        "--rdzv-endpoint",
+        help="torchrun's --rdzv-endpoint: HOST[:PORT] (c10d) or HOST:PORT[,HOST:PORT...] (etcd, gpuguard backend).",
+    ),
     run_id: str | None = typer.Option(None, "--run-id", help="torchrun's --rdzv-id (default: from the agent)."),
+    backend: str | None = typer.Option(
+        None,
+        "--rdzv-backend",
+        help="c10d or gpuguard (default: the live agent's; else gpuguard for several endpoints, c10d for one).",
+    ),
+    rdzv_conf: str | None = typer.Option(
+        None,
+        "--rdzv-conf",
+        help="gpuguard backend: torchrun's --rdzv-conf (key_prefix, protocol, ca_cert, ...; default: the live agent's).",
+    ),
     expect_round: int | None = typer.Option(
         None, "--expect-round", help="Only trigger if the round is still N (idempotent retries)."
     ),
@@ -121,20 +135,33 @@ def rendezvous_cmd(
     yes: bool = _YES,
     as_json: bool = _JSON,
 ) -> int:
-    """Force exactly one new rendezvous round of the live job (concurrent calls coalesce)."""
+    """Force exactly one new rendezvous round of the live job (concurrent calls coalesce).
+
+    Works on torch's c10d backend (the agent's TCPStore) and on gpuguard's (etcd v3). --state reads
+    only: the decoded state and the generation bound to each recent round.
+    """
     if state:
         from gpuguard.recovery import actions
 
         if job_dir is not None:
             require_job(job_dir)
-        result = actions.read_rendezvous(job_dir, endpoint=endpoint, run_id=run_id)
+        result = actions.read_rendezvous(job_dir, endpoint=endpoint, run_id=run_id, backend=backend, conf=rdzv_conf)
         if not as_json:
             st = result.details["state"]
-            console().print(
-                safe_text(f"{result.summary}\n  participants: {st['participants']}\n  wait_list: {st['wait_list']}"),
-                markup=False,
-                soft_wrap=True,
-            )
+            lines = [
+                result.summary,
+                f"  participants: {st['participants']}",
+                f"  wait_list: {st['wait_list']}",
+                "  rounds (newest first):",
+            ]
+            for b in result.details["rounds"]:
+                bound = (
+                    f"generation {b['generation']}, certificate {b['digest'][:16]}"
+                    if b["status"] == "certified"
+                    else b["status"]
+                )
+                lines.append(f"    round {b['round']}: {bound}")
+            console().print(safe_text("\n".join(lines)), markup=False, soft_wrap=True)
             return EXIT_OK
         return _emit(result, True)
     return _act(
@@ -145,6 +172,8 @@ def rendezvous_cmd(
             "run_id": run_id,
             "deadline_s": deadline,
             "expect_round": expect_round,
+            "backend": backend,
+            "conf": rdzv_conf,
         },
         job_dir,
         dry_run,

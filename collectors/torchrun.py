@@ -39,7 +39,7 @@ def parse_torchrun_cmdline(argv: list[str]) -> dict[str, str] | None:
     if start is None:
         return None
     opts: dict[str, str] = {}
-    wanted = {"rdzv_endpoint", "rdzv_id", "rdzv_backend", "nnodes", "max_restarts", "signals_to_handle"}
+    wanted = {"rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "nnodes", "max_restarts", "signals_to_handle"}
     flags = {"standalone", "no_python", "module", "m", "run_path", "no-python"}
     i = start + 1
     while i < len(argv):

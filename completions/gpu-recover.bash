@@ -12,7 +12,7 @@ _gpuguard_gpu_recover() {
         "") words="abort demo rendezvous restore runbook status verify --help --version -h" ;;
         "/abort") words="--dry-run --generation --grace --help --include-active --job-dir --json --rank --yes -h -y" ;;
         "/demo") words="--help --job-dir --json --kill-step --scenario --steps --timeout --workers -h" ;;
-        "/rendezvous") words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-endpoint --run-id --state --yes -h -y" ;;
+        "/rendezvous") words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --state --yes -h -y" ;;
         "/restore") words="--dry-run --help --job-dir --json --max-tries --step --yes -h -y" ;;
         "/runbook") words="list run show --help -h" ;;
         "/runbook/list") words="--help --json -h" ;;

@@ -367,10 +367,12 @@ def rendezvous(
     deadline_s: float = 30.0,
     expect_round: int | None = None,
     dry_run: bool = False,
+    backend: str | None = None,
+    conf: str | None = None,
 ) -> ActionResult:
-    """Force exactly one new rendezvous round (concurrent callers coalesce on one)."""
+    """Force exactly one new rendezvous round (concurrent callers coalesce on one), c10d or etcd."""
 
-    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
+    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir, backend=backend, conf=conf)
     result = rdzv.trigger_once(ep, deadline_s=deadline_s, expect_round=expect_round, dry_run=dry_run)
     details = {"endpoint": ep.to_json(), **result.to_json()}
     outcome = {"triggered": "done"}.get(result.outcome, result.outcome)
@@ -385,16 +387,25 @@ def rendezvous(
     return ActionResult("rendezvous", outcome, EXIT_OK, summary, details, dry_run=dry_run)
 
 
-def read_rendezvous(job_dir: Path | None, *, endpoint: str | None = None, run_id: str | None = None) -> ActionResult:
+def read_rendezvous(
+    job_dir: Path | None,
+    *,
+    endpoint: str | None = None,
+    run_id: str | None = None,
+    backend: str | None = None,
+    conf: str | None = None,
+    rounds: int = 16,
+) -> ActionResult:
+    """The decoded state, and the last `rounds` rounds with the generation bound to each."""
 
-    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir)
-    state = rdzv.read(ep)
+    ep = rdzv.find_endpoint(endpoint=endpoint, run_id=run_id, job_dir=job_dir, backend=backend, conf=conf)
+    state, bound = rdzv.read_with_rounds(ep, rounds=rounds)
     return ActionResult(
         "rendezvous-state",
         "done",
         EXIT_OK,
-        f"run {ep.run_id!r} round {state.round} ({'complete' if state.complete else 'in progress'})",
-        {"endpoint": ep.to_json(), "state": state.to_json()},
+        f"run {ep.run_id!r} round {state.round} ({'complete' if state.complete else 'in progress'}) at {ep.where()}",
+        {"endpoint": ep.to_json(), "state": state.to_json(), "rounds": bound},
     )
 
 

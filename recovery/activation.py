@@ -183,6 +183,7 @@ class ActivationFacts:
     attempt_token: str = ""
     attempt_source: str = ""
     restart_count: int = 0
+    rendezvous_round: int | None = None  # the torchrun rendezvous round the members were started in
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ def plan_activation(facts: ActivationFacts) -> ActivationPlan:
         "switch": "restart",
         "attempt": facts.attempt_token,
         "attempt_source": facts.attempt_source,
+        "rendezvous_round": facts.rendezvous_round,
         "restart_count": facts.restart_count,
         "committed_by_all": facts.committed_by_all,
         "frontier_note": choice.note,

@@ -15,7 +15,10 @@ it returns the handler.
 The backend (`EtcdRendezvousBackend`) keeps `base64(pickle(state))` (the format of torch's `c10d`
 backend, which `recovery.rendezvous` can read) under `<prefix>/<run id>/state`; the fencing token is
 the key's etcd `mod_revision` and `set_state` is one transaction that compares it. The agents'
-store is `etcd_store.EtcdStore` under `<prefix>/<run id>/store/`.
+store is `etcd_store.EtcdStore` under `<prefix>/<run id>/store/`. Two more keys of the run are not
+the agents': `rounds/<R>` (the generation activated in round R, written by the runtime's
+coordinator) and `trigger` (the lease of `gpu-recover rendezvous`), both through the torch-free
+`recovery.rendezvous_etcd`.
 
 The workers' store: torch 2.13 by default has the rank-0 agent host a TCPStore for the workers
 (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE` unset), which dies with that agent, and the other agents keep

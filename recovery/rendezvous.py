@@ -1,4 +1,4 @@
-"""Read a live torchrun job's c10d rendezvous state, torch-free, and force exactly one new round.
+"""Read a live torchrun job's rendezvous state, torch-free, force exactly one new round, bind rounds.
 
 Why: the rendezvous `round` is the job's own generation counter, readable from outside in well under
 a millisecond, and the only safe lever to make a healthy agent re-rendezvous is a transient
@@ -9,6 +9,15 @@ inject a participant agent's own descriptor, which that agent removes itself whe
 The state is `base64(pickle(_RendezvousState))` under `torch.rendezvous.<run_id>`. It is decoded with
 a restricted unpickler that maps torch's two classes to local stubs and refuses everything else, and
 written back by a pickler that names torch's classes without importing torch.
+
+Both backends hold that state: torch's `c10d` (a TCPStore on an agent, read with `tcpstore`) and
+gpuguard's (`rdzv_etcd`, on etcd v3, read with `rendezvous_etcd`, whose client has the TCPStore
+client's `get`/`compare_set`/`set`), so reading, the trigger and the bindings are one code path.
+
+Round bindings: the restart path's coordinator, once it has activated generation G in round R,
+records `{generation, digest, job_id, time}` under `gpuguard/rdzv-round/<run id>/<R>` next to the
+state (etcd: `<prefix>/<run id>/rounds/<R>`, on the run's lease). torch reads only its own keys. A
+round with no such key is "not yet certified".
 """
 
 from __future__ import annotations
@@ -31,11 +40,16 @@ from gpuguard.collectors.torchrun import torchrun_agents
 from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
 from gpuguard.foundation.jobdir import read_incarnations
 from gpuguard.foundation.unpickle import admit, restricted_loads
+from gpuguard.recovery.rendezvous_etcd import ROUND_KEY, TRIGGER_KEY, EtcdRendezvousClient, parse_conf
 from gpuguard.recovery.tcpstore import StoreClient, parse_endpoint
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 NULL_SENTINEL = b"Y2FuaW1hZGFt"  # torch's "no state yet"
-LEASE_PREFIX = "gpuguard/rdzv-trigger/"
+LEASE_PREFIX = TRIGGER_KEY
+ROUND_PREFIX = ROUND_KEY
+ROUND_SCHEMA = "gpuguard.rdzv-round/1"
+BACKENDS = ("c10d", "gpuguard")
+ETCD_PORT = 2379
 
 
 @dataclass(eq=True, order=True, frozen=True)
@@ -139,37 +153,87 @@ def encode_state(state: RendezvousState) -> bytes:
 
 @dataclass(frozen=True)
 class Endpoint:
+    """Where a run's rendezvous lives: a c10d TCPStore (host, port) or etcd (`etcd`, the endpoint list)."""
+
     host: str
     port: int
     run_id: str
     agent_pid: int | None = None
     source: str = "options"
+    backend: str = "c10d"
+    etcd: str = ""  # gpuguard backend: the whole --rdzv-endpoint (host:port[,host:port...])
+    conf: tuple[tuple[str, str], ...] = ()  # gpuguard backend: the agent's --rdzv-conf
 
     @property
     def key(self) -> str:
         return f"torch.rendezvous.{self.run_id}"
 
+    def where(self) -> str:
+        return f"etcd {self.etcd}" if self.backend == "gpuguard" else f"{self.host}:{self.port}"
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "host": self.host,
             "port": self.port,
             "run_id": self.run_id,
             "agent_pid": self.agent_pid,
             "source": self.source,
+            "backend": self.backend,
         }
+        if self.backend == "gpuguard":
+            doc["endpoints"] = self.etcd
+            doc["key_prefix"] = dict(self.conf).get("key_prefix", "/gpuguard/rdzv")
+        return doc
+
+
+def endpoint_of(
+    endpoint: str,
+    run_id: str,
+    *,
+    backend: str | None = None,
+    conf: str | None = None,
+    agent_pid: int | None = None,
+    source: str = "options",
+) -> Endpoint:
+    """An `Endpoint` from torchrun's options (--rdzv-endpoint, --rdzv-id, --rdzv-backend, --rdzv-conf)."""
+    backend = (backend or "c10d").strip().lower()
+    if backend not in BACKENDS:
+        raise UsageError(f"rendezvous backend {backend!r} is not supported here: {' or '.join(BACKENDS)}")
+    if backend == "c10d":
+        host, port = parse_endpoint(endpoint)
+        return Endpoint(host, port, run_id, agent_pid, source)
+    first = endpoint.split(",")[0].strip()
+    host, port = parse_endpoint(first.split("://", 1)[-1].rstrip("/"), default_port=ETCD_PORT)
+    pairs = tuple(sorted(parse_conf(conf).items()))
+    return Endpoint(host, port, run_id, agent_pid, source, "gpuguard", endpoint.strip(), pairs)
 
 
 def find_endpoint(
-    *, endpoint: str | None = None, run_id: str | None = None, job_dir: Path | None = None, agent_pid: int | None = None
+    *,
+    endpoint: str | None = None,
+    run_id: str | None = None,
+    job_dir: Path | None = None,
+    agent_pid: int | None = None,
+    backend: str | None = None,
+    conf: str | None = None,
 ) -> Endpoint:
     """Where the rendezvous lives: from the options, else from the live agent's command line.
 
     The agent is the one recorded in the job dir's incarnations (its `agent_pid`), or the only
-    torchrun agent on this host.
+    torchrun agent on this host. With `--rdzv-endpoint`, a live agent started with that endpoint
+    and run id names what the options leave out: the backend and its --rdzv-conf (the etcd key
+    prefix, TLS files). Without one, a list of several endpoints is etcd (gpuguard), one is c10d.
     """
     if endpoint:
-        host, port = parse_endpoint(endpoint)
-        return Endpoint(host, port, run_id or "none", agent_pid, "options")
+        if backend is None or conf is None:
+            for _pid, _argv, opts in torchrun_agents():
+                same = opts.get("rdzv_endpoint") == endpoint and opts.get("rdzv_id", "none") == (run_id or "none")
+                if same and (backend is None or backend == opts.get("rdzv_backend")):
+                    backend, conf = opts.get("rdzv_backend"), conf if conf is not None else opts.get("rdzv_conf")
+                    break
+        if backend is None:
+            backend = "gpuguard" if "," in endpoint else "c10d"
+        return endpoint_of(endpoint, run_id or "none", backend=backend, conf=conf, agent_pid=agent_pid)
     agents = torchrun_agents()
     if agent_pid is None and job_dir is not None:
         agent_pid, recorded_run_id = _agent_from_job_dir(job_dir)
@@ -187,8 +251,21 @@ def find_endpoint(
     pid, _argv, opts = agents[0]
     if opts.get("standalone"):
         raise UsageError(f"torchrun agent {pid} runs --standalone (random endpoint): pass --rdzv-endpoint/--run-id")
-    host, port = parse_endpoint(opts["rdzv_endpoint"])
-    return Endpoint(host, port, opts.get("rdzv_id", "none"), pid, "agent-cmdline")
+    return endpoint_of(
+        opts["rdzv_endpoint"],
+        opts.get("rdzv_id", "none"),
+        backend=backend or opts.get("rdzv_backend"),
+        conf=conf if conf is not None else opts.get("rdzv_conf"),
+        agent_pid=pid,
+        source="agent-cmdline",
+    )
+
+
+def open_client(ep: Endpoint, timeout: float = 5.0) -> Any:
+    """A connected client of the rendezvous store (TCPStore or etcd), a context manager."""
+    if ep.backend == "gpuguard":
+        return EtcdRendezvousClient(ep.etcd, ep.run_id, dict(ep.conf), timeout)
+    return StoreClient(ep.host, ep.port, timeout)
 
 
 def _agent_from_job_dir(job_dir: Path) -> tuple[int | None, str | None]:
@@ -203,7 +280,7 @@ def _agent_from_job_dir(job_dir: Path) -> tuple[int | None, str | None]:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def read_state(client: StoreClient, run_id: str) -> tuple[RendezvousState | None, bytes | None]:
+def read_state(client: Any, run_id: str) -> tuple[RendezvousState | None, bytes | None]:
     """(state, token): the token is the raw store value, the fencing token for compare_set."""
     raw = client.get(f"torch.rendezvous.{run_id}")
     if raw is None:
@@ -212,11 +289,70 @@ def read_state(client: StoreClient, run_id: str) -> tuple[RendezvousState | None
 
 
 def read(ep: Endpoint, timeout: float = 5.0) -> RendezvousState:
-    with StoreClient(ep.host, ep.port, timeout) as client:
+    return read_with_rounds(ep, timeout, rounds=0)[0]
+
+
+def read_with_rounds(
+    ep: Endpoint, timeout: float = 5.0, rounds: int = 16
+) -> tuple[RendezvousState, list[dict[str, Any]]]:
+    """The state and the bindings of its last `rounds` rounds, newest first (`read_bindings`)."""
+    with open_client(ep, timeout) as client:
         state, _ = read_state(client, ep.run_id)
-    if state is None:
-        raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.host}:{ep.port} (wrong --run-id?)")
-    return state
+        if state is None:
+            raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.where()} (wrong --run-id?)")
+        bound = read_bindings(client, ep.run_id, state.round, rounds) if rounds else []
+    return state, bound
+
+
+# --- rounds bound to generations ---------------------------------------------------------------
+
+
+def round_key(run_id: str, round_: int) -> str:
+    return f"{ROUND_PREFIX}{run_id}/{int(round_)}"
+
+
+def binding_value(round_: int, generation: int, digest: str, job_id: str = "") -> bytes:
+    doc = {
+        "schema": ROUND_SCHEMA,
+        "round": int(round_),
+        "generation": int(generation),
+        "digest": digest,
+        "job_id": job_id,
+        "time": time.time(),
+    }
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def parse_binding(round_: int, raw: bytes | None) -> dict[str, Any]:
+    """One round's binding as shown: {round, generation, digest, job_id, time}, or "not yet certified"."""
+    if raw:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("generation"), int) and isinstance(doc.get("digest"), str):
+            return {
+                "round": round_,
+                "status": "certified",
+                "generation": doc["generation"],
+                "digest": doc["digest"],
+                "job_id": doc.get("job_id", ""),
+                "time": doc.get("time"),
+            }
+        return {"round": round_, "status": "unreadable", "generation": None, "digest": None}
+    return {"round": round_, "status": "not yet certified", "generation": None, "digest": None}
+
+
+def read_bindings(client: Any, run_id: str, upto: int, count: int = 16) -> list[dict[str, Any]]:
+    """The bindings of rounds `upto`, `upto - 1`, ... (at most `count`), newest first."""
+    rounds = range(int(upto), max(-1, int(upto) - count), -1)
+    return [parse_binding(r, client.get(round_key(run_id, r))) for r in rounds]
+
+
+def bind_round(ep: Endpoint, round_: int, generation: int, digest: str, job_id: str = "", timeout: float = 5.0) -> None:
+    """Record that generation `generation` (certificate `digest`) was activated in round `round_`."""
+    with open_client(ep, timeout) as client:
+        client.set(round_key(ep.run_id, round_), binding_value(round_, generation, digest, job_id))
 
 
 # --- the one-shot trigger ----------------------------------------------------------------------
@@ -288,10 +424,10 @@ def trigger_once(
     holder = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
     lease_key = LEASE_PREFIX + ep.run_id
     end = time.monotonic() + deadline_s
-    with StoreClient(ep.host, ep.port, store_timeout) as client:
+    with open_client(ep, store_timeout) as client:
         state, token = read_state(client, ep.run_id)
         if state is None:
-            raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.host}:{ep.port} (wrong --run-id?)")
+            raise NoInputError(f"no rendezvous state for run id {ep.run_id!r} at {ep.where()} (wrong --run-id?)")
         start_round = state.round
         if state.closed:
             raise RefusedError(f"rendezvous {ep.run_id!r} is closed: the job is shutting down")
@@ -329,7 +465,7 @@ def trigger_once(
 
 
 def _coalesce(
-    client: StoreClient,
+    client: Any,
     ep: Endpoint,
     lease: dict[str, Any],
     start_round: int,
@@ -360,7 +496,7 @@ def _coalesce(
 
 
 def _inject_and_wait(
-    client: StoreClient,
+    client: Any,
     ep: Endpoint,
     state: RendezvousState,
     token: bytes | None,
@@ -448,7 +584,7 @@ def _inject_and_wait(
     return result
 
 
-def _withdraw(client: StoreClient, ep: Endpoint, node: NodeDesc, start_round: int, hard_end: float) -> bool:
+def _withdraw(client: Any, ep: Endpoint, node: NodeDesc, start_round: int, hard_end: float) -> bool:
     """Take our wait_list entry back (compare_set loop), unless a new round already consumed it."""
     while time.monotonic() < hard_end:
         state, token = read_state(client, ep.run_id)

@@ -66,7 +66,7 @@ from gpuguard.recovery.activation import (
     restore_bound,
     skip_unrestorable,
 )
-from gpuguard.recovery.attempt import Attempt, current_attempt
+from gpuguard.recovery.attempt import Attempt, current_attempt, record_round
 from gpuguard.recovery.snapshot import (
     Selection,
     SnapshotInfo,
@@ -497,6 +497,7 @@ class Runtime:
                     attempt_token=self.attempt.token if self.attempt else "",
                     attempt_source=self.attempt.source if self.attempt else "",
                     restart_count=self.restart_count,
+                    rendezvous_round=self.attempt.round if self.attempt else None,
                 )
             )
             cert = issue(
@@ -520,6 +521,8 @@ class Runtime:
             for line in plan.log_rejected:
                 self._log(f"rejected {line}")
             ns.set("cert", json.dumps({"generation": cert.generation, "digest": cert.digest()}))
+            # the round's binding (gpu-recover rendezvous --state): after publishing, no member waits for it
+            record_round(self.attempt, cert.generation, cert.digest(), parent.job_id, self._log)
         except GpuguardError as exc:
             ns.set("cert", json.dumps({"error": str(exc)}))
 

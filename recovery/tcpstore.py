@@ -98,6 +98,10 @@ class StoreClient:
         self._send(bytes([GET]) + _string(KEY_PREFIX + key))
         return self._recv_bytes()
 
+    def set(self, key: str, value: bytes) -> None:
+        """Set `key` to `value` (the server sends no reply to a SET)."""
+        self._send(bytes([SET]) + _string(KEY_PREFIX + key) + _bytes(value))
+
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Set `key` to `desired` if it holds `expected` (or is missing and `expected` is empty).
 

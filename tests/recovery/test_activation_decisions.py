@@ -34,6 +34,7 @@ def facts(p: Certificate, hs: tuple, *, committed=None, selection=None, pin=None
         attempt_token="r3",
         attempt_source="rendezvous round",
         restart_count=2,
+        rendezvous_round=3,
     )
 
 
@@ -112,6 +113,7 @@ def test_first_start_plans_generation_one_from_the_initial_state():
         "switch": "restart",
         "attempt": "r3",
         "attempt_source": "rendezvous round",
+        "rendezvous_round": 3,
         "restart_count": 2,
         "committed_by_all": None,
         "frontier_note": "first start",
