@@ -54,9 +54,16 @@ def _setup(spec: dict[str, object]) -> None:
     shared_src = spec.get("shared_src")
     if shared_src:
         fds["shared_src"] = os.open(str(shared_src), O_PATH | os.O_DIRECTORY)
+    # Software the harness runs from that lives under /tmp (a CI clone, a venv): seen through the
+    # private /tmp at the same path, opened now because the overmount hides it.
+    keep = {str(p): os.open(str(p), O_PATH | os.O_DIRECTORY) for p in spec.get("keep") or ()}
     # Other hosts' private directories live under hosts_root: hide them all.
     _mount("tmpfs", str(spec["hosts_root"]), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
     _bind_fd(fds["tmp_src"], "/tmp")
+    for path, fd in keep.items():
+        os.makedirs(path, exist_ok=True)  # inside this host's private /tmp
+        _bind_fd(fd, path)
+        os.close(fd)
     _bind_fd(fds["job_src"], str(spec["job_dir"]))
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     shared_path = str(spec["shared_path"])

@@ -632,6 +632,7 @@ class Cluster:
                     "shared_src": self.layout.shared_path if h.role == TRAIN else None,
                     "shared_path": self.layout.shared_path,
                     "hosts_file": self.layout.hosts_file,
+                    "keep": _software_under_tmp(),
                     "ready_fd": ready_w,
                     "owner_fd": self._owner_r,
                 }
@@ -1043,3 +1044,19 @@ def up(
     if detached:
         cluster.detach()
     return cluster
+
+
+def _software_under_tmp() -> list[str]:
+    """Folders every host must still see after its private /tmp hides the machine's: the Python that
+    runs the harness and its venv, and the checkout gpuguard is imported from (a CI clone or a venv
+    under /tmp would otherwise vanish inside the hosts: "nsenter: failed to execute ...")."""
+    candidates = {
+        os.path.realpath(sys.prefix),
+        os.path.realpath(sys.base_prefix),
+        os.path.dirname(os.path.realpath(sys.executable)),
+        os.path.dirname(os.path.dirname(os.path.realpath(__file__))),  # the gpuguard package (the checkout)
+        os.path.realpath(os.getcwd()),
+    }
+    keep = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
+    # the outermost folders only: a bind of /tmp/ci/.venv inside a bind of /tmp/ci adds nothing
+    return [p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep) and p != "/tmp"]
