@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard.foundation.jobdir import ensure_job
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB = REPO / "tests" / "support" / "jobs" / "recover_job.py"
@@ -53,6 +55,7 @@ class Job:
 
 def start_job(job_dir: Path, port: int, *, nproc: int = 2, run_id: str = "gg-test", extra_env=None) -> Job:
     job_dir.mkdir(parents=True, exist_ok=True)
+    ensure_job(job_dir, created_by="test")  # what the runtime writes first: a gpuguard job dir
     log = job_dir.parent / f"{job_dir.name}.torchrun.log"
     env = {
         **os.environ,
