@@ -15,6 +15,7 @@ directory, 77 permission denied.
 from __future__ import annotations
 
 import re
+import shlex
 import socket
 import sys
 import time
@@ -345,7 +346,7 @@ def _render_human(doc: dict[str, Any]) -> None:
     drain = doc.get("drain")
     if drain:
         out.print(
-            f"drain: {escape(' '.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
+            f"drain: {escape(shlex.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
         )
 
 
@@ -638,7 +639,7 @@ def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
         if r.status != "ok":
             _warn(f"output {r.name} failed: {r.message}")
     if (options.drain or options.run_drain) and verdict.verdict == "drain":
-        from gpuguard.recovery.actions import drain_command, drain_node
+        from gpuguard.recovery.actions import drain_command, drain_command_line, drain_node
 
         node = options.node or socket.gethostname().split(".")[0]
         cmd = drain_command(node, verdict.summary)
@@ -648,7 +649,7 @@ def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
             "result": drain_node(node, verdict.summary, timeout_s=10.0).summary if options.run_drain else None,
         }
         if options.out_fmt in ("npd", "nagios"):
-            print(f"gpu-doctor: drain: {' '.join(cmd)}", file=sys.stderr)
+            print(f"gpu-doctor: drain: {drain_command_line(node, verdict.summary)}", file=sys.stderr)
     doc["duration_s"] = round(time.monotonic() - started, 4)
     return _render(doc, options.out_fmt)
 

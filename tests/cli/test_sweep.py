@@ -244,3 +244,33 @@ def test_history_is_bounded_per_gpu_and_code():
     kept = cap_history(rare + storm)
     assert kept[0]["fields"]["xid"] == 79  # the rare, old drain evidence survives the storm
     assert [r["line"] for r in kept[1:]] == list(range(500 - PER_CODE_HISTORY, 500))
+
+
+def test_the_printed_drain_command_is_shell_quoted(tmp_path):
+    """The reason has spaces and comes from log text: pasted into a shell it must stay one argument."""
+    import shlex
+
+    from gpuguard.recovery.actions import drain_command, drain_command_line
+
+    line = drain_command_line("node-7", "Xid 79 on GPU 3; $(reboot)")
+    assert shlex.split(line) == drain_command("node-7", "Xid 79 on GPU 3; $(reboot)")
+    res = run_cli(
+        "gpu-doctor",
+        "sweep",
+        "--state-dir",
+        str(tmp_path / "s"),
+        "--kernel-log",
+        str(SAMPLE_LOG),
+        "--nvml-snapshot",
+        str(SAMPLE_NVML),
+        "--drain",
+        "--format",
+        "npd",
+        "--node",
+        "node-7",
+    )
+    printed = [x for x in res.stderr.splitlines() if x.startswith("gpu-doctor: drain: ")]
+    assert len(printed) == 1
+    argv = shlex.split(printed[0].removeprefix("gpu-doctor: drain: "))
+    assert argv[:4] == ["scontrol", "update", "NodeName=node-7", "State=DRAIN"]
+    assert argv[4].startswith("Reason=gpu-doctor: ")
