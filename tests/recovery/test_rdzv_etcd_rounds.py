@@ -23,7 +23,6 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import psutil
 import pytest
 
 from gpuguard.examples import demo
@@ -33,6 +32,7 @@ from gpuguard.recovery.etcd_v3 import EtcdConnection, parse_endpoints, range_kvs
 from gpuguard.recovery.rendezvous_etcd import EtcdRendezvousClient
 from gpuguard.recovery.tcpstore import StoreClient
 from tests.support.cli import BIN, free_port, run_cli
+from tests.support.processes import kill_trees, run_concurrently
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(150)]
 
@@ -214,17 +214,7 @@ class Job:
         return json.loads(r.stdout)["details"]
 
     def stop(self) -> None:
-        for p in self.procs:
-            try:
-                tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-            except psutil.Error:
-                tree = []
-            for proc in tree:  # workers run in sessions of their own: kill them by pid
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    pass
-            p.wait(timeout=10)
+        kill_trees(self.procs)
 
 
 @pytest.fixture(scope="module")
@@ -294,17 +284,7 @@ def test_b_two_operators_on_etcd_make_exactly_one_round_bound_to_the_next_genera
         [str(BIN / "gpu-recover"), *common, "--rdzv-backend", "gpuguard"],
         [str(BIN / "gpu-recover"), *common],  # the backend from the live agent's command line
     ]
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    docs = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        docs.append(json.loads(out))
+    docs = run_concurrently(cmds)
     assert sorted(d["outcome"] for d in docs) == ["coalesced", "done"], docs
     assert all(d["details"]["round_after"] == start + 1 for d in docs), [d["details"] for d in docs]
     assert all(d["details"]["wait_list_entry_gone"] for d in docs)

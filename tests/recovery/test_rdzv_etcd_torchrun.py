@@ -33,6 +33,7 @@ import pytest
 from gpuguard.recovery.etcd_store import EtcdConnection, b64, parse_endpoints, prefix_end, run_prefix
 from tests.support.cli import BIN, JOBS
 from tests.support.etcd_cluster import EtcdCluster
+from tests.support.processes import kill_trees
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -107,17 +108,7 @@ class Agents:
             time.sleep(0.1)
 
     def kill_all(self) -> None:
-        for p in self.procs:
-            try:
-                tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-            except psutil.Error:
-                tree = []
-            for proc in tree:  # workers run in sessions of their own: kill them by pid
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    pass
-            p.wait(timeout=10)
+        kill_trees(self.procs)
 
 
 @pytest.fixture

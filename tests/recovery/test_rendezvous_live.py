@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import free_port, run_cli
+from tests.support.processes import run_concurrently
 from tests.support.recover_job import start_job, stop_job, wait_for
 
 pytestmark = pytest.mark.slow
@@ -98,17 +99,7 @@ def test_two_operators_at_once_make_exactly_one_round(job):
         "--yes",
         "--json",
     ]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    docs = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        docs.append(json.loads(out))
+    docs = run_concurrently([cmd, cmd])
     assert sorted(d["outcome"] for d in docs) == ["coalesced", "done"]
     assert all(d["details"]["round_after"] == before + 1 for d in docs), (before, [d["details"] for d in docs])
     assert all(d["details"]["wait_list_entry_gone"] for d in docs)

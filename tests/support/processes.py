@@ -74,3 +74,39 @@ def reap(*procs: subprocess.Popen) -> None:
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
         p.wait(timeout=10)
+
+
+def kill_trees(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each launcher and every descendant by pid (torchrun starts its workers in sessions of
+    their own, so a process-group kill of the launcher would leave them running), then reap."""
+    for p in procs:
+        try:
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        p.wait(timeout=10)
+
+
+def run_concurrently(cmds: list[list[str]], timeout: float = 60) -> list[dict]:
+    """Start every command at once (operators racing), wait for all, and return their JSON outputs;
+    each must exit 0. Nothing is left running if one hangs."""
+    import json
+
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    docs = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        docs.append(json.loads(out))
+    return docs
