@@ -106,13 +106,26 @@ def burn(seconds: float) -> None:
         a = torch.tanh(a @ a * 1e-3)
 
 
-def train_step(model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0, collective=None) -> float:
+def burn_work(iterations: int) -> None:
+    """Stand-in compute of a FIXED amount of work (`iterations` matmuls): under a CPU quota the step takes
+    longer, as a real throttled rank's does (wall-time `burn` would just do less work)."""
+
+    a = torch.ones(128, 128)
+    for _ in range(iterations):
+        a = torch.tanh(a @ a * 1e-3)
+
+
+def train_step(
+    model, opt, step: int, rank: int, world: int, fault, burn_s: float = 0.0, collective=None, burn_n: int = 0
+) -> float:
     """One data-parallel step with the fault points in their places.
 
     `collective(op, nbytes)` (the runtime's) marks the all-reduce in the step records."""
 
     if burn_s:
         burn(burn_s)
+    if burn_n:
+        burn_work(burn_n)
     x, y = batch(step, rank)
     opt.zero_grad(set_to_none=False)
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -169,7 +182,9 @@ def run_gpuguard(args: argparse.Namespace) -> int:
     )
     loss = float("nan")
     for step in rt.steps(state, until=args.steps):
-        loss = train_step(model, opt, step, rank, rt.world_size, faults, args.burn, collective=rt.collective)
+        loss = train_step(
+            model, opt, step, rank, rt.world_size, faults, args.burn, collective=rt.collective, burn_n=args.burn_work
+        )
         rt.commit(step)
         if args.hashes and rank == 0:
             _append(out / "hashes.jsonl", {"step": step, "hash": state_digest(rt.state_dict())})
@@ -223,7 +238,7 @@ def run_plain(args: argparse.Namespace) -> int:
     )
     for step in range(start, args.steps + 1):
         t0 = time.perf_counter()
-        train_step(model, opt, step, rank, world, faults, args.burn)
+        train_step(model, opt, step, rank, world, faults, args.burn, burn_n=args.burn_work)
         if rank == 0 and step % args.ckpt_every == 0:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, tmp)
@@ -249,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hashes", action="store_true", help="rank 0 records the state digest after every step")
     p.add_argument("--progress", action="store_true")
     p.add_argument("--burn", type=float, default=0.0, help="seconds of stand-in compute per step")
+    p.add_argument(
+        "--burn-work",
+        type=int,
+        default=0,
+        help="fixed stand-in compute per step (matmuls; a CPU quota makes it slower)",
+    )
     p.add_argument("--step-log", action="store_true", help="every rank records each finished step (benchmark)")
     p.add_argument("--out", default=None, help="where resume/final records go (default JOB_DIR/demo-out)")
     args = p.parse_args(argv)
