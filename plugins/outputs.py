@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from gpuguard.foundation.deadline import DeadlineExceeded, call_with_deadline
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
@@ -279,7 +280,13 @@ def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
 def post_webhook(
     url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, retries: int = 2, budget: float = 15.0
 ) -> str:
-    """POST with a per-try timeout, bounded retries and a total budget; raise UnavailableError when spent."""
+    """POST with a per-try timeout, bounded retries and a total budget; raise UnavailableError when spent.
+
+    `timeout` and `budget` are wall-clock deadlines over connect, send and the whole response read
+    (requests' own timeout is per socket read: a server that trickles its answer one byte a second
+    would never trip it). A try past its deadline is abandoned (`call_with_deadline`), so this
+    returns within `budget` plus a few milliseconds, and the sweep's lock is never held past it.
+    """
     import requests
 
     if not url.startswith(("http://", "https://")):
@@ -291,10 +298,17 @@ def post_webhook(
         left = deadline - time.monotonic()
         if left <= 0.05:
             break
+        per_try = min(timeout, left)
         try:
-            resp = requests.post(
-                url, data=body, headers={"Content-Type": "application/json"}, timeout=min(timeout, left)
+            resp = call_with_deadline(
+                lambda per_try=per_try: requests.post(
+                    url, data=body, headers={"Content-Type": "application/json"}, timeout=per_try
+                ),
+                per_try,
+                name="gpuguard-webhook",
             )
+        except DeadlineExceeded:
+            last = f"no complete answer within {per_try:g} s"
         except requests.RequestException as exc:
             last = type(exc).__name__
         else:
