@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 _T = TypeVar("_T")
 
@@ -22,19 +22,20 @@ class DeadlineExceeded(TimeoutError):
 
 def call_with_deadline(fn: Callable[[], _T], seconds: float, *, name: str = "gpuguard-deadline") -> _T:
     """fn() within `seconds` of wall-clock time; its exception re-raised; `DeadlineExceeded` if late."""
-    box: dict[str, Any] = {}
+    values: list[_T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            values.append(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            box["error"] = exc
+            errors.append(exc)
 
     worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     worker.join(max(0.0, seconds))
     if worker.is_alive():
         raise DeadlineExceeded(f"not finished within {seconds:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if errors:
+        raise errors[0]
+    return values[0]
