@@ -100,6 +100,7 @@ def observe(
         errors=series.errors,
         hardware=hardware,
         comm_errors=comm_errors or comm_errors_from_text(series.rank, series.errors),
+        entries=tuple((seq, wall, wait) for seq, wall, _, wait in series.entries),
         notes=tuple(
             n
             for n in (

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpuguard.diagnostics.arrival import resolve_roots, stragglers
 from gpuguard.diagnostics.jobstats import mad, median
 from gpuguard.diagnostics.voters import (
     ABSTAIN,
@@ -297,6 +298,28 @@ def vote(
                     votes,
                 )
 
+    # arrival order: the rank that entered the recent collectives last, each time making its peers wait
+    # long against their own compute, is the straggler at any severity; the others are blocked by it
+    late = stragglers(obs)
+    for r, st in late.items():
+        v, why, pend, votes = prelim[r]
+        arrival = Vote("arrival", SLOW, st.reason(), {"collectives_last": len(st.last_at), "wait_s": st.median_wait_s})
+        if v in (HEALTHY, UNKNOWN) or (v == SLOW and votes[1].verdict != SLOW):
+            prelim[r] = (SLOW, "straggler: " + st.reason(), pend, (*votes, arrival))
+        elif v == SLOW:
+            prelim[r] = (SLOW, f"straggler: {st.reason()}; {why}", pend, (*votes, arrival))
+        else:
+            prelim[r] = (v, why, pend, (*votes, arrival))
+        blocked.pop(r, None)
+        culprits.add(r)
+    if late:
+        for o in obs:
+            if o.rank in late or o.rank in blocked or not o.has_records or o.closed:
+                continue
+            if prelim[o.rank][0] in (HEALTHY, SLOW, HUNG):
+                blocked[o.rank] = tuple(sorted(late))
+    blocked = resolve_roots(blocked)
+
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
 
@@ -316,12 +339,17 @@ def vote(
     for o in obs:
         v, why, pend, votes = prelim[o.rank]
         b = blocked.get(o.rank, ())
-        if b and v in (HUNG, SLOW):
+        if b and v in (HUNG, SLOW) and set(b) <= set(late):
+            v = HEALTHY
+            why = f"waits at each collective for straggler rank(s) {_fmt_ranks(b)} (not this rank's fault)"
+        elif b and v in (HUNG, SLOW):
             v = HEALTHY
             why = (
                 f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
                 f"{_fmt_ranks(b)} that never arrived (not this rank's fault)"
             )
+        elif b and v == HEALTHY and set(b) <= set(late):
+            why = f"{why}; waits at each collective for straggler rank(s) {_fmt_ranks(b)}"
         elif b and v == DEAD:
             why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
         elif v == DEAD and o.rank in victims:

@@ -69,6 +69,9 @@ class RankSeries:
     clock_jumps: int = 0
     incarnations_seen: int = 1
     files: tuple[str, ...] = ()
+    # the most recent collective entries (C records) as (seq, wall, mono, wait_s), oldest first: the arrival
+    # order; wait_s is what the X record measured, -1.0 while the rank is still in that collective
+    entries: tuple[tuple[int, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,5 @@ class RankObservation:
     hardware: tuple[HardwareEvidence, ...] = ()
     comm_errors: tuple[CommError, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # recent collective entries (seq, wall time, wait_s or -1.0 while in it), oldest first: arrival order
+    entries: tuple[tuple[int, float, float], ...] = ()

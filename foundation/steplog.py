@@ -263,6 +263,7 @@ SEGMENT_NAME = re.compile(r"^(\d{1,7})\.([A-Za-z0-9_-]{1,64})\.(\d{6,})" + re.es
 CLOCK_JUMP_S = 1.0  # wall vs monotonic disagreement that counts as a clock jump
 MAX_STEPS = 4096  # most recent step samples kept per rank
 MAX_ERRORS = 8
+MAX_ENTRIES = 64  # most recent collective entries (seq, wall, mono, wait) kept per rank: the arrival order
 
 
 def parse_segment_name(name: str) -> tuple[int, str, int] | None:
@@ -293,6 +294,7 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
     prev_wall: float | None = None
     prev_mono: float | None = None
     prev_end_mono: float | None = None
+    entries: list[tuple[int, float, float, float]] = []
     last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
     for line in lines:
         if not line:
@@ -320,11 +322,16 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                         raise ValueError
                     seq, step, w, m, nb = int(t[0]), int(t[1]), _f(t[2]), _f(t[3]), int(t[4])
                     phase = Phase(COLLECTIVE, step=step, seq=seq, op=t[5], nbytes=nb, since_wall=w, since_mono=m)
+                    entries.append((seq, w, m, -1.0))
+                    if len(entries) > 2 * MAX_ENTRIES:
+                        del entries[: len(entries) - MAX_ENTRIES]
                 elif kind == "X":
                     if len(t) != 4:
                         raise ValueError
                     seq, w, m = int(t[0]), _f(t[1]), _f(t[2])
-                    _f(t[3])
+                    waited = _f(t[3])
+                    if entries and entries[-1][0] == seq and entries[-1][3] < 0:
+                        entries[-1] = (*entries[-1][:3], max(0.0, waited))
                     last_seq = max(last_seq, seq)
                     phase = Phase(COMPUTING, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
                 elif kind == "E":
@@ -387,4 +394,5 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
         errors=tuple(errors),
         bad_lines=bad,
         clock_jumps=jumps,
+        entries=tuple(entries[-MAX_ENTRIES:]),
     )

@@ -1,0 +1,143 @@
+"""Arrival-order evidence: the rank that enters the recent collectives last is the straggler."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from gpuguard.diagnostics.arrival import resolve_roots, stragglers
+from gpuguard.diagnostics.jobstats import observe
+from gpuguard.diagnostics.vote import vote
+from gpuguard.diagnostics.voters import VoteConfig
+from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, COMPUTING, ProcessState, RankObservation
+from gpuguard.foundation.steplog import decode_lines
+
+CFG = VoteConfig()
+ALIVE = ProcessState("running", "pid 1")
+
+
+def ob(rank: int, entries, phase: str = BETWEEN, age: float = 0.01, seq: int = -1, compute: float = 0.05):
+    return RankObservation(
+        rank=rank,
+        alive=ALIVE,
+        phase=phase,
+        phase_step=100,
+        phase_seq=seq if seq >= 0 else entries[-1][0],
+        phase_age_s=age,
+        progress_age_s=age,
+        n_steps=200,
+        period_p50_s=0.1,
+        period_p99_s=0.16,
+        period_p999_s=0.2,
+        compute_p50_s=compute,
+        compute_p999_s=compute * 2,
+        recent_compute_s=compute,
+        recent_period_s=0.1,
+        entries=tuple(entries),
+    )
+
+
+def synchronous(n_coll: int, late: dict[int, float], world: int = 4, jitter: float = 0.0, seed: int = 0):
+    """Entries of a synchronous job: rank r enters collective s at base + its lateness; everyone leaves when
+    the last one arrives (so each rank's wait is the last arrival minus its own)."""
+    rng = random.Random(seed)
+    per: dict[int, list[tuple[int, float, float]]] = {r: [] for r in range(world)}
+    t = 1000.0
+    for s in range(n_coll):
+        arr = {r: t + late.get(r, 0.0) + rng.uniform(0, jitter) for r in range(world)}
+        last = max(arr.values())
+        for r in range(world):
+            per[r].append((s, arr[r], last - arr[r]))
+        t = last + 0.05
+    return per
+
+
+def test_a_rank_last_at_two_collectives_by_a_long_wait_is_slow_and_blocks_the_others() -> None:
+    per = synchronous(2, {3: 0.2})
+    job = vote([ob(r, per[r]) for r in range(4)], CFG)
+    v = job.by_rank()
+    assert v[3].verdict == "slow" and "arrived last" in v[3].reason and v[3].culprit
+    assert any(x.dimension == "arrival" and x.verdict == "slow" for x in v[3].votes)
+    for r in (0, 1, 2):
+        assert v[r].verdict == "healthy" and v[r].blocked_by == (3,), v[r]
+    assert job.culprits == (3,) and job.exit_code == 1
+
+
+def test_one_late_collective_is_not_enough() -> None:
+    per = synchronous(8, {})
+    per[2][-1] = (7, per[2][-1][1] + 0.3, 0.0)  # a single late arrival, the others waited for it
+    for r in (0, 1, 3):
+        s, t, _ = per[r][-1]
+        per[r][-1] = (s, t, 0.3)
+    assert stragglers([ob(r, per[r]) for r in range(4)]) == {}
+
+
+def test_jitter_names_nobody() -> None:
+    for seed in range(20):
+        per = synchronous(8, {}, jitter=0.004, seed=seed)
+        assert stragglers([ob(r, per[r]) for r in range(4)]) == {}, seed
+        assert set(x.verdict for x in vote([ob(r, per[r]) for r in range(4)], CFG).ranks) == {"healthy"}
+
+
+def test_any_severity_mild_slowdown_is_named() -> None:
+    # 50 % quota: compute 0.05 s becomes 0.1 s, the others wait 0.05 s at each collective
+    per = synchronous(8, {1: 0.05})
+    assert set(stragglers([ob(r, per[r]) for r in range(4)])) == {1}
+
+
+def test_the_collective_in_progress_counts_the_missing_rank_as_late() -> None:
+    per = synchronous(4, {3: 0.2})
+    # collective 4: ranks 0-2 entered 2 s ago and still wait, rank 3 is still computing
+    obs = []
+    for r in range(4):
+        e = list(per[r])
+        if r != 3:
+            e.append((4, 2000.0, -1.0))
+            obs.append(ob(r, e, COLLECTIVE, age=2.0, seq=4))
+        else:
+            obs.append(ob(r, e, COMPUTING, age=2.0, seq=3))
+    job = vote(obs, CFG)
+    v = job.by_rank()
+    assert v[3].verdict == "slow" and v[3].culprit, v[3]
+    for r in (0, 1, 2):
+        assert v[r].verdict == "healthy" and v[r].blocked_by == (3,), v[r]
+
+
+def test_blame_is_not_inverted_when_the_straggler_has_just_entered() -> None:
+    # every rank is in collective 5; ranks 0-2 have waited 3 s, rank 3 entered a moment ago
+    per = synchronous(5, {3: 3.0})
+    obs = []
+    for r in range(4):
+        e = list(per[r]) + [(5, 5000.0 if r != 3 else 5003.0, -1.0)]
+        obs.append(ob(r, e, COLLECTIVE, age=3.0 if r != 3 else 0.01, seq=5))
+    job = vote(obs, CFG)
+    v = job.by_rank()
+    assert v[3].verdict == "slow" and job.culprits == (3,), job
+    assert all(v[r].verdict == "healthy" and v[r].blocked_by == (3,) for r in (0, 1, 2)), job
+
+
+def test_half_the_job_late_is_the_pace_not_a_straggler() -> None:
+    per = synchronous(8, {0: 0.2, 1: 0.2, 2: 0.2})  # one rank waits for three: it is just fast
+    assert stragglers([ob(r, per[r]) for r in range(4)]) == {}
+
+
+def test_blocked_by_chains_resolve_to_the_root() -> None:
+    assert resolve_roots({0: (1,), 1: (2,), 3: (2,)}) == {0: (2,), 1: (2,), 3: (2,)}
+    assert resolve_roots({0: (1,), 1: (0,)}) == {0: (1,), 1: (0,)}
+    assert resolve_roots({0: (1, 4), 1: (2,), 4: ()}) == {0: (2, 4), 1: (2,), 4: ()}
+
+
+def test_the_decoder_keeps_each_collective_entry_with_its_wait(tmp_path: Path) -> None:
+    lines = [
+        'H {"v":1,"rank":0,"wall":1.0,"mono":1.0}',
+        "S 1 2.0 2.0",
+        "C 7 1 2.5 2.5 64 all_reduce",
+        "X 7 2.9 2.9 0.400000",
+        "E 1 3.0 3.0 0.6 0.4 64",
+        "S 2 3.0 3.0",
+        "C 8 2 3.5 3.5 64 all_reduce",
+    ]
+    series = decode_lines(lines, rank=0, incarnation="a")
+    assert series.entries == ((7, 2.5, 2.5, 0.4), (8, 3.5, 3.5, -1.0))
+    o = observe(series, now_wall=4.0)
+    assert o.entries == ((7, 2.5, 0.4), (8, 3.5, -1.0))
