@@ -6,6 +6,16 @@ an argument list (never a shell). Every step's result goes to the job's audit lo
 id, so a run interrupted half-way resumes where it stopped: completed steps are skipped and their
 recorded results feed the later conditions.
 
+Safety: a dry run runs only `command` steps proven read-only (`read_only_reason`: an allow-list of
+gpu-doctor subcommands, each with an allow-list of options, so no output path such as `--dump-nvml`
+can slip in); every other step only says what it would do. A `command` step runs in its own
+session and process group with stdin from /dev/null; at its `timeout_s` (or when the runner is
+interrupted) the whole group gets SIGTERM, then SIGKILL after `COMMAND_GRACE_S`, so no child it
+forked outlives it. Runbooks cannot recurse: a step running `gpu-recover runbook run` is refused at
+validation, and a runbook run started inside a step (`$GPUGUARD_RUNBOOK_DEPTH` >= 1) is refused at
+run time (both exit 4). A runbook file is at most `MAX_RUNBOOK_BYTES` (1 MiB) and a mapping may not
+repeat a key (both 65, naming the line).
+
 Format::
 
     name: rank-failure                      # required, [a-z0-9-]
@@ -24,8 +34,12 @@ Lazy imports (start-up time): yaml, only when a runbook is loaded.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import signal
+import stat
 import subprocess
 import sys
 import time
@@ -36,13 +50,60 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.errors import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    DataError,
+    GpuguardError,
+    NoInputError,
+    RefusedError,
+    from_os_error,
+)
 from gpuguard.foundation.jobdir import require_job_dir
 from gpuguard.recovery import actions, audit, conditions
 
 BUILTIN_DIR = "runbooks"
 CONSOLE_SCRIPTS = ("gpu-doctor", "gpu-generation", "gpu-recover")
-READ_ONLY_DOCTOR = ("diagnose", "logs", "contract")  # run even in a dry run: they change nothing
+# The only commands a dry run runs: gpu-doctor subcommands that write nothing, each with the options
+# it may carry (an option not listed, e.g. --dump-nvml, --textfile, --state-dir, may write: not run).
+READ_ONLY_DOCTOR: dict[tuple[str, ...], frozenset[str]] = {
+    ("diagnose", "node"): frozenset(
+        {
+            "--kernel-log",
+            "--nvml-snapshot",
+            "--since",
+            "--config",
+            "--json",
+            "--format",
+            "--demo",
+            "--processes",
+            "--no-processes",
+            "--nvml-timeout",
+            "--timeout",
+            "--log",
+            "--mode",
+        }
+    ),
+    ("diagnose", "job"): frozenset(
+        {
+            "--job-dir",
+            "--json",
+            "--config",
+            "--window",
+            "--log",
+            "--log-spec",
+            "--log-regex",
+            "--node-report",
+            "--torchrun-log",
+        }
+    ),
+    ("diagnose", "torchrun"): frozenset({"--job-dir", "--init-timeout", "--json"}),
+    ("logs",): frozenset({"--json", "--min-severity"}),
+    ("contract",): frozenset({"--json", "--pg", "--world-size", "--jobs"}),
+}
+RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a step's environment: runbooks cannot recurse
+MAX_RUNBOOK_BYTES = 1 << 20
+COMMAND_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a timed-out step's process group
 ACTION_ARGS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "diagnose": {"init_timeout_s": (int, float)},
     "abort": {"grace_s": (int, float), "generation": int, "ranks": list, "include_active": bool},
@@ -98,11 +159,32 @@ def locate(name_or_file: str) -> tuple[str, str]:
     if not path.exists():
         raise NoInputError(f"no runbook {name_or_file!r} (built-in: {', '.join(builtin_names())}; or a YAML file)")
     try:
-        return path.read_text(), str(path)
+        raw = _read_capped(path, MAX_RUNBOOK_BYTES)
+        return raw.decode("utf-8"), str(path)
     except UnicodeDecodeError:
         raise RunbookError(f"{path}: not a text file") from None
     except OSError as exc:
         raise from_os_error(exc, str(path)) from None
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file (a FIFO or device would block or never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise RunbookError(f"{path}: is a directory, not a runbook")
+        if not stat.S_ISREG(st.st_mode):
+            raise RunbookError(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise RunbookError(f"{path}: {st.st_size} bytes, more than the {limit} (1 MiB) a runbook may have")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise RunbookError(f"{path}: more than the {limit} bytes (1 MiB) a runbook may have")
+    return raw
 
 
 def load(name_or_file: str) -> Runbook:
@@ -114,8 +196,10 @@ def parse(text: str, source: str = "<runbook>") -> Runbook:
     """YAML text → validated Runbook, or one RunbookError naming what is wrong where."""
     import yaml
 
+    if len(text) > MAX_RUNBOOK_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_RUNBOOK_BYTES:
+        raise RunbookError(f"{source}: more than the {MAX_RUNBOOK_BYTES} bytes (1 MiB) a runbook may have")
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -126,6 +210,44 @@ def parse(text: str, source: str = "<runbook>") -> Runbook:
             f"{source}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from None
     return validate(doc, source)
+
+
+_LOADER: Any = None
+
+
+def _strict_loader() -> Any:
+    """yaml.SafeLoader that refuses a mapping repeating a key (safe_load keeps the last silently:
+    a second `argv:` or `on_failure:` would override the one a reviewer read)."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    class StrictSafeLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<:` merges may be overridden, as YAML says
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.get(key)
+                    except TypeError:
+                        continue  # unhashable: the base class reports it
+                    if first is not None:
+                        shown = repr(key) if not isinstance(key, str) else repr(key[:40])
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping",
+                            node.start_mark,
+                            f"duplicate key {shown} (first at line {first + 1})",
+                            key_node.start_mark,
+                        )
+                    seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    _LOADER = StrictSafeLoader
+    return _LOADER
 
 
 def validate(doc: Any, source: str = "<runbook>") -> Runbook:
@@ -202,6 +324,12 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
             raise err(f"{where}: field 'argv': required for action command, a list of strings")
         if argv[0] not in CONSOLE_SCRIPTS:
             raise err(f"{where}: field 'argv': must start with one of {', '.join(CONSOLE_SCRIPTS)}")
+        if _runs_a_runbook(argv):
+            refusal = err(
+                f"{where}: field 'argv': a step may not run `gpu-recover runbook run`: runbooks cannot recurse"
+            )
+            refusal.exit_code = EXIT_REFUSED
+            raise refusal
     elif argv is not None:
         raise err(f"{where}: field 'argv': only for action command")
     newer_than = raw.get("newer_than")
@@ -214,6 +342,32 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
     if on_failure not in ("stop", "continue"):
         raise err(f"{where}: field 'on_failure': must be stop or continue")
     return Step(sname, action, when, condition, dict(args), tuple(argv or ()), newer_than, on_failure)
+
+
+def _runs_a_runbook(argv: list[str] | tuple[str, ...]) -> bool:
+    """Whether `argv` is `gpu-recover [opts] runbook [opts] <anything but list/show>`."""
+    if not argv or argv[0] != "gpu-recover":
+        return False
+    words = [a for a in argv[1:] if not a.startswith("-")]
+    return bool(words) and words[0] == "runbook" and (len(words) < 2 or words[1] not in ("list", "show"))
+
+
+def read_only_reason(argv: tuple[str, ...] | list[str]) -> str | None:
+    """None if `argv` (a command step's, before `{job_dir}` is filled in) is proven to write nothing,
+    else why not: only allow-listed gpu-doctor subcommands with allow-listed options qualify."""
+    if not argv or argv[0] != "gpu-doctor":
+        return f"{argv[0] if argv else 'it'} is not a read-only gpu-doctor command"
+    rest = list(argv[1:])
+    for path, options in READ_ONLY_DOCTOR.items():
+        if tuple(rest[: len(path)]) == path:
+            for token in rest[len(path) :]:
+                if token.startswith("-") and token != "-":
+                    name = token.split("=", 1)[0]
+                    if name not in options:
+                        return f"option {name} is not known to be read-only (it may write a file)"
+            return None
+    words = [a for a in rest if not a.startswith("-")][:2]
+    return f"gpu-doctor {' '.join(words)} is not on the read-only list"
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -299,6 +453,12 @@ def run(
     progress: Callable[[StepReport], None] | None = None,
 ) -> RunReport:
 
+    depth = _runbook_depth()
+    if depth >= 1:
+        raise RefusedError(
+            f"runbook {book.name} refused: started inside a runbook step (${RUNBOOK_DEPTH_ENV}={depth}): "
+            "runbooks cannot recurse"
+        )
     require_job_dir(job_dir)  # an empty or typo'd dir is not a job that was recovered ("done")
     resumed_from = run_id or (None if dry_run else unfinished_run(job_dir, book.name))
     run_id = resumed_from or f"{book.name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -410,22 +570,122 @@ def _kwargs(step: Step, job_dir: Path, results: Mapping[str, Mapping[str, Any]])
     return kwargs
 
 
+def _runbook_depth() -> int:
+    raw = os.environ.get(RUNBOOK_DEPTH_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 1  # set but unreadable: assume we are inside a step
+
+
+@dataclass(frozen=True)
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_in_group(
+    argv: list[str],
+    *,
+    timeout: float,
+    grace: float = COMMAND_GRACE_S,
+    env: Mapping[str, str] | None = None,
+) -> Completed:
+    """Run `argv` (no shell) in a new session and process group, stdin /dev/null, output captured.
+
+    At `timeout` (subprocess.TimeoutExpired) or any interruption, the whole group gets SIGTERM and,
+    after `grace`, SIGKILL: no process the command forked is left behind.
+    """
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+        env=dict(env) if env is not None else None,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _end_group(proc, grace)
+        raise
+    if _group_alive(proc.pid):
+        _end_group(proc, grace)  # the command is done; what it left running in its group is not
+    return Completed(proc.returncode, out, err)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:  # pragma: no cover - a member changed uid: SIGKILL what we may
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return True
+    return True
+
+
+def _end_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the group, wait up to `grace` for it to empty, SIGKILL it, reap the leader."""
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    _killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(pgid):
+            break
+        time.sleep(0.05)
+    _killpg(pgid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=max(grace, 1.0))
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+        pass
+    end = time.monotonic() + 1.0
+    while _group_alive(pgid) and time.monotonic() < end:
+        time.sleep(0.02)  # reparented members are reaped by init; zombies cannot run
+    for pipe in (proc.stdout, proc.stderr):
+        try:
+            if pipe is not None:
+                pipe.close()
+        except OSError:  # pragma: no cover
+            pass
+
+
 def _command(step: Step, job_dir: Path, *, dry_run: bool, run_id: str) -> Any:
     """Run one of gpuguard's own console scripts (argument list, no shell); parse JSON output if any."""
 
     script = Path(sys.executable).parent / step.argv[0]
     argv = [str(script)] + [a.replace("{job_dir}", str(job_dir)) for a in step.argv[1:]]
-    read_only = step.argv[0] == "gpu-doctor" and len(step.argv) > 1 and step.argv[1] in READ_ONLY_DOCTOR
-    if dry_run and not read_only:
-        shown = " ".join([step.argv[0], *argv[1:]])
-        return actions.ActionResult("command", "dry-run", EXIT_OK, f"would run {shown}", dry_run=True)
+    if dry_run:
+        why_not = read_only_reason(step.argv)
+        if why_not is not None:
+            shown = " ".join([step.argv[0], *argv[1:]])
+            return actions.ActionResult(
+                "command", "dry-run", EXIT_OK, f"would run {shown} (not run: {why_not})", dry_run=True
+            )
     timeout = float(step.args.get("timeout_s", 300))
+    env = {**os.environ, RUNBOOK_DEPTH_ENV: str(_runbook_depth() + 1)}
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = run_in_group(argv, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        result = actions.ActionResult("command", "timeout", 75, f"{step.argv[0]} did not finish in {timeout:g} s")
+        result = actions.ActionResult(
+            "command", "timeout", 75, f"{step.argv[0]} did not finish in {timeout:g} s (its process group was ended)"
+        )
     except OSError as exc:
-        result = actions.ActionResult("command", "error", 70, f"cannot run {step.argv[0]}: {exc.strerror}")
+        why = exc.strerror or (errno.errorcode.get(exc.errno or 0) if exc.errno else None) or str(exc)
+        result = actions.ActionResult("command", "error", 70, f"cannot run {step.argv[0]}: {why}")
     else:
         details: dict[str, Any] = {"returncode": proc.returncode}
         try:
