@@ -395,6 +395,123 @@ def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------
+# Output files (--dump-nvml): a new file, atomically, never through a link, never a missing directory
+
+
+def check_output_path(path: str, *, force: bool, what: str) -> None:
+    """Refuse an output path at once: 66 its directory is missing (never created), 65 it or its
+    directory is a symbolic link, 73 it exists (unless `force`, and then only a regular file)."""
+    import os
+    import stat
+
+    from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError
+
+    target = Path(path)
+    parent = target.parent
+    if os.path.islink(parent):
+        raise DataError(f"{what} {path}: directory {parent} is a symbolic link: refusing to write through it")
+    if not parent.is_dir():
+        raise NoInputError(f"{what} {path}: no directory {parent} (it is not created for you)")
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        from gpuguard.foundation.errors import from_os_error
+
+        raise from_os_error(exc, f"{what} {path}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise DataError(f"{what} {path}: is a symbolic link: refusing to write through it")
+    if stat.S_ISDIR(st.st_mode):
+        raise GpuguardError(f"{what} {path}: is a directory", exit_code=EXIT_CANTCREAT)
+    if not force:
+        raise GpuguardError(
+            f"{what} {path}: exists: refusing to overwrite it (--force to replace it)", exit_code=EXIT_CANTCREAT
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise GpuguardError(f"{what} {path}: not a regular file: refusing to replace it", exit_code=EXIT_CANTCREAT)
+
+
+def write_output_file(path: str, data: bytes, *, force: bool, what: str, mode: int = 0o644) -> None:
+    """Write `data` to a new file at `path` (see `check_output_path`): a temp file in the same
+    directory, opened through a no-follow handle on that directory, then hard-linked into place
+    (fails if the name appeared meanwhile) or, with `force`, renamed over the old regular file. A
+    rename replaces a name, so no write ever goes through a link planted there."""
+    import errno
+    import os
+    import uuid
+
+    from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, from_os_error
+
+    check_output_path(path, force=force, what=what)
+    target = Path(path)
+    name = target.name
+    try:
+        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(target.parent):
+            raise DataError(f"{what} {path}: directory {target.parent} is a symbolic link") from None
+        raise from_os_error(exc, f"{what} {path}") from None
+    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        try:
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                mode,
+                dir_fd=dfd,
+            )
+        except OSError as exc:
+            raise from_os_error(exc, f"{what} {path}") from None
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if force:
+                st = _lstat_at(name, dfd)
+                if st is not None and not _is_regular(st):
+                    raise GpuguardError(
+                        f"{what} {path}: is no longer a regular file: not replaced", exit_code=EXIT_CANTCREAT
+                    )
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            else:
+                try:
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:
+                    raise GpuguardError(
+                        f"{what} {path}: exists: refusing to overwrite it (--force to replace it)",
+                        exit_code=EXIT_CANTCREAT,
+                    ) from None
+                os.unlink(tmp, dir_fd=dfd)
+            os.fsync(dfd)
+        except OSError as exc:
+            raise from_os_error(exc, f"{what} {path}") from None
+        finally:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+    finally:
+        os.close(dfd)
+
+
+def _lstat_at(name: str, dfd: int) -> Any:
+    import os
+
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _is_regular(st: Any) -> bool:
+    import stat
+
+    return stat.S_ISREG(st.st_mode)
+
+
 def diagnose_node(
     kernel_log: str | None = typer.Option(
         None,
@@ -416,7 +533,14 @@ def diagnose_node(
     fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
     demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
     dump_nvml: str | None = typer.Option(
-        None, "--dump-nvml", metavar="FILE", help="Also save the NVML snapshot (replay it with --nvml-snapshot)."
+        None,
+        "--dump-nvml",
+        metavar="FILE",
+        help="Also save the NVML snapshot (replay it with --nvml-snapshot). A new file in an existing directory: "
+        "73 if FILE exists (see --force), 66 if its directory is missing, 65 if FILE or its directory is a link.",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Let --dump-nvml replace an existing regular file (never a link or a directory)."
     ),
     processes: bool | None = typer.Option(
         None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
@@ -455,6 +579,8 @@ def diagnose_node(
     if mode not in ("live", "replay"):
         raise UsageError(f"--mode {mode!r}: expected live or replay")
     cutoff = parse_since(since)
+    if dump_nvml and (nvml_snapshot is not None or mode == "live"):
+        check_output_path(dump_nvml, force=force, what="--dump-nvml")  # refuse before the probe, not after
     from gpuguard.diagnostics import node_thresholds
 
     thresholds = node_thresholds.load(config)
@@ -472,9 +598,7 @@ def diagnose_node(
             raise UsageError("--dump-nvml: NVML is not examined in replay mode; add --mode live (or --nvml-snapshot)")
         import json
 
-        from gpuguard.foundation.jobdir import atomic_write_bytes
-
-        atomic_write_bytes(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode())
+        write_output_file(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode(), force=force, what="--dump-nvml")
     procs = _processes() if (processes if processes is not None else mode == "live") else None
     doc, _ = build_document(
         snapshot,
