@@ -1,7 +1,9 @@
 """etcd ledger backend (`etcd://host:port/prefix`): the ledger for jobs that span many machines.
 
 Talks to etcd's v3 JSON gateway through `etcd3gw` (path `/v3/`, etcd >= 3.4), every call with a
-timeout; an unreachable or slow etcd is `UnavailableError` (exit 75) and nothing is written.
+total wall-clock deadline (`timeout`, `foundation.deadline`: a trickling or stalling etcd cannot
+reset it); an unreachable or slow etcd is `UnavailableError` (exit 75). A write whose answer did
+not come in time may or may not have been applied (each is one etcd transaction, all or nothing).
 
 Keys under the prefix P:
   P/gen/<N, 12 digits>   the canonical certificate bytes of generation N
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from gpuguard.foundation.deadline import DeadlineExceeded, call_with_deadline
 from gpuguard.foundation.errors import UnavailableError, UsageError
 from gpuguard.generation.ledger import Ledger, dumps_record
 
@@ -79,7 +82,14 @@ class EtcdLedger(Ledger):
         from etcd3gw import exceptions as ex
 
         try:
-            return fn(*args, **kw)
+            # `timeout` is per call, wall clock: requests' own timeout is per socket read, and an etcd
+            # (or a proxy) that trickles or stalls mid-answer would reset it forever
+            return call_with_deadline(lambda: fn(*args, **kw), self.timeout, name="gpuguard-etcd-ledger")
+        except DeadlineExceeded:
+            raise UnavailableError(
+                f"{self.url}: etcd did not answer within {self.timeout:g} s ({what}); nothing is known "
+                "about a write that was under way"
+            ) from None
         except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
             raise UnavailableError(
                 f"{self.url}: etcd unreachable or not answering within {self.timeout:g} s ({what})"
