@@ -42,6 +42,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -587,6 +588,21 @@ class Completed:
     stderr: str
 
 
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP reached the runner while a step ran (raised to end the step's group first)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, _frame: Any) -> None:
+    raise _Signalled(signum)
+
+
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def run_in_group(
     argv: list[str],
     *,
@@ -596,27 +612,43 @@ def run_in_group(
 ) -> Completed:
     """Run `argv` (no shell) in a new session and process group, stdin /dev/null, output captured.
 
-    At `timeout` (subprocess.TimeoutExpired) or any interruption, the whole group gets SIGTERM and,
-    after `grace`, SIGKILL: no process the command forked is left behind.
+    At `timeout` (subprocess.TimeoutExpired), Ctrl-C, or SIGTERM/SIGHUP to the runner, the whole
+    group gets SIGTERM and, after `grace`, SIGKILL: no process the command forked is left behind.
+    A runner ended by a signal then dies of that signal, as it would have.
     """
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-        env=dict(env) if env is not None else None,
-    )
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in _ENDING_SIGNALS} if main else {}
+    proc: subprocess.Popen[str] | None = None
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _end_group(proc, grace)
-        raise
-    if _group_alive(proc.pid):
-        _end_group(proc, grace)  # the command is done; what it left running in its group is not
-    return Completed(proc.returncode, out, err)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+                env=dict(env) if env is not None else None,
+            )
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            if proc is not None:
+                for sig in previous:
+                    signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+                _end_group(proc, grace)
+            raise
+        if _group_alive(proc.pid):
+            _end_group(proc, grace)  # the command is done; what it left running in its group is not
+        return Completed(proc.returncode, out, err)
+    except _Signalled as exc:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.raise_signal(exc.signum)
+        raise  # pragma: no cover - only if the restored handler returns
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _killpg(pgid: int, sig: int) -> None:

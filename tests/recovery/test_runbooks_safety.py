@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from gpuguard.foundation.jobdir import ensure_job
 from gpuguard.generation.job import init_job
 from gpuguard.recovery import runbooks
 from gpuguard.recovery.runbooks import Runbook, RunbookError, Step
-from tests.support.cli import run_cli
+from tests.support.cli import BIN, run_cli
 from tests.support.node import fake_env, healthy_gpu, snapshot, write_json
 
 
@@ -198,6 +199,50 @@ def test_step_timeout_ends_the_whole_process_group(tmp_path):
     finally:
         if grandchild is not None and not _gone(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+def test_a_runner_ended_by_sigterm_ends_its_step_first(tmp_path):
+    """SIGTERM to `gpu-recover runbook run` mid-step: the step's group goes with it, no orphan."""
+    hook, pids = tmp_path / "hook", tmp_path / "pids"
+    hook.mkdir()
+    pids.mkdir()
+    (hook / "sitecustomize.py").write_text(_SITE)
+    job = tmp_path / "job"
+    ensure_job(job)
+    book = _book(
+        tmp_path,
+        "term",
+        "name: term\nsteps:\n"
+        "- {name: slow, action: command, argv: [gpu-doctor, diagnose, torchrun, --job-dir, '{job_dir}'],"
+        " args: {timeout_s: 120}}\n",
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "GG_TEST_PIDS": str(pids),
+    }
+    runner = subprocess.Popen(
+        [str(BIN / "gpu-recover"), "runbook", "run", str(book), "--job-dir", str(job), "--yes"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    grandchild = child = None
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not (pids / "grandchild").exists():
+            time.sleep(0.05)
+        time.sleep(0.2)
+        grandchild, child = int((pids / "grandchild").read_text()), int((pids / "child").read_text())
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(30) == -signal.SIGTERM
+        assert _gone(child) and _gone(grandchild)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        for pid in (child, grandchild):
+            if pid is not None and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_run_in_group_ends_a_group_that_outlives_its_leader(tmp_path):
