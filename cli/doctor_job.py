@@ -32,8 +32,11 @@ def assess(
     log_spec: Any = None,
     node_reports: tuple[Path, ...] = (),
     launcher_logs: tuple[Path, ...] = (),
+    interval_s: float | None = None,
 ) -> tuple[Any, dict[str, Any], Any]:
-    """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords)."""
+    """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords).
+
+    `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
     from gpuguard.diagnostics.jobstats import distribution
     from gpuguard.diagnostics.vote import load_config, to_json, vote
     from gpuguard.recovery.job_observation import observe_job
@@ -42,6 +45,8 @@ def assess(
     if not path.is_dir():
         raise NoInputError(f"job directory {path} does not exist")
     cfg = load_config(config)
+    if interval_s is not None and interval_s > 0:  # the interval in use, as the document's thresholds show
+        cfg = load_config(config, {"check_interval_s": float(interval_s)})
     reports = [_load_report(p) for p in node_reports]
     for p in launcher_logs:
         if not p.is_file():
@@ -49,7 +54,7 @@ def assess(
     records, observations = observe_job(
         path, window=window, logs=logs, log_spec=log_spec, node_reports=reports, launcher_logs=launcher_logs
     )
-    job = vote(observations, cfg, previous)
+    job = vote(observations, cfg, previous, interval_s=interval_s)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
     doc = to_json(
@@ -197,6 +202,14 @@ def diagnose_job(
         metavar="FILE",
         help="torchrun's own output: exit codes and signals of workers that are gone.",
     ),
+    interval: float | None = typer.Option(
+        None,
+        "--interval",
+        min=0.05,
+        metavar="S",
+        help="Seconds between your checks when a script runs this repeatedly: a hang is confirmed over "
+        "(confirm_checks - 1) of them (default: check_interval_s of the thresholds).",
+    ),
 ) -> int:
     """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
     spec = _log_spec(log, log_spec, log_regex)
@@ -208,6 +221,7 @@ def diagnose_job(
         log_spec=spec,
         node_reports=tuple(node_report),
         launcher_logs=tuple(torchrun_log),
+        interval_s=interval,
     )
     if as_json:
         emit_json(doc)
@@ -238,8 +252,14 @@ def watch_job(
 
             live = Live(console=console(), refresh_per_second=4, transient=False)
             live.start()
+        last = None
         while True:
-            job, doc, _ = assess(job_dir, config=config, previous=previous)
+            # the interval actually in use: the time since the previous check (reading 10,000 ranks and a
+            # slow disk make it longer than --interval), so confirmation is counted in real checks
+            t = time.monotonic()
+            elapsed = interval if last is None else max(interval, t - last)
+            last = t
+            job, doc, _ = assess(job_dir, config=config, previous=previous, interval_s=elapsed)
             previous, code, n = job, job.exit_code, n + 1
             if as_json:
                 print(_json.dumps(doc, default=str), flush=True)

@@ -36,6 +36,19 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[lo] * (1 - frac) + sorted_values[hi] * frac)
 
 
+def robust_tail(sorted_values: Sequence[float], q: float) -> float:
+    """The `q` quantile with the influence of a single outlier capped: the largest value counts as at most
+    twice the second largest. One 40 s pause in a job of 0.1 s steps must not set the hang bound for the
+    rest of the job; a long period that recurs (periodic checkpoints) still counts in full."""
+    n = len(sorted_values)
+    if n < 3:
+        return quantile(sorted_values, q)
+    top, second = sorted_values[-1], sorted_values[-2]
+    if top <= 2 * second:
+        return quantile(sorted_values, q)
+    return quantile([*sorted_values[:-1], 2 * second], q)
+
+
 def median(values: Sequence[float]) -> float:
     return quantile(sorted(values), 0.5)
 
@@ -90,9 +103,9 @@ def observe(
         n_steps=len(steps),
         period_p50_s=quantile(periods, 0.5),
         period_p99_s=quantile(periods, 0.99),
-        period_p999_s=quantile(periods, 0.999),
+        period_p999_s=robust_tail(periods, 0.999),
         compute_p50_s=quantile(computes, 0.5),
-        compute_p999_s=quantile(computes, 0.999),
+        compute_p999_s=robust_tail(computes, 0.999),
         recent_compute_s=recent_compute,
         recent_period_s=median(recent_periods) if recent_periods else 0.0,
         nbytes=nbytes,

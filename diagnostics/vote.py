@@ -17,7 +17,7 @@ Lazy imports (start-up time): yaml, only when the vote configuration is read.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class RankVerdict:
     culprit: bool = False
     pending_dead: bool = False  # two dimensions agreed on failure once; dead if they agree again
     observation: RankObservation | None = None
+    past_bound_checks: int = 0  # consecutive real checks this rank was past its hang bound, in one place
 
     def to_json(self) -> dict[str, Any]:
         o = self.observation
@@ -90,6 +91,7 @@ class RankVerdict:
             "reason": self.reason,
             "culprit": self.culprit,
             "blocked_by": list(self.blocked_by),
+            "past_bound_checks": self.past_bound_checks,
         }
         if o is not None:
             doc.update(
@@ -205,11 +207,19 @@ def vote(
     cfg: VoteConfig = DEFAULT_CONFIG,
     previous: JobVerdict | None = None,
     cohort: Cohort | None = None,
+    interval_s: float | None = None,
 ) -> JobVerdict:
-    """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths.
+    """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths and
+    hangs: with it, `hung` needs `confirm_checks` real consecutive checks past the bound in one place.
+
+    `interval_s`: the time between checks actually in use (the watch interval, or the time since the
+    previous check); without a previous check it turns the confirmation into age (bound + (M-1) x it).
+    Default: `check_interval_s` of the configuration.
 
     `cohort` may be given when `observations` is a subset of a larger job (the simulator votes on the
     ranks that matter at an instant, with the statistics of all ranks)."""
+    if interval_s is not None and interval_s > 0:
+        cfg = replace(cfg, check_interval_s=float(interval_s))
     obs = sorted(observations, key=lambda o: o.rank)
     if not obs:
         return JobVerdict(
@@ -221,6 +231,8 @@ def vote(
         )
     cohort = cohort or cohort_of(obs)
     pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
+    before = previous.by_rank() if previous else {}
+    past_checks: dict[int, int] = {}
     prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]] = {}
     v_live, v_prog, v_coh, v_coll, v_hw, v_comm = VOTERS
     for o in obs:
@@ -235,6 +247,9 @@ def vote(
             v_hw(o, cohort, cfg),
             v_comm(o, cohort, cfg),
         )
+        prog, past_checks[o.rank] = _confirm_in_checks(o, votes[1], before.get(o.rank), cfg)
+        if prog is not votes[1]:
+            votes = (votes[0], prog, *votes[2:])
         verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
         prelim[o.rank] = (verdict, reason, pending, votes)
 
@@ -358,9 +373,45 @@ def vote(
         is_culprit = o.rank in culprits or (
             v in (DEAD, HUNG) and not b and o.rank not in victims and (o.rank not in nobody_to_blame or v == DEAD)
         )
-        verdicts.append(RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o))
+        verdicts.append(
+            RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o, past_checks.get(o.rank, 0))
+        )
     culprit_ranks = tuple(r.rank for r in verdicts if r.culprit)
     return _summarize(tuple(verdicts), culprit_ranks, cohort)
+
+
+def _same_place(a: RankObservation | None, b: RankObservation) -> bool:
+    return a is not None and (a.phase, a.phase_step, a.phase_seq) == (b.phase, b.phase_step, b.phase_seq)
+
+
+def _confirm_in_checks(o: RankObservation, prog: Vote, prev: RankVerdict | None, cfg: VoteConfig) -> tuple[Vote, int]:
+    """Hang confirmation counted in real checks. Returns (the progress vote, checks past the bound).
+
+    The progress voter's age rule (age > bound + (M-1) x the interval in use) always holds; with a previous
+    check of this rank in the same place, `hung` needs M consecutive real checks past the bound as well: a
+    check that came late (a slow watcher, a long interval) does not count as several."""
+    if prog.verdict not in (HUNG, SLOW) or "bound_s" not in prog.numbers:
+        return prog, 0
+    past = prog.numbers["age_s"] > prog.numbers["bound_s"]
+    if not past:
+        return prog, 0
+    if prev is None or not _same_place(prev.observation, o):
+        return prog, (max(1, cfg.confirm_checks) if prog.verdict == HUNG else 1)
+    n = prev.past_bound_checks + 1
+    m = max(1, cfg.confirm_checks)
+    nums = {**prog.numbers, "checks_past_bound": n, "confirm_checks": m}
+    if n < m and prog.verdict == HUNG:
+        return (
+            Vote(
+                "progress",
+                SLOW,
+                f"paused: no progress for {prog.numbers['age_s']:.1f} s, past its bound "
+                f"{prog.numbers['bound_s']:.1f} s (confirming: check {n} of {m})",
+                nums,
+            ),
+            n,
+        )
+    return replace(prog, numbers=nums), n
 
 
 def _stalled(votes: tuple[Vote, ...]) -> bool:

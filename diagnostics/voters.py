@@ -110,6 +110,14 @@ def hang_bound_s(obs: RankObservation, world: int, cfg: VoteConfig) -> float:
     return base + cfg.collective_k * expected_collective_s(obs.nbytes, world, cfg)
 
 
+def progress_age(obs: RankObservation) -> float:
+    """Time since the rank last made progress of ANY kind: a step, a collective entry or exit, a heartbeat
+    (`progress_age_s`; 0 = not measured, then the phase age)."""
+    if obs.progress_age_s > 0:
+        return min(obs.phase_age_s, obs.progress_age_s)
+    return obs.phase_age_s
+
+
 def pause_bound_s(obs: RankObservation, cfg: VoteConfig) -> float:
     """Idle longer than this (own P99.9 × pause_k, at least pause_floor_s) is a pause worth reporting."""
     return max(cfg.pause_k * obs.period_p999_s, cfg.pause_floor_s)
@@ -153,7 +161,7 @@ def progress(obs: RankObservation, cohort: Cohort, cfg: VoteConfig) -> Vote:
     bound = hang_bound_s(obs, cohort.world, cfg)
     confirm = confirm_window_s(cfg)
     pause = pause_bound_s(obs, cfg)
-    age = obs.phase_age_s
+    age = progress_age(obs)
     where = (
         f"waiting in collective {obs.phase_seq}"
         if obs.phase == COLLECTIVE

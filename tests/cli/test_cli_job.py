@@ -280,3 +280,14 @@ def test_record_text_is_escaped_in_human_output(cli, tmp_path: Path, monkeypatch
     r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--node-report", str(report))
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout, r.stdout
     assert "GPU is lost \\x1b]0;owned\\x07\\x1b[2J" in r.stdout
+
+
+def test_diagnose_job_takes_the_interval_in_use(cli, tmp_path: Path) -> None:
+    logs = [StepLog(tmp_path, r, f"inc{r}") for r in range(2)]
+    for log in logs:
+        _steps(log, 3, 0.001)
+    r = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path), "--json", "--interval", "2.5")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0, doc
+    assert doc["thresholds"]["check_interval_s"] == 2.5
+    assert all("past_bound_checks" in x for x in doc["ranks"])
