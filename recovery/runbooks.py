@@ -317,6 +317,8 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
             )
         if (isinstance(value, bool) and allowed[key] is not bool) or not isinstance(value, allowed[key]):
             raise err(f"{where}: field 'args.{key}': wrong type {type(value).__name__}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not (0 <= value < 1e9):
+            raise err(f"{where}: field 'args.{key}': must be a finite number >= 0")  # NaN, inf, -1 s
         if key == "ranks" and not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
             raise err(f"{where}: field 'args.ranks': must be a list of integers")
     argv = raw.get("argv")

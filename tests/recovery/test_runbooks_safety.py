@@ -378,3 +378,11 @@ def test_duplicate_keys_are_an_error_naming_key_and_line(tmp_path, doc, message)
 def test_yaml_merge_keys_may_still_override():
     book = runbooks.parse("name: m\nsteps:\n- &base {name: a, action: diagnose}\n- <<: *base\n  name: b\n", "m.yaml")
     assert [s.name for s in book.steps] == ["a", "b"]
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-1", "1.0e+12"])
+def test_step_numbers_are_finite_and_not_negative(value):
+    with pytest.raises(RunbookError, match=r"step 1 \(c\): field .args.timeout_s.: must be a finite number"):
+        runbooks.parse(
+            f"name: n\nsteps: [{{name: c, action: command, argv: [gpu-doctor, logs, x], args: {{timeout_s: {value}}}}}]\n"
+        )
