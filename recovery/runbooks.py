@@ -96,6 +96,7 @@ READ_ONLY_DOCTOR: dict[tuple[str, ...], frozenset[str]] = {
             "--log-regex",
             "--node-report",
             "--torchrun-log",
+            "--interval",
         }
     ),
     ("diagnose", "torchrun"): frozenset({"--job-dir", "--init-timeout", "--json"}),

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import typer.main
 
+from gpuguard.cli.doctor import app
 from gpuguard.foundation.jobdir import ensure_job
 from gpuguard.generation.job import init_job
 from gpuguard.recovery import runbooks
@@ -386,3 +388,14 @@ def test_step_numbers_are_finite_and_not_negative(value):
         runbooks.parse(
             f"name: n\nsteps: [{{name: c, action: command, argv: [gpu-doctor, logs, x], args: {{timeout_s: {value}}}}}]\n"
         )
+
+
+def test_the_read_only_list_names_real_gpu_doctor_commands_and_options():
+    """No typo and no drift: every allow-listed subcommand and option exists in gpu-doctor as built."""
+    root = typer.main.get_command(app)
+    for path, options in runbooks.READ_ONLY_DOCTOR.items():
+        cmd = root
+        for word in path:
+            cmd = cmd.commands[word]  # a KeyError names a subcommand that does not exist
+        real = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)}
+        assert options <= real, (path, sorted(options - real))
