@@ -12,8 +12,8 @@ _gpuguard_gpu_doctor() {
         "") words="contract diagnose logs plan plugins sweep watch --help --version -h" ;;
         "/contract") words="--help --jobs --json --pg --world-size -h" ;;
         "/diagnose") words="job node torchrun --help -h" ;;
-        "/diagnose/job") words="--config --help --job-dir --json --log --log-regex --log-spec --node-report --torchrun-log --window -h" ;;
-        "/diagnose/node") words="--config --demo --dump-nvml --format --help --json --kernel-log --log --mode --no-processes --nvml-snapshot --nvml-timeout --processes --since --timeout -h" ;;
+        "/diagnose/job") words="--config --help --interval --job-dir --json --log --log-regex --log-spec --node-report --torchrun-log --window -h" ;;
+        "/diagnose/node") words="--config --demo --dump-nvml --force --format --help --json --kernel-log --log --mode --no-processes --nvml-snapshot --nvml-timeout --processes --since --timeout -h" ;;
         "/diagnose/torchrun") words="--help --init-timeout --job-dir --json -h" ;;
         "/logs") words="--help --json --min-severity -h" ;;
         "/plan") words="checkpoint collective layout --help -h" ;;
