@@ -71,6 +71,7 @@ def observe(
     history: int = 2000,
     hardware: tuple[HardwareEvidence, ...] = (),
     comm_errors: tuple[CommError, ...] = (),
+    cpu_s: float | None = None,
 ) -> RankObservation:
     """The vote's features for one rank at `now`.
 
@@ -108,6 +109,8 @@ def observe(
         compute_p999_s=robust_tail(computes, 0.999),
         recent_compute_s=recent_compute,
         recent_period_s=median(recent_periods) if recent_periods else 0.0,
+        recent_period_max_s=max(recent_periods) if recent_periods else 0.0,
+        cpu_s=cpu_s,
         nbytes=nbytes,
         closed=ph.kind == CLOSED,
         errors=series.errors,

@@ -395,6 +395,9 @@ def _confirm_in_checks(o: RankObservation, prog: Vote, prev: RankVerdict | None,
     past = prog.numbers["age_s"] > prog.numbers["bound_s"]
     if not past:
         return prog, 0
+    working = _cpu_progress(o, prev, cfg)
+    if working is not None and prog.numbers["age_s"] <= cfg.hang_cap_s:
+        return working, 0
     if prev is None or not _same_place(prev.observation, o):
         return prog, (max(1, cfg.confirm_checks) if prog.verdict == HUNG else 1)
     n = prev.past_bound_checks + 1
@@ -412,6 +415,26 @@ def _confirm_in_checks(o: RankObservation, prog: Vote, prev: RankVerdict | None,
             n,
         )
     return replace(prog, numbers=nums), n
+
+
+def _cpu_progress(o: RankObservation, prev: RankVerdict | None, cfg: VoteConfig) -> Vote | None:
+    """No records, but the process burns CPU outside a collective: it is working, slowly (a CPU quota,
+    a throttled host), which is progress too. Needs the previous check of the rank in the same place."""
+    p = prev.observation if prev is not None else None
+    if p is None or not _same_place(p, o) or o.phase == COLLECTIVE or o.cpu_s is None or p.cpu_s is None:
+        return None
+    elapsed = o.phase_age_s - p.phase_age_s
+    used = o.cpu_s - p.cpu_s
+    if elapsed <= 0 or used < cfg.cpu_progress_frac * elapsed:
+        return None
+    return Vote(
+        "progress",
+        SLOW,
+        f"no record for {o.phase_age_s:.1f} s ({o.phase} step {o.phase_step}), but its process used "
+        f"{used:.2f} s of CPU in the last {elapsed:.1f} s ({100 * used / elapsed:.0f} %): working, slowly "
+        "(CPU quota or throttled host?), not hung",
+        {"age_s": o.phase_age_s, "cpu_used_s": used, "elapsed_s": elapsed, "cpu_frac": used / elapsed},
+    )
 
 
 def _stalled(votes: tuple[Vote, ...]) -> bool:

@@ -41,6 +41,7 @@ class VoteConfig:
     latency_s: float = 50e-6
     collective_k: float = 3.0
     comm_min_reports: int = 1
+    cpu_progress_frac: float = 0.005
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ def hang_bound_s(obs: RankObservation, world: int, cfg: VoteConfig) -> float:
         base = cfg.startup_timeout_s
     elif obs.n_steps < cfg.min_samples:
         base = max(cfg.initial_timeout_s, cfg.hang_k * obs.period_p999_s)
-    else:
-        base = min(max(cfg.hang_k * obs.period_p999_s, cfg.hang_floor_s), cfg.hang_cap_s)
+    else:  # the learned tail, or the rank's own recent slowdown (a throttled rank's steps got longer)
+        own = max(obs.period_p999_s, obs.recent_period_max_s)
+        base = min(max(cfg.hang_k * own, cfg.hang_floor_s), cfg.hang_cap_s)
     return base + cfg.collective_k * expected_collective_s(obs.nbytes, world, cfg)
 
 

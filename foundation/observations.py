@@ -130,3 +130,5 @@ class RankObservation:
     notes: tuple[str, ...] = field(default=())
     # recent collective entries (seq, wall time, wait_s or -1.0 while in it), oldest first: arrival order
     entries: tuple[tuple[int, float, float], ...] = ()
+    recent_period_max_s: float = 0.0  # the longest own step period of the recent window (not capped)
+    cpu_s: float | None = None  # the process's CPU time (user + system) at this check, when visible here

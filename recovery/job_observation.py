@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import psutil
+
 from gpuguard.collectors.liveness import (
     comm_errors_from_logs,
     exit_codes_from_logs,
@@ -26,6 +28,19 @@ from gpuguard.collectors.step_records import JobRecords, read_job
 from gpuguard.diagnostics.jobevidence import hardware_from_node_reports
 from gpuguard.diagnostics.jobstats import comm_errors_from_text, observe
 from gpuguard.foundation.observations import ProcessState, RankObservation
+
+_ALIVE = ("running", "sleeping", "disk-sleep")
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """The process's CPU time (user + system, seconds): a throttled rank's grows, a hung one's does not."""
+    if pid is None:
+        return None
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    return float(t.user + t.system)
 
 
 def observe_job(
@@ -70,6 +85,7 @@ def observe_job(
         )
         proc = with_exit_code(proc, series.pid, codes)
         ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
+        cpu = _cpu_seconds(series.pid) if probe and local and proc.state in _ALIVE else None
         out.append(
             observe(
                 series,
@@ -80,6 +96,7 @@ def observe_job(
                 history=history,
                 hardware=hardware.get(series.rank, ()),
                 comm_errors=ce,
+                cpu_s=cpu,
             )
         )
     for rank in records.silent_ranks[:100_000]:

@@ -67,3 +67,26 @@ def test_one_pause_does_not_inflate_the_learned_tail() -> None:
     twice = sorted([0.1] * 198 + [40.0, 40.0])  # a long period that recurs (checkpoints) still counts
     assert robust_tail(twice, 0.999) > 30.0
     assert robust_tail([0.1, 0.2], 0.999) == quantile([0.1, 0.2], 0.999)
+
+
+def test_a_rank_that_burns_cpu_without_records_is_slow_not_hung() -> None:
+    from dataclasses import replace
+
+    first = vote([replace(job(6.0)[0], cpu_s=100.0), *job(6.0)[1:]], CFG)
+    assert first.by_rank()[0].verdict == "slow"  # past the bound, not yet confirmed
+    # 2 s later it used 0.02 s of CPU (a 1 % quota): working, slowly
+    later = vote([replace(job(8.0)[0], cpu_s=100.02), *job(8.0)[1:]], CFG, previous=first)
+    r0 = later.by_rank()[0]
+    assert r0.verdict == "slow" and "working, slowly" in r0.reason, r0
+    # no CPU at all (a deadlock, a stopped process): hung as before
+    idle = vote([replace(job(8.0)[0], cpu_s=100.0), *job(8.0)[1:]], CFG, previous=first)
+    assert idle.by_rank()[0].verdict == "hung"
+
+
+def test_the_bound_follows_the_rank_s_own_recent_slowdown() -> None:
+    from dataclasses import replace
+
+    # its last steps took 7.7 s (throttled): 7 s into the next one is not a hang
+    slowed = replace(job(7.0)[0], recent_period_max_s=7.7)
+    assert vote([slowed, *job(7.0)[1:]], CFG).by_rank()[0].verdict != "hung"
+    assert vote(job(7.0), CFG).by_rank()[0].verdict == "hung"
