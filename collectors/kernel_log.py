@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import select
 import shutil
 import stat
 import subprocess
@@ -31,7 +32,7 @@ from typing import IO, Any
 
 from gpuguard.collectors.logparse import iter_events
 from gpuguard.collectors.logscan import bytes_finder, close_log, is_corrupt_archive, open_log
-from gpuguard.foundation.errors import DataError, from_os_error
+from gpuguard.foundation.errors import DataError, UnavailableError, from_os_error
 from gpuguard.foundation.events import Event
 from gpuguard.foundation.jobdir import atomic_write_bytes
 
@@ -348,6 +349,8 @@ def read_file(
     deadline = time.monotonic() + timeout
     notes: list[str] = []
     try:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            return _read_fifo(path, timeout)
         fh, compressed = open_log(path)
     except OSError as exc:
         raise from_os_error(exc, f"kernel log {path}") from None
@@ -412,9 +415,64 @@ def _is_regular(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode)
 
 
+class _PipeReader:
+    """A pipe, FIFO, socket or terminal read under a deadline: `read` waits for bytes (select) only
+    until the deadline, then raises `UnavailableError` (exit 75). A blocking read would wait for a
+    writer, or for the end of a stream that never ends, without bound."""
+
+    def __init__(self, fd: int, source: str, deadline: float, timeout: float) -> None:
+        self.fd, self.source, self.deadline, self.timeout = fd, source, deadline, timeout
+
+    def read(self, n: int = -1) -> bytes:
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise UnavailableError(
+                    f"kernel log {self.source}: the stream did not end within {self.timeout:g} s "
+                    "(a FIFO without a writer, or a pipe that stays open); --timeout sets the limit"
+                )
+            try:
+                ready, _, _ = select.select([self.fd], [], [], left)
+                if ready:
+                    return os.read(self.fd, n if n > 0 else CHUNK)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                raise from_os_error(exc, f"kernel log {self.source}") from None
+
+
+def _is_stream(fd: int) -> bool:
+    mode = os.fstat(fd).st_mode
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (stat.S_ISCHR(mode) and os.isatty(fd))
+
+
+def _read_fifo(path: Path, timeout: float) -> KernelLog:
+    """A named pipe: opened without blocking (a blocking open waits for a writer), read under the deadline."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise from_os_error(exc, f"kernel log {path}") from None
+    try:
+        return read_stream(_PipeReader(fd, str(path), time.monotonic() + timeout, timeout), str(path))  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
 def read_stream(fh: IO[bytes], source: str = "-", *, timeout: float = DEFAULT_TIMEOUT_S) -> KernelLog:
-    """Read a whole stream (stdin, command output): no cursor."""
-    result = scan(fh, final=True, deadline=time.monotonic() + timeout)
+    """Read a whole stream (stdin, command output): no cursor.
+
+    A pipe, socket or terminal (stdin) is read under the deadline: when no end of stream comes
+    within `timeout`, `UnavailableError` (75), never a wait without bound.
+    """
+    deadline = time.monotonic() + timeout
+    if not isinstance(fh, _PipeReader):
+        try:
+            fd = fh.fileno()
+        except (OSError, ValueError, AttributeError):  # io.BytesIO and friends: no descriptor
+            fd = -1
+        if fd >= 0 and _is_stream(fd):  # read by descriptor: the caller has read nothing from fh yet
+            fh = _PipeReader(fd, source, deadline, timeout)  # type: ignore[assignment]
+    result = scan(fh, final=True, deadline=deadline)
     notes = ("stopped at the deadline",) if result.stopped_early else ()
     events = parse_candidates(result.candidates, source)
     return KernelLog(
