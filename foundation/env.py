@@ -16,3 +16,4 @@ RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is re
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
 LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each in-place incarnation's etcd lease (docs/formats/leases.md)
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
+RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a runbook step's environment: no recursion

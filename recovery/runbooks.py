@@ -51,6 +51,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation.env import RUNBOOK_DEPTH_ENV
 from gpuguard.foundation.errors import (
     EXIT_OK,
     EXIT_REFUSED,
@@ -103,7 +104,6 @@ READ_ONLY_DOCTOR: dict[tuple[str, ...], frozenset[str]] = {
     ("logs",): frozenset({"--json", "--min-severity"}),
     ("contract",): frozenset({"--json", "--pg", "--world-size", "--jobs"}),
 }
-RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a step's environment: runbooks cannot recurse
 MAX_RUNBOOK_BYTES = 1 << 20
 COMMAND_GRACE_S = 2.0  # between SIGTERM and SIGKILL to a timed-out step's process group
 ACTION_ARGS: dict[str, dict[str, type | tuple[type, ...]]] = {
