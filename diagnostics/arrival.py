@@ -4,7 +4,9 @@ In a synchronous job a straggler makes every peer wait in each collective, so wa
 compute drift together and the cohort voter needs many steps to see it. The *order of arrival* shows it
 at once: at collective N the rank that entered last is the one every other rank waited for. A rank that
 was last at the most recent collectives, each time by a wait that is large against its peers' own
-compute, is `slow` and the others are `blocked_by` it. The collective now in progress counts too: a
+compute, is `slow` and the others are `blocked_by` it (the last MIN_COLLECTIVES collectives in a row, and
+most of the significant ones in the window: scheduler noise on a crowded host makes a random rank late
+now and then, never the same one every time). The collective now in progress counts too: a
 rank that has not entered it yet, while peers wait there, is later than every peer by at least their
 wait so far.
 
@@ -21,7 +23,7 @@ from gpuguard.diagnostics.jobstats import median
 from gpuguard.foundation.observations import COLLECTIVE, RankObservation
 
 WINDOW = 8  # recent collectives looked at
-MIN_COLLECTIVES = 2  # the most recent significant collectives the straggler must be last at
+MIN_COLLECTIVES = 3  # the most recent collectives (in a row) the straggler must be last at, each significant
 MIN_FRAC = 0.75  # ... and last at this share of the significant ones in the window
 WAIT_FRAC = 0.25  # a wait is significant above this fraction of the peers' own compute per step
 MIN_WAIT_S = 0.01  # ... and above this many seconds (scheduler noise on tiny steps is not straggling)
@@ -65,6 +67,7 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
     compute = {o.rank: o.recent_compute_s for o in live}
     last_at: dict[int, list[tuple[int, float]]] = {}
     significant: list[tuple[int, tuple[int, ...]]] = []
+    in_row: list[tuple[int, ...]] = []  # per collective, oldest first: who was last by a significant wait
     for seq in seqs:
         got = dict(arrivals[seq])
         missing = ranks - set(got)
@@ -82,16 +85,19 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
         wait = median(waits)
         peer_compute = median([compute[r] for r in others]) or 0.0
         if wait <= max(MIN_WAIT_S, WAIT_FRAC * peer_compute):
+            if not missing:  # the one in progress that is not significant YET neither counts nor breaks a row
+                in_row.append(())
             continue
+        in_row.append(lasts)
         significant.append((seq, lasts))
         for r in lasts:
             last_at.setdefault(r, []).append((seq, wait))
     if len(significant) < 1:
         return {}
     out: dict[int, Straggler] = {}
-    recent = significant[-MIN_COLLECTIVES:]
+    recent = in_row[-MIN_COLLECTIVES:]
     for r, hits in last_at.items():
-        if len(recent) < MIN_COLLECTIVES or not all(r in lasts for _, lasts in recent):
+        if len(recent) < MIN_COLLECTIVES or not all(r in lasts for lasts in recent):
             continue
         if len(hits) < MIN_FRAC * len(significant) or len(hits) == len(ranks):
             continue

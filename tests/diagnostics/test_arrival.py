@@ -52,8 +52,9 @@ def synchronous(n_coll: int, late: dict[int, float], world: int = 4, jitter: flo
     return per
 
 
-def test_a_rank_last_at_two_collectives_by_a_long_wait_is_slow_and_blocks_the_others() -> None:
-    per = synchronous(2, {3: 0.2})
+def test_a_rank_last_at_three_collectives_in_a_row_by_a_long_wait_is_slow_and_blocks_the_others() -> None:
+    assert stragglers([ob(r, e) for r, e in synchronous(2, {3: 0.2}).items()]) == {}  # two: not yet
+    per = synchronous(3, {3: 0.2})
     job = vote([ob(r, per[r]) for r in range(4)], CFG)
     v = job.by_rank()
     assert v[3].verdict == "slow" and "arrived last" in v[3].reason and v[3].culprit
@@ -69,6 +70,18 @@ def test_one_late_collective_is_not_enough() -> None:
     for r in (0, 1, 3):
         s, t, _ = per[r][-1]
         per[r][-1] = (s, t, 0.3)
+    assert stragglers([ob(r, per[r]) for r in range(4)]) == {}
+
+
+def test_a_late_rank_that_alternates_names_nobody() -> None:
+    per = synchronous(8, {})
+    for s in range(8):  # ranks 1 and 2 late by turns (a crowded host's scheduler)
+        late_rank = 1 + s % 2
+        last = per[late_rank][s][1] + 0.08
+        per[late_rank][s] = (s, last, 0.0)
+        for r in range(4):
+            if r != late_rank:
+                per[r][s] = (s, per[r][s][1], last - per[r][s][1])
     assert stragglers([ob(r, per[r]) for r in range(4)]) == {}
 
 

@@ -1,0 +1,349 @@
+"""Dead versus slow on real stragglers: one rank of a real torchrun job throttled by a cgroup CPU quota.
+
+    python bench/stragglers.py [--json] [--quotas 50,20,5,1] [--phase-s 15] [--interval 1.0] [--burn-work 1500]
+
+One real job: 4 gloo workers of `gpuguard.examples.demo_train` with a fixed amount of stand-in compute per
+step (`--burn-work`, so a CPU quota makes the step longer instead of doing less work). After a healthy
+warm-up, rank 2's process is moved into a child cgroup with a CPU quota (v1 `cpu.cfs_quota_us`, or v2
+`cpu.max`) of 50, 20, 5 and 1 % in turn, each for `--phase-s` seconds, then moved back (and the cgroup
+removed) and the job left to recover. Without cgroup CPU control it falls back to SIGSTOP/SIGCONT duty
+cycling (labelled `throttle: sigstop-duty` in every row).
+
+The vote is `gpu-doctor watch job --json --interval I`: the same `diagnose job` vote once every I s, the
+previous check carried (hang confirmation in real checks, CPU progress between checks). Per phase:
+* `slowdown`: the job's median step period in the phase / in the healthy warm-up;
+* `time_to_verdict_s`: throttle applied -> the first check naming rank 2 `slow` with every other rank
+  `blocked_by` it;
+* `false_dead`, `false_hung`: checks (in the phase) calling any rank dead / hung (ground truth: nobody is);
+* `culprit_accuracy`: of the checks after the verdict, those whose culprits are exactly [2];
+* `blocked_by_accuracy`: of the other ranks at those checks, those with blocked_by == [2].
+Baseline rows on the same checks: `fixed-10s`, a watchdog that fails any rank without a record for 10 s
+(computing or waiting): what it names is its culprit, and every firing is a false hang here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+from gpuguard.collectors.step_records import read_job  # noqa: E402
+from gpuguard.examples import demo  # noqa: E402
+
+SLOW_RANK = 2
+WORKERS = 4
+CG_V1 = Path("/sys/fs/cgroup/cpu")
+CG_V2 = Path("/sys/fs/cgroup")
+
+
+class Throttle:
+    """Cap one process at `pct` % of one CPU: a child cgroup (v1 or v2), else SIGSTOP/SIGCONT duty cycling."""
+
+    def __init__(self, pid: int, pct: float) -> None:
+        self.pid, self.pct = pid, pct
+        self.kind = ""
+        self.path: Path | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def available() -> str:
+        """'cgroup-v1', 'cgroup-v2' or '' (then the duty-cycle fallback)."""
+        if (CG_V1 / "cpu.cfs_quota_us").exists() and os.access(CG_V1, os.W_OK):
+            return "cgroup-v1"
+        ctl = CG_V2 / "cgroup.controllers"
+        if ctl.exists() and "cpu" in ctl.read_text().split() and os.access(CG_V2, os.W_OK):
+            return "cgroup-v2"
+        return ""
+
+    def __enter__(self) -> Throttle:
+        kind = self.available()
+        name = f"gpuguard-straggler-{os.getpid()}-{self.pid}"
+        period = 100_000
+        quota = max(1000, int(period * self.pct / 100))  # the kernel's minimum quota is 1 ms
+        try:
+            if kind == "cgroup-v1":
+                self.path = CG_V1 / name
+                self.path.mkdir()
+                (self.path / "cpu.cfs_period_us").write_text(str(period))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+                (self.path / "cgroup.procs").write_text(str(self.pid))
+            elif kind == "cgroup-v2":
+                self.path = CG_V2 / name
+                self.path.mkdir()
+                (self.path / "cpu.max").write_text(f"{quota} {period}")
+                (self.path / "cgroup.procs").write_text(str(self.pid))
+            self.kind = kind
+        except OSError:
+            self._remove()
+            self.kind = ""
+        if not self.kind:
+            self.kind = "sigstop-duty"
+            self._thread = threading.Thread(target=self._duty, daemon=True)
+            self._thread.start()
+        return self
+
+    def _duty(self) -> None:
+        on, cycle = self.pct / 100 * 0.1, 0.1
+        while not self._stop.is_set():
+            time.sleep(on)
+            try:
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(cycle - on)
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+
+    def _remove(self) -> None:
+        if self.path is None:
+            return
+        root = self.path.parent
+        try:
+            (root / "cgroup.procs").write_text(str(self.pid))
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+        self.path = None
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self._remove()
+
+
+class Watch:
+    """`gpu-doctor watch job --json`: every document with the time it arrived."""
+
+    def __init__(self, job: Path, interval: float) -> None:
+        exe = Path(sys.executable).with_name("gpu-doctor")
+        argv = [str(exe), "watch", "job", "--job-dir", str(job), "--json", "--interval", str(interval)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.docs: list[tuple[float, dict]] = []
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.docs.append((time.monotonic(), json.loads(line)))
+            except ValueError:
+                continue
+
+    def between(self, t0: float, t1: float) -> list[tuple[float, dict]]:
+        return [(t, d) for t, d in list(self.docs) if t0 <= t <= t1]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def named(doc: dict, rank: int = SLOW_RANK) -> bool:
+    by = {r["rank"]: r for r in doc["ranks"]}
+    if rank not in by or by[rank]["verdict"] != "slow":
+        return False
+    return all(r["blocked_by"] == [rank] for k, r in by.items() if k != rank)
+
+
+def score_vote(checks: list[tuple[float, dict]], t0: float) -> dict:
+    false_dead = sum(1 for _, d in checks if any(r["verdict"] == "dead" for r in d["ranks"]))
+    false_hung = sum(1 for _, d in checks if any(r["verdict"] == "hung" for r in d["ranks"]))
+    first = next((t for t, d in checks if named(d)), None)
+    after = [d for t, d in checks if first is not None and t >= first]
+    culprit = sum(1 for d in after if d["culprits"] == [SLOW_RANK])
+    others = [r for d in after for r in d["ranks"] if r["rank"] != SLOW_RANK]
+    blocked = sum(1 for r in others if r["blocked_by"] == [SLOW_RANK])
+    return {
+        "time_to_verdict_s": round(first - t0, 2) if first is not None else None,
+        "false_dead": false_dead,
+        "false_hung": false_hung,
+        "culprit_accuracy": round(culprit / len(after), 3) if after else None,
+        "blocked_by_accuracy": round(blocked / len(others), 3) if others else None,
+        "checks": len(checks),
+    }
+
+
+def score_fixed(checks: list[tuple[float, dict]], t0: float, timeout_s: float) -> dict:
+    """A fixed watchdog on the same observations: any rank without a record for `timeout_s` has failed."""
+    fired = []
+    for t, d in checks:
+        failed = sorted(r["rank"] for r in d["ranks"] if r.get("phase_age_s", 0) > timeout_s and r["phase"] != "closed")
+        if failed:
+            fired.append((t, failed))
+    right = sum(1 for _, f in fired if f == [SLOW_RANK])
+    return {
+        "time_to_verdict_s": round(fired[0][0] - t0, 2) if fired else None,
+        "false_dead": 0,
+        "false_hung": len(fired),
+        "culprit_accuracy": round(right / len(fired), 3) if fired else None,
+        "blocked_by_accuracy": None,
+        "checks": len(checks),
+    }
+
+
+def step_periods(job: Path, t0: float, t1: float) -> list[float]:
+    """The job's step periods (rank 0's) that ended between wall times t0 and t1."""
+    series = read_job(job, max_steps=100_000).ranks.get(0)
+    if series is None:
+        return []
+    return [s.interval_s for s in series.steps if s.interval_s and t0 <= s.end_wall <= t1]
+
+
+def wait_steps(job: Path, n: int, timeout: float) -> dict[int, int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ranks = read_job(job).ranks
+        if len(ranks) == WORKERS and all(len(s.steps) >= n for s in ranks.values()):
+            return {r: s.pid or 0 for r, s in ranks.items()}
+        time.sleep(0.5)
+    raise SystemExit(f"the job did not reach {n} steps on every rank within {timeout:.0f} s (see {job}/torchrun.log)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quotas", default="50,20,5,1", help="CPU quotas (%% of one CPU), comma-separated")
+    ap.add_argument("--phase-s", type=float, default=15.0, help="seconds each quota is held (<= 20)")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
+    ap.add_argument("--burn-work", type=int, default=1500, help="fixed stand-in compute per step (matmuls)")
+    ap.add_argument("--keep", action="store_true", help="keep the job dir")
+    args = ap.parse_args(argv)
+    quotas = [float(q) for q in args.quotas.split(",") if q.strip()]
+    t_start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="gpuguard-stragglers-"))
+    job = tmp / "job"
+    job.mkdir()
+    env = demo.worker_env()
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["GPUGUARD_PG_TIMEOUT"] = "600"  # a 1 % rank takes long steps: no collective timeout in the bench
+    cmd = demo.torchrun_argv(
+        job,
+        workers=WORKERS,
+        steps=10_000_000,
+        kills=[],
+        max_restarts=0,
+        port=demo.free_port(),
+        run_id=f"stragglers{os.getpid()}",
+        extra=["--burn-work", str(args.burn_work), "--snapshot-every", "1000000", "--checkpoint-every", "1000000"],
+    )
+    log = open(job / "torchrun.log", "w")  # noqa: SIM115 - closed with the job
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    rows: list[dict] = []
+    false_slow_reasons: set[str] = set()
+    kind = Throttle.available() or "sigstop-duty"
+    watch = None
+    try:
+        pids = wait_steps(job, 30, timeout=180)
+        watch = Watch(job, args.interval)
+        w0 = time.time()
+        time.sleep(max(8.0, 4 * args.interval))
+        healthy_checks = watch.between(0, time.monotonic())
+        base = statistics.median(step_periods(job, w0, time.time()) or [float("nan")])
+        h = score_vote(healthy_checks, 0)
+        false_slow_reasons = {
+            f"rank {r['rank']} {r['verdict']}: {r['reason'][:140]}"
+            for _, d in healthy_checks
+            for r in d["ranks"]
+            if r["verdict"] != "healthy"
+        }
+        rows.append(
+            {
+                "fault": "none",
+                "method": "vote",
+                "quota_pct": 100,
+                "slowdown": 1.0,
+                "time_to_verdict_s": None,
+                "false_dead": h["false_dead"],
+                "false_hung": h["false_hung"],
+                "culprit_accuracy": None,
+                "blocked_by_accuracy": None,
+                "false_slow": sum(1 for _, d in healthy_checks if d["verdict"] != "healthy"),
+                "checks": h["checks"],
+                "throttle": "-",
+            }
+        )
+        for q in quotas:
+            t0, w_0 = time.monotonic(), time.time()
+            with Throttle(pids[SLOW_RANK], q) as th:
+                time.sleep(args.phase_s)
+            t1, w_1 = time.monotonic(), time.time()
+            checks = watch.between(t0, t1)
+            periods = step_periods(job, w_0, w_1)
+            slow = round(statistics.median(periods) / base, 2) if periods and base == base else None
+            for method, score in (
+                ("vote", score_vote(checks, t0)),
+                ("fixed-10s", score_fixed(checks, t0, 10.0)),
+            ):
+                rows.append(
+                    {
+                        "fault": "cpu-quota",
+                        "method": method,
+                        "quota_pct": q,
+                        "slowdown": slow,
+                        **score,
+                        "throttle": th.kind,
+                    }
+                )
+            # recover: wait for the job to be healthy again before the next quota (at most 30 s)
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                docs = watch.between(time.monotonic() - 1.5 * args.interval, time.monotonic())
+                if docs and docs[-1][1]["verdict"] == "healthy":
+                    break
+                time.sleep(0.5)
+    finally:
+        if watch is not None:
+            watch.stop()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        log.close()
+        if not args.keep:
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    notes = [
+        f"real torchrun job: {WORKERS} gloo workers of demo_train --burn-work {args.burn_work}; rank {SLOW_RANK} "
+        f"throttled by {kind} for {args.phase_s:g} s per quota; healthy step period {base:.3f} s (median)",
+        f"checks: gpu-doctor watch job --json --interval {args.interval:g} (the diagnose-job vote, previous check "
+        "carried); time_to_verdict counts from the throttle being applied",
+        "fixed-10s: a watchdog failing any rank without a record for 10 s, on the same checks (every firing is a "
+        "false hang: nobody is hung)",
+        f"bench wall time {time.monotonic() - t_start:.0f} s on {os.cpu_count()} CPU(s)",
+    ]
+    if false_slow_reasons:
+        notes.append("healthy warm-up, non-healthy ranks seen: " + " | ".join(sorted(false_slow_reasons)[:4]))
+    if kind == "sigstop-duty":
+        notes.append("no writable cgroup CPU controller here: throttled by SIGSTOP/SIGCONT duty cycling instead")
+    emit("stragglers", rows, args.json, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
