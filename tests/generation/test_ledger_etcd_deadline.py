@@ -92,7 +92,9 @@ def proxy(request, upstream):
 def test_every_ledger_call_has_a_total_deadline(tmp_path, proxy):
     led = open_ledger(tmp_path, proxy.url(f"t-{uuid.uuid4().hex}"), key=KEY, timeout=1.0)
     start = time.monotonic()
-    with pytest.raises(UnavailableError, match="did not answer within 1 s") as info:
+    # a stall can be seen first by the socket read (1 s) or by the call's deadline (1 s): both are
+    # "within 1 s"; a trickle only by the deadline, which is what the trickle case proves
+    with pytest.raises(UnavailableError, match="within 1 s") as info:
         led.initialize(genesis())
     assert time.monotonic() - start < 2.0
     assert "\n" not in str(info.value)
@@ -115,7 +117,9 @@ def test_init_and_verify_exit_75_within_the_timeout(tmp_path, upstream, proxy):
     r, took = _cli("verify", "--job-dir", str(jd), "--ledger", proxy.url(prefix), "--timeout", "1")
     assert r.returncode == 75, r.stderr
     assert took < baseline + 1 + 1, (took, baseline)
-    assert "did not answer within 1 s" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "within 1 s" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if proxy.mode == "trickle":  # every byte comes within the socket timeout: only the deadline can end it
+        assert "did not answer within 1 s" in r.stderr, r.stderr
     r, took = _cli("init", "--job-dir", str(tmp_path / "job2"), "--ledger", proxy.url(prefix + "x"), "--timeout", "1")
     assert r.returncode == 75, r.stderr
     assert took < baseline + 1 + 1, (took, baseline)
