@@ -131,7 +131,7 @@ def resolve_roots(blocked: Mapping[int, tuple[int, ...]]) -> dict[int, tuple[int
                 continue
             seen.add(r)
             nxt = blocked.get(r, ())
-            if nxt and any(n not in seen for n in nxt):
+            if nxt:  # r waits itself: its roots are ours (already-seen ones were handled when first seen)
                 todo.extend(nxt)
             else:
                 roots.add(r)

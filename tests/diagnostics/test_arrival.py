@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from gpuguard.diagnostics.arrival import resolve_roots, stragglers
 from gpuguard.diagnostics.jobstats import observe
 from gpuguard.diagnostics.vote import vote
@@ -138,6 +141,19 @@ def test_blocked_by_chains_resolve_to_the_root() -> None:
     assert resolve_roots({0: (1,), 1: (2,), 3: (2,)}) == {0: (2,), 1: (2,), 3: (2,)}
     assert resolve_roots({0: (1,), 1: (0,)}) == {0: (1,), 1: (0,)}
     assert resolve_roots({0: (1, 4), 1: (2,), 4: ()}) == {0: (2, 4), 1: (2,), 4: ()}
+    # a waiter listed before its own root (rank 2 still in collective k waiting on the stopped rank 3,
+    # ranks 0 and 1 already in k+1 waiting on both): the root only, whatever order the chain is walked
+    assert resolve_roots({0: (2, 3), 1: (3, 2), 2: (3,)}) == {0: (3,), 1: (3,), 2: (3,)}
+
+
+@given(st.dictionaries(st.integers(0, 9), st.lists(st.integers(0, 9), max_size=4), max_size=10))
+def test_roots_of_an_acyclic_wait_graph_wait_on_nobody(raw: dict[int, list[int]]) -> None:
+    blocked = {a: tuple(b for b in bs if b > a) for a, bs in raw.items()}  # edges only upwards: no cycle
+    out = resolve_roots(blocked)
+    for start, roots in out.items():
+        assert start not in roots
+        for r in roots:
+            assert not blocked.get(r), (start, roots, blocked)
 
 
 def test_the_decoder_keeps_each_collective_entry_with_its_wait(tmp_path: Path) -> None:
