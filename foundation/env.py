@@ -14,6 +14,9 @@ SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"  # snapshot interval in steps
 CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"  # durable checkpoint interval in steps
 RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is read (else the agent's argv)
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
-LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each in-place incarnation's etcd lease (docs/formats/leases.md)
+LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each incarnation's etcd lease (docs/formats/leases.md)
+SNAPSHOT_ROOT_ENV = (
+    "GPUGUARD_SNAPSHOT_ROOT"  # snapshots/ and checkpoints/ (shared storage across hosts); default the job dir
+)
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
 RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a runbook step's environment: no recursion

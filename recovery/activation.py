@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
+from gpuguard.generation.rules import PROOF_GONE, PROOF_LEASE
 from gpuguard.recovery.snapshot import Rejection, Selection
 
 MAX_UNRESTORABLE_SKIPS = 8  # states skipped as unrestorable before the coordinator takes what is left
@@ -87,11 +88,24 @@ def choose_frontier(parent: Certificate | None, committed_by_all: int | None, se
     return FrontierChoice(Frontier(0, ""), limit, note, rejected)
 
 
-def quiescence(parent: Certificate | None, hellos: Iterable[Hello]) -> tuple[str, tuple[str, ...]]:
+def quiescence(
+    parent: Certificate | None, hellos: Iterable[Hello], lease_expired: frozenset[str] = frozenset()
+) -> tuple[str, tuple[str, ...]]:
     """`proved` when every parent incarnation was seen gone (pid + create time) by a member on its
-    host; else `unknown`, naming the ones nobody could vouch for."""
+    host, or (across hosts, etcd ledger) its lease expired, which it fenced itself before; else
+    `unknown`, naming the ones nobody could vouch for."""
+    q, evidence, _ = quiescence_proofs(parent, hellos, lease_expired)
+    return q, evidence
+
+
+def quiescence_proofs(
+    parent: Certificate | None, hellos: Iterable[Hello], lease_expired: frozenset[str] = frozenset()
+) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """`quiescence` plus, per old incarnation id, the proof that held (`rules.PROOFS`): what the
+    certificate records as `extra.quiescence_by`. A process seen alive on its host is never proved
+    quiet by a lease (a live process outranks a missing key)."""
     if parent is None or not parent.members:
-        return "proved", ("no previous members",)
+        return "proved", ("no previous members",), {}
     gone: set[str] = set()
     alive: set[str] = set()
     for h in hellos:
@@ -99,17 +113,36 @@ def quiescence(parent: Certificate | None, hellos: Iterable[Hello]) -> tuple[str
         alive.update(h.old_alive)
     evidence: list[str] = []
     unknown: list[str] = []
+    by: dict[str, str] = {}
     for m in parent.members:
         inc = m.incarnation
         if inc.id in alive:
             unknown.append(f"rank {m.rank} incarnation {inc.id} (pid {inc.pid} on {inc.host}) is still running")
         elif inc.id in gone:
             evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {inc.host} gone")
+            by[inc.id] = PROOF_GONE
+        elif inc.id in lease_expired:
+            evidence.append(f"rank {m.rank} incarnation {inc.id} on {inc.host}: {PROOF_LEASE}")
+            by[inc.id] = PROOF_LEASE
         else:
-            unknown.append(f"rank {m.rank} incarnation {inc.id} on {inc.host}: no member on that host to check it")
+            unknown.append(
+                f"rank {m.rank} incarnation {inc.id} on {inc.host}: no member on that host to check it "
+                "and no expired lease"
+            )
     if unknown:
-        return "unknown", tuple(unknown + evidence)
-    return "proved", tuple(evidence)
+        return "unknown", tuple(unknown + evidence), {}
+    return "proved", tuple(evidence), by
+
+
+def unvouched(parent: Certificate | None, hellos: Iterable[Hello]) -> tuple[str, ...]:
+    """Parent incarnations no member saw on its own host (gone or alive): only a lease can prove them."""
+    if parent is None:
+        return ()
+    seen: set[str] = set()
+    for h in hellos:
+        seen.update(h.old_gone)
+        seen.update(h.old_alive)
+    return tuple(m.incarnation.id for m in parent.members if m.incarnation.id not in seen)
 
 
 def reason(parent: Certificate | None, new_world: int) -> str:
@@ -184,6 +217,7 @@ class ActivationFacts:
     attempt_source: str = ""
     restart_count: int = 0
     rendezvous_round: int | None = None  # the torchrun rendezvous round the members were started in
+    lease_expired: frozenset[str] = frozenset()  # parent incarnations whose etcd lease expired (fenced first)
 
 
 @dataclass(frozen=True)
@@ -202,11 +236,12 @@ class ActivationPlan:
 
 def plan_activation(facts: ActivationFacts) -> ActivationPlan:
     """The restart path's certificate: the hellos' incarnations on their ranks, the frontier from
-    the newest verified state in bounds, quiescence from what the members saw on their hosts."""
+    the newest verified state in bounds, quiescence from what the members saw on their hosts and,
+    for hosts no member is on, from expired leases."""
     parent = facts.parent
     choice = choose_frontier(parent, facts.committed_by_all, facts.selection)
-    q, evidence = quiescence(parent, facts.hellos)
-    extra = {
+    q, evidence, by = quiescence_proofs(parent, facts.hellos, facts.lease_expired)
+    extra: dict[str, Any] = {
         "switch": "restart",
         "attempt": facts.attempt_token,
         "attempt_source": facts.attempt_source,
@@ -218,6 +253,8 @@ def plan_activation(facts: ActivationFacts) -> ActivationPlan:
         "world_size": facts.world_size,
         "restore_pin": facts.restore_pin,
     }
+    if by:  # which proof held for each old incarnation (checked by generation.rules.quiescence_proofs)
+        extra["quiescence_by"] = by
     return ActivationPlan(
         members=admitted_members(facts.hellos),
         reason=reason(parent, facts.world_size),

@@ -46,7 +46,6 @@ from datetime import timedelta
 from typing import Any
 
 from gpuguard.foundation import jobdir
-from gpuguard.foundation.env import LEASE_TTL_ENV
 from gpuguard.foundation.errors import EXIT_REFUSED, RefusedError, UnavailableError
 from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
@@ -54,8 +53,6 @@ from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
 from gpuguard.recovery.activation import frontier_limit
-from gpuguard.recovery.coord import open_coordination
-from gpuguard.recovery.lease import DEFAULT_TTL_S, Heartbeat, LeaseTiming
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
 from gpuguard.recovery.switch import (
@@ -116,18 +113,7 @@ class InPlaceRuntime(Runtime):
         lease_ttl_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        ttl = lease_ttl_s if lease_ttl_s is not None else float(os.environ.get(LEASE_TTL_ENV, DEFAULT_TTL_S))
-        self.lease_timing = LeaseTiming(ttl)
-        self.coord = open_coordination(self.job_dir, self.ledger_url)
-        self.heartbeat: Heartbeat | None = None
-        if self.coord.kind == "etcd":
-            self.heartbeat = self.coord.hold_lease(
-                self.incarnation.id,
-                {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
-                self.lease_timing,
-                self._fenced,
-            )
+        super().__init__(*args, lease_ttl_s=lease_ttl_s, **kwargs)
         self.layout = layout or Layout(dp=self.world_size)
         self.grace_s, self.switch_timeout_s = grace_s, switch_timeout_s
         self.keep_local = max(2, keep_local)
@@ -137,27 +123,6 @@ class InPlaceRuntime(Runtime):
         self.remember_times: list[float] = []  # cost of the in-memory rollback snapshot, per commit
         self._pending_first_commit: dict[str, Any] | None = None
         self._killed: dict[str, str] = {}  # incarnation id -> eviction evidence (this process killed it)
-
-    # ------------------------------------------------------------------ the lease
-    def _fenced(self, why: str) -> None:
-        """The self-fence: this incarnation may no longer be alive in etcd's eyes, so it writes
-        nothing more and leaves at once (the process's group sockets die with it). Exit status 4."""
-        print(
-            f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) fenced itself: {why}",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_REFUSED)
-
-    def _require_lease(self, what: str) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.require(what)
-
-    def _still_current(self) -> bool:
-        # the snapshot writer's check: a snapshot is published only while the lease is provably alive
-        if self.heartbeat is not None and not self.heartbeat.valid():
-            return False
-        return super()._still_current()
 
     # ------------------------------------------------------------------ local state
     def replicated_digest(self, state: dict[str, Any] | None = None) -> str:
@@ -500,11 +465,6 @@ class InPlaceRuntime(Runtime):
             return failure
         self.pg = dist.group.WORLD
         return None
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Flush and leave (the Runtime's close), then give the lease back: a clean exit frees it at once."""
-        super().close(timeout)
-        self.coord.close()
 
     def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
 

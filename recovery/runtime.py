@@ -17,7 +17,11 @@ Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protoco
   signed, chained) and the loaded state's digest before the first collective, or refuses to start;
 - snapshots every k steps in a background thread (DCP); a SIGTERM from the agent lets an in-flight
   snapshot finish first (bounded), so a survivor's last snapshot is not lost: RPO one step;
-- fencing: commits and snapshot writes stamped with an older generation are dropped and counted.
+- fencing: commits and snapshot writes stamped with an older generation are dropped and counted;
+- across hosts (an etcd ledger): each incarnation holds an etcd lease and fences itself (exit 4)
+  before it can expire (`recovery.lease`), so the next coordinator proves an incarnation on a lost
+  host quiet by its expired lease; snapshots live under `GPUGUARD_SNAPSHOT_ROOT` (the cluster's
+  shared checkpoint storage) so that a new rank 0 on another host finds them.
 
 Lazy imports (start-up time): torch, only in the methods that run inside a training process (torch is the optional `gpuguard[runtime]`; `gpu-recover` imports this package without it).
 """
@@ -45,9 +49,11 @@ from gpuguard.foundation.env import (
     CHECKPOINT_EVERY_ENV,
     JOB_DIR_ENV,
     JOB_ID_ENV,
+    LEASE_TTL_ENV,
     LEDGER_ENV,
     PG_TIMEOUT_ENV,
     SNAPSHOT_EVERY_ENV,
+    SNAPSHOT_ROOT_ENV,
 )
 from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation.identity import same_process
@@ -65,8 +71,11 @@ from gpuguard.recovery.activation import (
     plan_activation,
     restore_bound,
     skip_unrestorable,
+    unvouched,
 )
 from gpuguard.recovery.attempt import Attempt, current_attempt, record_round
+from gpuguard.recovery.coord import open_coordination
+from gpuguard.recovery.lease import DEFAULT_TTL_S, Heartbeat, LeaseTiming
 from gpuguard.recovery.snapshot import (
     Selection,
     SnapshotInfo,
@@ -201,9 +210,14 @@ class Runtime:
         ledger_url: str | None = None,
         fault_hook: Callable[[str, int], None] | None = None,
         log: Callable[[str], None] | None = None,
+        lease_ttl_s: float | None = None,
+        snapshot_root: str | Path | None = None,
     ):
 
         self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
+        # where snapshots and checkpoints live: the job dir on one host, shared storage across hosts
+        root = snapshot_root or os.environ.get(SNAPSHOT_ROOT_ENV) or job_dir
+        self.snapshot_root = Path(os.path.realpath(root))
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.master_addr, self.master_port = master_addr, master_port
         self.run_id, self.restart_count = run_id, restart_count
@@ -231,6 +245,17 @@ class Runtime:
         self._step_t0: float | None = None
         self.step_times: deque[float] = deque(maxlen=4096)  # recent step durations (bounded)
         self._write_incarnation()
+        ttl = lease_ttl_s if lease_ttl_s is not None else float(os.environ.get(LEASE_TTL_ENV, DEFAULT_TTL_S))
+        self.lease_timing = LeaseTiming(ttl)
+        self.coord = open_coordination(self.job_dir, self.ledger_url)
+        self.heartbeat: Heartbeat | None = None
+        if self.coord.kind == "etcd":  # other hosts cannot see this process: its lease speaks for it
+            self.heartbeat = self.coord.hold_lease(
+                self.incarnation.id,
+                {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
+                self.lease_timing,
+                self._fenced,
+            )
         self._snapshot_ledger: Any = None
         self._frontier_step = -1
         if self.rank == 0:  # the snapshot writer; every other rank keeps SIGTERM's default (instant) action
@@ -315,6 +340,21 @@ class Runtime:
                     os._exit(128 + signal.SIGTERM)
 
         threading.Thread(target=watch, name="gpuguard-sigterm", daemon=True).start()
+
+    # ------------------------------------------------------------------ the lease
+    def _fenced(self, why: str) -> None:
+        """The self-fence: this incarnation may no longer be alive in etcd's eyes, so it writes
+        nothing more and leaves at once (the process's group sockets die with it). Exit status 4."""
+        print(
+            f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) fenced itself: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_REFUSED)
+
+    def _require_lease(self, what: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.require(what)
 
     def ledger(self) -> Any:
 
@@ -483,6 +523,8 @@ class Runtime:
                     f"the ledger holds {len(ledger.generations())} certificate(s) but no valid "
                     "genesis: wrong signing key or tampered ledger"
                 )
+            expired = self._await_leases(parent, hellos)
+            phases["leases"] = time.time()
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             pin = _read_restore_pin(self.job_dir)  # `gpu-recover restore` chose a state: never past it
             selection = self._restorable(restore_bound(parent, committed, pin))
@@ -498,6 +540,7 @@ class Runtime:
                     attempt_source=self.attempt.source if self.attempt else "",
                     restart_count=self.restart_count,
                     rendezvous_round=self.attempt.round if self.attempt else None,
+                    lease_expired=expired,
                 )
             )
             cert = issue(
@@ -526,16 +569,34 @@ class Runtime:
         except GpuguardError as exc:
             ns.set("cert", json.dumps({"error": str(exc)}))
 
+    def _await_leases(self, parent: Any, hellos: tuple[Hello, ...]) -> frozenset[str]:
+        """Old incarnations on hosts no member is on (a lost host): wait, bounded, for their etcd
+        leases to expire; each fenced itself before it could (docs/formats/leases.md)."""
+        remote = unvouched(parent, hellos)
+        if not remote or self.heartbeat is None:
+            return frozenset()
+        # gone at most TTL (+ etcd's expiry sweep, ~0.5 s) after its holder's last keepalive
+        deadline = time.monotonic() + 2 * self.lease_timing.ttl_s + 1.0
+        expired = self.coord.expired(remote)
+        while len(expired) < len(remote) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            expired = self.coord.expired(remote)
+        if len(expired) < len(remote):
+            self._log(
+                f"lease still held after {2 * self.lease_timing.ttl_s + 1.0:.0f} s: {sorted(set(remote) - expired)}"
+            )
+        return expired
+
     def _restorable(self, bound: int) -> Selection:
         """The newest verified state at or below `bound`, skipping (a bounded number of) states a
         member already failed to load: the unrestorable marks are on disk, the merge is pure."""
-        selection = select_restorable(self.job_dir, bound)
+        selection = select_restorable(self.snapshot_root, bound)
         for _ in range(MAX_UNRESTORABLE_SKIPS):
             chosen = selection.chosen
-            if chosen is None or not _unrestorable(self.job_dir, chosen.manifest_digest):
+            if chosen is None or not _unrestorable(self.snapshot_root, chosen.manifest_digest):
                 break
             self._log(f"skipping step {chosen.step}: a member failed to load it before")
-            selection = skip_unrestorable(selection, select_restorable(self.job_dir, chosen.step - 1))
+            selection = skip_unrestorable(selection, select_restorable(self.snapshot_root, chosen.step - 1))
         return selection
 
     def _verify_and_restore(self, generation: int, digest: str) -> TrainState:
@@ -566,7 +627,7 @@ class Runtime:
         restored_from, loaded_digest = None, None
         if frontier.state_manifest_digest:
             selection = select_restorable(
-                self.job_dir, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
+                self.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
             )
             info = selection.chosen
             if info is None or info.step != frontier.step:
@@ -578,10 +639,10 @@ class Runtime:
                 loaded_digest = self._restore(info)
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    _mark_unrestorable(self.job_dir, info, f"{type(exc).__name__}: {_first_line(exc)}")
+                    _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
                 raise
             if loaded_digest != info.state_digest:
-                _mark_unrestorable(self.job_dir, info, "loaded state digest differs from the snapshot's")
+                _mark_unrestorable(self.snapshot_root, info, "loaded state digest differs from the snapshot's")
                 raise ActivationRefused(
                     f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
                     f"{str(info.state_digest)[:16]} (step {frontier.step})"
@@ -669,6 +730,7 @@ class Runtime:
             self.counters.commit_s += time.perf_counter() - t0
 
     def _commit(self, step: int) -> None:
+        self._require_lease(f"commit of step {step}")
         if self._steplog is not None:
             self._steplog.end_step(step)
         if not self.ledger().record_commit(self.generation, step, self.rank, self.incarnation.id):
@@ -684,7 +746,10 @@ class Runtime:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 
     def _still_current(self) -> bool:
-
+        # the snapshot writer's check: published only while the lease is provably alive and the
+        # generation still active
+        if self.heartbeat is not None and not self.heartbeat.valid():
+            return False
         if self._snapshot_ledger is None:  # the writer thread's own instance (it caches the chain)
             self._snapshot_ledger = open_ledger(self.job_dir, self.ledger_url)
         active = self._snapshot_ledger.active()
@@ -701,7 +766,7 @@ class Runtime:
         hook = self.fault_hook
         try:
             info = save_snapshot(
-                self.job_dir,
+                self.snapshot_root,
                 step,
                 state,
                 generation=int(self.generation or 0),
@@ -719,8 +784,8 @@ class Runtime:
             return
         self.counters.snapshots += 1
         if self.checkpoint_every and step % self.checkpoint_every == 0:
-            copy_to_checkpoint(self.job_dir, info)
-        prune(self.job_dir, self.keep_snapshots, protect=frozenset({self._frontier_step}))
+            copy_to_checkpoint(self.snapshot_root, info)
+        prune(self.snapshot_root, self.keep_snapshots, protect=frozenset({self._frontier_step}))
 
     def fault(self, point: str, step: int) -> None:
         """Call the test/demo fault hook at a named point of a step (no-op without one)."""
@@ -739,6 +804,7 @@ class Runtime:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
+        self.coord.close()  # gives the lease back: a clean exit frees it at once
 
     # ------------------------------------------------------------------ store helpers
     def _wait_raw(self, ns: Any, key: str) -> str:

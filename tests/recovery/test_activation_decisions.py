@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.generation.records import Certificate, Frontier
+from gpuguard.generation.rules import PROOF_LEASE
 from gpuguard.recovery import activation as act
 from gpuguard.recovery.snapshot import Rejection, Selection
 from tests.support.generation import genesis
@@ -23,7 +24,9 @@ def hellos(n: int, *, first: int = 10, gone: tuple[str, ...] = (), alive: tuple[
     )
 
 
-def facts(p: Certificate, hs: tuple, *, committed=None, selection=None, pin=None, world=None) -> act.ActivationFacts:
+def facts(
+    p: Certificate, hs: tuple, *, committed=None, selection=None, pin=None, world=None, expired=frozenset()
+) -> act.ActivationFacts:
     return act.ActivationFacts(
         parent=p,
         hellos=hs,
@@ -35,6 +38,7 @@ def facts(p: Certificate, hs: tuple, *, committed=None, selection=None, pin=None
         attempt_source="rendezvous round",
         restart_count=2,
         rendezvous_round=3,
+        lease_expired=frozenset(expired),
     )
 
 
@@ -153,6 +157,22 @@ def test_an_old_incarnation_nobody_could_check_leaves_quiescence_unknown():
     plan = act.plan_activation(facts(parent(2), hellos(2, gone=("inc0",))))
     assert plan.quiescence == "unknown"
     assert any("inc1" in e and "no member on that host" in e for e in plan.quiescence_evidence)
+
+
+def test_an_expired_lease_proves_an_incarnation_on_a_lost_host_quiet_and_the_certificate_says_so():
+    plan = act.plan_activation(facts(parent(3), hellos(2, gone=("inc0", "inc1")), expired={"inc2"}))
+    assert plan.quiescence == "proved", plan.quiescence_evidence
+    assert plan.extra["quiescence_by"] == {"inc0": "process gone", "inc1": "process gone", "inc2": PROOF_LEASE}
+    assert any("inc2" in e and PROOF_LEASE in e for e in plan.quiescence_evidence)
+    assert act.unvouched(parent(3), hellos(2, gone=("inc0", "inc1"))) == ("inc2",)
+
+
+def test_a_lease_never_outranks_a_process_seen_running_nor_stands_in_for_a_missing_one():
+    running = act.plan_activation(facts(parent(2), hellos(2, gone=("inc0",), alive=("inc1",)), expired={"inc1"}))
+    assert running.quiescence == "unknown" and "quiescence_by" not in running.extra
+    missing = act.plan_activation(facts(parent(3), hellos(2, gone=("inc0",)), expired={"inc2"}))
+    assert missing.quiescence == "unknown"
+    assert any("inc1" in e and "no expired lease" in e for e in missing.quiescence_evidence)
 
 
 def test_a_restore_pin_is_recorded_and_used_once():
