@@ -120,3 +120,272 @@ def plan_problems(new: OwnershipMap, plan: Sequence[Transfer]) -> list[str]:
         if new.owners.get(t.object) != t.to_rank
     ]
     return problems
+
+
+# ---------------------------------------------------------------- the sharded layout (chunks, holders)
+# A sharded state (FSDP2 / HSDP / DDP) is stored as tensor chunks: `fqn@o1,o2` (the manifest's key).
+# Which rank's file stores a chunk (its writer) and which ranks hold it in memory (its holders,
+# replicas included) come from the DCP metadata and from every rank's own save plan.
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor: `sizes` elements from `offsets` (global coordinates); () for a scalar/object."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        """The manifest's object key (`generation.manifest.ObjectSpec.key`)."""
+        return f"{self.fqn}@{','.join(map(str, self.offsets))}"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def overlap(self, other: Chunk) -> Chunk | None:
+        """The common box of two chunks of the same tensor, or None (a scalar overlaps a scalar)."""
+        if other.fqn != self.fqn or len(other.offsets) != len(self.offsets):
+            return None
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+            return None
+        return Chunk(self.fqn, lo, tuple(h - lo_ for lo_, h in zip(lo, hi)))
+
+
+def _chunk_from_key(key: str, sizes: Sequence[int]) -> Chunk:
+    fqn, _, offs = key.rpartition("@")
+    offsets = tuple(int(x) for x in offs.split(",")) if offs else ()
+    return Chunk(fqn, offsets, tuple(int(s) for s in sizes))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which rank holds which chunk of which tensor (replicas included), versioned.
+
+    chunks: key -> Chunk; writers: key -> the rank whose storage file holds it (a snapshot's layout;
+    -1 when nothing is stored yet); holders: key -> every rank holding it in memory, sorted.
+    `ownership()` is the certificate's ownership map (the writer owns a chunk).
+    """
+
+    version: int
+    world_size: int
+    chunks: Mapping[str, Chunk]
+    holders: Mapping[str, tuple[int, ...]]
+    writers: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", MappingProxyType(dict(self.chunks)))
+        object.__setattr__(self, "holders", MappingProxyType({k: tuple(sorted(v)) for k, v in self.holders.items()}))
+        object.__setattr__(self, "writers", MappingProxyType(dict(self.writers)))
+        for k, ranks in self.holders.items():
+            if k not in self.chunks:
+                raise ValueError(f"chunk {k} has holders but no geometry")
+            bad = [r for r in ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"chunk {k} is held by rank {bad[0]}, outside world size {self.world_size}")
+        for k, w in self.writers.items():
+            if k not in self.chunks or not -1 <= w < self.world_size:
+                raise ValueError(f"chunk {k}: writer {w} unknown or outside world size {self.world_size}")
+
+    def ownership(self) -> OwnershipMap:
+        """Writer of each stored chunk (else its lowest holder): the versioned ownership map."""
+        owners = {}
+        for k in self.chunks:
+            w = self.writers.get(k, -1)
+            if w < 0 and self.holders.get(k):
+                w = self.holders[k][0]
+            if w >= 0:
+                owners[k] = w
+        return OwnershipMap(self.version, self.world_size, owners)
+
+    def replicas(self) -> dict[str, list[int]]:
+        """key -> the ranks holding a copy (for `plan_transfer(replicas=...)`)."""
+        return {k: list(v) for k, v in self.holders.items() if len(v) > 1}
+
+    def tensors_of(self, rank: int) -> set[str]:
+        """FQNs of which `rank` stores at least one chunk."""
+        return {self.chunks[k].fqn for k, w in self.writers.items() if w == rank}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "world_size": self.world_size,
+            "chunks": {
+                k: {
+                    "sizes": list(c.sizes),
+                    "holders": list(self.holders.get(k, ())),
+                    "writer": self.writers.get(k, -1),
+                }
+                for k, c in sorted(self.chunks.items())
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ShardLayout:
+        chunks, holders, writers = {}, {}, {}
+        for k, v in d["chunks"].items():
+            chunks[str(k)] = _chunk_from_key(str(k), v["sizes"])
+            holders[str(k)] = tuple(int(r) for r in v["holders"])
+            writers[str(k)] = int(v["writer"])
+        return cls(int(d["version"]), int(d["world_size"]), chunks, holders, writers)
+
+
+def layout_from_keys(
+    version: int,
+    world_size: int,
+    held: Mapping[int, Mapping[str, Sequence[int]]],
+    writers: Mapping[str, int] | None = None,
+) -> ShardLayout:
+    """A layout from every rank's held chunks (rank -> key -> sizes) and, for a snapshot, its writers."""
+    chunks: dict[str, Chunk] = {}
+    holders: dict[str, list[int]] = {}
+    for rank, keys in sorted(held.items()):
+        for key, sizes in keys.items():
+            c = _chunk_from_key(key, sizes)
+            if chunks.setdefault(key, c) != c:
+                raise ValueError(
+                    f"chunk {key}: rank {rank} says sizes {list(sizes)}, another {list(chunks[key].sizes)}"
+                )
+            holders.setdefault(key, []).append(rank)
+    for key in writers or {}:
+        if key not in chunks:
+            raise ValueError(f"stored chunk {key} is held by no rank")
+    return ShardLayout(version, world_size, chunks, {k: tuple(v) for k, v in holders.items()}, dict(writers or {}))
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """One piece of a new member's state and where it comes from.
+
+    `region` (global coordinates) of the stored chunk `old_key` (in rank `old_writer`'s file) goes
+    into new rank `to_rank`'s chunk; source: `local` (already in its memory), `replica` (a surviving
+    peer `from_rank` holds it in memory) or `checkpoint` (read from the snapshot).
+    """
+
+    to_rank: int
+    region: Chunk
+    old_key: str
+    old_writer: int
+    source: str
+    from_rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "to_rank": self.to_rank,
+            "fqn": self.region.fqn,
+            "offsets": list(self.region.offsets),
+            "sizes": list(self.region.sizes),
+            "old_key": self.old_key,
+            "old_writer": self.old_writer,
+            "source": self.source,
+            "from_rank": self.from_rank,
+        }
+
+
+def plan_reshard(
+    old: ShardLayout,
+    new: ShardLayout,
+    *,
+    survivors: Mapping[int, int] | None = None,
+    in_memory: bool = False,
+) -> list[ChunkRead]:
+    """What each new member must load: for every chunk it will hold, every overlapping stored chunk.
+
+    survivors: old rank -> new rank. `in_memory` (the in-place path): a region a surviving holder
+    still has in memory is `local` (the same rank) or `replica` (another survivor, lowest new rank);
+    otherwise (and always on the restart path, where memory is gone) it is read from the checkpoint.
+    Every element of every new chunk is covered exactly once when `old` covers the same tensors
+    (`reshard_problems` checks it).
+    """
+    survivors = dict(survivors or {})
+    by_fqn: dict[str, list[tuple[str, Chunk]]] = {}
+    for k, c in sorted(old.chunks.items()):
+        if old.writers.get(k, -1) >= 0 or not old.writers:
+            by_fqn.setdefault(c.fqn, []).append((k, c))
+    plan = []
+    for nk, nc in sorted(new.chunks.items()):
+        for to in new.holders.get(nk, ()):
+            for ok, oc in by_fqn.get(nc.fqn, ()):
+                region = nc.overlap(oc)
+                if region is None:
+                    continue
+                writer = old.writers.get(ok, -1)
+                source, peer = "checkpoint", None
+                if in_memory:
+                    live = sorted(survivors[r] for r in old.holders.get(ok, ()) if r in survivors)
+                    if to in live:
+                        source, peer = "local", to
+                    elif live:
+                        source, peer = "replica", live[0]
+                plan.append(ChunkRead(to, region, ok, writer, source, peer))
+    return plan
+
+
+def reshard_problems(new: ShardLayout, plan: Sequence[ChunkRead]) -> list[str]:
+    """A reshard plan is sound when it fills every element of every held new chunk exactly once."""
+    need: Counter[tuple[int, str]] = Counter()
+    for k, c in new.chunks.items():
+        for r in new.holders.get(k, ()):
+            need[(r, k)] = c.numel
+    got: Counter[tuple[int, str]] = Counter()
+    for t in plan:
+        for k, c in new.chunks.items():
+            if c.fqn == t.region.fqn and t.to_rank in new.holders.get(k, ()) and c.overlap(t.region) == t.region:
+                got[(t.to_rank, k)] += t.region.numel
+                break
+    return [
+        f"rank {r}: chunk {k} gets {got[(r, k)]} of its {n} elements"
+        for (r, k), n in sorted(need.items())
+        if got[(r, k)] != n
+    ]
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    rs = sorted(set(ranks))
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+
+
+def describe_reshard(
+    old: ShardLayout,
+    new: ShardLayout,
+    plan: Sequence[ChunkRead],
+    *,
+    step: int,
+    survivors: Mapping[int, int] | None = None,
+    lost: Iterable[int] = (),
+) -> list[str]:
+    """The ownership change in words, one line per old rank, then a summary, e.g.
+
+    "rank 2 (lost): its shards of 14 tensors: read from snapshot step 41 by ranks 0,1".
+    survivors (old -> new rank) and lost (old ranks) only add "(now rank N)" / "(lost)".
+    """
+    survivors = dict(survivors or {})
+    gone = set(lost)
+    lines = [f"world {old.world_size} -> {new.world_size} (ownership map v{old.version} -> v{new.version})"]
+    by_writer: dict[int, list[ChunkRead]] = {}
+    for t in plan:
+        by_writer.setdefault(t.old_writer, []).append(t)
+    for w in sorted(by_writer):
+        reads = by_writer[w]
+        n_tensors = len({t.region.fqn for t in reads})
+        who = f"rank {w}" + (f" (now rank {survivors[w]})" if w in survivors else " (lost)" if w in gone else "")
+        parts = []
+        for source, words in (
+            ("checkpoint", f"read from snapshot step {step} by"),
+            ("replica", "sent from a surviving replica to"),
+            ("local", "kept in memory by"),
+        ):
+            to = [t.to_rank for t in reads if t.source == source]
+            if to:
+                parts.append(f"{words} {_ranks(to)}")
+        lines.append(f"{who}'s shards of {n_tensors} tensors: {'; '.join(parts)}")
+    moved = sum(t.region.numel for t in plan if t.source != "local")
+    lines.append(f"{len(plan)} chunk reads, {moved} elements moved, {sum(t.region.numel for t in plan)} in all")
+    return lines
