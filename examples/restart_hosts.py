@@ -1,0 +1,256 @@
+"""The restart-path demo job on separate hosts: one torchrun agent per host, nothing shared but etcd
+and the checkpoint storage.
+
+`RestartHostJob.launch(cluster, ["h1", "h2", "h3"], ...)` takes any cluster with the
+`gpuguard.testhosts` shape (`exec`, `run`, `host(name).address/.hostdir`, `job_dir`, `shared_path`,
+`etcd_url`), duck-typed so the harness layers stay independent. It initialises the ledger on the
+first host, hands every host's private job directory the job's identity and signing key (a
+deployment's secret, not coordination), and starts on each host
+
+    torchrun --nnodes=MIN:MAX --rdzv-backend=gpuguard --rdzv-endpoint=<etcd> --local-addr=<host> ...
+        -m gpuguard.examples.demo_train --job-dir <private job dir> --out <shared>/out --hashes
+
+so the rendezvous lives in etcd (no training host serves it), each generation's activation store is
+served by that round's rank 0 (its address published through the rendezvous, i.e. etcd), the
+ledger, commits and leases are in etcd, and snapshots are written to the shared storage
+(`GPUGUARD_SNAPSHOT_ROOT`), where a new rank 0 on another host finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuguard.examples.inplace_hosts import LEDGER_PROBE
+from gpuguard.foundation.env import (
+    JOB_DIR_ENV,
+    JOB_ID_ENV,
+    LEASE_TTL_ENV,
+    LEDGER_ENV,
+    PG_TIMEOUT_ENV,
+    SNAPSHOT_ROOT_ENV,
+)
+
+# keep-alive 1 s x 3: a lost agent leaves the rendezvous 3 s after its last heartbeat (torch's default 15 s)
+RDZV_CONF = (
+    "key_prefix=/gpuguard-rdzv,read_timeout=3,store_timeout=60,last_call_timeout=1,join_timeout=90,"
+    "keep_alive_interval=1,keep_alive_max_attempt=3,lease_ttl=6,closed_ttl=60"
+)
+
+
+def _console(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+@dataclass
+class RestartHostJob:
+    """One job: a torchrun agent per host, its logs outside the hosts, its job dir private on each host."""
+
+    cluster: Any
+    hosts: list[str]
+    name: str
+    url: str
+    log_dir: Path
+    argv: list[str] = field(default_factory=list)  # torchrun's arguments after the program, every host
+    env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def job_dir(self) -> str:
+        """The job directory: the same path on every host, its own contents on each."""
+        return f"{self.cluster.job_dir}/{self.name}"
+
+    @property
+    def shared(self) -> Path:
+        """This job's folder on the shared checkpoint storage (the same path inside and outside)."""
+        return Path(self.cluster.shared_path) / self.name
+
+    def outside(self, host: str) -> Path:
+        """That host's job directory as this (outside) process sees it."""
+        return Path(self.cluster.host(host).hostdir) / "job" / self.name
+
+    @classmethod
+    def launch(
+        cls,
+        cluster: Any,
+        hosts: list[str],
+        log_dir: Path,
+        *,
+        nnodes: str = "2:3",
+        steps: int = 30,
+        sleep: float = 0.2,
+        pg_timeout: float = 3.0,
+        lease_ttl: float = 4.0,
+        max_restarts: int = 3,
+        spares: list[str] | None = None,
+        name: str | None = None,
+    ) -> RestartHostJob:
+        """Start an agent on each of `hosts`; `spares` get the job's key too (for `start_agent` later)."""
+        name = name or f"rs-{uuid.uuid4().hex[:8]}"
+        url = cluster.etcd_url.replace("http://", "etcd://", 1) + f"/gpuguard-{name}"
+        job = cls(cluster, list(hosts), name, url, Path(log_dir))
+        job.log_dir.mkdir(parents=True, exist_ok=True)
+        (job.shared / "state").mkdir(parents=True)
+        (job.shared / "out").mkdir()
+        first = hosts[0]
+        cluster.run(
+            first,
+            [_console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
+            timeout=60,
+            check=True,
+        )
+        src = job.outside(first)
+        for h in [*hosts[1:], *(spares or [])]:  # a deployment's secret on every host, not coordination
+            dst = job.outside(h)
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in ("generation.key", "ledger.url", "job.json"):
+                if (src / f).exists():
+                    shutil.copy2(src / f, dst / f)
+            os.chmod(dst / "generation.key", 0o600)
+        etcd_host = cluster.etcd_url.split("://", 1)[1]
+        job.argv = [
+            f"--nnodes={nnodes}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=gpuguard",
+            f"--rdzv-endpoint={etcd_host}",
+            f"--rdzv-id={name}",
+            f"--rdzv-conf={RDZV_CONF}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2",
+            "-m",
+            "gpuguard.examples.demo_train",
+            "--job-dir",
+            job.job_dir,
+            "--steps",
+            str(steps),
+            "--sleep",
+            str(sleep),
+            "--out",
+            str(job.shared / "out"),
+            "--hashes",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_", "TORCH_DISABLE"))}
+        env.update(
+            {
+                JOB_DIR_ENV: job.job_dir,
+                JOB_ID_ENV: name,
+                LEDGER_ENV: url,
+                LEASE_TTL_ENV: str(lease_ttl),
+                PG_TIMEOUT_ENV: str(pg_timeout),
+                SNAPSHOT_ROOT_ENV: str(job.shared / "state"),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+                "LOGLEVEL": "INFO",
+            }
+        )
+        job.env = env
+        try:
+            for h in hosts:
+                job.start_agent(h)
+        except BaseException:
+            job.kill_all()
+            raise
+        return job
+
+    def start_agent(self, host: str) -> Any:
+        """A torchrun agent on `host` (a spare joining later, or one of the first hosts)."""
+        argv = [_console("torchrun"), f"--local-addr={self.cluster.host(host).address}", *self.argv]
+        with open(self.log_dir / f"{self.name}-{host}.log", "ab") as log:
+            proc = self.cluster.exec(host, argv, env=self.env, inherit_env=False, stdout=log, stderr=log)
+        self.procs[host] = proc
+        return proc
+
+    # -- observing ------------------------------------------------------------------------------
+    def records(self, kind: str) -> list[dict[str, Any]]:
+        """The demo's records on the shared storage: `resume`, `final` (every rank) or `hashes` (rank 0)."""
+        out: list[dict[str, Any]] = []
+        for p in sorted((self.shared / "out").glob(f"{kind}*.jsonl")):
+            for line in p.read_text(errors="replace").splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue  # a line half-written when its host lost power
+        return out
+
+    def newest_step(self) -> int:
+        return max((r["step"] for r in self.records("hashes")), default=0)
+
+    def rank_host(self, rank: int, generation: int) -> str | None:
+        """The host whose worker holds `rank` in `generation` (its incarnation record, on its host)."""
+        for h in self.procs:
+            d = self.outside(h) / "incarnations"
+            for p in d.glob("*.json") if d.exists() else []:
+                try:
+                    doc = json.loads(p.read_text())
+                except (OSError, ValueError):
+                    continue
+                if doc.get("rank") == rank and doc.get("generation") == generation:
+                    return h
+        return None
+
+    def wait_for(self, predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(interval)
+        return bool(predicate())
+
+    def wait(self, hosts: list[str], timeout: float) -> dict[str, int | None]:
+        """Exit codes of these hosts' agents once all have exited, or None for one still there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.procs[h].poll() is None for h in hosts):
+            time.sleep(0.1)
+        return {h: self.procs[h].poll() for h in hosts}
+
+    def log(self, host: str) -> str:
+        try:
+            return (self.log_dir / f"{self.name}-{host}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {h}\n{self.log(h)[-tail:]}" for h in self.procs)
+
+    def ledger(self, host: str) -> dict[str, Any]:
+        """History, commits per generation and the fenced count, read from etcd on `host`."""
+        out = self.cluster.run(host, [sys.executable, "-c", LEDGER_PROBE, self.job_dir, self.url], timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"ledger probe on {host}: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    def verify(self, host: str) -> tuple[int, dict[str, Any]]:
+        """`gpu-generation verify --ledger etcd://... --json` on `host`: (exit code, document)."""
+        out = self.cluster.run(
+            host,
+            [_console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"],
+            timeout=90,
+        )
+        try:
+            doc = json.loads(out.stdout)
+        except ValueError:
+            doc = {"stdout": out.stdout[-2000:], "stderr": out.stderr[-2000:]}
+        return out.returncode, doc
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a frozen host's process: the harness tears it down
+                pass
+
+    def __enter__(self) -> RestartHostJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
