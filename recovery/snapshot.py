@@ -142,6 +142,7 @@ def select_restorable(
     *,
     expected_manifest_digest: str | None = None,
     max_tries: int = 8,
+    check: Callable[[SnapshotInfo], str | None] | None = None,
 ) -> Selection:
     """The newest complete, verified snapshot at or before `at_or_before_step` (None: any).
 
@@ -149,6 +150,8 @@ def select_restorable(
     its state record; a corrupt or incomplete one is rejected with the reason and the next older
     one is tried, at most `max_tries` times (never an endless search over a broken disk). With
     `expected_manifest_digest` (a certificate's frontier) only that exact state is acceptable.
+    `check` (a verified candidate -> a problem or None) adds a layout's own rule, e.g. every member's
+    part of a sharded snapshot (`recovery.sharded_snapshot.select_sharded`).
     """
     rejected: list[Rejection] = []
     tries = 0
@@ -167,6 +170,8 @@ def select_restorable(
             and verified.manifest_digest != expected_manifest_digest
         ):
             problem = f"manifest digest {verified.manifest_digest} is not the certified {expected_manifest_digest}"
+        if problem is None and check is not None:
+            problem = check(verified)
         if problem is not None:
             rejected.append(Rejection(info.step, info.path, problem))
             continue
@@ -271,7 +276,7 @@ def save_snapshot(
     final = parent / jobdir.step_dir_name(step)
     try:
         digest = digest or state_digest(state)
-        _quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=True))
+        quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=True))
         jobdir.atomic_write_json(
             tmp / STATE_FILE,
             {
@@ -290,15 +295,15 @@ def save_snapshot(
         if still_current is not None and not still_current():
             shutil.rmtree(tmp, ignore_errors=True)
             return None
-        _publish(tmp, final)
+        publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return SnapshotInfo(step, final, kind, generation, digest, manifest_digest)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`; an existing `final` (a replayed step) is moved aside first."""
+def publish_dir(tmp: Path, final: Path) -> None:
+    """(Shared by the sharded writer.) Rename `tmp` to `final`; an existing `final` (a replayed step) is moved aside first."""
     old = None
     if final.exists():
         old = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
@@ -314,7 +319,7 @@ def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, 
     import torch.distributed.checkpoint as dcp
 
     state = dict(template)
-    _quiet_dcp(lambda: dcp.load(state, checkpoint_id=str(info.path), no_dist=True))
+    quiet_dcp(lambda: dcp.load(state, checkpoint_id=str(info.path), no_dist=True))
     return state
 
 
@@ -350,7 +355,7 @@ def copy_to_checkpoint(job_dir: str | Path, info: SnapshotInfo) -> SnapshotInfo:
     for name in os.listdir(tmp):
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
-    _publish(tmp, jobdir.checkpoint_dir(job_dir, info.step))
+    publish_dir(tmp, jobdir.checkpoint_dir(job_dir, info.step))
     return SnapshotInfo(
         info.step,
         jobdir.checkpoint_dir(job_dir, info.step),
@@ -361,10 +366,13 @@ def copy_to_checkpoint(job_dir: str | Path, info: SnapshotInfo) -> SnapshotInfo:
     )
 
 
-def _quiet_dcp(fn: Callable[[], Any]) -> Any:
-    """DCP warns 'assuming the intent is to save in a single process' on every no_dist call."""
+def quiet_dcp(fn: Callable[[], Any]) -> Any:
+    """(Shared by the sharded writer.) DCP warns 'assuming the intent is to save in a single process' on every no_dist call."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return fn()
+
+
+_publish, _quiet_dcp = publish_dir, quiet_dcp  # the earlier private names, for callers that use them

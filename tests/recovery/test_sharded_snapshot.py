@@ -1,0 +1,317 @@
+"""Collective sharded snapshots of a real FSDP2 job (torchrun, gloo on CPU), and resharding restores.
+
+A reference run (3 workers, no fault) dumps the gathered full model + optimizer state at every
+step. The sharded snapshots it writes (every 2 steps, one `__<rank>_0.distcp` and one part per
+rank) are restored at other world sizes: the restored state is bitwise the reference's at that
+step (resharding only moves bytes), and training on from it stays within a stated tolerance of the
+reference (the gradient sum is reassociated across a different number of ranks: see `_close`).
+A killed member leaves no published snapshot behind; damaged, tampered or missing shard files and
+parts are refused with one line, and a snapshot with a member's part missing is never selected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuguard.generation import manifest as m
+from gpuguard.recovery import sharded_snapshot as ss
+from tests.support.cli import JOBS, free_port
+from tests.support.processes import kill_trees
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB = str(JOBS / "fsdp_job.py")
+REF_STEPS = 12
+
+
+def torchrun(job_dir: Path, workers: int, *args: str, timeout: float = 50.0) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={workers}",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--monitor-interval=0.1",
+        JOB,
+        str(job_dir),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR"}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 50.0) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_trees([proc])
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            kill_trees([proc])
+    return proc.returncode, out
+
+
+def run(job_dir: Path, workers: int, *args: str, timeout: float = 50.0) -> str:
+    rc, out = finish(torchrun(job_dir, workers, *args), timeout)
+    assert rc == 0, out[-3000:]
+    return out
+
+
+def flat(state: dict) -> dict[str, object]:
+    out = {}
+
+    def walk(p: str, v: object) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{p}.{k}", x)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(f"{p}.{i}", x)
+        else:
+            out[p] = v
+
+    walk("", {"model": state["model"], "optim": state["optim"]})
+    return out
+
+
+def load_dump(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    bad = [k for k in fa if not (torch.equal(fa[k], fb[k]) if isinstance(fa[k], torch.Tensor) else fa[k] == fb[k])]
+    assert bad == [], f"differ: {bad[:5]}"
+
+
+# Tolerance: a world of N ranks sums N per-rank gradients (FSDP2's reduce-scatter, gloo) where the
+# reference sums 3: float32 reassociation, a few ulps of the gradient per step. AdamW's update is
+# lr * m / (sqrt(v) + eps), |update| <= ~lr, so after k steps every element is within ~k * lr * 1e-4
+# of the reference (the relative error of m/sqrt(v) stays ~1e-4 unless v ~ eps^2): with lr = 1e-2
+# and k <= 12, 2e-5 absolute. A state one step off differs by ~lr = 1e-2: far outside.
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _close(a: dict, b: dict) -> list[str]:
+    fa, fb = flat(a), flat(b)
+    return [
+        k
+        for k in fa
+        if isinstance(fa[k], torch.Tensor)
+        and fa[k].is_floating_point()
+        and not torch.allclose(fa[k], fb[k], atol=ATOL, rtol=RTOL)
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """3 workers, REF_STEPS steps, a sharded snapshot every 2 steps, the full state dumped every step."""
+    job = tmp_path_factory.mktemp("ref")
+    run(job, 3, "--steps", str(REF_STEPS), "--snapshot-every", "2", "--dump", "all")
+    return job
+
+
+def copy_job(src: Path, dst: Path, steps: tuple[int, ...]) -> Path:
+    (dst / "snapshots").mkdir(parents=True)
+    for s in steps:
+        shutil.copytree(src / "snapshots" / f"step-{s}", dst / "snapshots" / f"step-{s}")
+    return dst
+
+
+def test_every_member_writes_its_own_shards_and_one_manifest_covers_them(reference):
+    snaps = {p.name for p in (reference / "snapshots").iterdir()}
+    assert snaps == {f"step-{s}" for s in range(0, REF_STEPS, 2)}  # no staging directory left over
+    d = reference / "snapshots" / "step-10"
+    assert sorted(p.name for p in d.glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in (d / "parts").iterdir()) == ["rank-0.json", "rank-1.json", "rank-2.json"]
+    manifest = m.load_manifest(d)
+    assert manifest.extra["layout"] == ss.LAYOUT and manifest.extra["world_size"] == 3
+    assert {e.owner_rank for e in manifest.entries} == {0, 1, 2}
+    assert m.verify_manifest(manifest, d) == []
+    for r in range(3):  # each part is the writer's own objects, and the manifest names its digest
+        part = ss.read_part(d, r)
+        assert {e.spec.file for e in part.entries} == {f"__{r}_0.distcp"}
+        assert manifest.extra["parts"][str(r)] == part.digest
+    state = json.loads((d / "state.json").read_text())
+    assert state["layout"] == ss.LAYOUT and state["world_size"] == 3 and state["step"] == 10
+    sel = ss.select_sharded(reference)
+    assert sel.chosen is not None and sel.chosen.step == 10 and sel.rejected == ()
+    assert sel.chosen.manifest_digest == manifest.digest
+    layout = ss.snapshot_layout(d)  # FSDP2: every model/optimizer tensor chunk held by exactly one rank
+    sharded = [k for k in layout.chunks if ".weight@" in k or ".bias@" in k]
+    assert sharded and all(len(layout.holders[k]) == 1 for k in sharded)
+    assert layout.tensors_of(2) and layout.ownership().world_size == 3
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_restore_at_another_world_size_is_bitwise_the_reference_and_trains_on(reference, tmp_path, workers):
+    job = copy_job(reference, tmp_path / "job", (8,))
+    out = run(job, workers, "--steps", str(REF_STEPS), "--resume", "--dump", "ends")
+    report = json.loads((job / "restore-report.json").read_text())
+    assert report["restored_step"] == 8 and (report["old_world"], report["new_world"]) == (3, workers)
+    assert report["plan_problems"] == []
+    assert report["words"][0] == f"world 3 -> {workers} (ownership map v0 -> v1)"
+    assert "rank 2's shards of" in out and "read from snapshot step 8 by" in out
+    restored = load_dump(job / "dump" / "restored.pt")
+    assert restored["step"] == 8
+    assert_bitwise(restored, load_dump(reference / "dump" / "step-8.pt"))
+    last = load_dump(job / "dump" / f"step-{REF_STEPS - 1}.pt")
+    assert _close(last, load_dump(reference / "dump" / f"step-{REF_STEPS - 1}.pt")) == []
+    # the tolerance can fail: a state one step behind is far outside it
+    assert _close(last, load_dump(reference / "dump" / f"step-{REF_STEPS - 2}.pt"))
+
+
+def _wait_for_snapshot(job: Path, at_least: int, proc: subprocess.Popen, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(s >= at_least for s, _ in _published(job)):
+            return
+        time.sleep(0.05)
+    kill_trees([proc])
+    pytest.fail(f"no snapshot of step >= {at_least} within {timeout} s:\n{proc.communicate()[0][-3000:]}")
+
+
+def _published(job: Path) -> list[tuple[int, Path]]:
+    from gpuguard.foundation.jobdir import step_dirs
+
+    return step_dirs(job / "snapshots")
+
+
+def test_a_killed_member_then_a_smaller_world_resumes_from_the_sharded_snapshot(reference, tmp_path):
+    job = tmp_path / "job"
+    proc = torchrun(job, 3, "--steps", "40", "--snapshot-every", "2", "--step-sleep", "0.25")
+    try:
+        _wait_for_snapshot(job, 4, proc)
+        victim = int((job / "pids" / "rank-2").read_text())
+        os.kill(victim, signal.SIGKILL)
+        rc, out = finish(proc, 40)
+    finally:
+        kill_trees([proc])
+    assert rc != 0  # the job failed: a member is gone
+    killed_at = int((job / "progress" / "rank-0").read_text())
+    published = _published(job)
+    assert published and max(s for s, _ in published) <= killed_at + 1
+    for _, d in published:  # whatever was published is complete: every part, every digest
+        info = ss.select_sharded(job, int(d.name.split("-")[1]))
+        assert info.chosen is not None and info.chosen.path == d, info.rejected
+    newest = max(s for s, _ in published)
+    assert newest <= REF_STEPS - 2, "the reference run is too short for this kill point"
+    out = run(job, 2, "--steps", str(REF_STEPS), "--resume", "--dump", "ends")
+    report = json.loads((job / "restore-report.json").read_text())
+    assert report["restored_step"] == newest and (report["old_world"], report["new_world"]) == (3, 2)
+    assert "rank 2's shards of" in out and f"read from snapshot step {newest} by" in out
+    assert_bitwise(load_dump(job / "dump" / "restored.pt"), load_dump(reference / "dump" / f"step-{newest}.pt"))
+    last = f"step-{REF_STEPS - 1}.pt"
+    assert _close(load_dump(job / "dump" / last), load_dump(reference / "dump" / last)) == []
+
+
+def test_a_replicated_model_snapshots_and_restores_at_a_larger_world_the_same_way(tmp_path):
+    ref = tmp_path / "ref"
+    run(ref, 2, "--replicated", "--steps", "6", "--snapshot-every", "2", "--dump", "all")
+    layout = ss.snapshot_layout(ref / "snapshots" / "step-4")
+    model_keys = [k for k in layout.chunks if k.startswith("model.")]
+    assert model_keys and all(layout.holders[k] == (0, 1) for k in model_keys)  # replicas, each stored once
+    assert len({layout.writers[k] for k in model_keys}) == 2  # DCP spreads the replicas' writes
+    job = copy_job(ref, tmp_path / "job", (4,))
+    run(job, 3, "--replicated", "--steps", "6", "--resume", "--dump", "ends")
+    assert_bitwise(load_dump(job / "dump" / "restored.pt"), load_dump(ref / "dump" / "step-4.pt"))
+
+
+# ---------------------------------------------------------------- refusals (torch-free verification)
+
+
+def _reasons(job: Path) -> tuple[int | None, list[str]]:
+    sel = ss.select_sharded(job)
+    return (sel.chosen.step if sel.chosen else None), [f"{r.step}: {r.reason}" for r in sel.rejected]
+
+
+def _one_line(reasons: list[str]) -> None:
+    assert reasons and all("\n" not in r and len(r) < 300 for r in reasons)
+
+
+def test_a_corrupted_shard_file_is_refused_and_the_previous_snapshot_used(reference, tmp_path):
+    job = copy_job(reference, tmp_path, (6, 8))
+    f = job / "snapshots" / "step-8" / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    chosen, reasons = _reasons(job)
+    assert chosen == 6
+    _one_line(reasons)
+    assert reasons[0].startswith("8: corrupt: object ") and "digest mismatch in __1_0.distcp" in reasons[0]
+
+
+def test_a_missing_shard_file_is_refused(reference, tmp_path):
+    job = copy_job(reference, tmp_path, (6, 8))
+    (job / "snapshots" / "step-8" / "__2_0.distcp").unlink()
+    chosen, reasons = _reasons(job)
+    assert chosen == 6
+    _one_line(reasons)
+    assert "__2_0.distcp: storage file missing" in reasons[0]
+
+
+def test_a_snapshot_with_a_missing_member_part_is_never_selected(reference, tmp_path):
+    job = copy_job(reference, tmp_path, (6, 8))
+    (job / "snapshots" / "step-8" / "parts" / "rank-2.json").unlink()
+    chosen, reasons = _reasons(job)
+    assert chosen == 6
+    assert reasons == ["8: the part of rank 2 of 3 is missing"]
+    (job / "snapshots" / "step-6" / "parts" / "rank-0.json").unlink()
+    assert _reasons(job) == (None, ["8: the part of rank 2 of 3 is missing", "6: the part of rank 0 of 3 is missing"])
+
+
+def test_a_tampered_or_swapped_part_is_refused(reference, tmp_path):
+    job = copy_job(reference, tmp_path, (6, 8))
+    part = job / "snapshots" / "step-8" / "parts" / "rank-1.json"
+    doc = json.loads(part.read_text())
+    doc["incarnation"] = "someone-else"
+    part.write_text(json.dumps(doc))
+    chosen, reasons = _reasons(job)
+    assert chosen == 6 and reasons == [f"8: {part}: part digest does not match its entries: tampered"]
+    # a part that is itself intact but belongs to another snapshot
+    shutil.copy(job / "snapshots" / "step-6" / "parts" / "rank-1.json", part)
+    assert _reasons(job)[1] == ["8: the part of rank 1 is not the one the manifest names"]
+
+
+def test_a_replicated_snapshot_is_not_taken_for_a_sharded_one(tmp_path):
+    from gpuguard.recovery.snapshot import save_snapshot
+
+    save_snapshot(tmp_path, 3, {"model": {"w": torch.ones(4)}}, generation=0, owner="rank0/x")
+    assert _reasons(tmp_path) == (None, ["3: not a sharded snapshot (layout None)"])
+
+
+def test_a_resume_with_nothing_restorable_says_why_in_one_line_per_snapshot(reference, tmp_path):
+    job = copy_job(reference, tmp_path / "job", (8,))
+    (job / "snapshots" / "step-8" / "parts" / "rank-0.json").unlink()
+    rc, out = finish(torchrun(job, 2, "--steps", "12", "--resume"))
+    assert rc != 0
+    assert "no restorable sharded snapshot: ['the part of rank 0 of 3 is missing']" in out
+
+
+def test_the_state_digest_does_not_depend_on_the_chunking():
+    t = torch.randn(10, 3)
+    whole = ss._chunk_sum(t, (0, 0), (10, 3))
+    split = sum(ss._chunk_sum(t[a:b], (a, 0), (10, 3)) for a, b in ((0, 4), (4, 7), (7, 10))) & ((1 << 64) - 1)
+    assert whole == split
+    u = t.clone()
+    u[5, 1] = torch.nextafter(u[5, 1], torch.tensor(10.0))  # one ulp of one element
+    assert ss._chunk_sum(u, (0, 0), (10, 3)) != whole
+    swapped = t.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # the same values at other indices
+    assert ss._chunk_sum(swapped, (0, 0), (10, 3)) != whole

@@ -1,0 +1,151 @@
+"""A small FSDP2 training job on gloo/CPU with collective sharded snapshots: the target of the resharding tests.
+
+Usage (under torchrun): fsdp_job.py JOB_DIR --steps T [--snapshot-every K] [--resume] [--dump all|ends]
+  [--step-sleep S] [--replicated] [--max-seconds N]
+
+The model is an MLP sharded with `fully_shard` per layer (or, with --replicated, a plain replicated
+model whose gradients are all-reduced), AdamW. Step s trains on a global batch of 24 rows drawn
+from a generator seeded with s, split evenly over the ranks (24 divides by 1, 2, 3 and 4), so that
+every world size computes the same global-mean gradient. --dump writes the gathered full state
+(model + optimizer) to JOB_DIR/dump/<tag>.pt from rank 0: every step (`all`, a reference run) or
+the restored state and the last step (`ends`). Each rank writes its pid to JOB_DIR/pids/rank-<R>
+and, after each step, the step to JOB_DIR/progress/rank-<R>. Finite gloo timeouts and a wall-clock
+limit: nothing can hang forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from gpuguard.generation.ownership import describe_reshard, plan_reshard, reshard_problems
+from gpuguard.recovery import sharded_snapshot as ss
+
+GLOBAL_BATCH = 24
+
+
+def build(replicated: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # the same initial weights at every world size
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    )
+    if not replicated:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, replicated: bool) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch(step, rank, world)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if replicated:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    opt.step()
+    opt.zero_grad()
+
+
+def dump(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, step: int) -> None:
+    """Collective: the full (gathered) model and optimizer state, written by rank 0."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": step, "model": msd, "optim": osd}, tmp)
+        os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("job_dir", type=Path)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--snapshot-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--dump", choices=("none", "all", "ends"), default="none")
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--max-seconds", type=float, default=50.0)
+    a = ap.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    rank = dist.get_rank()
+    deadline = time.monotonic() + a.max_seconds
+    for sub in ("pids", "progress"):
+        (a.job_dir / sub).mkdir(parents=True, exist_ok=True)
+    (a.job_dir / "pids" / f"rank-{rank}").write_text(str(os.getpid()))
+    model, opt = build(a.replicated)
+    start = 0
+    if a.resume:
+        sel = ss.select_sharded(a.job_dir)
+        if sel.chosen is None:
+            if rank == 0:
+                print("no restorable sharded snapshot:", [r.reason for r in sel.rejected], flush=True)
+            return 3
+        live = ss.model_state(model, opt, extra={"step": torch.tensor(-1)})
+        old = ss.snapshot_layout(sel.chosen.path)
+        new = ss.current_layout(live, old.version + 1)
+        loaded = ss.load_sharded(sel.chosen, live)  # reshards; checks the layout-free state digest
+        ss.apply_model_state(model, opt, loaded)
+        start = int(loaded["extra"]["step"]) + 1
+        if rank == 0:
+            plan = plan_reshard(old, new)
+            words = describe_reshard(old, new, plan, step=sel.chosen.step)
+            report = {
+                "restored_step": sel.chosen.step,
+                "old_world": old.world_size,
+                "new_world": new.world_size,
+                "plan_problems": reshard_problems(new, plan),
+                "words": words,
+                "rejected": [r.reason for r in sel.rejected],
+            }
+            (a.job_dir / "restore-report.json").write_text(json.dumps(report, indent=1))
+            print("\n".join(words), flush=True)
+        if a.dump != "none":
+            dump(model, opt, a.job_dir / "dump" / "restored.pt", start - 1)
+    snapper = None
+    if a.snapshot_every:
+        snapper = ss.ShardedSnapshotter(a.job_dir, generation=0, incarnation=uuid.uuid4().hex[:12])
+    for step in range(start, a.steps):
+        if time.monotonic() > deadline:
+            print(f"rank {rank}: wall-clock limit at step {step}", flush=True)
+            return 2
+        train_step(model, opt, step, a.replicated)
+        if snapper is not None and step % a.snapshot_every == 0:
+            snapper.submit(step, ss.model_state(model, opt, extra={"step": torch.tensor(step)}))
+        if a.dump == "all" or (a.dump == "ends" and step == a.steps - 1):
+            dump(model, opt, a.job_dir / "dump" / f"step-{step}.pt", step)
+        (a.job_dir / "progress" / f"rank-{rank}").write_text(str(step))
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+    if snapper is not None:
+        snapper.close(30.0)
+        if snapper.errors:
+            print(f"rank {rank}: {snapper.errors} snapshot errors", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
