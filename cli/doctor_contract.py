@@ -6,9 +6,14 @@ This reads every rank's Flight Recorder dump (pickle or JSON, through a restrict
 gpuguard collective trace, and names the first divergent sequence number, the ranks, the field and
 the call sites, with the "one call ahead" explanation when the traces show it.
 
+What must agree depends on the collective (gather/scatter roots, uneven all_to_all splits, the `_v`
+variants, send/recv pairs): diagnostics.collective_semantics, docs/formats/collective-semantics.md.
+
 Exit codes: 0 every contract holds; 1 a contract is broken; 3 no divergence found but the result is
-partial (a rank's dump missing or duplicated: its part of the contract is unknown); 64 usage error; 65 unreadable,
-truncated, unsafe or malformed dump; 66 input missing; 77 permission denied. Never imports torch.
+partial (a rank's dump missing, duplicated or refused, or nothing compared: its part of the contract
+is unknown); 64 usage error; 65 unreadable, truncated, unsafe or malformed dump (every input refused;
+when only some are, each is one line on stderr and the rest are analysed, partial); 66 input
+missing; 77 permission denied. Never imports torch.
 """
 
 from __future__ import annotations
@@ -52,22 +57,47 @@ def run_contract(
     world_size: int | None = None,
     jobs: int | None = None,
 ) -> int:
+    import sys
+
     from gpuguard.cli._app import console, emit_json, stdout_is_terminal
-    from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_many
+    from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_all
     from gpuguard.diagnostics.contract import Interner, check, report_to_json
 
     files, notes = discover(paths)
     interner = Interner()
     progress_cb, finish = _progress(len(files), enabled=stdout_is_terminal() and not as_json)
     try:
-        loaded = load_many(files, interner, jobs=jobs, progress=progress_cb)
+        loaded, refused = load_all(files, interner, jobs=jobs, progress=progress_cb)
     finally:
         finish()
+    if refused and not loaded:
+        raise refused[0]
+    for exc in refused:  # one line per refused file; the rest is still analysed
+        print(f"gpu-doctor contract: refused {exc}", file=sys.stderr)
     traces = [item.trace for item in loaded]
     if pg is not None:
         names = {n for t in traces for s in t.streams for n in (s.pg, s.pg_desc, f"{s.pg}:{s.pg_desc}") if n}
+        names |= {n for item in loaded for rec in item.p2p for n in (rec[0], rec[1], f"{rec[0]}:{rec[1]}") if n}
         check_usage_pg(names, pg)
-    report = check(traces, interner, pg=pg, world_size=world_size)
+    skipped = sum(t.skipped for t in traces)
+    warns = [f"refused {exc}; that rank's part of the contract is unknown" for exc in refused]
+    if skipped:
+        warns.append(f"{skipped} point-to-point entr(ies) without a readable peer were not compared")
+    if any(not s.states_reliable for t in traces for s in t.streams):
+        warns.append(
+            "gloo records completion late (after wait() returns, and on failure too): completion states "
+            "were not compared, only the calls themselves"
+        )
+    report = check(
+        traces,
+        interner,
+        pg=pg,
+        world_size=world_size,
+        warnings=warns,
+        partial=bool(refused or skipped),
+        p2p={item.trace.rank: item.p2p for item in loaded if item.p2p},
+        completed={item.trace.rank: item.completed for item in loaded if item.completed},
+    )
     inputs = [
         {
             "path": item.trace.source,
@@ -76,11 +106,13 @@ def run_contract(
             "version": item.trace.version,
             "entries": item.entries,
             "skipped_p2p": item.trace.skipped,
+            "p2p": len(item.p2p),
         }
         for item in loaded
     ]
     doc = report_to_json(report, inputs)
     doc["notes"] = notes
+    doc["refused"] = [str(exc) for exc in refused]
     code = contract_exit_code(report.holds, report.partial)
     if as_json:
         emit_json(doc)
@@ -124,14 +156,14 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
 
     for w in (*report.warnings, *notes):
         out.print(Text.assemble(("warning: ", "yellow"), safe_text(w)))
-    label = " (PARTIAL: some ranks' dumps are missing or duplicated)" if report.partial else ""
+    label = " (PARTIAL: some ranks' dumps are missing, duplicated or refused)" if report.partial else ""
     checked = sum(t.checked for t in report.timelines)
     div = report.first_divergence
     if div is None:
         if report.partial:
             out.print(
                 f"[bold yellow]contract UNKNOWN[/]{label}: no divergence among {n_files} dump(s) "
-                f"({checked} collective(s) compared), but the missing ranks' part is unknown.",
+                f"({checked} collective(s) compared), but part of the contract is unknown (see the warnings).",
                 markup=True,
             )
         else:
@@ -140,11 +172,12 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
                 f"{n_files} dump(s), {checked} collective(s) compared on every rank; no divergence.",
                 markup=True,
             )
-        table = Table("pg", "generation", "ranks", "window", "checked")
+        table = Table("pg", "scope", "generation", "ranks", "window", "checked")
         for t in report.timelines:
-            window = f"#{t.first_seq}..#{t.last_seq}" if t.first_seq is not None else "empty"
+            window = f"#{t.first_seq}..#{t.last_seq}" if t.first_seq is not None else "-"
             table.add_row(
                 safe_text(f"{t.pg}" + (f" ({t.pg_desc})" if t.pg_desc else "")),
+                t.scope,
                 str(t.generation),
                 format_ranks(t.ranks),
                 window,
@@ -155,12 +188,27 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
     from rich.markup import escape
 
     where = escape(safe_text(f"pg {div.pg}" + (f" ({_desc(report, div)})" if _desc(report, div) else "")))
+    if div.members is not None:
+        where += f" [{format_ranks(div.members)}]"
     out.print(
         f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
-        f"seq #{div.seq}: [bold]{escape(safe_text(div.kind))}[/] ({escape(safe_text(div.field))}), "
-        f"culprit rank(s) {format_ranks(div.ranks)}",
+        f"seq #{div.seq}: [bold]{escape(safe_text(div.kind))}[/] ({escape(safe_text(div.field))}"
+        + (f", {escape(safe_text(div.record))}" if div.record else "")
+        + f"), culprit rank(s) {format_ranks(div.ranks)}"
+        + (" [yellow](ambiguous)[/]" if div.ambiguous else ""),
         markup=True,
     )
+    if (
+        div.kind in ("p2p_mismatch", "membership_mismatch")
+        or div.seq == 0
+        or div.field == "presence"
+        and any(
+            s.signature is not None and s.signature.op.startswith(("send ", "recv "))
+            for s in (div.majority, *div.others)
+        )
+    ):
+        out.print(safe_text(div.explanation), markup=False)
+        return
     table = Table(title=None)
     table.add_column("seq", justify="right")
     sides = (div.majority, *div.others)

@@ -28,7 +28,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
 from typing import Any
@@ -55,10 +55,18 @@ def restricted_loads(data: bytes) -> Any:
 
 @dataclass(frozen=True)
 class Loaded:
-    """One input file, loaded."""
+    """One input file, loaded.
+
+    `p2p`: the point-to-point records, as plain tuples in `diagnostics.contract.P2PRecord` order
+    (pg name, pg desc, generation, p2p seq id, "send"/"recv", source group rank, destination group
+    rank, shapes, dtypes, state, time created ns): the judge pairs them across ranks.
+    `completed`: the last completed sequence id per process group (`pg_status`, by pg id and name).
+    """
 
     trace: RankTrace
     entries: int
+    p2p: tuple[tuple[Any, ...], ...] = ()
+    completed: dict[str, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,8 +212,14 @@ _SIG = itemgetter(2, 3, 4, 5, 6)
 
 def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     _need(isinstance(doc, dict), path, "top level is not a mapping")
-    _need("entries" in doc, path, "no 'entries' key (is this a Flight Recorder dump?)")
-    entries = doc["entries"]
+    # PyTorch's JSON writer leaves `entries` out when there are none (an onlyActive dump after
+    # everything completed); such a dump still has its pg_config / pg_status.
+    _need(
+        "entries" in doc or ("version" in doc and ("pg_config" in doc or "pg_status" in doc)),
+        path,
+        "no 'entries' key (is this a Flight Recorder dump?)",
+    )
+    entries = doc.get("entries", [])
     _need(isinstance(entries, list), path, "'entries' is not a list")
     version = doc.get("version", "")
     _need(isinstance(version, str), path, "'version' is not a string")
@@ -230,12 +244,21 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
             pg_ranks=pg_ranks,
             skipped=0,
         )
-        return Loaded(trace, len(entries))
+        return Loaded(trace, len(entries), (), _completed(status, {str(entries[0].get("pg_id")): fast.pg}))
     rows = _rows(entries, path)
     skipped = 0
+    p2p: list[tuple[Any, ...]] = []
     if any(r[8] for r in rows):
-        keep = [r for r in rows if not r[8]]
-        skipped = len(rows) - len(keep)
+        keep = []
+        for e, r in zip(entries, rows):
+            if not r[8]:
+                keep.append(r)
+                continue
+            rec = _p2p_record(e, r, path)
+            if rec is None:
+                skipped += _op_name(r[2]) != "coalesced"  # the group's marker carries no message
+            else:
+                p2p.append(rec)
         rows = keep
     groups: dict[tuple[str, str, Any], list[tuple]] = {}
     if rows and all(r[1] == rows[0][1] for r in rows):
@@ -286,7 +309,49 @@ def _from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
         pg_ranks=pg_ranks,
         skipped=skipped,
     )
-    return Loaded(trace, len(entries))
+    ids = {str(k[2]): k[0] for k in {r[1] for r in rows}}
+    return Loaded(trace, len(entries), tuple(p2p), _completed(status, ids))
+
+
+def _completed(status: dict[str, tuple[int, int]], names_by_id: dict[str, str]) -> dict[str, int]:
+    """Last completed seq per pg, under its pg_status key and, where the entries tell, its name."""
+    out = {k: done for k, (done, _) in status.items() if done >= 0}
+    for pg_id, name in names_by_id.items():
+        if pg_id in out:
+            out.setdefault(name, out[pg_id])
+    return out
+
+
+def _p2p_record(e: Any, r: tuple, path: Path) -> tuple[Any, ...] | None:
+    """`nccl:send 0->1` / `nccl:recv 1<-0` (group ranks) as a P2PRecord; None when unparseable."""
+    tail = r[2].split(":", 1)[1] if ":" in r[2] else r[2]
+    parts = tail.split(" ")
+    op = parts[0]
+    try:
+        if op in ("send", "isend") and len(parts) == 2 and "->" in parts[1]:
+            a, b = parts[1].split("->")
+            src, dst, sizes, dtypes, kind = int(a), int(b), r[3], r[4], "send"
+        elif op in ("recv", "irecv") and len(parts) == 2 and "<-" in parts[1]:
+            b, a = parts[1].split("<-")
+            src, dst, sizes, dtypes, kind = int(a), int(b), r[5], r[6], "recv"
+        else:
+            return None
+        shapes, dts = _shapes(sizes), _dtypes(dtypes)
+    except (TypeError, ValueError):
+        raise DataError(f"{path}: not a valid collective trace: bad peers, sizes or dtypes in {r[2]!r}") from None
+    seq = e.get("p2p_seq_id") if isinstance(e, dict) else None
+    seq = _int_id(seq)
+    name, desc, _pg_id, gen = r[1]
+    return (name, desc, gen, seq if seq is not None else -1, kind, src, dst, shapes, dts, str(r[7]), r[10])
+
+
+def _int_id(v: Any) -> int | None:
+    """Sequence ids are integers, written as strings by some versions' JSON."""
+    if type(v) is int:
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    return None
 
 
 _COLS = {
@@ -427,8 +492,8 @@ def _row_slow(i: int, e: Any, path: Path) -> tuple:
     """Tolerant per-entry path: older format versions (2.0-2.2) and malformed input."""
     if not isinstance(e, dict):
         raise DataError(f"{path}: not a valid collective trace: entry {i} is {type(e).__name__}, not a mapping")
-    seq = e.get("collective_seq_id", e.get("seq_id"))
-    if type(seq) is not int:
+    seq = _int_id(e.get("collective_seq_id", e.get("seq_id")))
+    if seq is None:
         raise DataError(f"{path}: not a valid collective trace: entry {i} has no integer collective_seq_id")
     name = e.get("profiling_name")
     if not isinstance(name, str):
@@ -675,10 +740,17 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _load_chunk(paths: list[str]) -> tuple[list[Loaded], list[Signature], list[str]]:
+def _load_or_refuse(path: str, interner: Interner) -> Loaded | GpuguardError:
+    try:
+        return load_dump(path, interner)
+    except GpuguardError as exc:
+        return exc
+
+
+def _load_chunk(paths: list[str]) -> tuple[list[Loaded | GpuguardError], list[Signature], list[str]]:
     interner = Interner()
     with _gc_paused():
-        return [load_dump(p, interner) for p in paths], interner.signatures, interner.sites
+        return [_load_or_refuse(p, interner) for p in paths], interner.signatures, interner.sites
 
 
 def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
@@ -710,27 +782,32 @@ def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
             dropped=t.dropped,
         ),
         loaded.entries,
+        loaded.p2p,
+        loaded.completed,
     )
 
 
-def load_many(
+def load_all(
     files: Iterable[Path], interner: Interner, *, jobs: int | None = None, progress: Any = None
-) -> list[Loaded]:
-    """Load every file; with many files, a small process pool shares the unpickling."""
+) -> tuple[list[Loaded], list[GpuguardError]]:
+    """Load every file; return the loaded dumps and, one per refused file, its one-line error (the
+    caller analyses the rest and marks the result partial). With many files, a small process pool
+    shares the unpickling."""
     paths = [str(f) for f in files]
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 8) if len(paths) >= 64 else 1
+    out: list[Loaded] = []
+    refused: list[GpuguardError] = []
     if jobs <= 1:
-        out = []
         with _gc_paused():
             for p in paths:
-                out.append(load_dump(p, interner))
+                item = _load_or_refuse(p, interner)
+                (refused if isinstance(item, GpuguardError) else out).append(item)  # type: ignore[arg-type]
                 if progress:
                     progress(1)
-        return out
+        return out, refused
     size = max(1, -(-len(paths) // (jobs * 4)))
     chunks = [paths[i : i + size] for i in range(0, len(paths), size)]
-    out = []
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -739,9 +816,22 @@ def load_many(
             sig_map = [interner.sig(s) for s in sigs]
             site_map = [interner.site(s) for s in sites]
             for item in loaded:
-                out.append(_remap(item, sig_map, site_map))
+                if isinstance(item, GpuguardError):
+                    refused.append(item)
+                else:
+                    out.append(_remap(item, sig_map, site_map))
             if progress:
                 progress(len(loaded))
+    return out, refused
+
+
+def load_many(
+    files: Iterable[Path], interner: Interner, *, jobs: int | None = None, progress: Any = None
+) -> list[Loaded]:
+    """Load every file or raise the first file's error (see `load_all` to analyse the rest)."""
+    out, refused = load_all(files, interner, jobs=jobs, progress=progress)
+    if refused:
+        raise refused[0]
     return out
 
 

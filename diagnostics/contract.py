@@ -17,10 +17,21 @@ holds sequence ids and small integer ids into one `Interner` of signatures and c
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from gpuguard.diagnostics.collective_semantics import (
+    LEGIT,
+    ROOT_MISMATCH,
+    TOTALS_MISMATCH,
+    Finding,
+    coalesced_members,
+    fmt_shapes,
+    judge,
+    numel,
+)
 from gpuguard.foundation.traces import ABSENT, COMPLETED, SCHEDULED, Interner, RankTrace, Signature, Stream
 
 SCHEMA = "gpuguard.contract/1"
@@ -31,7 +42,20 @@ SIZE_MISMATCH = "size_mismatch"
 DTYPE_MISMATCH = "dtype_mismatch"
 REDUCE_OP_MISMATCH = "reduce_op_mismatch"
 STATE_MISMATCH = "state_mismatch"
-KINDS = (MISSING_PARTICIPANT, OP_MISMATCH, SIZE_MISMATCH, DTYPE_MISMATCH, REDUCE_OP_MISMATCH, STATE_MISMATCH)
+MEMBERSHIP_MISMATCH = "membership_mismatch"
+P2P_MISMATCH = "p2p_mismatch"
+KINDS = (
+    MISSING_PARTICIPANT,
+    OP_MISMATCH,
+    SIZE_MISMATCH,
+    DTYPE_MISMATCH,
+    REDUCE_OP_MISMATCH,
+    STATE_MISMATCH,
+    ROOT_MISMATCH,
+    TOTALS_MISMATCH,
+    MEMBERSHIP_MISMATCH,
+    P2P_MISMATCH,
+)
 
 DEFAULT_PG_NAMES = frozenset({"0", "default", "default_pg"})
 
@@ -68,8 +92,10 @@ class Divergence:
     field: str
     explanation: str
     hints: tuple[str, ...] = ()
-    ambiguous: bool = False  # no strict majority: the culprit is a guess
+    ambiguous: bool = False  # no strict majority, or the ranks may legitimately differ: the culprit is a guess
     pg_desc: str = ""
+    members: tuple[int, ...] | None = None  # the group's member set (pg_config), when the dumps say
+    record: str | None = None  # inside a coalesced group: which record differs
 
     @property
     def missing_ranks(self) -> tuple[int, ...]:
@@ -91,6 +117,8 @@ class Divergence:
             "actual": self.others[0].to_json() if self.others else None,
             "actual_by_group": [{"ranks": list(s.ranks), "value": s.to_json()} for s in self.others],
             "ambiguous": self.ambiguous,
+            "members": list(self.members) if self.members is not None else None,
+            "record": self.record,
             "explanation": self.explanation,
             "hints": list(self.hints),
         }
@@ -98,7 +126,7 @@ class Divergence:
 
 @dataclass(frozen=True)
 class Timeline:
-    """The verdict for one (process group, generation)."""
+    """The verdict for one (process group, member set, generation) and scope."""
 
     pg: str
     generation: int
@@ -109,11 +137,15 @@ class Timeline:
     checked: int
     divergence: Divergence | None
     pg_desc: str = ""
+    members: tuple[int, ...] | None = None  # from pg_config; None: not recorded (gloo), taken from the dumps
+    scope: str = "collectives"  # or "p2p" (send/recv pairs) or "membership" (ranks disagree on the members)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "pg": self.pg,
             "pg_desc": self.pg_desc,
+            "scope": self.scope,
+            "members": list(self.members) if self.members is not None else None,
             "generation": self.generation,
             "ranks": list(self.ranks),
             "missing_dumps": list(self.missing_dumps),
@@ -147,6 +179,13 @@ class ContractReport:
 # ----------------------------------------------------------------------------------------------
 # The checker
 
+# One point-to-point record, as `collectors.flight_recorder` reads it (plain tuple: the readers and
+# the judges share no classes but foundation's): (pg name, pg desc, generation, p2p seq id, "send" or
+# "recv", source group rank, destination group rank, shapes, dtypes, state, time created ns).
+P2PRecord = tuple[str, str, int, int, str, int, int, Any, Any, str, int]
+
+_TimelineKey = tuple[str, int, tuple[int, ...] | None]  # (pg name, generation, member set or None)
+
 
 def check(
     traces: Iterable[RankTrace],
@@ -155,10 +194,18 @@ def check(
     pg: str | None = None,
     world_size: int | None = None,
     warnings: Iterable[str] = (),
+    partial: bool = False,
+    p2p: Mapping[int, Sequence[P2PRecord]] | None = None,
+    completed: Mapping[int, Mapping[str, int]] | None = None,
 ) -> ContractReport:
-    """Check every (process group, generation) timeline; return the report."""
+    """Check every (process group, member set, generation) timeline; return the report.
+
+    `p2p`: each rank's point-to-point records (paired send with recv per pair of ranks).
+    `completed`: each rank's last completed sequence id per pg (Flight Recorder `pg_status`): a rank
+    whose `onlyActive` dump holds no entries for a group has completed everything up to it.
+    `partial`: the caller already knows some input is missing (a refused file).
+    """
     warns = list(warnings)
-    partial = False
     by_rank: dict[int, RankTrace] = {}
     for trace in traces:
         if trace.rank in by_rank:
@@ -168,25 +215,33 @@ def check(
             partial = True
             continue
         by_rank[trace.rank] = trace
+    p2p_by_rank = {r: recs for r, recs in (p2p or {}).items() if r in by_rank}
+    done_by_rank = completed or {}
 
     world = world_size or max((t.world_size or 0 for t in by_rank.values()), default=0) or None
     if world is None and by_rank:
         world = max(by_rank) + 1  # ranks are 0..N-1: a gap is a missing dump
     generations: dict[int, set[int]] = {}
-    timelines: dict[tuple[str, int], dict[int, Stream]] = {}
+    per_name: dict[tuple[str, int], dict[int, Stream | None]] = {}
     desc: dict[tuple[str, int], str] = {}
-    config: dict[str, set[int]] = {}
+
+    def wanted(name: str, d: str) -> bool:
+        return pg is None or pg in (name, d, f"{name}:{d}")
+
     for trace in by_rank.values():
-        for name, pg_members in trace.pg_ranks.items():
-            if pg_members:
-                config.setdefault(name, set()).update(pg_members)
         for stream in trace.streams:
-            if pg is not None and pg not in (stream.pg, stream.pg_desc, f"{stream.pg}:{stream.pg_desc}"):
+            if not wanted(stream.pg, stream.pg_desc):
                 continue
             key = (stream.pg, stream.generation)
-            timelines.setdefault(key, {})[trace.rank] = stream
+            per_name.setdefault(key, {})[trace.rank] = stream
             desc.setdefault(key, stream.pg_desc)
             generations.setdefault(stream.generation, set()).add(trace.rank)
+    for rank, recs in p2p_by_rank.items():
+        for rec in recs:
+            if wanted(rec[0], rec[1]):
+                per_name.setdefault((rec[0], rec[2]), {}).setdefault(rank, None)
+                desc.setdefault((rec[0], rec[2]), rec[1])
+                generations.setdefault(rec[2], set()).add(rank)
     if len(generations) > 1:
         warns.append(
             "dumps cover generations "
@@ -203,43 +258,135 @@ def check(
                 f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
                 "every contract is unknown"
             )
-    results: list[Timeline] = []
-    for (name, gen), streams in sorted(timelines.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
-        is_default = name in DEFAULT_PG_NAMES or desc[(name, gen)] == "default_pg"
-        members = set(streams) | config.get(name, set())
-        if is_default or set(streams) == generations.get(gen, set()):
-            # a group that spans every dump we have (gloo records no membership): the absent ranks too
-            members |= generations.get(gen, set()) | absent
-        missing = tuple(sorted(members - set(by_rank)))
-        if missing and not absent:
-            partial = True
-            warns.append(
-                f"pg {name} generation {gen}: no dump from rank(s) {_ranks(missing)}; "
-                "their part of the contract is unknown"
-            )
-        present = {r: streams.get(r) for r in sorted(members) if r in by_rank}
-        results.append(_check_timeline(name, gen, desc[(name, gen)], present, missing, interner))
-    results.sort(key=lambda t: (t.divergence is None, _divergence_time(t, timelines, interner)))
-    return ContractReport(tuple(results), tuple(warns), partial)
+    results: list[tuple[Timeline, int]] = []
+    cluster_of: dict[tuple[str, int, int], _TimelineKey] = {}
+    for (name, gen), streams in sorted(per_name.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
+        pg_desc = desc[(name, gen)]
+        for members, ranks_here, clash in _clusters(name, streams, by_rank):
+            tkey: _TimelineKey = (name, gen, members)
+            for r in ranks_here:
+                cluster_of[(name, gen, r)] = tkey
+            if clash is not None:
+                partial = True
+                results.append((_membership_timeline(name, gen, pg_desc, clash), 0))
+            is_default = name in DEFAULT_PG_NAMES or pg_desc == "default_pg"
+            mem = set(ranks_here) | set(members or ())
+            if members is None and (is_default or set(ranks_here) == generations.get(gen, set())):
+                # a group that spans every dump we have (gloo records no membership): the absent ranks too
+                mem |= generations.get(gen, set()) | absent
+            missing = tuple(sorted(mem - set(by_rank)))
+            if missing and not absent:
+                partial = True
+                warns.append(
+                    f"pg {_label(name, members)} generation {gen}: no dump from rank(s) {_ranks(missing)}; "
+                    "their part of the contract is unknown"
+                )
+            present = {r: streams.get(r) for r in sorted(mem) if r in by_rank}
+            done = {
+                r: d
+                for r in present
+                if (present[r] is None or not len(present[r].seqs))  # type: ignore[union-attr]
+                and (d := _done(done_by_rank.get(r), name)) is not None
+            }
+            results.append(_check_timeline(name, gen, pg_desc, members, present, missing, done, interner))
+    if p2p_by_rank:
+        results.extend(_check_p2p(p2p_by_rank, cluster_of, by_rank, wanted))
+    checked = sum(t.checked for t, _ in results)
+    if checked == 0:
+        partial = True
+        warns.append(
+            "nothing compared: no collective or point-to-point record is held by every rank of its group, "
+            "so the contract is unknown, not holding"
+        )
+    results.sort(key=lambda tt: (tt[0].divergence is None, tt[1]))
+    return ContractReport(tuple(t for t, _ in results), tuple(warns), partial)
+
+
+def _done(status: Mapping[str, int] | None, name: str) -> int | None:
+    if not status:
+        return None
+    return status.get(name)
+
+
+def _label(name: str, members: tuple[int, ...] | None) -> str:
+    return name if members is None else f"{name} [{_ranks(members)}]"
+
+
+def _clusters(
+    name: str, streams: Mapping[int, Stream | None], by_rank: Mapping[int, RankTrace]
+) -> list[tuple[tuple[int, ...] | None, list[int], dict[tuple[int, ...], list[int]] | None]]:
+    """Split one group name into timelines by member set (`pg_config`): disjoint groups that share
+    a name (`split_group`, per-rank one-member groups) never talk to each other. Overlapping but
+    different member sets are one group whose ranks disagree about its members: `clash`."""
+    views: dict[int, tuple[int, ...] | None] = {r: by_rank[r].pg_ranks.get(name) for r in streams}
+    known = {v for v in views.values() if v is not None}
+    if not known:
+        return [(None, sorted(streams), None)]
+    # union overlapping member sets
+    comps: list[set[int]] = []
+    comp_views: list[set[tuple[int, ...]]] = []
+    for v in sorted(known):
+        hit = [i for i, c in enumerate(comps) if c & set(v)]
+        merged, mviews = set(v), {v}
+        for i in reversed(hit):
+            merged |= comps.pop(i)
+            mviews |= comp_views.pop(i)
+        comps.append(merged)
+        comp_views.append(mviews)
+    out: list[tuple[tuple[int, ...] | None, list[int], dict[tuple[int, ...], list[int]] | None]] = []
+    placed: set[int] = set()
+    for comp, cviews in zip(comps, comp_views):
+        ranks_here = sorted(r for r, v in views.items() if (v is not None and v in cviews) or (v is None and r in comp))
+        placed.update(ranks_here)
+        clash = None
+        if len(cviews) > 1:
+            clash = {v: sorted(r for r in ranks_here if views[r] == v) for v in sorted(cviews)}
+        out.append((tuple(sorted(comp)), ranks_here, clash))
+    rest = sorted(set(streams) - placed)
+    if rest:
+        out.append((None, rest, None))
+    return out
+
+
+def _membership_timeline(name: str, gen: int, pg_desc: str, clash: dict[tuple[int, ...], list[int]]) -> Timeline:
+    groups = sorted(clash.items(), key=lambda kv: (-len(kv[1]), kv[1][:1]))
+    sides = [
+        Side(tuple(ranks), Signature(op=f"members [{_ranks(view)}]"), None, None) for view, ranks in groups if ranks
+    ]
+    everyone = tuple(sorted(r for _, ranks in groups for r in ranks))
+    explanation = f"pg {name}" + (f" generation {gen}" if gen else "") + ": its ranks disagree about its members: "
+    explanation += "; ".join(f"rank(s) {_ranks(ranks)} say [{_ranks(view)}]" for view, ranks in groups if ranks)
+    explanation += " (pg_config): the group was created with different rank lists, so its collectives cannot match."
+    majority, others = sides[0], tuple(sides[1:])
+    div = Divergence(
+        name,
+        gen,
+        0,
+        MEMBERSHIP_MISMATCH,
+        tuple(sorted(r for s in others for r in s.ranks)),
+        majority,
+        others,
+        "members",
+        explanation,
+        ambiguous=len(sides) > 1 and len(sides[0].ranks) == len(sides[1].ranks),
+        pg_desc=pg_desc,
+    )
+    return Timeline(name, gen, everyone, (), None, None, 0, div, pg_desc, scope="membership")
 
 
 def _pg_order(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
-def _divergence_time(t: Timeline, timelines: dict[tuple[str, int], dict[int, Stream]], interner: Interner) -> int:
-    """Order broken timelines by when their divergent call was issued (earliest first)."""
-    d = t.divergence
-    if d is None:
-        return 0
+def _first_time(streams: Mapping[int, Stream | None], seq: int) -> int:
+    """When the divergent call was issued (earliest rank): broken timelines are listed earliest first."""
     best = 1 << 62
-    for stream in timelines[(t.pg, t.generation)].values():
-        if stream.times_ns is None:
+    for stream in streams.values():
+        if stream is None or stream.times_ns is None:
             continue
-        for s, ts in zip(stream.seqs, stream.times_ns):
-            if s == d.seq and ts:
-                best = min(best, ts)
-                break
+        i = _index(stream, seq)
+        if i is not None and stream.times_ns[i]:
+            best = min(best, stream.times_ns[i])
     return best
 
 
@@ -283,22 +430,45 @@ def _contiguous(s: Stream | None) -> bool:
 
 
 def _check_timeline(
-    name: str, gen: int, pg_desc: str, streams: dict[int, Stream | None], missing: tuple[int, ...], interner: Interner
-) -> Timeline:
+    name: str,
+    gen: int,
+    pg_desc: str,
+    members: tuple[int, ...] | None,
+    streams: dict[int, Stream | None],
+    missing: tuple[int, ...],
+    done: dict[int, int],
+    interner: Interner,
+) -> tuple[Timeline, int]:
     ranks = tuple(streams)
-    live = [s for s in streams.values() if s is not None and len(s.seqs)]
+    scan = {r: s for r, s in streams.items() if r not in done}  # onlyActive: completed, nothing active
+    live = [s for s in scan.values() if s is not None and len(s.seqs)]
     if not live:
-        return Timeline(name, gen, ranks, missing, None, None, 0, None, pg_desc)
+        return Timeline(name, gen, ranks, missing, None, None, 0, None, pg_desc, members=members), 0
     # Ring buffers drop old entries: only the window every rank still holds is comparable.
     start = max(s.seqs[0] for s in live)
     last = max(s.seqs[-1] for s in live)
-    order = list(streams)
-    if all(_contiguous(s) for s in streams.values()):
-        contract_div, state_cands, checked = _scan_contiguous(streams, start, last)
+    order = list(scan)
+    held: Sequence[int]
+    if all(_contiguous(s) for s in scan.values()):
+        diffs, state_cands, held = _scan_contiguous(scan, start)
     else:
-        contract_div, state_cands, checked = _scan_general(streams, order, start, last)
-    cols = {r: _Col(s, s.sig_ids if s is not None else None) for r, s in streams.items()}  # order == list(streams)
+        diffs, state_cands, held = _scan_general(scan, order, start, last)
+    cols = {r: _Col(s, s.sig_ids if s is not None else None) for r, s in streams.items()}
     states = {r: _Col(s, s.states if s is not None else None) for r, s in streams.items()}
+    group_size = len(members) if members is not None else len(streams) + len(missing)
+    complete = not missing
+    # a rank done through N (onlyActive, no entries) never issued N+1: a missing participant there
+    late = [max(start, d + 1) for d in done.values() if d < last]
+    if late:
+        diffs = sorted(set(diffs) | {min(late)})
+    div: Divergence | None = None
+    contract_div: int | None = None
+    for seq in diffs:
+        at = order + [r for r, d in done.items() if d < seq]
+        div = _classify(name, gen, seq, at, cols, states, streams, interner, group_size, complete)
+        if div is not None:
+            contract_div = seq
+            break
     state_div: int | None = None
     if not all(s.states_reliable for s in live):
         state_cands = set()
@@ -309,34 +479,40 @@ def _check_timeline(
         if COMPLETED in sts and SCHEDULED in sts:
             state_div = seq
             break
-    div: Divergence | None = None
-    if contract_div is not None and (state_div is None or contract_div < state_div):
-        div = _classify(name, gen, contract_div, order, cols, states, streams, interner)
-    elif state_div is not None:
+    if state_div is not None and (contract_div is None or state_div < contract_div):
         div = _state_divergence(name, gen, state_div, order, cols, states, streams, interner)
-    if div is not None and pg_desc:
-        div = replace(div, pg_desc=pg_desc)
-    return Timeline(name, gen, ranks, missing, start, last, checked, div, pg_desc)
+    checked = bisect_left(held, div.seq) if div is not None else len(held)
+    if div is not None:
+        div = replace(div, pg_desc=pg_desc, members=members)
+    t = Timeline(name, gen, ranks, missing, start, last, checked, div, pg_desc, members=members)
+    return t, (_first_time(streams, div.seq) if div is not None else 0)
 
 
-def _scan_contiguous(streams: dict[int, Stream | None], start: int, last: int) -> tuple[int | None, set[int], int]:
-    """Compare every rank's window with the longest one as whole lists (C speed); index only differences."""
+def _scan_contiguous(streams: dict[int, Stream | None], start: int) -> tuple[list[int], set[int], range]:
+    """Compare every rank's window with the longest one as whole lists (C speed); index only differences.
+
+    Returns the ascending sequence ids where some rank's entry differs from the reference (the
+    checker then asks the semantics table whether that difference is allowed), state candidates,
+    and the sequence ids compared."""
     ref = max((s for s in streams.values() if s is not None and len(s.seqs)), key=lambda s: s.seqs[-1])
     ro = start - ref.seqs[0]
     ref_ids = list(ref.sig_ids[ro:])
     ref_states = list(ref.states[ro:])
     total = len(ref_ids)
-    first_diff = total
+    diffs: set[int] = set()
     cands: set[int] = set()
     for s in streams.values():
         if s is None or not len(s.seqs):
-            first_diff = 0
+            diffs.add(start)
             continue
         o = start - s.seqs[0]
         ids = list(s.sig_ids[o:])
         n = len(ids)
         if n != total or ids != ref_ids[:n]:
-            first_diff = min(first_diff, next((k for k in range(n) if ids[k] != ref_ids[k]), n))
+            if n < total:
+                diffs.add(start + n)
+            if ids != ref_ids[:n]:
+                diffs.update(start + k for k, (a, b) in enumerate(zip(ids, ref_ids)) if a != b)
         sts = list(s.states[o:])
         if sts != ref_states[:n]:
             found = 0
@@ -346,29 +522,138 @@ def _scan_contiguous(streams: dict[int, Stream | None], start: int, last: int) -
                     found += 1
                     if found == _STATE_DIFF_CAP:
                         break
-    return (start + first_diff if first_diff < total else None), cands, first_diff
+    return sorted(diffs), cands, range(start, start + total)
 
 
 def _scan_general(
     streams: dict[int, Stream | None], order: list[int], start: int, last: int
-) -> tuple[int | None, set[int], int]:
+) -> tuple[list[int], set[int], list[int]]:
     """Non-contiguous streams (gaps, merged coalesced groups): align through dicts."""
     picked = [streams[r] for r in order]
     cols = [dict(zip(s.seqs, s.sig_ids)) if s is not None else {} for s in picked]
     sts = [dict(zip(s.seqs, s.states)) if s is not None else {} for s in picked]
-    checked = 0
+    held: list[int] = []
+    diffs: list[int] = []
     cands: set[int] = set()
     for seq in range(start, last + 1):
         vals = [c.get(seq, ABSENT) for c in cols]
         first = vals[0]
         if vals.count(first) != len(vals):
-            return seq, cands, checked
+            diffs.append(seq)
+            held.append(seq)
+            continue
         if first == ABSENT:
             continue  # a sequence id nobody holds
-        checked += 1
+        held.append(seq)
         if len({d.get(seq) for d in sts}) > 1:
             cands.add(seq)
-    return None, cands, checked
+    return diffs, cands, held
+
+
+# -- point-to-point -------------------------------------------------------------------------------
+
+
+def _check_p2p(
+    p2p: Mapping[int, Sequence[P2PRecord]],
+    cluster_of: Mapping[tuple[str, int, int], _TimelineKey],
+    by_rank: Mapping[int, RankTrace],
+    wanted: Any,
+) -> list[tuple[Timeline, int]]:
+    """Pair each send with its recv, in order, per (group, sender, receiver): NCCL and gloo match
+    point-to-point calls between two ranks of a group in the order they were posted."""
+    sends: dict[_TimelineKey, dict[tuple[int, int], list[tuple[int, P2PRecord]]]] = {}
+    recvs: dict[_TimelineKey, dict[tuple[int, int], list[tuple[int, P2PRecord]]]] = {}
+    descs: dict[_TimelineKey, str] = {}
+    for rank, recs in sorted(p2p.items()):
+        for rec in recs:
+            name, pdesc, gen, _, op, src, dst = rec[:7]
+            if not wanted(name, pdesc):
+                continue
+            key = cluster_of.get((name, gen, rank), (name, gen, None))
+            descs.setdefault(key, pdesc)
+            pair = (_global(key[2], src), _global(key[2], dst))
+            (sends if op == "send" else recvs).setdefault(key, {}).setdefault(pair, []).append((rank, rec))
+    out: list[tuple[Timeline, int]] = []
+    for key in sorted(set(sends) | set(recvs), key=lambda k: (k[1], _pg_order(k[0]), k[2] or ())):
+        name, gen, members = key
+        s_by, r_by = sends.get(key, {}), recvs.get(key, {})
+        checked = 0
+        found: list[tuple[int, Divergence]] = []
+        ranks: set[int] = set()
+        for pair in sorted(set(s_by) | set(r_by)):
+            a, b = pair
+            ranks.update(p for p in pair if p >= 0)
+            if a not in by_rank or b not in by_rank:
+                continue  # the peer's dump is missing: already partial
+            ss, rr = s_by.get(pair, []), r_by.get(pair, [])
+            for k in range(max(len(ss), len(rr))):
+                s_rec = ss[k][1] if k < len(ss) else None
+                r_rec = rr[k][1] if k < len(rr) else None
+                d = _p2p_pair(name, gen, a, b, k, s_rec, r_rec)
+                if d is None:
+                    checked += 1
+                    continue
+                t = min(x[10] for x in (s_rec, r_rec) if x is not None) or (1 << 62)
+                found.append((t, replace(d, pg_desc=descs[key], members=members)))
+                break
+        found.sort(key=lambda td: td[0])
+        div = found[0][1] if found else None
+        tl = Timeline(
+            name, gen, tuple(sorted(ranks)), (), None, None, checked, div, descs[key], members=members, scope="p2p"
+        )
+        out.append((tl, found[0][0] if found else 0))
+    return out
+
+
+def _global(members: tuple[int, ...] | None, group_rank: int) -> int:
+    """A group rank as a global rank (Flight Recorder names p2p peers by group rank)."""
+    if members is None:
+        return group_rank  # the default group, or no member list recorded (gloo): the same numbers
+    return members[group_rank] if 0 <= group_rank < len(members) else -1
+
+
+def _p2p_sig(rec: P2PRecord) -> Signature:
+    op, src, dst, sizes, dtypes = rec[4], rec[5], rec[6], rec[7], rec[8]
+    label = f"send {src}->{dst}" if op == "send" else f"recv {dst}<-{src}"
+    return Signature(op=label, in_sizes=sizes, in_dtypes=dtypes)
+
+
+def _p2p_pair(
+    name: str, gen: int, a: int, b: int, k: int, s_rec: P2PRecord | None, r_rec: P2PRecord | None
+) -> Divergence | None:
+    where = f"pg {name}" + (f" generation {gen}" if gen else "")
+    if s_rec is not None and r_rec is not None:
+        s_sig, r_sig = _p2p_sig(s_rec), _p2p_sig(r_rec)
+        same_n = _numel(s_sig.in_sizes) == _numel(r_sig.in_sizes)
+        same_dt = s_sig.in_dtypes == r_sig.in_dtypes or not s_sig.in_dtypes or not r_sig.in_dtypes
+        if same_n and same_dt:
+            return None
+        fld = "size" if not same_n else "dtype"
+        sender = Side((a,), s_sig, s_rec[9], None)
+        receiver = Side((b,), r_sig, r_rec[9], None)
+        explanation = (
+            f"{where}: point-to-point message {k + 1} from rank {a} to rank {b}: rank {a} sent "
+            f"{_describe(s_sig, shapes=True)} (p2p #{s_rec[3]}), rank {b} posted a recv of "
+            f"{_describe(r_sig, shapes=True)} (p2p #{r_rec[3]}): the {fld} must match; either side may be wrong."
+        )
+        return Divergence(
+            name, gen, s_rec[3], P2P_MISMATCH, (a, b), sender, (receiver,), fld, explanation, ambiguous=True
+        )
+    rec = s_rec if s_rec is not None else r_rec
+    assert rec is not None
+    sig = _p2p_sig(rec)
+    if s_rec is not None:
+        issued, never = Side((a,), sig, rec[9], None), Side((b,), None, None, None)
+        text = f"rank {a} sent {_describe(sig, shapes=True)} (p2p #{rec[3]}) to rank {b}, which never posted its recv"
+    else:
+        issued, never = Side((b,), sig, rec[9], None), Side((a,), None, None, None)
+        text = f"rank {b} waits to receive {_describe(sig, shapes=True)} (p2p #{rec[3]}) from rank {a}, which never sent it"
+    explanation = f"{where}: point-to-point message {k + 1}: {text}; the waiting side is blocked: this is the hang."
+    return Divergence(name, gen, rec[3], MISSING_PARTICIPANT, never.ranks, issued, (never,), "presence", explanation)
+
+
+def _numel(shapes: Any) -> int:
+    return numel(shapes)
 
 
 def _site_at(stream: Stream | None, seq: int, interner: Interner) -> str | None:
@@ -414,18 +699,43 @@ def _field(a: Signature, b: Signature) -> tuple[str, str]:
     return REDUCE_OP_MISMATCH, "reduce_op"
 
 
-def _describe(sig: Signature | None) -> str:
+def _describe(sig: Signature | None, *, shapes: bool = False) -> str:
     if sig is None:
         return "nothing"
     parts = [sig.op]
     n = sig.numel()
     if n is not None:
         parts.append(f"count={n}")
+    if shapes and (sig.in_sizes is not None or sig.out_sizes is not None):
+        parts.append(f"in={fmt_shapes(sig.in_sizes)}")
+        if sig.out_sizes is not None and not sig.op.startswith(("send ", "recv ")):
+            parts.append(f"out={fmt_shapes(sig.out_sizes)}")
     if sig.in_dtypes:
         parts.append(f"dtype={','.join(sig.in_dtypes)}")
     if sig.reduce_op:
         parts.append(f"op={sig.reduce_op}")
     return " ".join(parts)
+
+
+def _record_in_group(a: Signature, b: Signature) -> str | None:
+    """Which record of a coalesced group differs: `record 2 of 3 (all_reduce)`."""
+    members = coalesced_members(a.op)
+    if not members or a.op != b.op:
+        return None
+    for side in ("in", "out"):
+        sa = a.in_sizes if side == "in" else a.out_sizes
+        sb = b.in_sizes if side == "in" else b.out_sizes
+        da = a.in_dtypes if side == "in" else a.out_dtypes
+        db = b.in_dtypes if side == "in" else b.out_dtypes
+        for k in range(max(len(sa or ()), len(sb or ()), len(da or ()), len(db or ()))):
+            va = ((sa or ())[k : k + 1], (da or ())[k : k + 1])
+            vb = ((sb or ())[k : k + 1], (db or ())[k : k + 1])
+            if va != vb:
+                tensors = len(sa or ()) if side == "in" else len(sa or ())
+                if tensors == len(members):
+                    return f"record {k + 1} of {len(members)} ({members[k]})"
+                return f"{side}put tensor {k + 1} of the group ({len(members)} records: {','.join(members)})"
+    return None
 
 
 def _classify(
@@ -437,12 +747,30 @@ def _classify(
     states: dict[int, _Col],
     streams: dict[int, Stream | None],
     interner: Interner,
-) -> Divergence:
+    group_size: int | None = None,
+    complete: bool = False,
+) -> Divergence | None:
+    """The divergence at `seq`, or None when the ranks' entries differ only as the collective allows."""
     groups: dict[int, list[int]] = {}
     for r in order:
         groups.setdefault(cols[r].get(seq, ABSENT), []).append(r)
-    major_key, ambiguous = _vote(groups)
+    if len(groups) == 1:
+        return None
     sigs = interner.signatures
+    finding: Finding | None = None
+    if ABSENT not in groups and len({sigs[k].op for k in groups}) == 1:
+        op = sigs[next(iter(groups))].op
+        verdict = judge(op, {r: sigs[k] for k, rs in groups.items() for r in rs}, group_size, complete)
+        if verdict == LEGIT:
+            return None
+        if isinstance(verdict, Finding):
+            finding = verdict
+    if finding is not None:
+        rep = finding.majority[0] if finding.majority else None
+        major_key = cols[rep].get(seq, ABSENT) if rep is not None else max(groups, key=lambda k: len(groups[k]))
+        ambiguous = finding.ambiguous
+    else:
+        major_key, ambiguous = _vote(groups)
 
     def side(key: int, members: list[int]) -> Side:
         rep = members[0]
@@ -453,18 +781,28 @@ def _classify(
             _site_at(streams[rep], seq, interner),
         )
 
-    majority = side(major_key, groups[major_key])
-    others = tuple(
-        side(k, v) for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))) if k != major_key
-    )
-    culprits = tuple(sorted(r for s in others for r in s.ranks))
-    main = others[0]
-    if majority.signature is None or main.signature is None:
-        kind, fld = MISSING_PARTICIPANT, "presence"
+    if finding is not None and finding.majority:
+        # the finding's majority agrees on what matters, not necessarily on every field
+        maj_ranks = list(finding.majority)
+        majority = side(major_key, maj_ranks)
+        culprit_groups: dict[int, list[int]] = {}
+        for r in finding.culprits:
+            culprit_groups.setdefault(cols[r].get(seq, ABSENT), []).append(r)
+        others = tuple(side(k, v) for k, v in sorted(culprit_groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))))
     else:
-        kind, fld = _field(majority.signature, main.signature)
+        majority = side(major_key, groups[major_key])
+        others = tuple(
+            side(k, v) for k, v in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))) if k != major_key
+        )
+    culprits = finding.culprits if finding is not None else tuple(sorted(r for s in others for r in s.ranks))
+    main = others[0]
     where = f"pg {name}" + (f" generation {gen}" if gen else "") + f" #{seq}"
-    if kind == MISSING_PARTICIPANT:
+    record: str | None = None
+    if finding is not None:
+        kind, fld = finding.kind, finding.field
+        explanation = f"{where}: {majority.signature.op if majority.signature else 'collective'}: {finding.detail}."
+    elif majority.signature is None or main.signature is None:
+        kind, fld = MISSING_PARTICIPANT, "presence"
         never = [r for s in (majority, *others) if s.signature is None for r in s.ranks]
         issued = [s for s in (majority, *others) if s.signature is not None]
         what = _describe(issued[0].signature) if issued else "it"
@@ -473,14 +811,26 @@ def _classify(
             f"until the process-group timeout: this is the hang."
         )
     else:
+        kind, fld = _field(majority.signature, main.signature)
+        record = _record_in_group(majority.signature, main.signature)
+        shapes = kind == SIZE_MISMATCH
         explanation = (
-            f"{where}: {fld} differs: rank(s) {_ranks(main.ranks)} issued {_describe(main.signature)}, "
-            f"rank(s) {_ranks(majority.ranks)} issued {_describe(majority.signature)}."
+            f"{where}: {fld} differs"
+            + (f" in {record}" if record else "")
+            + f": rank(s) {_ranks(main.ranks)} issued {_describe(main.signature, shapes=shapes)}, "
+            f"rank(s) {_ranks(majority.ranks)} issued {_describe(majority.signature, shapes=shapes)}."
         )
     if ambiguous:
-        explanation += " No strict majority: which side is wrong is a guess."
-    hints = _later_call_hints(seq, majority, main, streams, cols, interner)
-    return Divergence(name, gen, seq, kind, culprits, majority, others, fld, explanation, tuple(hints), ambiguous)
+        explanation += " No strict majority" if finding is None else " Ambiguous"
+        explanation += (
+            ": which side is wrong is a guess."
+            if finding is None
+            else ": the ranks may legitimately differ here, so the culprit is a guess."
+        )
+    hints = _later_call_hints(seq, majority, main, streams, cols, interner) if finding is None else []
+    return Divergence(
+        name, gen, seq, kind, culprits, majority, others, fld, explanation, tuple(hints), ambiguous, record=record
+    )
 
 
 def _later_call_hints(

@@ -190,8 +190,12 @@ def test_bad_inputs_exit_with_documented_codes(cli, dumps, tmp_path):
     shutil.copy(dumps["clean"] / "fr_pickle" / "rank_0", evil / "rank_0")
     (evil / "rank_1").write_bytes(pickle.dumps({"version": "2.10", "entries": [Evil()]}, protocol=2))
     res = cli("gpu-doctor", "contract", str(evil))
-    assert res.returncode == 65 and "unsafe pickle refused" in res.stderr and ".system" in res.stderr
-    assert res.stderr.count("\n") == 1 and not marker.exists()
+    # the unsafe file is refused in one line; rank 0's dump is still analysed: partial, exit 3
+    assert res.returncode == 3 and "unsafe pickle refused" in res.stderr and ".system" in res.stderr
+    assert res.stderr.count("\n") == 1 and "rank_1" in res.stderr and not marker.exists()
+    assert "contract UNKNOWN" in res.stdout and "Traceback" not in res.stderr
+    res = cli("gpu-doctor", "contract", str(evil / "rank_1"))  # nothing else to analyse: 65
+    assert res.returncode == 65 and "unsafe pickle refused" in res.stderr and res.stderr.count("\n") == 1
 
     trunc = tmp_path / "rank_2"
     trunc.write_bytes((dumps["clean"] / "fr_pickle" / "rank_2").read_bytes()[:-40])

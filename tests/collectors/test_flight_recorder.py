@@ -156,7 +156,7 @@ def test_every_known_format_version_loads(tmp_path, version):
     assert (div.seq, div.kind, div.ranks) == (4, "size_mismatch", (1,))
 
 
-def test_p2p_is_skipped_coalesced_is_merged_and_states_come_from_pg_status(tmp_path):
+def test_p2p_is_kept_apart_coalesced_is_merged_and_states_come_from_pg_status(tmp_path):
     entries = [
         jh.fr_entry(1),
         jh.fr_entry(1, op="send 0->1", p2p=True),
@@ -171,9 +171,24 @@ def test_p2p_is_skipped_coalesced_is_merged_and_states_come_from_pg_status(tmp_p
     }
     (tmp_path / "rank_0.json").write_text(json.dumps(doc))
     it = Interner()
-    trace = load_dump(tmp_path / "rank_0.json", it).trace
+    loaded = load_dump(tmp_path / "rank_0.json", it)
+    trace = loaded.trace
     (stream,) = trace.streams
-    assert trace.skipped == 1 and trace.pg_ranks == {}  # gloo's '' pg_config is ignored
+    assert trace.skipped == 0 and trace.pg_ranks == {}  # gloo's '' pg_config is ignored
+    # the send is a point-to-point record for the pairing, not a collective of the stream
+    ((pg, desc, gen, p2p_seq, op, src, dst, sizes, dtypes, state, _t),) = loaded.p2p
+    assert (pg, desc, gen, p2p_seq, op, src, dst, sizes, dtypes) == (
+        "0",
+        "default_pg",
+        0,
+        1,
+        "send",
+        0,
+        1,
+        ((1024,),),
+        ("Float",),
+    )
+    assert loaded.completed["0"] == 2
     assert stream.seqs == [1, 2, 3]
     assert it.signatures[stream.sig_ids[1]].op == "coalesced[all_reduce,all_reduce]"
     assert stream.states == ["completed", "completed", "scheduled"]
