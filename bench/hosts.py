@@ -1,6 +1,7 @@
 """Whole-host faults on namespace hosts: gpuguard's in-place switch against a plain restart.
 
-    python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze] [--stores N]
+    python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze,store-host]
+                          [--paths in-place,restart,restart-baseline] [--stores N]
 
 Each trial brings up 3 training hosts and a control host running etcd (gpuguard.testhosts), trains
 the in-place demo's workload with one worker per host, and after step MARK powers off h1 (rank 0:
@@ -9,6 +10,14 @@ frozen host comes back once the survivors have moved on). Rows:
 - `in-place`: gpuguard (`examples.inplace_hosts`), etcd ledger and etcd coordination, lease TTL
   3 s, collective timeout 3 s. Time = fault -> the first step every survivor committed in the next
   generation (switch records' `first_commit`).
+- `restart`: gpuguard's restart path (`examples.restart_hosts`): one torchrun agent per host on
+  `--rdzv-backend=gpuguard` (etcd), `examples.demo_train` under the Runtime, etcd ledger and leases
+  (TTL 4 s), snapshots every step on the shared storage. The victim is the host of rank 2
+  (power-off, partition, freeze) or of rank 0 (`store-host`: it serves that generation's activation
+  store and MASTER_ADDR). Time = fault -> the first step every survivor committed in generation 2
+  (`--step-log` records). `recovered`: the survivors' agents exit 0, generation 2 is a certified
+  scale-down whose members restored the state the old rank 0 recorded at the frontier, every final
+  state equal, and `gpu-generation verify` accepts the chain.
 - `restart-baseline`: the same workload in plain torch.distributed (`examples.plain_train`, same
   collective timeout, rank 0 checkpoints every 5 steps to the shared checkpoint storage); a
   supervisor that notices the first worker exit kills every worker and relaunches on the
@@ -44,10 +53,13 @@ from _common import emit  # noqa: E402
 
 from gpuguard.examples.inplace_hosts import HostJob  # noqa: E402
 from gpuguard.examples.inplace_train import reference  # noqa: E402
+from gpuguard.examples.restart_hosts import RestartHostJob  # noqa: E402
 from gpuguard.testhosts import preflight, up  # noqa: E402
 
 HOSTS = ["h1", "h2", "h3"]
-VICTIM = {"power-off": "h1", "partition": "h3", "freeze": "h3"}
+VICTIM = {"power-off": "h1", "partition": "h3", "freeze": "h3", "store-host": "h1"}
+RESTART_VICTIM_RANK = {"power-off": 2, "partition": 2, "freeze": 2, "store-host": 0}
+RESTART_STEPS, RESTART_SLEEP, RESTART_TTL = 30, 0.2, 4.0
 STEPS, MARK, STEP_SLEEP = 20, 6, 0.1
 TTL, PG_TIMEOUT, CKPT_EVERY = 3.0, 3.0, 5
 PLAIN_PORT = 29501
@@ -64,7 +76,7 @@ def _wait(predicate: Any, timeout: float) -> Any:
 
 
 def _fault(c: Any, fault: str, host: str) -> None:
-    {"power-off": c.power_off, "partition": c.partition, "freeze": c.freeze}[fault](host)
+    {"power-off": c.power_off, "store-host": c.power_off, "partition": c.partition, "freeze": c.freeze}[fault](host)
 
 
 def _unfault(c: Any, fault: str, host: str) -> None:
@@ -120,6 +132,61 @@ def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
         "self_fenced": codes[lost] == 4,
         "seconds": (max(first) - t_fault) if first and None not in first else None,
         "steps_lost": (before - frontier) if frontier is not None else None,
+    }
+
+
+def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
+    """gpuguard's restart path across hosts: torchrun agents on the etcd rendezvous, the Runtime."""
+    with up(len(HOSTS)) as c:
+        job = RestartHostJob.launch(
+            c, HOSTS, logs, steps=RESTART_STEPS, sleep=RESTART_SLEEP, lease_ttl=RESTART_TTL, step_log=True
+        )
+        with job:
+            if not job.wait_for(lambda: job.newest_step() >= MARK, 150):
+                return {"recovered": False, "why": "never reached the fault"}
+            victim = job.rank_host(RESTART_VICTIM_RANK[fault], 1)
+            if victim is None:
+                return {"recovered": False, "why": "no incarnation record of the victim rank"}
+            survivors = [h for h in HOSTS if h != victim]
+            t_fault = time.time()
+            _fault(c, fault, victim)
+            job.wait_for(lambda: any(r["generation"] == 2 for r in job.records("resume")), 90)
+            _unfault(c, fault, victim)
+            codes = job.wait(survivors, 150)
+            ledger = job.ledger(survivors[0])
+            verified, _ = job.verify(survivors[0])
+            records = {kind: job.records(kind) for kind in ("resume", "hashes", "final", "steps")}
+    hist = ledger["history"]
+    g2 = hist[2] if len(hist) > 2 else None
+    resumes = [r for r in records["resume"] if r["generation"] == 2]
+    hashes = {r["step"]: r["hash"] for r in records["hashes"]}
+    last = hist[-1]["generation"]
+    finals = [r for r in records["final"] if r["generation"] == last]
+    finished = all(code == 0 for code in codes.values()) and bool(finals)
+    good = (
+        g2 is not None
+        and g2["reason"] == "scale-down"
+        and g2["quiescence"] == "proved"
+        and len({r["hash"] for r in resumes}) == 1
+        and bool(resumes)
+        and hashes.get(resumes[0]["frontier_step"]) == resumes[0]["hash"]
+        and len({f["hash"] for f in finals}) == 1
+        and verified == 0
+    )
+    firsts: dict[int, float] = {}  # rank -> when it committed its first step in generation 2
+    for r in records["steps"]:
+        if r["generation"] == 2:
+            firsts[r["rank"]] = min(firsts.get(r["rank"], r["time"]), r["time"])
+    before = max((s for _, _, s in ledger["commits"].get("1", [])), default=0)
+    phases = max(resumes, key=lambda r: r["phases"].get("pg_ready", 0))["phases"] if resumes else {}
+    return {
+        "breakdown": {k: round(v - t_fault, 2) for k, v in phases.items() if v >= t_fault - 1},
+        "recovered": finished and good,
+        "semantic_failure": finished and not good,
+        "fenced": int(ledger["fenced"]),
+        "self_fenced": False,
+        "seconds": (max(firsts.values()) - t_fault) if len(firsts) == len(survivors) else None,
+        "steps_lost": (before - g2["frontier"]) if g2 else None,
     }
 
 
@@ -282,6 +349,7 @@ def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_lost": round(statistics.mean(lost), 2) if lost else None,
         "p50_s": round(statistics.median(secs), 3) if secs else None,
         "p90_s": round(_quantile(secs, 0.9) or 0.0, 3) if secs else None,
+        **({"breakdown_s": trials[-1]["breakdown"]} if trials and trials[-1].get("breakdown") else {}),
     }
 
 
@@ -289,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--faults", default="power-off,partition,freeze")
+    ap.add_argument("--faults", default="power-off,partition,freeze,store-host")
+    ap.add_argument("--paths", default="in-place,restart,restart-baseline")
     ap.add_argument("--stores", type=int, default=0, metavar="N", help="also time N group formations per store")
     args = ap.parse_args(argv)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -303,11 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         return 69
     logs = Path(tempfile.mkdtemp(prefix="gpuguard-bench-hosts-"))
     results = []
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    trial = {"in-place": in_place_trial, "restart": restart_trial, "restart-baseline": baseline_trial}
+    if [p for p in paths if p not in trial]:
+        print(f"unknown path(s) in {args.paths!r}: choose from {', '.join(trial)}", file=sys.stderr)
+        return 64
     for fault in faults:
-        results.append(row(fault, "in-place", [in_place_trial(fault, logs) for _ in range(max(1, args.trials))]))
-        results.append(
-            row(fault, "restart-baseline", [baseline_trial(fault, logs) for _ in range(max(1, args.trials))])
-        )
+        for path in paths:
+            if fault == "store-host" and path != "restart":
+                continue  # in place and in the baseline, rank 0's host is the power-off row's victim already
+            results.append(row(fault, path, [trial[path](fault, logs) for _ in range(max(1, args.trials))]))
     if args.stores:
         results += store_rows(args.stores)
     notes = [

@@ -189,7 +189,10 @@ def run_gpuguard(args: argparse.Namespace) -> int:
         if args.hashes and rank == 0:
             _append(out / "hashes.jsonl", {"step": step, "hash": state_digest(rt.state_dict())})
         if args.step_log:
-            _append(out / f"steps-{rank}.jsonl", {"step": step, "time": time.time(), "generation": state.generation})
+            _append(
+                out / f"steps-{rank}.jsonl",
+                {"rank": rank, "step": step, "time": time.time(), "generation": state.generation},
+            )
         if args.progress and rank == 0:
             print(f"[demo] generation {state.generation} step {step} loss {loss:.4f}", flush=True)
         if args.sleep:

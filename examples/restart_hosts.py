@@ -91,6 +91,7 @@ class RestartHostJob:
         max_restarts: int = 3,
         spares: list[str] | None = None,
         name: str | None = None,
+        step_log: bool = False,
     ) -> RestartHostJob:
         """Start an agent on each of `hosts`; `spares` get the job's key too (for `start_agent` later)."""
         name = name or f"rs-{uuid.uuid4().hex[:8]}"
@@ -135,6 +136,7 @@ class RestartHostJob:
             "--out",
             str(job.shared / "out"),
             "--hashes",
+            *(["--step-log"] if step_log else []),
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_", "TORCH_DISABLE"))}
         env.update(
@@ -169,7 +171,8 @@ class RestartHostJob:
 
     # -- observing ------------------------------------------------------------------------------
     def records(self, kind: str) -> list[dict[str, Any]]:
-        """The demo's records on the shared storage: `resume`, `final` (every rank) or `hashes` (rank 0)."""
+        """The demo's records on the shared storage: `resume`, `final`, `steps` (every rank; `steps` with
+        `step_log`) or `hashes` (rank 0)."""
         out: list[dict[str, Any]] = []
         for p in sorted((self.shared / "out").glob(f"{kind}*.jsonl")):
             for line in p.read_text(errors="replace").splitlines():
