@@ -145,6 +145,28 @@ def unvouched(parent: Certificate | None, hellos: Iterable[Hello]) -> tuple[str,
     return tuple(m.incarnation.id for m in parent.members if m.incarnation.id not in seen)
 
 
+def branch_problem(
+    generation: int | None, step: int, frontiers: Mapping[int, int], parent_generation: int
+) -> str | None:
+    """Why a state written by `generation` at `step` is not on the chain that ends in the parent, or None.
+
+    Generation h resumed from its frontier F_h (`frontiers[h]`): every state of an older generation
+    after F_h was redone by h, so such a copy is a superseded branch, e.g. the late write of a stale
+    incarnation (a partitioned rank 0 that came back) or a state the chain rolled back past. It is
+    refused where it is read, whatever its writer's clock or lease did."""
+    if generation is None:
+        return "its state record names no generation"
+    if generation > parent_generation:
+        return f"written by generation {generation}, newer than the active generation {parent_generation}"
+    for h in sorted(frontiers):
+        if generation < h <= parent_generation and frontiers[h] < step:
+            return (
+                f"written by generation {generation}, but generation {h} resumed from step "
+                f"{frontiers[h]}: a superseded branch (a stale incarnation's write)"
+            )
+    return None
+
+
 def reason(parent: Certificate | None, new_world: int) -> str:
     if parent is None or not parent.members:
         return "start"

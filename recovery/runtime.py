@@ -67,6 +67,7 @@ from gpuguard.recovery.activation import (
     MAX_UNRESTORABLE_SKIPS,
     ActivationFacts,
     Hello,
+    branch_problem,
     check_hellos,
     plan_activation,
     restore_bound,
@@ -527,7 +528,11 @@ class Runtime:
             phases["leases"] = time.time()
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             pin = _read_restore_pin(self.job_dir)  # `gpu-recover restore` chose a state: never past it
-            selection = self._restorable(restore_bound(parent, committed, pin))
+            frontiers = {c.generation: c.frontier.step for c in ledger.history()}
+            selection = self._restorable(
+                restore_bound(parent, committed, pin),
+                lambda info: branch_problem(info.generation, info.step, frontiers, parent.generation),
+            )
             plan = plan_activation(
                 ActivationFacts(
                     parent=parent,
@@ -587,16 +592,18 @@ class Runtime:
             )
         return expired
 
-    def _restorable(self, bound: int) -> Selection:
-        """The newest verified state at or below `bound`, skipping (a bounded number of) states a
-        member already failed to load: the unrestorable marks are on disk, the merge is pure."""
-        selection = select_restorable(self.snapshot_root, bound)
+    def _restorable(self, bound: int, check: Callable[[SnapshotInfo], str | None] | None = None) -> Selection:
+        """The newest verified state at or below `bound` that passes `check` (on the chain), skipping (a
+        bounded number of) states a member already failed to load: the marks are on disk, the merge is pure."""
+        selection = select_restorable(self.snapshot_root, bound, check=check)
         for _ in range(MAX_UNRESTORABLE_SKIPS):
             chosen = selection.chosen
             if chosen is None or not _unrestorable(self.snapshot_root, chosen.manifest_digest):
                 break
             self._log(f"skipping step {chosen.step}: a member failed to load it before")
-            selection = skip_unrestorable(selection, select_restorable(self.snapshot_root, chosen.step - 1))
+            selection = skip_unrestorable(
+                selection, select_restorable(self.snapshot_root, chosen.step - 1, check=check)
+            )
         return selection
 
     def _verify_and_restore(self, generation: int, digest: str) -> TrainState:

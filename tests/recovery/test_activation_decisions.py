@@ -187,3 +187,28 @@ def test_the_certificate_lists_at_most_16_rejections_but_every_one_is_logged():
     plan = act.plan_activation(facts(parent(2), hellos(2), committed=50, selection=Selection(None, rejected, 50)))
     assert len(plan.extra["rejected"]) == 16
     assert len(plan.log_rejected) == 20
+
+
+# ---------------------------------------------------------------------- branch_problem
+def test_a_state_on_the_chain_is_accepted_and_a_superseded_branch_refused_where_it_is_read():
+    frontiers = {0: 0, 1: 0, 2: 8, 3: 12}  # gen 2 resumed from step 8, gen 3 from step 12
+    assert act.branch_problem(3, 20, frontiers, 3) is None  # the parent's own states
+    assert act.branch_problem(2, 12, frontiers, 3) is None  # gen 3's frontier state, written by gen 2
+    assert act.branch_problem(1, 7, frontiers, 3) is None  # before every later generation took over
+    stale = act.branch_problem(1, 10, frontiers, 3)  # gen 1's late write after gen 2 redid step 10
+    assert stale and "generation 2 resumed from step 8" in stale and "superseded" in stale
+    assert "superseded" in (act.branch_problem(2, 13, frontiers, 3) or "")
+    assert "newer than the active" in (act.branch_problem(4, 1, frontiers, 3) or "")
+    assert "names no generation" in (act.branch_problem(None, 1, frontiers, 3) or "")
+
+
+@given(
+    starts=st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    gen=st.integers(0, 7),
+    step=st.integers(0, 40),
+)
+def test_a_state_is_accepted_exactly_when_no_later_generation_resumed_before_it(starts, gen, step):
+    frontiers = dict(enumerate(starts))
+    parent = len(starts) - 1
+    ok = act.branch_problem(gen, step, frontiers, parent) is None
+    assert ok == (gen <= parent and all(frontiers[h] >= step for h in frontiers if gen < h <= parent))
