@@ -16,9 +16,11 @@ State goes through `torch.distributed.checkpoint.state_dict` (`model_state` / `a
 so FSDP2 (`fully_shard`), HSDP and plain replicated / DDP models are saved and loaded the same way,
 and a load at another world size reshards (DCP reads each new chunk's overlap with the stored ones).
 
-The state digest of a sharded snapshot does not depend on the layout (`state_digest_sharded`): per
+The state digest of a sharded state does not depend on the layout (`state_digest_sharded`): per
 tensor, a sum over elements of a 64-bit mix of (global index, value bits), each rank adding its own
-chunks (replicas counted once). A restore at another world size checks the loaded state against it.
+chunks (replicas counted once). A restore at another world size checks the loaded state against
+the stored chunks read back on their own (`stored_digest_sharded`) and, when the writer recorded
+it (`memory_digest=True`), against the state as it was in memory.
 
 Lazy imports (start-up time): torch, only inside the functions that save, load or hash.
 """
@@ -156,7 +158,7 @@ class ShardedInfo:
     path: Path
     world_size: int
     manifest_digest: str
-    state_digest: str
+    state_digest: str | None  # the in-memory state's digest (memory_digest=True), else None
     bytes_written: int  # data files of all members
 
     def snapshot(self, generation: int | None = None) -> SnapshotInfo:
@@ -241,14 +243,14 @@ def _chunk_sum(local: Any, offsets: tuple[int, ...], global_shape: tuple[int, ..
     return int(h.sum()) & _M64
 
 
-def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, Any]:
+def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, list[Any]]:
     """This rank's additive share of the state digest: {path: [dtype, shape, sum]} for the tensor
-    chunks it is the first replica of, and {path: sha256(repr)} of plain values (rank 0 only)."""
+    chunks it is the first replica of (plain, replicated tensors: rank 0). Non-tensor values are
+    not in it: their stored bytes are BLAKE3-verified by the manifest, and a load does not reshard them."""
     import torch  # noqa: PLC0415 - lazy: torch only where used
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - lazy: torch only where used
 
     tensors: dict[str, list[Any]] = {}
-    objects: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, Mapping):
@@ -268,34 +270,68 @@ def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor):  # replicated: counted once, by rank 0
             total = _chunk_sum(value, (0,) * value.dim(), tuple(value.shape)) if rank == 0 else 0
             tensors[prefix] = [str(value.dtype), list(value.shape), total]
-        elif rank == 0:
-            objects[prefix] = hashlib.sha256(repr(value).encode()).hexdigest()
 
     walk("", state)
-    return {"tensors": tensors, "objects": objects}
+    return tensors
 
 
-def combine_contributions(parts: list[Mapping[str, Any]]) -> str:
+def stored_contributions(directory: Path, rank: int, world: int) -> dict[str, list[Any]]:
+    """The same share computed from a snapshot's stored chunks (every `world`-th tensor entry of
+    the manifest, from `rank`): each chunk read back (`torch.load(weights_only=True)`), on its own."""
+    import io  # noqa: PLC0415 - lazy: with torch
+
+    import torch  # noqa: PLC0415 - lazy: torch only where used
+
+    manifest = m.load_manifest(directory)
+    entries = sorted((e for e in manifest.entries if e.spec.kind == "tensor"), key=lambda e: e.key)
+    tensors: dict[str, list[Any]] = {}
+    for e in entries[rank::world]:
+        s = e.spec
+        if Path(s.file).is_absolute() or ".." in Path(s.file).parts:
+            raise DataError(f"{s.file}: storage path escapes the checkpoint directory")
+        with open(directory / s.file, "rb") as fh:
+            fh.seek(s.byte_offset)
+            data = fh.read(s.byte_length)
+        t = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        shape = tuple(s.global_shape or ())
+        have = tensors.setdefault(s.fqn, [str(t.dtype), list(shape), 0])
+        have[2] = (have[2] + _chunk_sum(t, tuple(s.chunk_offsets or (0,) * t.dim()), shape)) & _M64
+    return tensors
+
+
+def combine_contributions(parts: list[Mapping[str, list[Any]]]) -> str:
     """The state digest from every rank's share: SHA-256 of the canonical sums (equal at any world size)."""
     tensors: dict[str, list[Any]] = {}
-    objects: dict[str, str] = {}
     for p in parts:
-        for k, (dtype, shape, s) in p["tensors"].items():
-            have = tensors.setdefault(k, [dtype, shape, 0])
+        for k, (dtype, shape, s) in p.items():
+            have = tensors.setdefault(k, [dtype, list(shape), 0])
             have[2] = (have[2] + int(s)) & _M64
-        objects.update(p["objects"])
-    doc = {"tensors": {k: [d, sh, format(s, "016x")] for k, (d, sh, s) in tensors.items()}, "objects": objects}
+    doc = {k: [d, sh, format(s, "016x")] for k, (d, sh, s) in sorted(tensors.items())}
     return hashlib.sha256(canonical_bytes(doc)).hexdigest()
 
 
-def state_digest_sharded(state: Mapping[str, Any], group: Any = None) -> str:
-    """Collective over `group`: the layout-independent digest of a (sharded) state."""
+def _all_combined(mine: Mapping[str, list[Any]], group: Any) -> str:
     import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
 
-    mine = digest_contributions(state, dist.get_rank(group))
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    dist.all_gather_object(every, dict(mine), group=group)
     return combine_contributions(every)
+
+
+def state_digest_sharded(state: Mapping[str, Any], group: Any = None) -> str:
+    """Collective over `group`: the layout-independent digest of a live (sharded) state."""
+    import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
+
+    return _all_combined(digest_contributions(state, dist.get_rank(group)), group)
+
+
+def stored_digest_sharded(directory: str | Path, group: Any = None) -> str:
+    """Collective over `group` (any world size): the same digest of a snapshot's stored state, each
+    rank reading a share of its chunks."""
+    import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
+
+    mine = stored_contributions(Path(directory), dist.get_rank(group), dist.get_world_size(group))
+    return _all_combined(mine, group)
 
 
 # ---------------------------------------------------------------- save (collective)
@@ -354,11 +390,17 @@ def save_sharded(
     ownership_map_version: int = 0,
     still_current: Callable[[], bool] | None = None,
     before_publish: Callable[[Path], None] | None = None,
+    memory_digest: bool = False,
 ) -> ShardedInfo | None:
     """Collective over `group` (every member calls it with the same step): write `state` as the
     sharded snapshot of `step`. Returns the published snapshot on every member; None when the
     coordinator was fenced (`still_current()` false); DataError on every member when a part
     failed or was refused; the group's error (a timeout) when a member is gone mid-save.
+
+    `memory_digest`: also compute the layout-independent digest of the state as it is in memory
+    (`state_digest` in state.json; a full pass over the state, ~60 ns an element on one CPU core),
+    so that a restore also proves that what was written is what was in memory. Without it
+    `state_digest` is null and a restore checks the loaded state against the stored one.
 
     The group should be a dedicated gloo group with a finite timeout (`new_snapshot_group`): a
     member that dies mid-save makes the others' save fail by that timeout, never hang.
@@ -384,7 +426,9 @@ def save_sharded(
         entries = m.build_entries(mine, tmp, step=step, generation=generation, owners={rank: incarnation})
         part = Part(step, generation, rank, world, incarnation, tuple(entries), getattr(planner, "held", {}))
         write_part(part, tmp)
-        summary: Any = {"digest": part.digest, "contrib": digest_contributions(state, rank)}
+        summary: Any = {"digest": part.digest}
+        if memory_digest:
+            summary["contrib"] = digest_contributions(state, rank)
     except Exception as exc:  # noqa: BLE001 - this member's part failed: the gather says so
         ok, summary = False, {"error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -431,7 +475,7 @@ def _complete(
     generation: int,
     ownership_map_version: int,
     incarnation: str,
-) -> tuple[str, str, int]:
+) -> tuple[str, str | None, int]:
     """The coordinator: every part present and verified, together exactly the metadata, then
     `state.json` and the manifest: (manifest digest, state digest, bytes written); DataError if not."""
     bad = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
@@ -444,7 +488,7 @@ def _complete(
     problems = coverage_problems(parts, m.specs_from_metadata(meta))
     if problems:
         raise DataError(f"parts do not cover the checkpoint: {problems[0]}")
-    digest = combine_contributions([g["contrib"] for g in gathered])
+    digest = combine_contributions([g["contrib"] for g in gathered]) if "contrib" in gathered[0] else None
     entries = tuple(e for p in parts for e in p.entries)
     world = len(parts)
     manifest = m.Manifest(
@@ -525,10 +569,12 @@ class ShardedSnapshotter:
         still_current: Callable[[], bool] | None = None,
         on_done: Callable[[int, ShardedInfo | None, BaseException | None], None] | None = None,
         max_wait: float = 120.0,
+        memory_digest: bool = False,
     ) -> None:
         self.job_dir, self.generation, self.incarnation = Path(job_dir), generation, incarnation
         self.group = group if group is not None else new_snapshot_group()
         self.still_current, self.on_done, self.max_wait = still_current, on_done, max_wait
+        self.memory_digest = memory_digest
         self.written = 0
         self.errors = 0
         self.unpublished = 0
@@ -569,6 +615,7 @@ class ShardedSnapshotter:
                     generation=self.generation,
                     incarnation=self.incarnation,
                     still_current=self.still_current,
+                    memory_digest=self.memory_digest,
                 )
                 if info is None:
                     self.unpublished += 1
@@ -662,17 +709,23 @@ def load_sharded(
     info: SnapshotInfo, state: Mapping[str, Any], *, group: Any = None, check: bool = True
 ) -> dict[str, Any]:
     """Collective: load a (verified: `select_sharded`) sharded snapshot into `state` (the live
-    `model_state` of this world, any world size: DCP reshards), then, with `check`, compare the
-    loaded state's layout-independent digest with the snapshot's (DataError on a mismatch)."""
+    `model_state` of this world, any world size: DCP reshards). With `check`, the loaded state's
+    layout-independent digest must equal the stored chunks' (read back independently of DCP's
+    load) and, when the snapshot has one, the in-memory digest recorded at save: DataError if not."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - lazy: torch only where used
 
     loaded = dict(state)
     quiet_dcp(lambda: dcp.load(loaded, checkpoint_id=str(info.path), process_group=group))
     if check:
-        want = info.state_digest or read_state_record(info.path).get("state_digest")
         got = state_digest_sharded(loaded, group)
-        if got != want:
+        stored = stored_digest_sharded(info.path, group)
+        if got != stored:
             raise DataError(
-                f"{info.path}: loaded state digest {got[:16]}… differs from the snapshot's {str(want)[:16]}…"
+                f"{info.path}: the loaded state (digest {got[:16]}…) is not the stored one ({stored[:16]}…)"
+            )
+        recorded = info.state_digest or read_state_record(info.path).get("state_digest")
+        if recorded is not None and recorded != stored:
+            raise DataError(
+                f"{info.path}: the stored state (digest {stored[:16]}…) is not the one in memory at save ({str(recorded)[:16]}…)"
             )
     return loaded

@@ -123,7 +123,7 @@ def _close(a: dict, b: dict) -> list[str]:
 def reference(tmp_path_factory) -> Path:
     """3 workers, REF_STEPS steps, a sharded snapshot every 2 steps, the full state dumped every step."""
     job = tmp_path_factory.mktemp("ref")
-    run(job, 3, "--steps", str(REF_STEPS), "--snapshot-every", "2", "--dump", "all")
+    run(job, 3, "--steps", str(REF_STEPS), "--snapshot-every", "2", "--dump", "all", "--memory-digest")
     return job
 
 
@@ -150,6 +150,7 @@ def test_every_member_writes_its_own_shards_and_one_manifest_covers_them(referen
         assert manifest.extra["parts"][str(r)] == part.digest
     state = json.loads((d / "state.json").read_text())
     assert state["layout"] == ss.LAYOUT and state["world_size"] == 3 and state["step"] == 10
+    assert len(state["state_digest"]) == 64  # --memory-digest: the in-memory state's digest
     sel = ss.select_sharded(reference)
     assert sel.chosen is not None and sel.chosen.step == 10 and sel.rejected == ()
     assert sel.chosen.manifest_digest == manifest.digest
@@ -219,6 +220,22 @@ def test_a_killed_member_then_a_smaller_world_resumes_from_the_sharded_snapshot(
     assert_bitwise(load_dump(job / "dump" / "restored.pt"), load_dump(reference / "dump" / f"step-{newest}.pt"))
     last = f"step-{REF_STEPS - 1}.pt"
     assert _close(load_dump(job / "dump" / last), load_dump(reference / "dump" / last)) == []
+
+
+def test_a_restore_whose_state_differs_from_the_recorded_one_is_refused_in_one_line(reference, tmp_path):
+    job = copy_job(reference, tmp_path / "job", (8,))
+    rec = job / "snapshots" / "step-8" / "state.json"
+    doc = json.loads(rec.read_text())
+    doc["state_digest"] = "0" * 64  # state.json is not in the manifest: the load check is what catches it
+    rec.write_text(json.dumps(doc))
+    rc, out = finish(torchrun(job, 2, "--steps", "12", "--resume"))
+    assert rc != 0
+    lines = [ln for ln in out.splitlines() if ln.startswith("restore refused: ")]
+    assert lines == [
+        f"restore refused: {job / 'snapshots' / 'step-8'}: the stored state (digest {lines[0].split('digest ')[1][:16]}…)"
+        " is not the one in memory at save (0000000000000000…)"
+    ]
+    assert not (job / "dump").exists()  # nothing trained from it
 
 
 def test_a_replicated_model_snapshots_and_restores_at_a_larger_world_the_same_way(tmp_path):

@@ -1,7 +1,7 @@
 """A small FSDP2 training job on gloo/CPU with collective sharded snapshots: the target of the resharding tests.
 
 Usage (under torchrun): fsdp_job.py JOB_DIR --steps T [--snapshot-every K] [--resume] [--dump all|ends]
-  [--step-sleep S] [--replicated] [--max-seconds N]
+  [--step-sleep S] [--replicated] [--max-seconds N] [--memory-digest]
 
 The model is an MLP sharded with `fully_shard` per layer (or, with --replicated, a plain replicated
 model whose gradients are all-reduced), AdamW. Step s trains on a global batch of 24 rows drawn
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from gpuguard.foundation.errors import DataError
 from gpuguard.generation.ownership import describe_reshard, plan_reshard, reshard_problems
 from gpuguard.recovery import sharded_snapshot as ss
 
@@ -87,6 +88,7 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--replicated", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=50.0)
+    ap.add_argument("--memory-digest", action="store_true", help="record the in-memory state digest at save")
     a = ap.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
     rank = dist.get_rank()
@@ -105,7 +107,12 @@ def main() -> int:
         live = ss.model_state(model, opt, extra={"step": torch.tensor(-1)})
         old = ss.snapshot_layout(sel.chosen.path)
         new = ss.current_layout(live, old.version + 1)
-        loaded = ss.load_sharded(sel.chosen, live)  # reshards; checks the layout-free state digest
+        try:
+            loaded = ss.load_sharded(sel.chosen, live)  # reshards; checks the layout-free state digests
+        except DataError as exc:
+            if rank == 0:
+                print(f"restore refused: {exc}", flush=True)
+            return 3
         ss.apply_model_state(model, opt, loaded)
         start = int(loaded["extra"]["step"]) + 1
         if rank == 0:
@@ -125,7 +132,9 @@ def main() -> int:
             dump(model, opt, a.job_dir / "dump" / "restored.pt", start - 1)
     snapper = None
     if a.snapshot_every:
-        snapper = ss.ShardedSnapshotter(a.job_dir, generation=0, incarnation=uuid.uuid4().hex[:12])
+        snapper = ss.ShardedSnapshotter(
+            a.job_dir, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=a.memory_digest
+        )
     for step in range(start, a.steps):
         if time.monotonic() > deadline:
             print(f"rank {rank}: wall-clock limit at step {step}", flush=True)
