@@ -86,7 +86,8 @@ def run_contract(
     if any(not s.states_reliable for t in traces for s in t.streams):
         warns.append(
             "gloo records completion late (after wait() returns, and on failure too): completion states "
-            "were not compared, only the calls themselves"
+            "were not compared, only the calls themselves; and it records no point-to-point calls, so "
+            "send/recv were not checked"
         )
     report = check(
         traces,
@@ -156,7 +157,7 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
 
     for w in (*report.warnings, *notes):
         out.print(Text.assemble(("warning: ", "yellow"), safe_text(w)))
-    label = " (PARTIAL: some ranks' dumps are missing, duplicated or refused)" if report.partial else ""
+    label = " (PARTIAL: part of the input is missing, refused or guessed; see the warnings)" if report.partial else ""
     checked = sum(t.checked for t in report.timelines)
     div = report.first_divergence
     if div is None:

@@ -288,11 +288,24 @@ def check(
                 if (present[r] is None or not len(present[r].seqs))  # type: ignore[union-attr]
                 and (d := _done(done_by_rank.get(r), name)) is not None
             }
-            results.append(_check_timeline(name, gen, pg_desc, members, present, missing, done, interner))
+            result = _check_timeline(name, gen, pg_desc, members, present, missing, done, interner)
+            split = _name_shared_by_disjoint_groups(result[0], present) if members is None and not is_default else None
+            if split is None:
+                results.append(result)
+                continue
+            partial = True
+            warns.append(
+                f"pg {name} generation {gen}: ranks {' and '.join(_ranks(c) for c in split)} never issued one "
+                "matching entry: taken as separate groups sharing the name (as split_group makes them); the dumps "
+                "record no member sets (gloo), so this is a guess"
+            )
+            for part in split:
+                sub = {r: present[r] for r in part}
+                results.append(_check_timeline(name, gen, pg_desc, None, sub, (), {}, interner))
     if p2p_by_rank:
         results.extend(_check_p2p(p2p_by_rank, cluster_of, by_rank, wanted))
     checked = sum(t.checked for t, _ in results)
-    if checked == 0:
+    if checked == 0 and not any(t.divergence is not None for t, _ in results):
         partial = True
         warns.append(
             "nothing compared: no collective or point-to-point record is held by every rank of its group, "
@@ -300,6 +313,28 @@ def check(
         )
     results.sort(key=lambda tt: (tt[0].divergence is None, tt[1]))
     return ContractReport(tuple(t for t, _ in results), tuple(warns), partial)
+
+
+def _name_shared_by_disjoint_groups(t: Timeline, streams: Mapping[int, Stream | None]) -> list[list[int]] | None:
+    """Without member sets, two groups sharing a name look like one group that diverges. Ranks that
+    fall into classes (2+ ranks each) which agree within and differ from each other at *every*
+    sequence id are those groups; one wrong rank, or ranks that agreed before, are a divergence."""
+    d = t.divergence
+    if d is None or d.kind in (MISSING_PARTICIPANT, STATE_MISMATCH) or any(s is None for s in streams.values()):
+        return None
+    classes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for r, s in streams.items():
+        assert s is not None
+        classes.setdefault((tuple(s.seqs), tuple(s.sig_ids)), []).append(r)
+    if len(classes) < 2 or any(len(v) < 2 for v in classes.values()):
+        return None
+    keys = list(classes)
+    for i, (seqs_a, ids_a) in enumerate(keys):
+        col_a = dict(zip(seqs_a, ids_a))
+        for seqs_b, ids_b in keys[i + 1 :]:
+            if any(col_a.get(q) == v for q, v in zip(seqs_b, ids_b)):
+                return None  # they issued one identical entry: one group
+    return sorted(sorted(v) for v in classes.values())
 
 
 def _done(status: Mapping[str, int] | None, name: str) -> int | None:
@@ -991,6 +1026,7 @@ def around(
                 if s.pg == div.pg and s.generation == div.generation:
                     streams[trace.rank] = s
     rows = []
+    shapes = div.kind in (SIZE_MISMATCH, TOTALS_MISMATCH, ROOT_MISMATCH)
     for seq in range(div.seq - radius, div.seq + radius + 1):
         cells = []
         for side in sides:
@@ -999,7 +1035,8 @@ def around(
             if stream is None or i is None:
                 cells.append("-")
             else:
-                cells.append(f"{_describe(interner.signatures[stream.sig_ids[i]])} [{stream.states[i]}]")
+                sig = interner.signatures[stream.sig_ids[i]]
+                cells.append(f"{_describe(sig, shapes=shapes)} [{stream.states[i]}]")
         if any(c != "-" for c in cells) or seq == div.seq:
             rows.append((seq, cells))
     return rows

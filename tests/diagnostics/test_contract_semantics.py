@@ -471,3 +471,31 @@ def test_nothing_compared_is_unknown_not_holds(tmp_path):
     write(tmp_path, docs, "pickle")
     report = judge_dir(tmp_path)
     assert report.partial and any("nothing compared" in w for w in report.warnings)
+
+
+def test_gloo_same_named_groups_without_member_sets_are_a_guess_not_an_alarm(tmp_path):
+    """gloo's pg_config names no members: halves that never issue one matching entry are taken as
+    two groups sharing the name, and the verdict is unknown (partial), never a false divergence."""
+    docs = {}
+    for r in range(4):
+        n = 8 if r < 2 else 6
+        es = [entry(s, "all_reduce", [[n + s]], [[n + s]], pg=("9", "half"), prefix="gloo") for s in (1, 2)]
+        docs[r] = jh.fr_doc(es, gloo=True)
+    write(tmp_path, docs, "json")
+    report = judge_dir(tmp_path)
+    assert report.holds and report.partial
+    assert sorted(t.ranks for t in report.timelines) == [(0, 1), (2, 3)]
+    assert any("separate groups sharing the name" in w for w in report.warnings)
+
+
+def test_gloo_two_against_two_after_agreeing_is_a_divergence(tmp_path):
+    docs = {}
+    for r in range(4):
+        es = [
+            entry(1, "all_reduce", [[4]], [[4]], pg=("9", "x"), prefix="gloo"),
+            entry(2, "all_reduce", [[8]] if r < 2 else [[6]], [[8]] if r < 2 else [[6]], pg=("9", "x"), prefix="gloo"),
+        ]
+        docs[r] = jh.fr_doc(es, gloo=True)
+    write(tmp_path, docs, "pickle")
+    d = judge_dir(tmp_path).first_divergence
+    assert d is not None and (d.seq, d.kind, d.ambiguous) == (2, "size_mismatch", True)

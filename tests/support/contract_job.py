@@ -86,6 +86,65 @@ def real_dumps(timeout: float = 150.0) -> dict[str, Path]:
     return dict(_cache)
 
 
+SEMANTICS_JOB = HERE / "jobs" / "contract_semantics_job.py"
+_sem_cache: dict[str, Path] = {}
+
+
+def semantics_dumps(timeout: float = 90.0) -> dict[str, Path]:
+    """{"ok": dir, "bad": dir, "root": dir}, each scenario dir with fr_pickle/ and fr_json/, from ONE
+    real 4-rank gloo torchrun job of gather, scatter, uneven all_to_all_single, same-named disjoint
+    groups and send/recv (ok), then a non-root's wrong gather size (bad). ~10 s on 2 cores; cached
+    per pytest process; the job's process group is killed in a `finally`."""
+    if _sem_cache:
+        return dict(_sem_cache)
+    root = Path(tempfile.mkdtemp(prefix="gg-contract-sem-"))
+    atexit.register(shutil.rmtree, root, True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log_path = root / "job.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=1",
+                "--nproc-per-node=4",
+                "--max-restarts=0",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                str(SEMANTICS_JOB),
+                "--out",
+                str(root),
+                "--timeout",
+                "3",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+    for name in ("ok", "bad"):
+        for sub in ("fr_pickle", "fr_json"):
+            d = root / name / sub
+            if not d.is_dir() or len(list(d.glob("rank_*[0-9]*"))) - len(list(d.glob("*.tmp"))) != 4:
+                log = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"job left no complete {name}/{sub} dumps (rc={proc.returncode}):\n{log}")
+        _sem_cache[name] = root / name
+    _sem_cache["root"] = root
+    return dict(_sem_cache)
+
+
 # ---------------------------------------------------------------- synthetic Flight Recorder dumps
 
 FRAMES_MAIN = [
