@@ -43,3 +43,36 @@ def test_planted_gather_size_names_the_non_root_not_the_root(cli, dumps, source)
     assert "[[5]]" in d["explanation"] and "[[4]]" in d["explanation"]
     human = cli("gpu-doctor", "contract", str(dumps["bad"] / source))
     assert "in=[[5]]" in human.stdout and "culprit rank(s) 2" in human.stdout
+
+
+def _write_json(tmp_path, docs):
+    for r, doc in docs.items():
+        (tmp_path / f"rank_{r}.json").write_text(json.dumps(doc))
+
+
+def test_p2p_mismatch_human_output_shows_both_sides(cli, tmp_path):
+    docs = {}
+    for r in range(2):
+        es = [jh.fr_entry(1)]
+        p2p = jh.fr_entry(1, op="send 0->1" if r == 0 else "recv 1<-0", sizes=((4,),) if r == 0 else ((5,),), p2p=True)
+        es.append(p2p)
+        docs[r] = jh.fr_doc(es, ranks=(0, 1))
+    _write_json(tmp_path, docs)
+    res = cli("gpu-doctor", "contract", str(tmp_path))
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = " ".join(res.stdout.split())
+    assert "p2p_mismatch" in out and "(ambiguous)" in out and "culprit rank(s) 0-1" in out
+    assert "rank 0 sent send 0->1 count=4" in out and "recv 1<-0 count=5" in out
+
+
+def test_json_without_entries_and_nothing_compared_are_unknown(cli, tmp_path):
+    docs = {r: jh.fr_doc([], ranks=(0, 1)) for r in range(2)}
+    for doc in docs.values():
+        del doc["entries"]  # as PyTorch's JSON writer leaves an empty list out
+    _write_json(tmp_path, docs)
+    res = cli("gpu-doctor", "contract", str(tmp_path), "--json")
+    assert res.returncode == 3, res.stderr  # was 65: a valid dump
+    doc = json.loads(res.stdout)
+    assert doc["partial"] is True and any("nothing compared" in w for w in doc["warnings"])
+    human = cli("gpu-doctor", "contract", str(tmp_path))
+    assert human.returncode == 3 and "contract UNKNOWN" in human.stdout and "nothing compared" in human.stdout

@@ -10,6 +10,8 @@ import json
 import pickle
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuguard.collectors.flight_recorder import load_all
 from gpuguard.diagnostics.collective_semantics import (
@@ -25,7 +27,7 @@ from gpuguard.diagnostics.collective_semantics import (
     TOTALS,
     semantics,
 )
-from gpuguard.diagnostics.contract import Interner, check
+from gpuguard.diagnostics.contract import Interner, RankTrace, Signature, Stream, check
 from tests.support import contract_job as jh
 
 VERSIONS = ("2.0", "2.2", "2.4", "2.10")
@@ -499,3 +501,60 @@ def test_gloo_two_against_two_after_agreeing_is_a_divergence(tmp_path):
     write(tmp_path, docs, "pickle")
     d = judge_dir(tmp_path).first_divergence
     assert d is not None and (d.seq, d.kind, d.ambiguous) == (2, "size_mismatch", True)
+
+
+# ---------------------------------------------------------------- properties (hypothesis)
+
+
+def _traces(sigs: dict[int, Signature], members: tuple[int, ...]):
+    it = Interner()
+    out = []
+    for r, sig in sigs.items():
+        stream = Stream(pg="5", generation=0, seqs=[1], sig_ids=[it.sig(sig)], states=["completed"])
+        out.append(RankTrace(rank=r, source=f"r{r}", format="test", streams=(stream,), pg_ranks={"5": members}))
+    return out, it
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 8).flatmap(
+        lambda w: st.lists(st.lists(st.integers(0, 9), min_size=w, max_size=w), min_size=w, max_size=w)
+    ),
+    st.data(),
+)
+def test_any_uneven_all_to_all_whose_totals_match_holds_and_any_leak_is_caught(splits, data):
+    w = len(splits)
+    members = tuple(range(w))
+    sigs = {
+        r: Signature(
+            "all_to_all", ((sum(splits[r]),),), ("Float",), ((sum(splits[i][r] for i in range(w)),),), ("Float",)
+        )
+        for r in range(w)
+    }
+    traces, it = _traces(sigs, members)
+    assert check(traces, it).holds
+    bad = data.draw(st.integers(0, w - 1))
+    s = sigs[bad]
+    sigs[bad] = s._replace(out_sizes=((s.out_sizes[0][0] + data.draw(st.integers(1, 5)),),))
+    traces, it = _traces(sigs, members)
+    d = check(traces, it).first_divergence
+    assert d is not None and d.kind == "totals_mismatch" and d.ambiguous
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 8), st.data())
+def test_any_gather_root_holds_and_a_non_roots_wrong_input_names_it(world, data):
+    root = data.draw(st.integers(0, world - 1))
+    n = data.draw(st.integers(1, 64))
+    members = tuple(range(world))
+    sigs = {
+        r: Signature("gather", ((n,),), ("Float",), ((world, n),) if r == root else (), ("Float",) if r == root else ())
+        for r in range(world)
+    }
+    traces, it = _traces(sigs, members)
+    assert check(traces, it).holds
+    bad = data.draw(st.sampled_from([r for r in range(world) if r != root]))
+    sigs[bad] = sigs[bad]._replace(in_sizes=((n + 1,),))
+    traces, it = _traces(sigs, members)
+    d = check(traces, it).first_divergence
+    assert d is not None and (d.kind, d.ranks) == ("size_mismatch", (bad,))
