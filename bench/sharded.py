@@ -1,0 +1,240 @@
+"""Step-time overhead of collective sharded snapshots on a real FSDP2 job (torchrun, gloo, CPU).
+
+    python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
+                            [--gpu-ms 100] [--hidden 1024]
+
+One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
+the root `fully_shard`ed, AdamW). Each step is the real forward/backward/update plus `--gpu-ms` of
+sleep, the stand-in for device time during which a GPU job's CPU is idle (0 makes every step pure
+CPU: the snapshot thread then competes with training for the cores). Three modes run in the same
+processes, interleaved in blocks of `--block` steps for `--rounds` rounds, so drift and load hit
+them alike:
+
+* `plain`: FSDP2 training, no snapshots (the baseline of the ratios);
+* `sharded`: `recovery.sharded_snapshot.ShardedSnapshotter.submit` every `--every` steps (stage a
+  copy, then the collective DCP save, each rank's part, the coordinator's manifest and rename, in
+  the background thread over its own gloo group). A submit waits for the previous snapshot, so a
+  writer slower than the interval shows in the step times; the wait for the block's last snapshot
+  (which in steady state overlaps the next step) is not charged and is reported on its own;
+* `dcp-sync`: `dcp.save(get_state_dict(...))` on the training thread every `--every` steps, the
+  plain synchronous DCP baseline (no manifest, no parts, no publication).
+
+Per mode: the median over blocks of the mean step time, the ratio to `plain` from the same run,
+and for `sharded` the writer thread's CPU time per snapshot (rank 0), the time the training thread
+waited for the previous snapshot, the median submit (get_state_dict, staging copy, hand-over: the
+part the training thread pays in any case), the uncharged end-of-block flush, and bytes written per snapshot
+against the state's size.
+Speed is never asserted in tests; this is the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit  # noqa: E402
+
+MODES = ("plain", "sharded", "dcp-sync")
+
+
+def worker(a: argparse.Namespace) -> int:
+    import uuid
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    from gpuguard.recovery import sharded_snapshot as ss
+    from gpuguard.recovery.snapshot import prune
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    h = a.hidden
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 16)
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    job = Path(a.job_dir)
+    snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12])
+    sync_dir = job / "dcp-sync"
+    step = 0
+
+    def train() -> None:
+        nonlocal step
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 16, generator=g)
+        torch.nn.functional.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        if a.gpu_ms:
+            time.sleep(a.gpu_ms / 1000)
+        step += 1
+
+    for _ in range(3):  # warm-up: allocator, first optimizer state, gloo connections
+        train()
+    ss.save_sharded(job, 10**6, ss.model_state(model, opt), group=snapper.group, generation=0, incarnation="warm")
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    snaps = 0
+    flush_s: list[float] = []
+    submit_s: list[float] = []  # get_state_dict + stage + hand-over, on the training thread
+    for _ in range(a.rounds):
+        for mode in MODES:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(a.block):
+                train()
+                if mode == "sharded" and i % a.every == 0:
+                    t1 = time.perf_counter()
+                    snapper.submit(step, ss.model_state(model, opt, extra={"step": torch.tensor(step)}))
+                    submit_s.append(time.perf_counter() - t1)
+                    snaps += 1
+                elif mode == "dcp-sync" and i % a.every == 0:
+                    ss.quiet_dcp(
+                        lambda: dcp.save(ss.model_state(model, opt), checkpoint_id=str(sync_dir / f"step-{step}"))
+                    )
+            times[mode].append((time.perf_counter() - t0) / a.block)
+            if mode == "sharded":  # the last snapshot overlaps the next step in steady state: not charged
+                t1 = time.perf_counter()
+                snapper.flush(120)
+                flush_s.append(time.perf_counter() - t1)
+            dist.barrier()
+            if rank == 0:  # keep the disk small: outside the timed block
+                prune(job, 2)
+                shutil.rmtree(sync_dir, ignore_errors=True)
+            dist.barrier()
+    snapper.close(60)
+    state_bytes = sum(
+        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+        for t in _tensors(ss.model_state(model, opt))
+    )
+    sizes: list[int] = [0] * world
+    dist.all_gather_object(sizes, state_bytes)
+    if rank == 0:
+        last = snapper.last
+        doc = {
+            "times": times,
+            "world": world,
+            "snapshots": snaps,
+            "errors": snapper.errors,
+            "writer_cpu_s_per_snapshot_rank0": snapper.cpu_s / max(1, snapper.written),
+            "wait_s_per_snapshot_rank0": snapper.wait_s / max(1, snaps),
+            "flush_s_per_block_rank0": statistics.median(flush_s) if flush_s else 0.0,
+            "submit_s_median_rank0": statistics.median(submit_s) if submit_s else 0.0,
+            "bytes_per_snapshot": last.bytes_written if last else None,
+            "state_bytes": sum(sizes),
+        }
+        Path(a.out).write_text(json.dumps(doc))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _tensors(value: object) -> list:
+    import torch
+
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the gpuguard.bench/1 document")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--every", type=int, default=1)
+    ap.add_argument("--gpu-ms", type=float, default=100.0)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=500.0)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--job-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
+    out = tmp / "result.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={a.workers}",
+        "--max-restarts=0",
+        __file__,
+        "--worker",
+        f"--job-dir={tmp / 'job'}",
+        f"--out={out}",
+        *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in ("rounds", "block", "every", "gpu-ms", "hidden")),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        log, _ = proc.communicate(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+        print(f"bench/sharded.py: the job did not finish in {a.timeout:.0f} s", file=sys.stderr)
+        return 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not out.exists():
+        print(f"bench/sharded.py: the job failed ({proc.returncode}):\n{log[-2000:]}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 1
+    doc = json.loads(out.read_text())
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = statistics.median(doc["times"]["plain"])
+    rows = []
+    for mode in MODES:
+        med = statistics.median(doc["times"][mode])
+        row = {
+            "mode": mode,
+            "workers": doc["world"],
+            "gpu_ms": a.gpu_ms,
+            "every": a.every,
+            "step_ms_median": round(med * 1000, 2),
+            "step_ms_blocks": [round(t * 1000, 2) for t in doc["times"][mode]],
+            "ratio_vs_plain": round(med / base, 4),
+        }
+        if mode == "sharded":
+            row["writer_cpu_ms_per_snapshot_rank0"] = round(doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
+            row["wait_ms_per_snapshot_rank0"] = round(doc["wait_s_per_snapshot_rank0"] * 1000, 2)
+            row["submit_ms_median_rank0"] = round(doc["submit_s_median_rank0"] * 1000, 2)
+            row["uncharged_flush_ms_per_block_rank0"] = round(doc["flush_s_per_block_rank0"] * 1000, 2)
+            row["bytes_per_snapshot"] = doc["bytes_per_snapshot"]
+            row["state_bytes"] = doc["state_bytes"]
+            row["snapshot_errors"] = doc["errors"]
+        rows.append(row)
+    notes = [
+        f"{a.workers} gloo workers on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+        "ratio_vs_plain: median block step time / plain's, same processes, interleaved blocks",
+        "bytes_per_snapshot: all members' .distcp files; state_bytes: model + optimizer tensors of all ranks",
+    ]
+    emit("sharded", rows, a.json, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
