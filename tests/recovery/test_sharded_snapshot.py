@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from gpuguard.generation import manifest as m
+from gpuguard.generation.ownership import plan_reshard, reshard_problems
 from gpuguard.recovery import sharded_snapshot as ss
 from tests.support.cli import JOBS, free_port
 from tests.support.processes import kill_trees
@@ -248,6 +249,30 @@ def test_a_replicated_model_snapshots_and_restores_at_a_larger_world_the_same_wa
     job = copy_job(ref, tmp_path / "job", (4,))
     run(job, 3, "--replicated", "--steps", "6", "--resume", "--dump", "ends")
     assert_bitwise(load_dump(job / "dump" / "restored.pt"), load_dump(ref / "dump" / "step-4.pt"))
+
+
+def test_hsdp_replicas_are_in_the_layout_and_a_restore_into_plain_fsdp_is_bitwise(tmp_path):
+    ref = tmp_path / "ref"
+    run(ref, 4, "--hsdp", "--steps", "4", "--snapshot-every", "2", "--dump", "all", "--memory-digest")
+    layout = ss.snapshot_layout(ref / "snapshots" / "step-2")
+    model_keys = [k for k in layout.chunks if k.startswith("model.")]
+    # a (2, 2) mesh: shard i is held by rank i of each replica group (ranks i and i + 2), stored once
+    assert model_keys and all(layout.holders[k] in ((0, 2), (1, 3)) for k in model_keys)
+    assert all(layout.writers[k] in layout.holders[k] for k in model_keys)
+    # in place, a replacement for lost rank 1 gets exactly rank 1's shards, from its replica (rank 3)
+    plan = plan_reshard(layout, layout, survivors={0: 0, 2: 2, 3: 3}, in_memory=True)
+    assert reshard_problems(layout, plan) == []
+    moved = [t for t in plan if t.source != "local"]
+    assert {(t.to_rank, t.source) for t in moved} == {(1, "replica")}
+    assert {t.from_rank for t in moved if layout.holders[t.old_key] == (1, 3)} == {3}  # its shards: from rank 3
+    assert {t.from_rank for t in moved if len(layout.holders[t.old_key]) == 4} == {0}  # replicated scalars: lowest
+    assert sum(t.region.numel for t in moved) == sum(
+        layout.chunks[k].numel for k in layout.chunks if 1 in layout.holders[k]
+    )
+    # the restart path: 4 HSDP ranks -> 2 plain FSDP2 ranks; the in-memory digest proves the replica rule
+    job = copy_job(ref, tmp_path / "job", (2,))
+    run(job, 2, "--steps", "4", "--resume", "--dump", "ends")
+    assert_bitwise(load_dump(job / "dump" / "restored.pt"), load_dump(ref / "dump" / "step-2.pt"))
 
 
 # ---------------------------------------------------------------- refusals (torch-free verification)

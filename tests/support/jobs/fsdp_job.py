@@ -1,10 +1,11 @@
 """A small FSDP2 training job on gloo/CPU with collective sharded snapshots: the target of the resharding tests.
 
 Usage (under torchrun): fsdp_job.py JOB_DIR --steps T [--snapshot-every K] [--resume] [--dump all|ends]
-  [--step-sleep S] [--replicated] [--max-seconds N] [--memory-digest]
+  [--step-sleep S] [--replicated | --hsdp] [--max-seconds N] [--memory-digest]
 
-The model is an MLP sharded with `fully_shard` per layer (or, with --replicated, a plain replicated
-model whose gradients are all-reduced), AdamW. Step s trains on a global batch of 24 rows drawn
+The model is an MLP sharded with `fully_shard` per layer (with --hsdp over a 2 x world/2 mesh:
+two replica groups; with --replicated, a plain replicated model whose gradients are all-reduced),
+AdamW. Step s trains on a global batch of 24 rows drawn
 from a generator seeded with s, split evenly over the ranks (24 divides by 1, 2, 3 and 4), so that
 every world size computes the same global-mean gradient. --dump writes the gathered full state
 (model + optimizer) to JOB_DIR/dump/<tag>.pt from rank 0: every step (`all`, a reference run) or
@@ -35,16 +36,22 @@ from gpuguard.recovery import sharded_snapshot as ss
 GLOBAL_BATCH = 24
 
 
-def build(replicated: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(replicated: bool, hsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights at every world size
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
     )
     if not replicated:
+        mesh = None
+        if hsdp:  # 2 replica groups, each sharding over half the ranks
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world = dist.get_world_size()
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
@@ -87,6 +94,7 @@ def main() -> int:
     ap.add_argument("--dump", choices=("none", "all", "ends"), default="none")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--replicated", action="store_true")
+    ap.add_argument("--hsdp", action="store_true", help="HSDP: a (2, world/2) mesh, replicate x shard")
     ap.add_argument("--max-seconds", type=float, default=50.0)
     ap.add_argument("--memory-digest", action="store_true", help="record the in-memory state digest at save")
     a = ap.parse_args()
@@ -96,7 +104,7 @@ def main() -> int:
     for sub in ("pids", "progress"):
         (a.job_dir / sub).mkdir(parents=True, exist_ok=True)
     (a.job_dir / "pids" / f"rank-{rank}").write_text(str(os.getpid()))
-    model, opt = build(a.replicated)
+    model, opt = build(a.replicated, a.hsdp)
     start = 0
     if a.resume:
         sel = ss.select_sharded(a.job_dir)
