@@ -192,22 +192,18 @@ def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files:
     if div.members is not None:
         where += f" [{format_ranks(div.members)}]"
     out.print(
-        f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation} "
-        f"seq #{div.seq}: [bold]{escape(safe_text(div.kind))}[/] ({escape(safe_text(div.field))}"
+        f"[bold red]contract BROKEN[/]{label}: first divergence at {where} generation {div.generation}"
+        + (f" seq #{div.seq}" if div.kind != "membership_mismatch" else "")
+        + f": [bold]{escape(safe_text(div.kind))}[/] ({escape(safe_text(div.field))}"
         + (f", {escape(safe_text(div.record))}" if div.record else "")
         + f"), culprit rank(s) {format_ranks(div.ranks)}"
         + (" [yellow](ambiguous)[/]" if div.ambiguous else ""),
         markup=True,
     )
-    if (
-        div.kind in ("p2p_mismatch", "membership_mismatch")
-        or div.seq == 0
-        or div.field == "presence"
-        and any(
-            s.signature is not None and s.signature.op.startswith(("send ", "recv "))
-            for s in (div.majority, *div.others)
-        )
-    ):
+    point_to_point = any(
+        s.signature is not None and s.signature.op.startswith(("send ", "recv ")) for s in (div.majority, *div.others)
+    )
+    if div.kind == "membership_mismatch" or point_to_point:  # no collective timeline to tabulate
         out.print(safe_text(div.explanation), markup=False)
         return
     table = Table(title=None)

@@ -190,6 +190,19 @@ def judge(op: str, sigs: Mapping[int, Signature], group_size: int | None, comple
     return DEFAULT
 
 
+def self_inconsistent(signatures: Sequence[Signature]) -> frozenset[int]:
+    """Ids of signatures that break their own rule even when every rank issues them identically:
+    an all_to_all whose input and output totals differ (the group's totals then differ too)."""
+    return frozenset(
+        i
+        for i, s in enumerate(signatures)
+        if semantics(s.op).rule == TOTALS
+        and s.in_sizes is not None
+        and s.out_sizes is not None
+        and numel(s.in_sizes) != numel(s.out_sizes)
+    )
+
+
 def _common(sigs: Mapping[int, Signature], key: str) -> Finding | None:
     """The side every rank records the same way (gather inputs, scatter outputs, ...) must agree."""
     groups: dict[object, list[int]] = {}

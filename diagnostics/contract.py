@@ -31,6 +31,7 @@ from gpuguard.diagnostics.collective_semantics import (
     fmt_shapes,
     judge,
     numel,
+    self_inconsistent,
 )
 from gpuguard.foundation.traces import ABSENT, COMPLETED, SCHEDULED, Interner, RankTrace, Signature, Stream
 
@@ -258,6 +259,7 @@ def check(
                 f"no dump from rank(s) {_ranks(absent)} (expected ranks 0-{world - 1}): their part of "
                 "every contract is unknown"
             )
+    bad_sigs = self_inconsistent(interner.signatures)
     results: list[tuple[Timeline, int]] = []
     cluster_of: dict[tuple[str, int, int], _TimelineKey] = {}
     for (name, gen), streams in sorted(per_name.items(), key=lambda kv: (kv[0][1], _pg_order(kv[0][0]))):
@@ -268,6 +270,10 @@ def check(
                 cluster_of[(name, gen, r)] = tkey
             if clash is not None:
                 partial = True
+                warns.append(
+                    f"pg {name} generation {gen}: ranks disagree about its members (pg_config); its collectives "
+                    "are compared over the union, which may not be one group"
+                )
                 results.append((_membership_timeline(name, gen, pg_desc, clash), 0))
             is_default = name in DEFAULT_PG_NAMES or pg_desc == "default_pg"
             mem = set(ranks_here) | set(members or ())
@@ -288,7 +294,7 @@ def check(
                 if (present[r] is None or not len(present[r].seqs))  # type: ignore[union-attr]
                 and (d := _done(done_by_rank.get(r), name)) is not None
             }
-            result = _check_timeline(name, gen, pg_desc, members, present, missing, done, interner)
+            result = _check_timeline(name, gen, pg_desc, members, present, missing, done, interner, bad_sigs)
             split = _name_shared_by_disjoint_groups(result[0], present) if members is None and not is_default else None
             if split is None:
                 results.append(result)
@@ -473,6 +479,7 @@ def _check_timeline(
     missing: tuple[int, ...],
     done: dict[int, int],
     interner: Interner,
+    bad_sigs: frozenset[int] = frozenset(),
 ) -> tuple[Timeline, int]:
     ranks = tuple(streams)
     scan = {r: s for r, s in streams.items() if r not in done}  # onlyActive: completed, nothing active
@@ -496,11 +503,18 @@ def _check_timeline(
     late = [max(start, d + 1) for d in done.values() if d < last]
     if late:
         diffs = sorted(set(diffs) | {min(late)})
+    if complete and bad_sigs:  # an entry every rank issued identically can still break its rule (a2a totals)
+        bad = bad_sigs
+        if bad:
+            ref = live[0]
+            extra = [q for q, i in zip(ref.seqs, ref.sig_ids) if i in bad and q >= start]
+            if extra:
+                diffs = sorted(set(diffs) | set(extra[:1]))
     div: Divergence | None = None
     contract_div: int | None = None
     for seq in diffs:
         at = order + [r for r, d in done.items() if d < seq]
-        div = _classify(name, gen, seq, at, cols, states, streams, interner, group_size, complete)
+        div = _classify(name, gen, seq, at, cols, states, streams, interner, group_size, complete, bad_sigs)
         if div is not None:
             contract_div = seq
             break
@@ -784,14 +798,26 @@ def _classify(
     interner: Interner,
     group_size: int | None = None,
     complete: bool = False,
+    bad_sigs: frozenset[int] = frozenset(),
 ) -> Divergence | None:
     """The divergence at `seq`, or None when the ranks' entries differ only as the collective allows."""
     groups: dict[int, list[int]] = {}
     for r in order:
         groups.setdefault(cols[r].get(seq, ABSENT), []).append(r)
-    if len(groups) == 1:
-        return None
     sigs = interner.signatures
+    if len(groups) == 1:
+        (key,) = groups
+        if key == ABSENT or not complete or key not in bad_sigs:
+            return None
+        everyone = tuple(order)
+        sig = sigs[key]
+        explanation = (
+            f"pg {name}" + (f" generation {gen}" if gen else "") + f" #{seq}: {sig.op}: every rank sends "
+            f"{numel(sig.in_sizes)} and receives {numel(sig.out_sizes)} elements, so the group's totals cannot "
+            "match; every rank issued the same call, so the culprit is the code they share. Ambiguous."
+        )
+        whole = Side(everyone, sig, states[order[0]].get(seq), _site_at(streams[order[0]], seq, interner))
+        return Divergence(name, gen, seq, TOTALS_MISMATCH, everyone, whole, (), "totals", explanation, (), True)
     finding: Finding | None = None
     if ABSENT not in groups and len({sigs[k].op for k in groups}) == 1:
         op = sigs[next(iter(groups))].op

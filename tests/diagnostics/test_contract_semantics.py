@@ -558,3 +558,10 @@ def test_any_gather_root_holds_and_a_non_roots_wrong_input_names_it(world, data)
     traces, it = _traces(sigs, members)
     d = check(traces, it).first_divergence
     assert d is not None and (d.kind, d.ranks) == ("size_mismatch", (bad,))
+
+
+def test_an_all_to_all_every_rank_issued_identically_with_unequal_totals_is_caught(tmp_path):
+    write(tmp_path, program(lambda r: ("all_to_all_single", [[4]], [[8]])), "json")
+    d = judge_dir(tmp_path).first_divergence
+    assert d is not None and (d.seq, d.kind, d.ranks, d.ambiguous) == (1, "totals_mismatch", (0, 1, 2, 3), True)
+    assert d.others == () and "sends 4 and receives 8" in d.explanation
