@@ -357,3 +357,41 @@ def test_the_state_digest_does_not_depend_on_the_chunking():
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same values at other indices
     assert ss._chunk_sum(swapped, (0, 0), (10, 3)) != whole
+
+
+FENCE_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+from gpuguard.recovery import sharded_snapshot as ss
+job = Path(sys.argv[1])
+dist.init_process_group("gloo", store=dist.FileStore(str(job / "store"), 1), rank=0, world_size=1)
+state = {"model": {"w": torch.arange(6.0)}}
+g = ss.new_snapshot_group(10)
+print("fenced:", ss.save_sharded(job, 1, state, group=g, generation=3, incarnation="i", still_current=lambda: False))
+def boom(tmp):
+    raise OSError("disk gone")
+try:
+    ss.save_sharded(job, 2, state, group=g, generation=3, incarnation="i", before_publish=boom)
+except Exception as exc:
+    print("error:", type(exc).__name__, exc)
+info = ss.save_sharded(job, 3, state, group=g, generation=3, incarnation="i")
+print("published:", info.step, info.world_size, info.path.name)
+dist.destroy_process_group()
+"""
+
+
+def test_a_fenced_or_failing_coordinator_publishes_nothing(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", FENCE_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "fenced: None"
+    assert lines[1] == "error: DataError sharded snapshot of step 2 not published: OSError: disk gone"
+    assert lines[2] == "published: 3 1 step-3"
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-3"]  # no staging left behind
+    assert _reasons(tmp_path) == (3, [])
