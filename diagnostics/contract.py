@@ -9,7 +9,12 @@ the others), classifies the disagreement, and looks for the true start: a rank w
 drift from the majority's earlier on, or whose calls are the majority's shifted by one.
 
 Entries of different generations (gpuguard generations, Flight Recorder reset epochs) are separate
-timelines and are never compared with each other.
+timelines and are never compared with each other; so are disjoint groups that share a name (a
+timeline is a name *and* a member set, from pg_config).
+
+Ranks' entries need not be identical: where they differ, `diagnostics.collective_semantics` says
+whether the collective allows it (gather/scatter roots, uneven all_to_all, `_v` variants) and who
+is wrong when it does not. Sends and recvs are paired per pair of ranks, in order.
 
 Input is compact on purpose (1,024 ranks x 2,000 entries must fit in seconds): each rank's stream
 holds sequence ids and small integer ids into one `Interner` of signatures and call sites.
