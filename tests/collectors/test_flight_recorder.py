@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gpuguard.collectors.flight_recorder import (  # noqa: E402
     discover,
+    load_all,
     load_dump,
     load_many,
     restricted_loads,
@@ -268,6 +269,23 @@ def test_process_pool_gives_the_same_traces(tmp_path):
         assert [it1.signatures[i] for i in sa.sig_ids] == [it2.signatures[i] for i in sb.sig_ids]
         assert [it1.sites[i] for i in sa.site_ids] == [it2.sites[i] for i in sb.site_ids]
     assert check([x.trace for x in two], it2).holds
+
+
+@pytest.mark.parametrize("jobs", (1, 2))
+def test_load_all_refuses_bad_files_one_line_each_and_loads_the_rest(tmp_path, jobs):
+    for rank in range(4):
+        doc = jh.fr_doc([jh.fr_entry(1), jh.fr_entry(2, op="send 0->1", p2p=True)], ranks=range(4))
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps(doc, protocol=2))
+    (tmp_path / "rank_1").write_bytes(b"\x80\x02}q\x00")  # truncated
+    (tmp_path / "rank_3").write_text('{"version": "2.10", "entries": 3}')
+    loaded, refused = load_all(sorted(tmp_path.iterdir()), Interner(), jobs=jobs)
+    assert sorted(x.trace.rank for x in loaded) == [0, 2]
+    assert all(len(x.p2p) == 1 for x in loaded)  # p2p records survive the process pool
+    assert [type(e).__name__ for e in refused] == ["DataError", "DataError"]
+    assert "rank_1" in str(refused[0]) and "truncated" in str(refused[0]) and "\n" not in str(refused[0])
+    assert "rank_3" in str(refused[1]) and "'entries' is not a list" in str(refused[1])
+    with pytest.raises(DataError):
+        load_many(sorted(tmp_path.iterdir()), Interner(), jobs=jobs)
 
 
 def test_reset_epochs_are_separate_timelines(tmp_path):
