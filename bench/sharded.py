@@ -43,7 +43,69 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-MODES = ("plain", "sharded", "dcp-sync")
+MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
+
+
+def build(hidden: int):  # noqa: ANN201 - torch types, imported lazily
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    h = hidden
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 16)
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def restore_worker(a: argparse.Namespace) -> int:
+    """Restart path at another world size: select (re-hash every digest, every part), plan, load
+    (DCP reshards), check (loaded vs stored digests), each timed; rank 0 writes the figures."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from gpuguard.generation.ownership import plan_reshard
+    from gpuguard.recovery import sharded_snapshot as ss
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    model, opt = build(a.hidden)
+    t0 = time.perf_counter()
+    sel = ss.select_sharded(a.job_dir)
+    t1 = time.perf_counter()
+    assert sel.chosen is not None, sel.rejected
+    live = ss.model_state(model, opt, extra={"step": torch.tensor(-1)})
+    old = ss.snapshot_layout(sel.chosen.path)
+    new = ss.current_layout(live, old.version + 1)
+    plan = plan_reshard(old, new)
+    t2 = time.perf_counter()
+    loaded = ss.load_sharded(sel.chosen, live, check=False)
+    t3 = time.perf_counter()
+    same = ss.state_digest_sharded(loaded) == ss.stored_digest_sharded(sel.chosen.path)
+    t4 = time.perf_counter()
+    ss.apply_model_state(model, opt, loaded)
+    dist.barrier()
+    t5 = time.perf_counter()
+    if dist.get_rank() == 0:
+        doc = {
+            "from_world": old.world_size,
+            "to_world": new.world_size,
+            "select_s": t1 - t0,
+            "plan_s": t2 - t1,
+            "load_s": t3 - t2,
+            "check_s": t4 - t3,
+            "apply_s": t5 - t4,
+            "digests_equal": same,
+            "chunk_reads": len(plan),
+        }
+        Path(a.out).write_text(json.dumps(doc))
+    dist.destroy_process_group()
+    return 0
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -53,25 +115,21 @@ def worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import fully_shard
 
     from gpuguard.recovery import sharded_snapshot as ss
     from gpuguard.recovery.snapshot import prune
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    h = a.hidden
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 16)
-    )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = build(a.hidden)
     job = Path(a.job_dir)
     snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12])
+    snappers = {
+        "sharded": snapper,
+        "sharded-memdigest": ss.ShardedSnapshotter(
+            job, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=True
+        ),
+    }
     sync_dir = job / "dcp-sync"
     step = 0
 
@@ -88,7 +146,8 @@ def worker(a: argparse.Namespace) -> int:
 
     for _ in range(3):  # warm-up: allocator, first optimizer state, gloo connections
         train()
-    ss.save_sharded(job, 10**6, ss.model_state(model, opt), group=snapper.group, generation=0, incarnation="warm")
+    warm = ss.model_state(model, opt, extra={"step": torch.tensor(step)})
+    ss.save_sharded(job, step, warm, group=snapper.group, generation=0, incarnation="warm")
     times: dict[str, list[float]] = {m: [] for m in MODES}
     snaps = 0
     flush_s: list[float] = []
@@ -99,26 +158,29 @@ def worker(a: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             for i in range(a.block):
                 train()
-                if mode == "sharded" and i % a.every == 0:
+                if mode in snappers and i % a.every == 0:
                     t1 = time.perf_counter()
-                    snapper.submit(step, ss.model_state(model, opt, extra={"step": torch.tensor(step)}))
-                    submit_s.append(time.perf_counter() - t1)
-                    snaps += 1
+                    snappers[mode].submit(step, ss.model_state(model, opt, extra={"step": torch.tensor(step)}))
+                    if mode == "sharded":
+                        submit_s.append(time.perf_counter() - t1)
+                        snaps += 1
                 elif mode == "dcp-sync" and i % a.every == 0:
                     ss.quiet_dcp(
                         lambda: dcp.save(ss.model_state(model, opt), checkpoint_id=str(sync_dir / f"step-{step}"))
                     )
             times[mode].append((time.perf_counter() - t0) / a.block)
-            if mode == "sharded":  # the last snapshot overlaps the next step in steady state: not charged
+            if mode in snappers:  # the last snapshot overlaps the next step in steady state: not charged
                 t1 = time.perf_counter()
-                snapper.flush(120)
-                flush_s.append(time.perf_counter() - t1)
+                snappers[mode].flush(120)
+                if mode == "sharded":
+                    flush_s.append(time.perf_counter() - t1)
             dist.barrier()
             if rank == 0:  # keep the disk small: outside the timed block
                 prune(job, 2)
                 shutil.rmtree(sync_dir, ignore_errors=True)
             dist.barrier()
-    snapper.close(60)
+    for sn in snappers.values():
+        sn.close(60)
     state_bytes = sum(
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
         for t in _tensors(ss.model_state(model, opt))
@@ -131,7 +193,7 @@ def worker(a: argparse.Namespace) -> int:
             "times": times,
             "world": world,
             "snapshots": snaps,
-            "errors": snapper.errors,
+            "errors": sum(sn.errors for sn in snappers.values()),
             "writer_cpu_s_per_snapshot_rank0": snapper.cpu_s / max(1, snapper.written),
             "wait_s_per_snapshot_rank0": snapper.wait_s / max(1, snaps),
             "flush_s_per_block_rank0": statistics.median(flush_s) if flush_s else 0.0,
@@ -155,6 +217,38 @@ def _tensors(value: object) -> list:
     return [value] if isinstance(value, torch.Tensor) else []
 
 
+def _torchrun(a: argparse.Namespace, workers: int, args: list[str], tmp: Path) -> dict:
+    """Run this file under torchrun (`workers` ranks, job dir `tmp/job`) and return rank 0's figures."""
+    out = tmp / f"result-{args[0].lstrip('-')}.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={workers}",
+        "--max-restarts=0",
+        __file__,
+        *args,
+        f"--job-dir={tmp / 'job'}",
+        f"--out={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        log, _ = proc.communicate(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"the {args[0]} job did not finish in {a.timeout:.0f} s") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the {args[0]} job failed ({proc.returncode}):\n{log[-2000:]}")
+    return json.loads(out.read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the gpuguard.bench/1 document")
@@ -165,46 +259,29 @@ def main() -> int:
     ap.add_argument("--gpu-ms", type=float, default=100.0)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=500.0)
+    ap.add_argument(
+        "--restore-workers", type=int, default=None, help="restore at this world size (default workers - 1)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--restore-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    if a.restore_worker:
+        return restore_worker(a)
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
-    out = tmp / "result.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={a.workers}",
-        "--max-restarts=0",
-        __file__,
-        "--worker",
-        f"--job-dir={tmp / 'job'}",
-        f"--out={out}",
-        *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in ("rounds", "block", "every", "gpu-ms", "hidden")),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        log, _ = proc.communicate(timeout=a.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        print(f"bench/sharded.py: the job did not finish in {a.timeout:.0f} s", file=sys.stderr)
+        shape = ("rounds", "block", "every", "gpu-ms", "hidden")
+        doc = _torchrun(a, a.workers, ["--worker", *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp)
+        back = a.restore_workers or max(1, a.workers - 1)
+        rest = _torchrun(a, back, ["--restore-worker", f"--hidden={a.hidden}"], tmp)
+    except RuntimeError as exc:
+        print(f"bench/sharded.py: {exc}", file=sys.stderr)
         return 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0 or not out.exists():
-        print(f"bench/sharded.py: the job failed ({proc.returncode}):\n{log[-2000:]}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
-        return 1
-    doc = json.loads(out.read_text())
-    shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(doc["times"]["plain"])
     rows = []
     for mode in MODES:
@@ -218,6 +295,8 @@ def main() -> int:
             "step_ms_blocks": [round(t * 1000, 2) for t in doc["times"][mode]],
             "ratio_vs_plain": round(med / base, 4),
         }
+        if mode == "sharded-memdigest":
+            row["note"] = "with the in-memory state digest (memory_digest=True)"
         if mode == "sharded":
             row["writer_cpu_ms_per_snapshot_rank0"] = round(doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
             row["wait_ms_per_snapshot_rank0"] = round(doc["wait_s_per_snapshot_rank0"] * 1000, 2)
@@ -232,6 +311,23 @@ def main() -> int:
         "ratio_vs_plain: median block step time / plain's, same processes, interleaved blocks",
         "bytes_per_snapshot: all members' .distcp files; state_bytes: model + optimizer tensors of all ranks",
     ]
+    rows.append(
+        {
+            "mode": f"restore {rest['from_world']}->{rest['to_world']}",
+            "workers": rest["to_world"],
+            "select_ms": round(rest["select_s"] * 1000, 1),
+            "plan_ms": round(rest["plan_s"] * 1000, 1),
+            "load_ms": round(rest["load_s"] * 1000, 1),
+            "check_ms": round(rest["check_s"] * 1000, 1),
+            "apply_ms": round(rest["apply_s"] * 1000, 1),
+            "digests_equal": rest["digests_equal"],
+            "chunk_reads": rest["chunk_reads"],
+        }
+    )
+    notes.append(
+        "restore: select = every manifest digest re-hashed and every part read (by every rank), load = dcp.load resharding, "
+        "check = loaded vs stored layout-independent digests (collective), apply = set_state_dict"
+    )
     emit("sharded", rows, a.json, notes)
     return 0
 
