@@ -160,13 +160,24 @@ def fmt_shapes(shapes: Shapes) -> str:
     return "[" + ",".join("[" + ",".join(map(str, s)) + "]" for s in shapes) + "]"
 
 
-def judge(op: str, sigs: Mapping[int, Signature], group_size: int | None, complete: bool) -> Finding | str:
+Uniq = Sequence[tuple[Signature, Sequence[int]]]  # each distinct entry once, with the ranks that issued it
+
+
+def judge(
+    op: str, sigs: Mapping[int, Signature], group_size: int | None, complete: bool, uniq: Uniq | None = None
+) -> Finding | str:
     """Judge one collective whose ranks' entries differ (every rank issued `op`).
 
     Returns `DEFAULT` (compare whole signatures), `LEGIT` (no alarm), or a `Finding`.
     `group_size` is the group's size when known; `complete` says every member's entry is here
-    (totals can only be checked then).
+    (totals can only be checked then). `uniq`, when the caller has it: the distinct entries with
+    their ranks (1,024 ranks of uneven all_to_all are a few dozen distinct entries).
     """
+    if uniq is None:
+        by: dict[Signature, list[int]] = {}
+        for r, sig in sigs.items():
+            by.setdefault(sig, []).append(r)
+        uniq = list(by.items())
     rule = semantics(op).rule
     if rule == IDENTICAL:
         return DEFAULT
@@ -176,17 +187,17 @@ def judge(op: str, sigs: Mapping[int, Signature], group_size: int | None, comple
         members = coalesced_members(op)
         if members and all(semantics(m).rule == IDENTICAL for m in members):
             return DEFAULT
-        return _dtypes_only(sigs)
-    if any(s.in_sizes is None and s.out_sizes is None for s in sigs.values()):
+        return _dtypes_only(uniq)
+    if any(s.in_sizes is None and s.out_sizes is None for s, _ in uniq):
         return DEFAULT  # a trace format without shapes (gpuguard's: one count): identical is all it can say
     if rule == ROOTED_GATHER:
         return _rooted(sigs, group_size, gather=True)
     if rule == ROOTED_SCATTER:
         return _rooted(sigs, group_size, gather=False)
     if rule == TOTALS:
-        return _totals(sigs, complete)
+        return _totals(sigs, uniq, complete)
     if rule in (GATHER_V, SCATTER_V):
-        return _vee(sigs, complete, gather=rule == GATHER_V)
+        return _vee(sigs, uniq, complete, gather=rule == GATHER_V)
     return DEFAULT
 
 
@@ -278,12 +289,12 @@ def _rooted(sigs: Mapping[int, Signature], group_size: int | None, *, gather: bo
     return LEGIT
 
 
-def _dtypes_only(sigs: Mapping[int, Signature]) -> Finding | str:
+def _dtypes_only(uniq: Uniq) -> Finding | str:
     groups: dict[frozenset[str], list[int]] = {}
-    for r, s in sigs.items():
+    for s, ranks in uniq:
         dt = _dts(s.in_dtypes, s.in_sizes) | _dts(s.out_dtypes, s.out_sizes)
         if dt:
-            groups.setdefault(dt, []).append(r)
+            groups.setdefault(dt, []).extend(ranks)
     if len(groups) <= 1:
         return LEGIT
     majority, culprits, ambiguous = _vote(groups)
@@ -299,20 +310,20 @@ def _dtypes_only(sigs: Mapping[int, Signature]) -> Finding | str:
     )
 
 
-def _totals(sigs: Mapping[int, Signature], complete: bool) -> Finding | str:
-    dt = _dtypes_only(sigs)
+def _totals(sigs: Mapping[int, Signature], uniq: Uniq, complete: bool) -> Finding | str:
+    dt = _dtypes_only(uniq)
     if dt != LEGIT or not complete:
         return dt
-    sent = sum(numel(s.in_sizes) for s in sigs.values())
-    received = sum(numel(s.out_sizes) for s in sigs.values())
+    sent = sum(numel(s.in_sizes) * len(ranks) for s, ranks in uniq)
+    received = sum(numel(s.out_sizes) * len(ranks) for s, ranks in uniq)
     if sent == received:
         return LEGIT
     per = "; ".join(
         f"rank {r} {fmt_shapes(s.in_sizes)}->{fmt_shapes(s.out_sizes)}" for r, s in sorted(sigs.items())[:8]
     )
     groups: dict[object, list[int]] = {}
-    for r, s in sigs.items():
-        groups.setdefault((s.in_sizes, s.out_sizes), []).append(r)
+    for s, ranks in uniq:
+        groups.setdefault((s.in_sizes, s.out_sizes), []).extend(ranks)
     majority, culprits, _ = _vote(groups)
     if len(groups) == len(sigs):  # every rank differs (uneven splits): no majority to speak of
         majority, culprits = (), tuple(sorted(sigs))
@@ -327,16 +338,16 @@ def _totals(sigs: Mapping[int, Signature], complete: bool) -> Finding | str:
     )
 
 
-def _vee(sigs: Mapping[int, Signature], complete: bool, *, gather: bool) -> Finding | str:
+def _vee(sigs: Mapping[int, Signature], uniq: Uniq, complete: bool, *, gather: bool) -> Finding | str:
     bad = _common(sigs, "output" if gather else "input")
     if bad is not None:
         return bad
-    dt = _dtypes_only(sigs)
+    dt = _dtypes_only(uniq)
     if dt != LEGIT or not complete:
         return dt
     any_sig = next(iter(sigs.values()))
     whole = numel(any_sig.out_sizes if gather else any_sig.in_sizes)
-    parts = sum(numel(s.in_sizes if gather else s.out_sizes) for s in sigs.values())
+    parts = sum(numel(s.in_sizes if gather else s.out_sizes) * len(ranks) for s, ranks in uniq)
     if whole == parts:
         return LEGIT
     return Finding(

@@ -826,7 +826,8 @@ def _classify(
     finding: Finding | None = None
     if ABSENT not in groups and len({sigs[k].op for k in groups}) == 1:
         op = sigs[next(iter(groups))].op
-        verdict = judge(op, {r: sigs[k] for k, rs in groups.items() for r in rs}, group_size, complete)
+        per_rank = {r: sigs[k] for k, rs in groups.items() for r in rs}
+        verdict = judge(op, per_rank, group_size, complete, [(sigs[k], rs) for k, rs in groups.items()])
         if verdict == LEGIT:
             return None
         if isinstance(verdict, Finding):
