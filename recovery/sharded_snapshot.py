@@ -557,6 +557,11 @@ class ShardedSnapshotter:
     must submit the same steps (the save is collective), so a snapshot is never skipped or replaced
     on one member alone: when the previous one is still being written, `submit` waits for it (up to
     `max_wait`, then SnapshotStuck). One staged copy at most: bounded staging memory.
+
+    Hooks (all run in the writer thread): `still_current()` and `before_publish(step, staging dir)`
+    on the coordinator just before the rename (fencing, fault injection); `on_done(step, info or
+    None, error or None)` on every member after each snapshot (counters, pruning on rank 0);
+    `ownership_map_version()` is stamped into each manifest.
     """
 
     def __init__(
@@ -570,11 +575,14 @@ class ShardedSnapshotter:
         on_done: Callable[[int, ShardedInfo | None, BaseException | None], None] | None = None,
         max_wait: float = 120.0,
         memory_digest: bool = False,
+        before_publish: Callable[[int, Path], None] | None = None,
+        ownership_map_version: Callable[[], int] | None = None,
     ) -> None:
         self.job_dir, self.generation, self.incarnation = Path(job_dir), generation, incarnation
         self.group = group if group is not None else new_snapshot_group()
         self.still_current, self.on_done, self.max_wait = still_current, on_done, max_wait
-        self.memory_digest = memory_digest
+        self.memory_digest, self.before_publish = memory_digest, before_publish
+        self.ownership_map_version = ownership_map_version
         self.written = 0
         self.errors = 0
         self.unpublished = 0
@@ -616,6 +624,8 @@ class ShardedSnapshotter:
                     incarnation=self.incarnation,
                     still_current=self.still_current,
                     memory_digest=self.memory_digest,
+                    before_publish=(lambda p, s=step: hook(s, p)) if (hook := self.before_publish) else None,
+                    ownership_map_version=self.ownership_map_version() if self.ownership_map_version else 0,
                 )
                 if info is None:
                     self.unpublished += 1

@@ -376,6 +376,16 @@ except Exception as exc:
     print("error:", type(exc).__name__, exc)
 info = ss.save_sharded(job, 3, state, group=g, generation=3, incarnation="i")
 print("published:", info.step, info.world_size, info.path.name)
+seen = []
+sn = ss.ShardedSnapshotter(
+    job, generation=3, incarnation="i", group=g, ownership_map_version=lambda: 5,
+    before_publish=lambda s, p: seen.append((s, p.name.startswith(".tmp-step-4-"))),
+    on_done=lambda s, i, e: seen.append((s, i.step if i else None, e)),
+)
+sn.submit(4, state)
+sn.close(30)
+from gpuguard.generation.manifest import load_manifest
+print("hooks:", seen, load_manifest(job / "snapshots" / "step-4").ownership_map_version, sn.written)
 dist.destroy_process_group()
 """
 
@@ -393,5 +403,6 @@ def test_a_fenced_or_failing_coordinator_publishes_nothing(tmp_path):
     assert lines[0] == "fenced: None"
     assert lines[1] == "error: DataError sharded snapshot of step 2 not published: OSError: disk gone"
     assert lines[2] == "published: 3 1 step-3"
-    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-3"]  # no staging left behind
-    assert _reasons(tmp_path) == (3, [])
+    assert lines[3] == "hooks: [(4, True), (4, 4, None)] 5 1"  # the background writer's hooks, in order
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-3", "step-4"]  # no staging left
+    assert _reasons(tmp_path) == (4, [])
