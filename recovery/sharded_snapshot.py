@@ -412,10 +412,16 @@ def save_sharded(
     parent = Path(job_dir) / "snapshots"
     box: list[Any] = [None]
     if rank == 0:
-        parent.mkdir(parents=True, exist_ok=True)
-        box[0] = f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"
-        (parent / box[0]).mkdir()
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            name = f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"
+            (parent / name).mkdir()
+            box[0] = name
+        except OSError as exc:  # said to every member: nobody waits for a save that never starts
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=_src(group), group=group)
+    if not isinstance(box[0], str):
+        raise DataError(f"sharded snapshot of step {step}: no staging directory: {box[0][1]}")
     tmp = parent / box[0]
     planner = _recording_planner()
     ok, result = True, None
@@ -602,8 +608,9 @@ class ShardedSnapshotter:
                 f"the sharded snapshot before step {step} is still being written after {self.max_wait:.0f} s"
             )
         self.wait_s += time.monotonic() - t0
+        staged = stage(state)  # before the writer is marked busy: a failed copy leaves it idle
         self._idle.clear()
-        self._q.put((step, stage(state)))
+        self._q.put((step, staged))
 
     def _run(self) -> None:
         while True:

@@ -386,6 +386,12 @@ sn.submit(4, state)
 sn.close(30)
 from gpuguard.generation.manifest import load_manifest
 print("hooks:", seen, load_manifest(job / "snapshots" / "step-4").ownership_map_version, sn.written)
+(job / "blocked").mkdir()
+(job / "blocked" / "snapshots").write_text("not a directory")
+try:
+    ss.save_sharded(job / "blocked", 5, state, group=g, generation=3, incarnation="i")
+except Exception as exc:
+    print("no dir:", type(exc).__name__, str(exc).split(":")[0:2])
 dist.destroy_process_group()
 """
 
@@ -404,5 +410,6 @@ def test_a_fenced_or_failing_coordinator_publishes_nothing(tmp_path):
     assert lines[1] == "error: DataError sharded snapshot of step 2 not published: OSError: disk gone"
     assert lines[2] == "published: 3 1 step-3"
     assert lines[3] == "hooks: [(4, True), (4, 4, None)] 5 1"  # the background writer's hooks, in order
+    assert lines[4] == "no dir: DataError ['sharded snapshot of step 5', ' no staging directory']"
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-3", "step-4"]  # no staging left
     assert _reasons(tmp_path) == (4, [])
