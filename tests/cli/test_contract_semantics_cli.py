@@ -76,3 +76,11 @@ def test_json_without_entries_and_nothing_compared_are_unknown(cli, tmp_path):
     assert doc["partial"] is True and any("nothing compared" in w for w in doc["warnings"])
     human = cli("gpu-doctor", "contract", str(tmp_path))
     assert human.returncode == 3 and "contract UNKNOWN" in human.stdout and "nothing compared" in human.stdout
+
+
+def test_pytorchs_own_only_active_json_of_the_real_job_is_read(cli, dumps):
+    res = cli("gpu-doctor", "contract", str(dumps["ok"] / "fr_active"), "--json")
+    assert res.returncode == 3, res.stderr  # the same-named halves are a guess: unknown, never broken or 65
+    doc = json.loads(res.stdout)
+    assert doc["first_divergence"] is None and doc["refused"] == []
+    assert sorted(i["rank"] for i in doc["inputs"]) == [0, 1, 2, 3]

@@ -11,7 +11,8 @@ on its own process groups created up front:
        (gloo records no point-to-point calls in its Flight Recorder and completes this silently);
   bad  rank 2 gathers 5 elements where the others gather 4 (gloo aborts the root; every rank
        snapshots right after enqueueing, rank 2 last, so the dumps show it).
-Outputs under `--out`: <scenario>/{fr_pickle/rank_<r>, fr_json/rank_<r>.json}, done_<scenario>_<r>.
+Outputs under `--out`: <scenario>/{fr_pickle/rank_<r>, fr_json/rank_<r>.json}, ok/fr_active/rank_<r>.json
+(PyTorch's own onlyActive JSON, unfiltered, written after everything completed), done_<scenario>_<r>.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> int:
     try:
         ok(rank, world, g_ok, half)
         snapshot(args.out, "ok", rank, names_ok)
+        time.sleep(0.3)  # let gloo mark the last entries completed, then the onlyActive dump as written
+        active = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=True)
+        _write_atomic(os.path.join(args.out, "ok", "fr_active", f"rank_{rank}.json"), active)
         with open(os.path.join(args.out, f"done_ok_{rank}"), "w") as fh:
             fh.write("ok\n")
     except Exception as exc:  # noqa: BLE001 - the dump is the point
