@@ -312,7 +312,7 @@ def check(
             )
             for part in split:
                 sub = {r: present[r] for r in part}
-                results.append(_check_timeline(name, gen, pg_desc, None, sub, (), {}, interner))
+                results.append(_check_timeline(name, gen, pg_desc, None, sub, (), {}, interner, bad_sigs))
     if p2p_by_rank:
         results.extend(_check_p2p(p2p_by_rank, cluster_of, by_rank, wanted))
     checked = sum(t.checked for t, _ in results)
