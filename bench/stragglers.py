@@ -36,102 +36,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.support.cpu_quota
 from _common import emit  # noqa: E402
 
 from gpuguard.collectors.step_records import read_job  # noqa: E402
-from gpuguard.examples import demo  # noqa: E402
+from tests.support.cpu_quota import Throttle, burn_job, probe, remove_stale  # noqa: E402
 
 SLOW_RANK = 2
 WORKERS = 4
-CG_V1 = Path("/sys/fs/cgroup/cpu")
-CG_V2 = Path("/sys/fs/cgroup")
-
-
-class Throttle:
-    """Cap one process at `pct` % of one CPU: a child cgroup (v1 or v2), else SIGSTOP/SIGCONT duty cycling."""
-
-    def __init__(self, pid: int, pct: float) -> None:
-        self.pid, self.pct = pid, pct
-        self.kind = ""
-        self.path: Path | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def available() -> str:
-        """'cgroup-v1', 'cgroup-v2' or '' (then the duty-cycle fallback)."""
-        if (CG_V1 / "cpu.cfs_quota_us").exists() and os.access(CG_V1, os.W_OK):
-            return "cgroup-v1"
-        ctl = CG_V2 / "cgroup.controllers"
-        if ctl.exists() and "cpu" in ctl.read_text().split() and os.access(CG_V2, os.W_OK):
-            return "cgroup-v2"
-        return ""
-
-    def __enter__(self) -> Throttle:
-        kind = self.available()
-        name = f"gpuguard-straggler-{os.getpid()}-{self.pid}"
-        period = 100_000
-        quota = max(1000, int(period * self.pct / 100))  # the kernel's minimum quota is 1 ms
-        try:
-            if kind == "cgroup-v1":
-                self.path = CG_V1 / name
-                self.path.mkdir()
-                (self.path / "cpu.cfs_period_us").write_text(str(period))
-                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-                (self.path / "cgroup.procs").write_text(str(self.pid))
-            elif kind == "cgroup-v2":
-                self.path = CG_V2 / name
-                self.path.mkdir()
-                (self.path / "cpu.max").write_text(f"{quota} {period}")
-                (self.path / "cgroup.procs").write_text(str(self.pid))
-            self.kind = kind
-        except OSError:
-            self._remove()
-            self.kind = ""
-        if not self.kind:
-            self.kind = "sigstop-duty"
-            self._thread = threading.Thread(target=self._duty, daemon=True)
-            self._thread.start()
-        return self
-
-    def _duty(self) -> None:
-        on, cycle = self.pct / 100 * 0.1, 0.1
-        while not self._stop.is_set():
-            time.sleep(on)
-            try:
-                os.kill(self.pid, signal.SIGSTOP)
-                time.sleep(cycle - on)
-                os.kill(self.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                return
-
-    def _remove(self) -> None:
-        if self.path is None:
-            return
-        root = self.path.parent
-        try:
-            (root / "cgroup.procs").write_text(str(self.pid))
-        except OSError:
-            pass
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
-        self.path = None
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        self._remove()
 
 
 class Watch:
@@ -235,28 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the job dir")
     args = ap.parse_args(argv)
     quotas = [float(q) for q in args.quotas.split(",") if q.strip()]
+    remove_stale()  # the cgroups of an earlier run that was killed before it could remove them
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-stragglers-"))
     job = tmp / "job"
     job.mkdir()
-    env = demo.worker_env()
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["GPUGUARD_PG_TIMEOUT"] = "600"  # a 1 % rank takes long steps: no collective timeout in the bench
-    cmd = demo.torchrun_argv(
-        job,
-        workers=WORKERS,
-        steps=10_000_000,
-        kills=[],
-        max_restarts=0,
-        port=demo.free_port(),
-        run_id=f"stragglers{os.getpid()}",
-        extra=["--burn-work", str(args.burn_work), "--snapshot-every", "1000000", "--checkpoint-every", "1000000"],
+    # a 1 % rank takes long steps: no collective timeout in the bench
+    cmd, env = burn_job(
+        job, workers=WORKERS, burn_work=args.burn_work, pg_timeout_s=600, run_id=f"stragglers{os.getpid()}"
     )
     log = open(job / "torchrun.log", "w")  # noqa: SIM115 - closed with the job
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     rows: list[dict] = []
     false_slow_reasons: set[str] = set()
-    kind = Throttle.available() or "sigstop-duty"
+    kind = probe()[0] or "sigstop-duty"
     watch = None
     try:
         pids = wait_steps(job, 30, timeout=180)
@@ -290,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for q in quotas:
             t0, w_0 = time.monotonic(), time.time()
-            with Throttle(pids[SLOW_RANK], q) as th:
+            with Throttle(pids[SLOW_RANK], q, fallback=True) as th:
                 time.sleep(args.phase_s)
             t1, w_1 = time.monotonic(), time.time()
             checks = watch.between(t0, t1)
