@@ -18,6 +18,11 @@ frozen host comes back once the survivors have moved on). Rows:
   (`--step-log` records). `recovered`: the survivors' agents exit 0, generation 2 is a certified
   scale-down whose members restored the state the old rank 0 recorded at the frontier, every final
   state equal, and `gpu-generation verify` accepts the chain.
+- `seed-recipe`: what a user runs without gpuguard, on the same hosts: torchrun agents on c10d (the
+  rendezvous served by h1's agent), `demo_train --mode plain`, rank 0 checkpointing every 5 steps to
+  the shared storage, torchrun restarting the workers. Victim: h3 (power-off, partition, freeze) or
+  h1 (`store-host`, the c10d server's host). Time = fault -> the first step every restarted survivor
+  finished. No certificate, so no semantic check beyond finishing.
 - `restart-baseline`: the same workload in plain torch.distributed (`examples.plain_train`, same
   collective timeout, rank 0 checkpoints every 5 steps to the shared checkpoint storage); a
   supervisor that notices the first worker exit kills every worker and relaunches on the
@@ -190,6 +195,42 @@ def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
     }
 
 
+def seed_recipe_trial(fault: str, logs: Path) -> dict[str, Any]:
+    """The seed recipe on the same hosts: torchrun's c10d rendezvous (h1's agent), plain training."""
+    victim = "h1" if fault == "store-host" else "h3"
+    survivors = [h for h in HOSTS if h != victim]
+    with up(len(HOSTS)) as c:
+        job = RestartHostJob.launch(
+            c, HOSTS, logs, steps=RESTART_STEPS, sleep=RESTART_SLEEP, step_log=True, seed_recipe=True
+        )
+        with job:
+            if not job.wait_for(lambda: max((r["step"] for r in job.records("steps")), default=0) >= MARK, 150):
+                return {"recovered": False, "why": "never reached the fault"}
+            before = max(r["step"] for r in job.records("steps"))
+            t_fault = time.time()
+            _fault(c, fault, victim)
+            codes = job.wait(survivors, 150)
+            _unfault(c, fault, victim)
+            records = {kind: job.records(kind) for kind in ("resume", "steps")}
+    resumed = {r["rank"]: r for r in records["resume"] if r["restart_count"] >= 1}
+    firsts = []
+    for rank, res in resumed.items():
+        after = [s["time"] for s in records["steps"] if s["rank"] == rank and s["time"] > res["time"]]
+        if after:
+            firsts.append(min(after))
+    finished = all(code == 0 for code in codes.values())
+    start = min((r["start_step"] for r in resumed.values()), default=None)
+    return {
+        "recovered": finished and len(firsts) == len(survivors),
+        "semantic_failure": False,
+        "fenced": 0,
+        "self_fenced": False,
+        "seconds": (max(firsts) - t_fault) if finished and len(firsts) == len(survivors) else None,
+        "steps_lost": (before - (start - 1)) if start is not None else None,
+        "why": "" if finished else f"agents exited {codes}",
+    }
+
+
 def _plain(c: Any, hosts: list[str], ckpt: str, logs: Path, name: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
     env.update(
@@ -358,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--faults", default="power-off,partition,freeze,store-host")
-    ap.add_argument("--paths", default="in-place,restart,restart-baseline")
+    ap.add_argument("--paths", default="in-place,restart,seed-recipe,restart-baseline")
     ap.add_argument("--stores", type=int, default=0, metavar="N", help="also time N group formations per store")
     args = ap.parse_args(argv)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -373,13 +414,18 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="gpuguard-bench-hosts-"))
     results = []
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    trial = {"in-place": in_place_trial, "restart": restart_trial, "restart-baseline": baseline_trial}
+    trial = {
+        "in-place": in_place_trial,
+        "restart": restart_trial,
+        "seed-recipe": seed_recipe_trial,
+        "restart-baseline": baseline_trial,
+    }
     if [p for p in paths if p not in trial]:
         print(f"unknown path(s) in {args.paths!r}: choose from {', '.join(trial)}", file=sys.stderr)
         return 64
     for fault in faults:
         for path in paths:
-            if fault == "store-host" and path != "restart":
+            if fault == "store-host" and path not in ("restart", "seed-recipe"):
                 continue  # in place and in the baseline, rank 0's host is the power-off row's victim already
             results.append(row(fault, path, [trial[path](fault, logs) for _ in range(max(1, args.trials))]))
     if args.stores:

@@ -25,13 +25,14 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpuguard.foundation.env import JOB_DIR_ENV
+from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.runtime import Runtime
 from gpuguard.recovery.snapshot import state_digest
 
@@ -218,7 +219,9 @@ def run_plain(args: argparse.Namespace) -> int:
     job_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
     faults = Faults(job_dir, rank, args.kill)
-    dist.init_process_group("gloo")
+    # the same collective timeout as the runtime's group (GPUGUARD_PG_TIMEOUT), else torch's default
+    timeout = float(os.environ.get(PG_TIMEOUT_ENV, "1800"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     world = dist.get_world_size()
     model, opt = build()
     ckpt = job_dir / "plain-ckpt.pt"
@@ -247,7 +250,10 @@ def run_plain(args: argparse.Namespace) -> int:
             torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict()}, tmp)
             os.replace(tmp, ckpt)
         if args.step_log:
-            _append(out / f"steps-{rank}.jsonl", {"step": step, "time": time.time(), "dt": time.perf_counter() - t0})
+            _append(
+                out / f"steps-{rank}.jsonl",
+                {"rank": rank, "step": step, "time": time.time(), "dt": time.perf_counter() - t0},
+            )
         if args.sleep:
             time.sleep(args.sleep)
     dist.destroy_process_group()

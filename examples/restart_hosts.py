@@ -39,10 +39,9 @@ from gpuguard.foundation.env import (
 )
 
 # keep-alive 1 s x 3: a lost agent leaves the rendezvous 3 s after its last heartbeat (torch's default 15 s)
-RDZV_CONF = (
-    "key_prefix=/gpuguard-rdzv,read_timeout=3,store_timeout=60,last_call_timeout=1,join_timeout=90,"
-    "keep_alive_interval=1,keep_alive_max_attempt=3,lease_ttl=6,closed_ttl=60"
-)
+DYNAMIC_CONF = "last_call_timeout=1,join_timeout=90,keep_alive_interval=1,keep_alive_max_attempt=3"
+RDZV_CONF = f"key_prefix=/gpuguard-rdzv,read_timeout=3,store_timeout=60,lease_ttl=6,closed_ttl=60,{DYNAMIC_CONF}"
+C10D_PORT = 29400
 
 
 def _console(name: str) -> str:
@@ -92,8 +91,14 @@ class RestartHostJob:
         spares: list[str] | None = None,
         name: str | None = None,
         step_log: bool = False,
+        seed_recipe: bool = False,
+        ckpt_every: int = 5,
     ) -> RestartHostJob:
-        """Start an agent on each of `hosts`; `spares` get the job's key too (for `start_agent` later)."""
+        """Start an agent on each of `hosts`; `spares` get the job's key too (for `start_agent` later).
+
+        `seed_recipe`: the baseline a user would otherwise run on the same hosts: torchrun's own c10d
+        rendezvous served by the first host's agent, `demo_train --mode plain` (env:// group, rank 0
+        checkpoints every `ckpt_every` steps to the shared storage, resume from the last one)."""
         name = name or f"rs-{uuid.uuid4().hex[:8]}"
         url = cluster.etcd_url.replace("http://", "etcd://", 1) + f"/gpuguard-{name}"
         job = cls(cluster, list(hosts), name, url, Path(log_dir))
@@ -116,19 +121,24 @@ class RestartHostJob:
                     shutil.copy2(src / f, dst / f)
             os.chmod(dst / "generation.key", 0o600)
         etcd_host = cluster.etcd_url.split("://", 1)[1]
+        if seed_recipe:
+            rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.host(first).address}:{C10D_PORT}"]
+            rdzv.append(f"--rdzv-conf={DYNAMIC_CONF}")
+            mode = ["--mode", "plain", "--ckpt-every", str(ckpt_every)]
+        else:
+            rdzv = ["--rdzv-backend=gpuguard", f"--rdzv-endpoint={etcd_host}", f"--rdzv-conf={RDZV_CONF}"]
+            mode = []
         job.argv = [
             f"--nnodes={nnodes}",
             "--nproc-per-node=1",
-            "--rdzv-backend=gpuguard",
-            f"--rdzv-endpoint={etcd_host}",
+            *rdzv,
             f"--rdzv-id={name}",
-            f"--rdzv-conf={RDZV_CONF}",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.2",
             "-m",
             "gpuguard.examples.demo_train",
             "--job-dir",
-            job.job_dir,
+            str(job.shared / "plain") if seed_recipe else job.job_dir,
             "--steps",
             str(steps),
             "--sleep",
@@ -137,6 +147,7 @@ class RestartHostJob:
             str(job.shared / "out"),
             "--hashes",
             *(["--step-log"] if step_log else []),
+            *mode,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_", "TORCH_DISABLE"))}
         env.update(
