@@ -138,6 +138,11 @@ def register(*, app: typer.Typer) -> None:
         ),
         timeout: float = typer.Option(180.0, "--timeout", help="Give up after this many seconds."),
         as_json: bool = typer.Option(False, "--json", help="One gpuguard.demo/1 document."),
+        rdzv_endpoint: str | None = typer.Option(
+            None,
+            "--rdzv-endpoint",
+            help="etcd v3 HOST:PORT[,...]: rendezvous on --rdzv-backend=gpuguard instead of c10d (restart scenario).",
+        ),
         scenario: Scenario = typer.Option(
             Scenario.restart,
             "--scenario",
@@ -177,8 +182,10 @@ def register(*, app: typer.Typer) -> None:
             port=d.free_port(),
             run_id=f"demo-{job.name}",
             extra=["--progress", "--sleep", "0.05"],
+            etcd_endpoint=rdzv_endpoint,
         )
-        out.print(f"[bold]gpuguard demo[/]: {workers} gloo workers under torchrun (torch defaults), job dir {job}")
+        backend = f"rendezvous on etcd {rdzv_endpoint}" if rdzv_endpoint else "torch defaults"
+        out.print(f"[bold]gpuguard demo[/]: {workers} gloo workers under torchrun ({backend}), job dir {job}")
         out.print(f"  rank {victim} will be SIGKILLed in the middle of its optimizer update at step {kill_step}")
         t0 = time.monotonic()
 

@@ -57,17 +57,25 @@ def torchrun_argv(
     port: int,
     run_id: str,
     extra: list[str] = (),
+    etcd_endpoint: str | None = None,
 ) -> list[str]:
-    """The torchrun command line of the demo job (also used by the tests and the benchmark)."""
+    """The torchrun command line of the demo job (also used by the tests and the benchmark).
+
+    `etcd_endpoint` (HOST:PORT[,...]): the rendezvous on gpuguard's etcd v3 backend instead of c10d
+    on `port`, started through the `torchrun` console script (under `-m`, torch's dynamic
+    rendezvous spends seconds in `inspect.stack()` on every state change: docs/rendezvous-etcd.md)."""
+    if etcd_endpoint:
+        launcher = [str(Path(sys.executable).with_name("torchrun"))]
+        rdzv = ["--rdzv-backend=gpuguard", f"--rdzv-endpoint={etcd_endpoint}", "--local-addr=127.0.0.1"]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *launcher,
         "--nnodes=1:1",
         f"--nproc-per-node={workers}",
         f"--max-restarts={max_restarts}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
+        *rdzv,
         f"--rdzv-id={run_id}",
         "--monitor-interval=0.1",
         "-m",

@@ -26,6 +26,20 @@ def test_demo_kills_a_worker_mid_update_and_ends_certified(cli, tmp_path):
     assert len(list((job / "incarnations").glob("*.json"))) == 8
 
 
+@pytest.mark.etcd
+def test_demo_on_the_etcd_rendezvous_recovers_and_binds_each_round_to_its_generation(cli, tmp_path, etcd_url):
+    """The same demo with `--rdzv-backend=gpuguard`: the restart's new round is certified as generation 2."""
+    job = tmp_path / "job"
+    endpoint = etcd_url.split("://", 1)[1]
+    res = cli("gpu-recover", "demo", "--job-dir", str(job), "--rdzv-endpoint", endpoint, "--json", timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True and doc["generations"] == [1, 2] and doc["final_hashes_equal"]
+    hist = json.loads(cli("gpu-generation", "history", "--job-dir", str(job), "--json", timeout=60).stdout)
+    rounds = {g["generation"]: g["rendezvous_round"] for g in hist["generations"]}
+    assert rounds[1] == 0 and rounds[2] >= 1, rounds  # the restart's round, read from etcd
+
+
 def test_demo_refuses_a_job_dir_in_use(cli, tmp_path):
     (tmp_path / "something").write_text("x")
     res = cli("gpu-recover", "demo", "--job-dir", str(tmp_path))
