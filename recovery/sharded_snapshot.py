@@ -220,11 +220,12 @@ def _chunk_sum(local: Any, offsets: tuple[int, ...], global_shape: tuple[int, ..
     if t.numel() == 0:
         return 0
     if t.dtype == torch.bool:
-        bits = t.to(torch.int64)
+        src = t
     elif t.is_floating_point() or t.element_size() in _INTS:
-        bits = t.view(getattr(torch, _INTS[t.element_size()])).to(torch.int64)
+        src = t.view(getattr(torch, _INTS[t.element_size()]))
     else:  # complex and other exotic types: hash their bytes as int8
-        bits = t.view(torch.int8).to(torch.int64)
+        src = t.view(torch.int8)
+    h = src.to(torch.int64, copy=True).reshape(-1)  # a copy: the in-place steps below never touch the state
     strides = [1] * len(global_shape)
     for d in range(len(global_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * global_shape[d + 1]
@@ -233,13 +234,11 @@ def _chunk_sum(local: Any, offsets: tuple[int, ...], global_shape: tuple[int, ..
         shape = [1] * t.dim()
         shape[d] = n
         idx = idx + ((torch.arange(n, dtype=torch.int64) + o) * strides[d]).view(shape)
-    idx = idx.expand(t.shape).reshape(-1) if t.dim() else idx.reshape(1)
-    h = bits.reshape(-1) * _K[0] + idx * _K[1] + _K[2]
-    h = h ^ ((h >> 31) & ((1 << 33) - 1))
-    h = h * _K[3]
-    h = h ^ ((h >> 29) & ((1 << 35) - 1))
-    h = h * _K[4]
-    h = h ^ ((h >> 32) & ((1 << 32) - 1))
+    idx = idx.expand(t.shape).reshape(-1) if t.dim() else idx.reshape(1)  # a temporary of ours
+    h.mul_(_K[0]).add_(idx.mul_(_K[1])).add_(_K[2])
+    h.bitwise_xor_((h >> 31) & ((1 << 33) - 1)).mul_(_K[3])
+    h.bitwise_xor_((h >> 29) & ((1 << 35) - 1)).mul_(_K[4])
+    h.bitwise_xor_((h >> 32) & ((1 << 32) - 1))
     return int(h.sum()) & _M64
 
 
