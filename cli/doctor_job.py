@@ -98,6 +98,9 @@ def render(doc: dict[str, Any]):  # -> rich renderable
         f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
         f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
     )
+    extra = _impact_line(doc)
+    if extra:
+        head.append(f"\n{safe_text(extra)}")
     table = Table(show_edge=False, pad_edge=False)
     for col in ("rank", "verdict", "phase", "age", "own p50/p99", "compute", "last steps", "why"):
         table.add_column(col, overflow="fold" if col == "why" else "ellipsis", no_wrap=col != "why")
@@ -130,6 +133,12 @@ def render(doc: dict[str, Any]):  # -> rich renderable
 MAX_HEALTHY_ROWS = 32
 
 
+def _impact_line(doc: dict[str, Any]) -> str:
+    """'impact: job step ...' when the document has one that the reason does not already say."""
+    line = (doc.get("impact") or {}).get("line", "")
+    return f"impact: {line}" if line and line not in doc["reason"] else ""
+
+
 def _rows_to_show(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """Every rank that is not healthy, and healthy ones up to a screenful (10,000 rows help nobody)."""
     bad = [r for r in ranks if r["verdict"] != "healthy"]
@@ -152,6 +161,8 @@ def _print_human(doc: dict[str, Any]) -> None:
         f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
         f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s"
     )
+    if _impact_line(doc):
+        print(safe_text(_impact_line(doc)))
     top = per["p99"] * 1.5 or 1.0
     shown, hidden = _rows_to_show(doc["ranks"])
     for r in shown:

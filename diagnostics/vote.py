@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.diagnostics.arrival import resolve_roots, stragglers
-from gpuguard.diagnostics.jobstats import mad, median
+from gpuguard.diagnostics.jobstats import Impact, job_impact, mad, median
 from gpuguard.diagnostics.voters import (
     ABSTAIN,
     DEAD,
@@ -124,6 +124,7 @@ class JobVerdict:
     culprits: tuple[int, ...] = ()
     next_steps: tuple[str, ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
+    impact: Impact | None = None  # what the slowness costs the job per step, and which rank costs it
 
     @property
     def exit_code(self) -> int:
@@ -377,7 +378,16 @@ def vote(
             RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o, past_checks.get(o.rank, 0))
         )
     culprit_ranks = tuple(r.rank for r in verdicts if r.culprit)
-    return _summarize(tuple(verdicts), culprit_ranks, cohort)
+    # the ranks slow of their own (last at the collectives, or computing slower than the cohort) cost the job
+    own_slow = [
+        r.rank
+        for r in verdicts
+        if r.verdict == SLOW
+        and not r.blocked_by
+        and any(v.dimension in ("arrival", "cohort") and v.verdict == SLOW for v in r.votes)
+    ]
+    impact = job_impact([o for o in obs if prelim[o.rank][0] != DEAD], own_slow, cfg.impact_min_slowdown)
+    return _summarize(tuple(verdicts), culprit_ranks, cohort, impact)
 
 
 def _same_place(a: RankObservation | None, b: RankObservation) -> bool:
@@ -458,7 +468,9 @@ def _fmt_ranks(ranks: Sequence[int], limit: int = 8) -> str:
     return head + (f" (+{len(ranks) - limit} more)" if len(ranks) > limit else "")
 
 
-def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], cohort: Cohort) -> JobVerdict:
+def _summarize(
+    verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], cohort: Cohort, impact: Impact | None = None
+) -> JobVerdict:
     counts: dict[str, int] = {}
     for r in verdicts:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
@@ -476,6 +488,8 @@ def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], coh
     }.get(worst, named or worst)
     if culprits:
         reason += f"; culprit: rank(s) {_fmt_ranks(culprits)}"
+    if impact is not None and worst == SLOW:
+        reason += f"; {impact.line()}"
     steps: list[str] = []
     by = {r.rank: r for r in verdicts}
     for c in culprits or tuple(r.rank for r in verdicts if r.verdict in (DEAD, HUNG)):
@@ -497,7 +511,7 @@ def _summarize(verdicts: tuple[RankVerdict, ...], culprits: tuple[int, ...], coh
         steps.append("ranks without records: check that they started and call StepLog (or pass --log-regex)")
     if not steps:
         steps.append("nothing to do")
-    return JobVerdict(worst, reason, verdicts, culprits, tuple(steps[:20]), counts)
+    return JobVerdict(worst, reason, verdicts, culprits, tuple(steps[:20]), counts, impact)
 
 
 def to_json(
@@ -517,6 +531,7 @@ def to_json(
         "culprits": list(job.culprits),
         "counts": job.counts,
         "cohort_step_s": dict(cohort_steps or {}),
+        "impact": job.impact.to_json() if job.impact is not None else None,
         "next_steps": list(job.next_steps),
         "ranks": [r.to_json() for r in job.ranks],
     }

@@ -42,6 +42,7 @@ class VoteConfig:
     collective_k: float = 3.0
     comm_min_reports: int = 1
     cpu_progress_frac: float = 0.005
+    impact_min_slowdown: float = 1.5
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ and every process of the job are removed whatever happens (the quota in a `with`
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -25,6 +26,7 @@ import pytest
 from gpuguard.diagnostics.vote import load_config, vote
 from gpuguard.recovery.job_observation import observe_job
 from tests.support import cpu_quota
+from tests.support.cli import run_cli
 from tests.support.processes import kill_trees
 
 KIND, WHY_NOT = cpu_quota.probe()
@@ -169,7 +171,17 @@ def test_a_throttled_rank_is_slow_and_the_culprit_others_blocked_by_it_never_dea
         # it progresses all along (that is what makes `hung` wrong): its steps advanced under the quota
         assert j.by_rank()[SLOW].observation.phase_step > steps_before, describe(j)
         assert j.exit_code == 1 and "culprit: rank(s) 2" in j.reason, j.reason
-        print(f"{pct} %: named at check {first} of {MAX_CHECKS}, then at {HOLD} of {HOLD}; compute {own / peers:.1f} x")
+        # the job-level line names what it costs: rank 2 accounts for the peers' extra wait per step
+        assert j.impact is not None and [r for r, _ in j.impact.cost_s] == [SLOW], j.impact
+        assert f"rank {SLOW} accounts for" in j.reason, j.reason
+        if pct == 5:  # the same in the CLI's document, from one check on its own
+            res = run_cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job.dir), "--json", timeout=60)
+            doc = json.loads(res.stdout)
+            assert res.returncode == 1 and doc["culprits"] == [SLOW], (res.returncode, res.stderr, doc["reason"])
+            assert list(doc["impact"]["cost_s"]) == [str(SLOW)] and doc["impact"]["line"] in doc["reason"], doc
+        print(
+            f"{pct} %: named at check {first} of {MAX_CHECKS}, then at {HOLD} of {HOLD}; compute {own / peers:.1f} x; {j.impact.line()}"
+        )
     w.until(lambda j: j.verdict == "healthy", timeout=60, forbid=dead_or_hung)
 
 
