@@ -5,7 +5,7 @@ pruning, `gpu-recover restore` and `gpu-generation verify --deep` treat it alike
 collective `torch.distributed.checkpoint` save over a dedicated process group: each rank writes
 `__<rank>_0.distcp` with the chunks it owns (FSDP2 / HSDP shards, or, for a replicated model, the
 pieces DCP's de-duplication gave it), rank 0 writes `.metadata`. Then each rank hashes its own
-file's objects (BLAKE3, `generation.manifest.build_entries`) into `parts/rank-<R>.json`; the
+file's objects (BLAKE3, `generation.manifest.build_entries`) into `gpuguard.part-<R>.json`; the
 coordinator (rank 0) gathers the part digests, checks that the parts together cover the metadata
 exactly once, writes `state.json` and the one manifest (`gpuguard.manifest/1`, the same Merkle rule
 as every manifest), and only then publishes the directory with one rename. A member that dies
@@ -58,13 +58,13 @@ from gpuguard.recovery.snapshot import (
 
 LAYOUT = "gpuguard.sharded/1"  # manifest extra["layout"] and state.json "layout"
 PART_SCHEMA = "gpuguard.sharded-part/1"
-PARTS_DIR = "parts"
 MAX_PART_BYTES = 64 << 20  # a part lists one rank's objects: a few MiB for 100,000s of chunks
 _M64 = (1 << 64) - 1
 
 
 def part_name(rank: int) -> str:
-    return f"rank-{int(rank)}.json"
+    """A member's part sits beside the data files (no subdirectory: a snapshot stays one flat directory)."""
+    return f"gpuguard.part-{int(rank)}.json"
 
 
 # ---------------------------------------------------------------- records
@@ -107,15 +107,15 @@ class Part:
 
 
 def write_part(part: Part, directory: Path) -> Path:
-    """`parts/rank-<R>.json`, canonical, atomically (temp + fsync + rename + directory fsync)."""
-    path = directory / PARTS_DIR / part_name(part.rank)
+    """`gpuguard.part-<R>.json`, canonical, atomically (temp + fsync + rename + directory fsync)."""
+    path = directory / part_name(part.rank)
     jobdir.atomic_write_bytes(path, canonical_bytes(part.to_dict()) + b"\n")
     return path
 
 
 def read_part(directory: Path, rank: int) -> Part:
     """A member's part, re-checked against its own digest: NoInputError if missing, DataError if altered."""
-    path = directory / PARTS_DIR / part_name(rank)
+    path = directory / part_name(rank)
     doc = jobdir.read_json(path, max_bytes=MAX_PART_BYTES)
     try:
         if doc.get("schema") != PART_SCHEMA:
@@ -397,7 +397,7 @@ def save_sharded(
     failed or was refused; the group's error (a timeout) when a member is gone mid-save.
 
     `memory_digest`: also compute the layout-independent digest of the state as it is in memory
-    (`state_digest` in state.json; a full pass over the state, ~60 ns an element on one CPU core),
+    (`state_digest` in state.json; a full pass over the state, ~20-60 ns an element on one CPU core),
     so that a restore also proves that what was written is what was in memory. Without it
     `state_digest` is null and a restore checks the loaded state against the stored one.
 

@@ -140,7 +140,8 @@ def test_every_member_writes_its_own_shards_and_one_manifest_covers_them(referen
     assert snaps == {f"step-{s}" for s in range(0, REF_STEPS, 2)}  # no staging directory left over
     d = reference / "snapshots" / "step-10"
     assert sorted(p.name for p in d.glob("__*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
-    assert sorted(p.name for p in (d / "parts").iterdir()) == ["rank-0.json", "rank-1.json", "rank-2.json"]
+    assert sorted(p.name for p in d.glob("gpuguard.part-*")) == [f"gpuguard.part-{r}.json" for r in range(3)]
+    assert [p for p in d.iterdir() if p.is_dir()] == []  # one flat directory, as replicated snapshots
     manifest = m.load_manifest(d)
     assert manifest.extra["layout"] == ss.LAYOUT and manifest.extra["world_size"] == 3
     assert {e.owner_rank for e in manifest.entries} == {0, 1, 2}
@@ -310,24 +311,24 @@ def test_a_missing_shard_file_is_refused(reference, tmp_path):
 
 def test_a_snapshot_with_a_missing_member_part_is_never_selected(reference, tmp_path):
     job = copy_job(reference, tmp_path, (6, 8))
-    (job / "snapshots" / "step-8" / "parts" / "rank-2.json").unlink()
+    (job / "snapshots" / "step-8" / "gpuguard.part-2.json").unlink()
     chosen, reasons = _reasons(job)
     assert chosen == 6
     assert reasons == ["8: the part of rank 2 of 3 is missing"]
-    (job / "snapshots" / "step-6" / "parts" / "rank-0.json").unlink()
+    (job / "snapshots" / "step-6" / "gpuguard.part-0.json").unlink()
     assert _reasons(job) == (None, ["8: the part of rank 2 of 3 is missing", "6: the part of rank 0 of 3 is missing"])
 
 
 def test_a_tampered_or_swapped_part_is_refused(reference, tmp_path):
     job = copy_job(reference, tmp_path, (6, 8))
-    part = job / "snapshots" / "step-8" / "parts" / "rank-1.json"
+    part = job / "snapshots" / "step-8" / "gpuguard.part-1.json"
     doc = json.loads(part.read_text())
     doc["incarnation"] = "someone-else"
     part.write_text(json.dumps(doc))
     chosen, reasons = _reasons(job)
     assert chosen == 6 and reasons == [f"8: {part}: part digest does not match its entries: tampered"]
     # a part that is itself intact but belongs to another snapshot
-    shutil.copy(job / "snapshots" / "step-6" / "parts" / "rank-1.json", part)
+    shutil.copy(job / "snapshots" / "step-6" / "gpuguard.part-1.json", part)
     assert _reasons(job)[1] == ["8: the part of rank 1 is not the one the manifest names"]
 
 
@@ -340,7 +341,7 @@ def test_a_replicated_snapshot_is_not_taken_for_a_sharded_one(tmp_path):
 
 def test_a_resume_with_nothing_restorable_says_why_in_one_line_per_snapshot(reference, tmp_path):
     job = copy_job(reference, tmp_path / "job", (8,))
-    (job / "snapshots" / "step-8" / "parts" / "rank-0.json").unlink()
+    (job / "snapshots" / "step-8" / "gpuguard.part-0.json").unlink()
     rc, out = finish(torchrun(job, 2, "--steps", "12", "--resume"))
     assert rc != 0
     assert "no restorable sharded snapshot: ['the part of rank 0 of 3 is missing']" in out
@@ -413,3 +414,15 @@ def test_a_fenced_or_failing_coordinator_publishes_nothing(tmp_path):
     assert lines[4] == "no dir: DataError ['sharded snapshot of step 5', ' no staging directory']"
     assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-3", "step-4"]  # no staging left
     assert _reasons(tmp_path) == (4, [])
+
+
+def test_a_sharded_snapshot_is_promoted_to_a_durable_checkpoint_like_a_replicated_one(reference, tmp_path):
+    from gpuguard.recovery.snapshot import copy_to_checkpoint
+
+    job = copy_job(reference, tmp_path, (8,))
+    chosen = ss.select_sharded(job).chosen
+    durable = copy_to_checkpoint(job, chosen)
+    (job / "snapshots" / "step-8" / "gpuguard.part-0.json").unlink()  # the snapshot is now broken...
+    sel = ss.select_sharded(job)
+    assert sel.chosen is not None and sel.chosen.kind == "checkpoints" and sel.chosen.path == durable.path
+    assert sel.chosen.manifest_digest == chosen.manifest_digest  # ...the checkpoint is the same state

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation.manifest import ManifestEntry, ObjectSpec
-from gpuguard.recovery.sharded_snapshot import PARTS_DIR, Part, part_name, read_part, write_part
+from gpuguard.recovery.sharded_snapshot import Part, part_name, read_part, write_part
 
 
 def part(rank: int = 1, n: int = 3) -> Part:
@@ -48,7 +48,7 @@ def test_a_part_round_trips_and_its_digest_binds_every_field(tmp_path):
     with pytest.raises(NoInputError):
         read_part(tmp_path, 0)
     with pytest.raises(DataError, match="says rank 1"):
-        (tmp_path / PARTS_DIR / part_name(0)).write_bytes((tmp_path / PARTS_DIR / part_name(1)).read_bytes())
+        (tmp_path / part_name(0)).write_bytes((tmp_path / part_name(1)).read_bytes())
         read_part(tmp_path, 0)
 
 
@@ -57,7 +57,7 @@ def test_a_part_round_trips_and_its_digest_binds_every_field(tmp_path):
 def test_any_damaged_part_is_refused_as_bad_data_or_reads_back_unchanged(tmp_path, data):
     p = part()
     write_part(p, tmp_path)
-    path: Path = tmp_path / PARTS_DIR / part_name(1)
+    path: Path = tmp_path / part_name(1)
     raw = bytearray(path.read_bytes())
     for _ in range(data.draw(st.integers(1, 4))):
         kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
