@@ -39,7 +39,7 @@ def assess(
     `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
     from gpuguard.diagnostics.jobstats import distribution
     from gpuguard.diagnostics.vote import load_config, to_json, vote
-    from gpuguard.recovery.job_observation import observe_job
+    from gpuguard.recovery.job_observation import observe_job_generations
 
     path = Path(job_dir)
     if not path.is_dir():
@@ -51,10 +51,10 @@ def assess(
     for p in launcher_logs:
         if not p.is_file():
             raise NoInputError(f"{p}: no such torchrun log")
-    records, observations = observe_job(
+    records, observations, superseded = observe_job_generations(
         path, window=window, logs=logs, log_spec=log_spec, node_reports=reports, launcher_logs=launcher_logs
     )
-    job = vote(observations, cfg, previous, interval_s=interval_s)
+    job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
     doc = to_json(
@@ -127,10 +127,20 @@ def render(doc: dict[str, Any]):  # -> rich renderable
     if hidden:
         table.add_row("…", Text("healthy", "green"), "", "", "", "", "", f"{hidden} more healthy rank(s) not shown")
     steps = Text(safe_text("next: " + "\n      ".join(doc["next_steps"])))
-    return Group(head, table, steps)
+    old = [Text(safe_text(line)) for line in _superseded_lines(doc)]
+    return Group(head, table, *old, steps)
 
 
 MAX_HEALTHY_ROWS = 32
+
+
+def _superseded_lines(doc: dict[str, Any], limit: int = 16) -> list[str]:
+    """Earlier generations' incarnations, apart from the job's ranks (one line each, a screenful)."""
+    old = doc.get("superseded") or []
+    lines = [f"earlier generation: rank {r['rank']} {r['verdict']}: {r['reason']}" for r in old[:limit]]
+    if len(old) > limit:
+        lines.append(f"earlier generation: ... {len(old) - limit} more (--json lists them)")
+    return lines
 
 
 def _impact_line(doc: dict[str, Any]) -> str:
@@ -176,6 +186,8 @@ def _print_human(doc: dict[str, Any]) -> None:
         )
     if hidden:
         print(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
+    for line in _superseded_lines(doc):
+        print(safe_text(line))
     for step in doc["next_steps"]:
         print(safe_text(f"next: {step}"))
 

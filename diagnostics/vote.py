@@ -8,6 +8,11 @@ Rules:
 * coupling: one rank that never arrives at collective N stalls every rank in N. A rank waiting in a
   collective for a rank that has not arrived is `healthy` (blocked_by lists the culprit), and the rank
   that never arrived is the one named. Everyone present and still stuck is `hung` for all.
+* generations: the vote is on the active generation's incarnations; ranks whose newest incarnation belongs
+  to an earlier generation (`superseded`) are judged among themselves per generation and reported apart,
+  never as waiting on the new ranks, and count for neither the verdict nor the exit code;
+* impact: the job's step now against its normal step, and what the ranks slow of their own cost each step
+  (`jobstats.job_impact`), in the reason of a slow job and as `impact` in the document.
 
 Pure and deterministic: same observations, config and previous result → same verdict.
 
@@ -82,6 +87,7 @@ class RankVerdict:
     pending_dead: bool = False  # two dimensions agreed on failure once; dead if they agree again
     observation: RankObservation | None = None
     past_bound_checks: int = 0  # consecutive real checks this rank was past its hang bound, in one place
+    generation: int | None = None  # set on the incarnations of an earlier generation (reported apart)
 
     def to_json(self) -> dict[str, Any]:
         o = self.observation
@@ -93,6 +99,8 @@ class RankVerdict:
             "blocked_by": list(self.blocked_by),
             "past_bound_checks": self.past_bound_checks,
         }
+        if self.generation is not None:
+            doc["generation"] = self.generation
         if o is not None:
             doc.update(
                 {
@@ -125,6 +133,9 @@ class JobVerdict:
     next_steps: tuple[str, ...] = ()
     counts: dict[str, int] = field(default_factory=dict)
     impact: Impact | None = None  # what the slowness costs the job per step, and which rank costs it
+    # incarnations of earlier generations, judged among themselves: not part of the verdict, the exit code or
+    # the coupling (an old rank is never waiting on a new one)
+    superseded: tuple[RankVerdict, ...] = ()
 
     @property
     def exit_code(self) -> int:
@@ -209,6 +220,7 @@ def vote(
     previous: JobVerdict | None = None,
     cohort: Cohort | None = None,
     interval_s: float | None = None,
+    superseded: Sequence[tuple[int, RankObservation]] = (),
 ) -> JobVerdict:
     """The vote over every rank. `previous` (the last check's result) confirms two-dimension deaths and
     hangs: with it, `hung` needs `confirm_checks` real consecutive checks past the bound in one place.
@@ -218,7 +230,13 @@ def vote(
     Default: `check_interval_s` of the configuration.
 
     `cohort` may be given when `observations` is a subset of a larger job (the simulator votes on the
-    ranks that matter at an instant, with the statistics of all ranks)."""
+    ranks that matter at an instant, with the statistics of all ranks).
+
+    `superseded`: (generation, observation) of ranks whose newest incarnation belongs to an earlier generation
+    than `observations` (`recovery.job_observation.observe_job_generations`). They are judged among
+    themselves, per generation (gone, and collateral of which rank), and reported apart."""
+    if superseded:
+        return replace(vote(observations, cfg, previous, cohort, interval_s), superseded=_superseded(superseded, cfg))
     if interval_s is not None and interval_s > 0:
         cfg = replace(cfg, check_interval_s=float(interval_s))
     obs = sorted(observations, key=lambda o: o.rank)
@@ -238,7 +256,8 @@ def vote(
     v_live, v_prog, v_coh, v_coll, v_hw, v_comm = VOTERS
     for o in obs:
         if not o.has_records:
-            prelim[o.rank] = (UNKNOWN, "no step records from this rank yet", False, ())
+            why = "no step records from this rank yet" + (f" ({o.notes[0]})" if o.notes else "")
+            prelim[o.rank] = (UNKNOWN, why, False, ())
             continue
         votes: tuple[Vote, ...] = (
             v_live(o, cohort, cfg),
@@ -390,6 +409,22 @@ def vote(
     return _summarize(tuple(verdicts), culprit_ranks, cohort, impact)
 
 
+def _superseded(old: Sequence[tuple[int, RankObservation]], cfg: VoteConfig) -> tuple[RankVerdict, ...]:
+    """The earlier generations' incarnations, each generation voted on alone (its own coupling: who died
+    first, who was collateral), every reason saying that it is superseded."""
+    by_gen: dict[int, list[RankObservation]] = {}
+    for g, o in old:
+        by_gen.setdefault(g, []).append(o)
+    out = []
+    for g in sorted(by_gen):
+        for r in vote(by_gen[g], cfg).ranks:
+            state = r.observation.alive.state if r.observation is not None else "unknown"
+            gone = "gone" if state in ("gone", "zombie") else f"process {state}"
+            why = f"generation {g} incarnation, superseded ({gone}; not part of the active generation): {r.reason}"
+            out.append(replace(r, reason=why, generation=g, blocked_by=r.blocked_by))
+    return tuple(sorted(out, key=lambda r: (r.generation or 0, r.rank)))
+
+
 def _same_place(a: RankObservation | None, b: RankObservation) -> bool:
     return a is not None and (a.phase, a.phase_step, a.phase_seq) == (b.phase, b.phase_step, b.phase_seq)
 
@@ -534,6 +569,7 @@ def to_json(
         "impact": job.impact.to_json() if job.impact is not None else None,
         "next_steps": list(job.next_steps),
         "ranks": [r.to_json() for r in job.ranks],
+        "superseded": [r.to_json() for r in job.superseded],
     }
     if config is not None:
         doc["thresholds"] = {f.name: getattr(config, f.name) for f in fields(config)}

@@ -45,6 +45,16 @@ def _cpu_seconds(pid: int | None) -> float | None:
 
 def observe_job(
     job_dir: str | os.PathLike[str],
+    **kw: Any,
+) -> tuple[JobRecords, list[RankObservation]]:
+    """Read the records and the process table; return (records, observations) ready for the vote: the ranks
+    of the active generation only (see `observe_job_generations`; keyword arguments as there)."""
+    records, current, _ = observe_job_generations(job_dir, **kw)
+    return records, current
+
+
+def observe_job_generations(
+    job_dir: str | os.PathLike[str],
     *,
     window: int = 20,
     history: int = 2000,
@@ -54,8 +64,14 @@ def observe_job(
     log_spec: LogStepSpec | None = None,
     node_reports: Iterable[dict[str, Any]] = (),
     launcher_logs: Iterable[str | os.PathLike[str]] = (),
-) -> tuple[JobRecords, list[RankObservation]]:
-    """Read the records and the process table; return (records, observations) ready for the vote.
+) -> tuple[JobRecords, list[RankObservation], list[tuple[int, RankObservation]]]:
+    """Read the records and the process table; return (records, current, superseded).
+
+    `current`: the observations of the active generation (the newest one any rank has written in), ready for
+    the vote. A rank whose newest incarnation belongs to an earlier generation is not part of it: it is in
+    `superseded` as (its generation, observation), to be reported apart, never as waiting on the new ranks;
+    below the active generation's WORLD_SIZE such a rank is also in `current` without records (it has not
+    started in the active generation yet).
 
     With `logs` and `log_spec`, ranks that wrote no StepLog records are read from training logs instead.
 
@@ -63,6 +79,7 @@ def observe_job(
     clock otherwise; processes are probed only on this host (a pid means nothing elsewhere).
     """
     records = read_job(job_dir, max_steps=history)
+    stepped = set(records.ranks)  # ranks with StepLog records (they carry a generation; training logs do not)
     if log_spec is not None:
         from_logs = read_log_steps(logs, log_spec, max_steps=history)
         merged = {**from_logs, **records.ranks}
@@ -74,6 +91,12 @@ def observe_job(
     now_w = time.time() if now_wall is None else now_wall
     now_m = time.monotonic()
     out = []
+    gens = {s.generation for r, s in records.ranks.items() if r in stepped}
+    active = max(gens) if gens else 0
+    world = max(
+        (s.world_size or 0 for r, s in records.ranks.items() if r in stepped and s.generation == active), default=0
+    )
+    superseded: list[tuple[int, RankObservation]] = []
     for series in records.ranks.values():
         local = series.host == here and now_wall is None
         proc = (
@@ -86,19 +109,32 @@ def observe_job(
         proc = with_exit_code(proc, series.pid, codes)
         ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
         cpu = _cpu_seconds(series.pid) if probe and local and proc.state in _ALIVE else None
-        out.append(
-            observe(
-                series,
-                now_wall=now_w,
-                now_mono=now_m if local else None,
-                process=proc,
-                window=window,
-                history=history,
-                hardware=hardware.get(series.rank, ()),
-                comm_errors=ce,
-                cpu_s=cpu,
-            )
+        ob = observe(
+            series,
+            now_wall=now_w,
+            now_mono=now_m if local else None,
+            process=proc,
+            window=window,
+            history=history,
+            hardware=hardware.get(series.rank, ()),
+            comm_errors=ce,
+            cpu_s=cpu,
         )
+        if series.generation == active or series.rank not in stepped:
+            out.append(ob)
+            continue
+        superseded.append((series.generation, ob))
+        if series.rank < world:
+            out.append(
+                RankObservation(
+                    rank=series.rank,
+                    has_records=False,
+                    notes=(
+                        f"no records in the active generation {active} yet; its generation {series.generation} "
+                        "incarnation is superseded (reported apart)",
+                    ),
+                )
+            )
     for rank in records.silent_ranks[:100_000]:
         out.append(
             RankObservation(
@@ -107,4 +143,5 @@ def observe_job(
                 notes=(f"WORLD_SIZE is {records.expected_world} but rank {rank} wrote no records",),
             )
         )
-    return records, out
+    out.sort(key=lambda o: o.rank)
+    return records, out, superseded

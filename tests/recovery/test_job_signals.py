@@ -200,3 +200,74 @@ def test_held_sigstop_is_hung_and_names_the_stopped_rank_then_sigkill_is_dead(jo
     )
     assert human.returncode == 2 and "rank 3: dead" in human.stdout
     assert "killed by SIGKILL" in human.stdout, human.stdout  # the exit status only torchrun saw
+
+
+GENERATION_WRITER = """
+import os, sys, time
+from gpuguard.foundation.steplog import StepLog
+job, gen, ranks, mode = sys.argv[1], int(sys.argv[2]), [int(r) for r in sys.argv[3].split(",")], sys.argv[4]
+logs = {r: StepLog(job, r, f"g{gen}r{r}", gen) for r in ranks}
+step = 0
+while True:
+    for r, log in logs.items():
+        log.begin_step(step)
+        time.sleep(0.001)
+        log.enter_collective(step, "all_reduce", 4096)
+        log.exit_collective(step)
+        log.end_step(step)
+    step += 1
+    if mode == "die" and step == 60:
+        for r, log in logs.items():  # the fault: rank 0 never reaches collective 60, its peers wait in it
+            log.begin_step(step)
+            if r != 0:
+                log.enter_collective(step, "all_reduce", 4096)
+        os._exit(1)  # the whole generation gone without a clean close (torchrun tore it down)
+    if step == 60:
+        print("ready", flush=True)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("world_after", [3, 4])
+def test_incarnations_of_an_earlier_generation_are_reported_apart_never_waiting_on_the_new_ones(
+    tmp_path: Path, world_after: int, cli
+) -> None:
+    """Generation 0 (4 ranks) died with rank 0 missing from collective 60 and ranks 1-3 waiting in it;
+    generation 1 runs ranks 0-2 (the world shrank to 3, or rank 3 has not started yet in a world of 4). The
+    vote is on generation 1; generation 0's rank 3, dead while waiting in collective 60, is reported apart
+    (gone), never as waiting on the new ranks."""
+    job = tmp_path / "job"
+    env = {**os.environ, "WORLD_SIZE": "4"}
+    old = subprocess.run(
+        [sys.executable, "-c", GENERATION_WRITER, str(job), "0", "0,1,2,3", "die"], env=env, timeout=60
+    )
+    assert old.returncode == 1
+    env["WORLD_SIZE"] = str(world_after)
+    new = subprocess.Popen(
+        [sys.executable, "-c", GENERATION_WRITER, str(job), "1", "0,1,2", "run"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert new.stdout.readline().strip() == "ready"
+        _, obs = observe_job(job)
+        assert {o.rank for o in obs if o.has_records} == {0, 1, 2}  # the active generation only
+        res = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job), "--json", timeout=60)
+        doc = json.loads(res.stdout)
+        ranks = {r["rank"]: r for r in doc["ranks"]}
+        assert all(ranks[r]["verdict"] == "healthy" and ranks[r]["blocked_by"] == [] for r in (0, 1, 2)), doc
+        assert [(r["rank"], r["generation"]) for r in doc["superseded"]] == [(3, 0)], doc["superseded"]
+        old3 = doc["superseded"][0]
+        assert old3["verdict"] == "dead" and "superseded" in old3["reason"] and "gone" in old3["reason"], old3
+        assert old3["blocked_by"] == [], old3  # never waiting on the new generation's ranks
+        if world_after == 3:  # the world shrank: rank 3 is no part of the job now
+            assert set(ranks) == {0, 1, 2} and res.returncode == 0 and doc["verdict"] == "healthy", doc
+        else:  # rank 3 has not started in generation 1 yet: unknown, not dead
+            assert ranks[3]["verdict"] == "unknown" and "active generation 1" in ranks[3]["reason"], ranks[3]
+            assert res.returncode == 3 and doc["culprits"] == [], doc
+        human = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(job), timeout=60)
+        assert "earlier generation: rank 3 dead: generation 0 incarnation, superseded" in human.stdout, human.stdout
+    finally:
+        new.kill()
+        new.wait(timeout=10)

@@ -1,0 +1,60 @@
+"""Generations: the vote is on the active generation; earlier incarnations are judged apart, among themselves."""
+
+from __future__ import annotations
+
+from gpuguard.diagnostics.vote import to_json, vote
+from gpuguard.diagnostics.voters import VoteConfig
+from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, ProcessState, RankObservation
+
+CFG = VoteConfig()
+ALIVE = ProcessState("running", "pid 1")
+GONE = ProcessState("gone", "pid 9 is gone")
+
+
+def ob(rank: int, phase: str = BETWEEN, *, step: int = 100, seq: int = 99, alive=ALIVE, age: float = 0.01):
+    return RankObservation(
+        rank=rank,
+        alive=alive,
+        phase=phase,
+        phase_step=step,
+        phase_seq=seq,
+        phase_age_s=age,
+        progress_age_s=age,
+        n_steps=200,
+        period_p50_s=0.1,
+        period_p99_s=0.16,
+        period_p999_s=0.2,
+        compute_p50_s=0.05,
+        compute_p999_s=0.1,
+        recent_compute_s=0.05,
+        recent_period_s=0.1,
+    )
+
+
+def test_old_incarnations_waiting_in_a_collective_are_not_blocked_by_the_new_generation() -> None:
+    new = [ob(r, step=20, seq=19) for r in range(3)]  # generation 1: a fresh start, low step numbers
+    old = [(0, ob(3, COLLECTIVE, step=60, seq=60, alive=GONE, age=30.0)), (0, ob(4, step=59, seq=59, alive=GONE))]
+    job = vote(new, CFG, superseded=old)
+    assert job.verdict == "healthy" and job.exit_code == 0 and job.culprits == ()
+    assert [r.rank for r in job.ranks] == [0, 1, 2]
+    assert [(r.rank, r.generation, r.verdict) for r in job.superseded] == [(3, 0, "dead"), (4, 0, "dead")]
+    # judged among themselves: 3 waited in collective 60 for 4, which never arrived (the old fault's culprit)
+    assert job.superseded[0].blocked_by == (4,) and "collateral" in job.superseded[0].reason
+    assert job.superseded[1].culprit and all("superseded" in r.reason for r in job.superseded)
+    doc = to_json(job)
+    assert [(r["rank"], r["generation"]) for r in doc["superseded"]] == [(3, 0), (4, 0)]
+    assert all("generation" not in r for r in doc["ranks"])
+
+
+def test_without_earlier_generations_nothing_changes() -> None:
+    obs = [ob(r) for r in range(4)]
+    assert vote(obs, CFG, superseded=()) == vote(obs, CFG)
+    assert to_json(vote(obs, CFG))["superseded"] == []
+
+
+def test_each_earlier_generation_is_judged_alone() -> None:
+    # generation 0's rank 5 and generation 1's rank 6: two faults of their own, no coupling between them
+    old = [(0, ob(5, COLLECTIVE, step=60, seq=60, alive=GONE)), (1, ob(6, step=10, seq=9, alive=GONE))]
+    job = vote([ob(r) for r in range(3)], CFG, superseded=old)
+    assert [(r.rank, r.generation) for r in job.superseded] == [(5, 0), (6, 1)]
+    assert all(r.blocked_by == () for r in job.superseded)
