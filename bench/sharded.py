@@ -1,10 +1,11 @@
 """Step-time overhead of collective sharded snapshots on a real FSDP2 job (torchrun, gloo, CPU).
 
     python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
-                            [--gpu-ms 100] [--hidden 1024]
+                            [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N]
 
 One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
-the root `fully_shard`ed, AdamW). Each step is the real forward/backward/update plus `--gpu-ms` of
+the root `fully_shard`ed, AdamW; with --replicated a plain replicated model, DDP-style gradient
+all-reduce). Each step is the real forward/backward/update plus `--gpu-ms` of
 sleep, the stand-in for device time during which a GPU job's CPU is idle (0 makes every step pure
 CPU: the snapshot thread then competes with training for the cores). Three modes run in the same
 processes, interleaved in blocks of `--block` steps for `--rounds` rounds, so drift and load hit
@@ -46,7 +47,7 @@ from _common import emit  # noqa: E402
 MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
 
 
-def build(hidden: int):  # noqa: ANN201 - torch types, imported lazily
+def build(hidden: int, replicated: bool = False):  # noqa: ANN201 - torch types, imported lazily
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -55,10 +56,11 @@ def build(hidden: int):  # noqa: ANN201 - torch types, imported lazily
     model = torch.nn.Sequential(
         torch.nn.Linear(16, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 16)
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    if not replicated:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -74,7 +76,7 @@ def restore_worker(a: argparse.Namespace) -> int:
     from gpuguard.recovery import sharded_snapshot as ss
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    model, opt = build(a.hidden)
+    model, opt = build(a.hidden, a.replicated)
     t0 = time.perf_counter()
     sel = ss.select_sharded(a.job_dir)
     t1 = time.perf_counter()
@@ -121,7 +123,7 @@ def worker(a: argparse.Namespace) -> int:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build(a.hidden)
+    model, opt = build(a.hidden, a.replicated)
     job = Path(a.job_dir)
     snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12])
     snappers = {
@@ -138,6 +140,13 @@ def worker(a: argparse.Namespace) -> int:
         g = torch.Generator().manual_seed(step)
         x = torch.randn(32, 16, generator=g)
         torch.nn.functional.mse_loss(model(x), x).backward()
+        if a.replicated:  # data parallel without a wrapper: the gradients all-reduced, flattened
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            off = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[off : off + p.numel()].view_as(p)).div_(world)
+                off += p.numel()
         opt.step()
         opt.zero_grad()
         if a.gpu_ms:
@@ -259,6 +268,7 @@ def main() -> int:
     ap.add_argument("--gpu-ms", type=float, default=100.0)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=500.0)
+    ap.add_argument("--replicated", action="store_true", help="a replicated (DDP-style) model instead of FSDP2")
     ap.add_argument(
         "--restore-workers", type=int, default=None, help="restore at this world size (default workers - 1)"
     )
@@ -274,9 +284,12 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
     try:
         shape = ("rounds", "block", "every", "gpu-ms", "hidden")
-        doc = _torchrun(a, a.workers, ["--worker", *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp)
+        kind = ["--replicated"] if a.replicated else []
+        doc = _torchrun(
+            a, a.workers, ["--worker", *kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp
+        )
         back = a.restore_workers or max(1, a.workers - 1)
-        rest = _torchrun(a, back, ["--restore-worker", f"--hidden={a.hidden}"], tmp)
+        rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
     except RuntimeError as exc:
         print(f"bench/sharded.py: {exc}", file=sys.stderr)
         return 1
@@ -288,6 +301,7 @@ def main() -> int:
         med = statistics.median(doc["times"][mode])
         row = {
             "mode": mode,
+            "model": "replicated" if a.replicated else "fsdp2",
             "workers": doc["world"],
             "gpu_ms": a.gpu_ms,
             "every": a.every,
