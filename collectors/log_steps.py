@@ -11,13 +11,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
-
-import yaml
 
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.foundation.observations import BETWEEN, Phase, RankSeries, StepSample
 from gpuguard.foundation.steplog import MAX_STEPS
+from gpuguard.foundation.unpickle import brief
+from gpuguard.foundation.yamlfile import load_yaml
+
+MAX_SPEC_BYTES = 64 << 10
+"""A log-step spec is a regex and a rank: 64 KiB is generous."""
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,18 @@ class LogStepSpec:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> LogStepSpec:
+        """Read through the one YAML reader (size cap, regular file, no repeated key): 65 otherwise."""
         try:
-            doc = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
+            doc = load_yaml(path, max_bytes=MAX_SPEC_BYTES, what="a log-step spec")
+        except NoInputError:
             raise NoInputError(f"{path}: no such log spec") from None
-        except yaml.YAMLError as exc:
-            raise DataError(f"{path}: not valid YAML: {exc}") from None
         doc = (doc or {}).get("step_log", doc) if isinstance(doc, dict) else doc
         if not isinstance(doc, dict) or not isinstance(doc.get("pattern"), str):
             raise DataError(f"{path}: expected `step_log: {{pattern: REGEX}}`")
-        return cls.compile(doc["pattern"], int(doc.get("default_rank", 0)), str(path))
+        rank = doc.get("default_rank", 0)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise DataError(f"{path}: default_rank must be a whole number >= 0, got {brief(rank)}")
+        return cls.compile(doc["pattern"], rank, str(path))
 
     @classmethod
     def compile(cls, pattern: str, default_rank: int = 0, where: str = "pattern") -> LogStepSpec:

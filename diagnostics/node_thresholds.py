@@ -3,7 +3,7 @@
 Validation is strict and names the key, because a typo in a cron sweep's config must fail loudly once
 (exit 64) instead of silently disabling a check on 10,000 nodes.
 
-Lazy imports (start-up time): yaml, only when a thresholds file is read.
+Lazy imports (start-up time): yaml, only when a thresholds file is read (foundation.yamlfile).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from gpuguard.foundation.errors import UsageError, from_os_error
+from gpuguard.foundation.errors import UsageError
 
 SCHEMA = "gpuguard.node-thresholds/1"
 DEFAULTS_PATH = Path(__file__).resolve().parent / "data" / "node-thresholds.yaml"
@@ -142,30 +142,19 @@ def validate(
 
 
 def _read_yaml(path: Path, what: str) -> Any:
-    import yaml  # lazy: only the node commands need it
+    """The one YAML reader (size cap, regular files only, no repeated key, finite numbers, bounded
+    aliases); a config that breaks a rule is a usage error (64) like any other bad config."""
+    from gpuguard.foundation.yamlfile import load_yaml
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{what}: not UTF-8 text") from None
-    except OSError as exc:
-        raise from_os_error(exc, what) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{what}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc})") from None
+    return load_yaml(path, what=what, error=UsageError)
 
 
 def load(path: str | Path | None = None) -> Thresholds:
     """The bundled defaults, overridden by the YAML file at `path` when given."""
-    defaults = validate(
-        _read_yaml(DEFAULTS_PATH, f"bundled thresholds {DEFAULTS_PATH}"), what="bundled thresholds", complete=True
-    )
+    defaults = validate(_read_yaml(DEFAULTS_PATH, "bundled thresholds"), what="bundled thresholds", complete=True)
     if path is None:
         return _freeze(defaults, "defaults")
-    merged = validate(_read_yaml(Path(path), f"config {path}"), defaults, what=f"config {path}")
+    merged = validate(_read_yaml(Path(path), "a thresholds config"), defaults, what=f"config {path}")
     return _freeze(merged, str(path))
 
 

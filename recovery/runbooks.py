@@ -14,7 +14,7 @@ interrupted) the whole group gets SIGTERM, then SIGKILL after `COMMAND_GRACE_S`,
 forked outlives it. Runbooks cannot recurse: a step running `gpu-recover runbook run` is refused at
 validation, and a runbook run started inside a step (`$GPUGUARD_RUNBOOK_DEPTH` >= 1) is refused at
 run time (both exit 4). A runbook file is at most `MAX_RUNBOOK_BYTES` (1 MiB) and a mapping may not
-repeat a key (both 65, naming the line).
+repeat a key (both 65, naming the line): read by the one YAML reader, foundation.yamlfile.
 
 Format::
 
@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -59,9 +58,9 @@ from gpuguard.foundation.errors import (
     GpuguardError,
     NoInputError,
     RefusedError,
-    from_os_error,
 )
 from gpuguard.foundation.jobdir import require_job_dir
+from gpuguard.foundation.yamlfile import parse_yaml, read_capped
 from gpuguard.recovery import actions, audit, conditions
 
 BUILTIN_DIR = "runbooks"
@@ -160,33 +159,11 @@ def locate(name_or_file: str) -> tuple[str, str]:
     path = Path(name_or_file)
     if not path.exists():
         raise NoInputError(f"no runbook {name_or_file!r} (built-in: {', '.join(builtin_names())}; or a YAML file)")
+    raw = read_capped(path, max_bytes=MAX_RUNBOOK_BYTES, what="a runbook", error=RunbookError)
     try:
-        raw = _read_capped(path, MAX_RUNBOOK_BYTES)
         return raw.decode("utf-8"), str(path)
     except UnicodeDecodeError:
         raise RunbookError(f"{path}: not a text file") from None
-    except OSError as exc:
-        raise from_os_error(exc, str(path)) from None
-
-
-def _read_capped(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file (a FIFO or device would block or never end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise RunbookError(f"{path}: is a directory, not a runbook")
-        if not stat.S_ISREG(st.st_mode):
-            raise RunbookError(f"{path}: not a regular file")
-        if st.st_size > limit:
-            raise RunbookError(f"{path}: {st.st_size} bytes, more than the {limit} (1 MiB) a runbook may have")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > limit:
-        raise RunbookError(f"{path}: more than the {limit} bytes (1 MiB) a runbook may have")
-    return raw
 
 
 def load(name_or_file: str) -> Runbook:
@@ -196,60 +173,10 @@ def load(name_or_file: str) -> Runbook:
 
 def parse(text: str, source: str = "<runbook>") -> Runbook:
     """YAML text → validated Runbook, or one RunbookError naming what is wrong where."""
-    import yaml
-
-    if len(text) > MAX_RUNBOOK_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_RUNBOOK_BYTES:
-        raise RunbookError(f"{source}: more than the {MAX_RUNBOOK_BYTES} bytes (1 MiB) a runbook may have")
-    try:
-        doc = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        why = str(getattr(exc, "problem", None) or exc).replace("\n", " ")
-        raise RunbookError(f"{source}: not valid YAML{where}: {why}") from None
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise RunbookError(
-            f"{source}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        ) from None
+    doc = parse_yaml(
+        text, source=source, max_bytes=MAX_RUNBOOK_BYTES, what="a runbook", error=RunbookError, finite=False
+    )  # finite=False: validate() names the step and field of a NaN or infinite number
     return validate(doc, source)
-
-
-_LOADER: Any = None
-
-
-def _strict_loader() -> Any:
-    """yaml.SafeLoader that refuses a mapping repeating a key (safe_load keeps the last silently:
-    a second `argv:` or `on_failure:` would override the one a reviewer read)."""
-    global _LOADER
-    if _LOADER is not None:
-        return _LOADER
-    import yaml
-
-    class StrictSafeLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            if isinstance(node, yaml.MappingNode):
-                seen: dict[Any, int] = {}
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":
-                        continue  # `<<:` merges may be overridden, as YAML says
-                    key = self.construct_object(key_node, deep=True)
-                    try:
-                        first = seen.get(key)
-                    except TypeError:
-                        continue  # unhashable: the base class reports it
-                    if first is not None:
-                        shown = repr(key) if not isinstance(key, str) else repr(key[:40])
-                        raise yaml.constructor.ConstructorError(
-                            "while constructing a mapping",
-                            node.start_mark,
-                            f"duplicate key {shown} (first at line {first + 1})",
-                            key_node.start_mark,
-                        )
-                    seen[key] = key_node.start_mark.line
-            return super().construct_mapping(node, deep=deep)
-
-    _LOADER = StrictSafeLoader
-    return _LOADER
 
 
 def validate(doc: Any, source: str = "<runbook>") -> Runbook:
