@@ -52,7 +52,13 @@ def assess(
         if not p.is_file():
             raise NoInputError(f"{p}: no such torchrun log")
     records, observations, superseded = observe_job_generations(
-        path, window=window, logs=logs, log_spec=log_spec, node_reports=reports, launcher_logs=launcher_logs
+        path,
+        window=window,
+        logs=logs,
+        log_spec=log_spec,
+        node_reports=reports,
+        launcher_logs=launcher_logs,
+        outlier_cap_k=cfg.outlier_cap_k,
     )
     job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]

@@ -4,7 +4,7 @@ In a synchronous job a straggler makes every peer wait in each collective, so wa
 compute drift together and the cohort voter needs many steps to see it. The *order of arrival* shows it
 at once: at collective N the rank that entered last is the one every other rank waited for. A rank that
 was last at the most recent collectives, each time by a wait that is large against its peers' own
-compute, is `slow` and the others are `blocked_by` it (the last MIN_COLLECTIVES collectives in a row, and
+compute, is `slow` and the others are `blocked_by` it (the last `arrival_min_collectives` collectives in a row, and
 most of the significant ones in the window: scheduler noise on a crowded host makes a random rank late
 now and then, never the same one every time). The collective now in progress counts too: a
 rank that has not entered it yet, while peers wait there, is later than every peer by at least their
@@ -20,13 +20,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard.diagnostics.jobstats import median
+from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import COLLECTIVE, RankObservation
 
-WINDOW = 8  # recent collectives looked at
-MIN_COLLECTIVES = 3  # the most recent collectives (in a row) the straggler must be last at, each significant
-MIN_FRAC = 0.75  # ... and last at this share of the significant ones in the window
-WAIT_FRAC = 0.25  # a wait is significant above this fraction of the peers' own compute per step
-MIN_WAIT_S = 0.01  # ... and above this many seconds (scheduler noise on tiny steps is not straggling)
+# Thresholds (diagnostics/data/vote.yaml, `arrival_*`): the recent collectives looked at (window); the most
+# recent ones in a row the straggler must be last at, each significant (min_collectives), and the share of
+# the significant ones in the window (min_frac); a wait is significant above wait_frac of the peers' own
+# compute per step and above min_wait_s (scheduler noise on tiny steps is not straggling); more than
+# max_late_frac of the ranks "late" is the job's pace, nobody to blame.
+DEFAULT = VoteConfig()
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,15 @@ class Straggler:
         )
 
 
-def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
+def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAULT) -> dict[int, Straggler]:
     """The ranks the arrival order names as the ones the others wait for (usually none or one)."""
+    window, min_wait = max(1, cfg.arrival_window), cfg.arrival_min_wait_s
     live = [o for o in observations if o.has_records and not o.closed and o.entries]
     if len(live) < 2:
         return {}
     arrivals: dict[int, dict[int, tuple[float, float]]] = {}
     for o in live:
-        for seq, wall, wait in o.entries[-4 * WINDOW :]:
+        for seq, wall, wait in o.entries[-4 * window :]:
             arrivals.setdefault(seq, {})[o.rank] = (wall, wait)
     # "now", from the ranks waiting in a collective: entry time + how long they have been in it
     now = None
@@ -63,7 +66,7 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
             now = t if now is None else max(now, t)
     ranks = {o.rank for o in live}
     newest = max(arrivals)
-    seqs = sorted(s for s, a in arrivals.items() if set(a) == ranks or s == newest)[-WINDOW:]
+    seqs = sorted(s for s, a in arrivals.items() if set(a) == ranks or s == newest)[-window:]
     compute = {o.rank: o.recent_compute_s for o in live}
     last_at: dict[int, list[tuple[int, float]]] = {}
     significant: list[tuple[int, tuple[int, ...]]] = []
@@ -76,7 +79,7 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
         for r in missing:
             got[r] = (now or 0.0, 0.0)
         late = max(t for t, _ in got.values())
-        lasts = tuple(sorted(r for r, (t, _) in got.items() if late - t <= MIN_WAIT_S))
+        lasts = tuple(sorted(r for r, (t, _) in got.items() if late - t <= min_wait))
         others = [r for r in got if r not in lasts]
         if not others:
             continue
@@ -84,7 +87,7 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
         waits = [got[r][1] if got[r][1] >= 0 else (now or got[r][0]) - got[r][0] for r in others]
         wait = median(waits)
         peer_compute = median([compute[r] for r in others]) or 0.0
-        if wait <= max(MIN_WAIT_S, WAIT_FRAC * peer_compute):
+        if wait <= max(min_wait, cfg.arrival_wait_frac * peer_compute):
             if not missing:  # the one in progress that is not significant YET neither counts nor breaks a row
                 in_row.append(())
             continue
@@ -95,11 +98,12 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
     if len(significant) < 1:
         return {}
     out: dict[int, Straggler] = {}
-    recent = in_row[-MIN_COLLECTIVES:]
+    need = max(1, cfg.arrival_min_collectives)
+    recent = in_row[-need:]
     for r, hits in last_at.items():
-        if len(recent) < MIN_COLLECTIVES or not all(r in lasts for lasts in recent):
+        if len(recent) < need or not all(r in lasts for lasts in recent):
             continue
-        if len(hits) < MIN_FRAC * len(significant) or len(hits) == len(ranks):
+        if len(hits) < cfg.arrival_min_frac * len(significant) or len(hits) == len(ranks):
             continue
         peers = [compute[p] for p in ranks if p != r]
         out[r] = Straggler(
@@ -109,7 +113,9 @@ def stragglers(observations: Sequence[RankObservation]) -> dict[int, Straggler]:
             peer_compute_s=median(peers) if peers else 0.0,
             significant=len(significant),
         )
-    if len(out) * 2 > len(ranks):  # half the job "late": that is the job's pace, nobody to blame
+    if len(out) > cfg.arrival_max_late_frac * len(
+        ranks
+    ):  # half the job "late": that is the job's pace, nobody to blame
         return {}
     return out
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import (
     CLOSED,
     CommError,
@@ -38,17 +39,18 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[lo] * (1 - frac) + sorted_values[hi] * frac)
 
 
-def robust_tail(sorted_values: Sequence[float], q: float) -> float:
+def robust_tail(sorted_values: Sequence[float], q: float, cap_k: float = VoteConfig.outlier_cap_k) -> float:
     """The `q` quantile with the influence of a single outlier capped: the largest value counts as at most
-    twice the second largest. One 40 s pause in a job of 0.1 s steps must not set the hang bound for the
-    rest of the job; a long period that recurs (periodic checkpoints) still counts in full."""
+    `cap_k` (vote.yaml `outlier_cap_k`) times the second largest. One 40 s pause in a job of 0.1 s steps
+    must not set the hang bound for the rest of the job; a long period that recurs (periodic checkpoints)
+    still counts in full."""
     n = len(sorted_values)
     if n < 3:
         return quantile(sorted_values, q)
     top, second = sorted_values[-1], sorted_values[-2]
-    if top <= 2 * second:
+    if top <= cap_k * second:
         return quantile(sorted_values, q)
-    return quantile([*sorted_values[:-1], 2 * second], q)
+    return quantile([*sorted_values[:-1], cap_k * second], q)
 
 
 def median(values: Sequence[float]) -> float:
@@ -74,6 +76,7 @@ def observe(
     hardware: tuple[HardwareEvidence, ...] = (),
     comm_errors: tuple[CommError, ...] = (),
     cpu_s: float | None = None,
+    outlier_cap_k: float = VoteConfig.outlier_cap_k,
 ) -> RankObservation:
     """The vote's features for one rank at `now`.
 
@@ -106,9 +109,9 @@ def observe(
         n_steps=len(steps),
         period_p50_s=quantile(periods, 0.5),
         period_p99_s=quantile(periods, 0.99),
-        period_p999_s=robust_tail(periods, 0.999),
+        period_p999_s=robust_tail(periods, 0.999, outlier_cap_k),
         compute_p50_s=quantile(computes, 0.5),
-        compute_p999_s=robust_tail(computes, 0.999),
+        compute_p999_s=robust_tail(computes, 0.999, outlier_cap_k),
         recent_compute_s=recent_compute,
         recent_period_s=median(recent_periods) if recent_periods else 0.0,
         recent_period_max_s=max(recent_periods) if recent_periods else 0.0,

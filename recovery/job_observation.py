@@ -27,6 +27,7 @@ from gpuguard.collectors.log_steps import LogStepSpec, read_log_steps
 from gpuguard.collectors.step_records import JobRecords, read_job
 from gpuguard.diagnostics.jobevidence import hardware_from_node_reports
 from gpuguard.diagnostics.jobstats import comm_errors_from_text, observe
+from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import ProcessState, RankObservation
 
 _ALIVE = ("running", "sleeping", "disk-sleep")
@@ -64,6 +65,7 @@ def observe_job_generations(
     log_spec: LogStepSpec | None = None,
     node_reports: Iterable[dict[str, Any]] = (),
     launcher_logs: Iterable[str | os.PathLike[str]] = (),
+    outlier_cap_k: float = VoteConfig.outlier_cap_k,
 ) -> tuple[JobRecords, list[RankObservation], list[tuple[int, RankObservation]]]:
     """Read the records and the process table; return (records, current, superseded).
 
@@ -119,6 +121,7 @@ def observe_job_generations(
             hardware=hardware.get(series.rank, ()),
             comm_errors=ce,
             cpu_s=cpu,
+            outlier_cap_k=outlier_cap_k,
         )
         if series.generation == active or series.rank not in stepped:
             out.append(ob)
