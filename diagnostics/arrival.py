@@ -103,7 +103,7 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
     for r, hits in last_at.items():
         if len(recent) < need or not all(r in lasts for lasts in recent):
             continue
-        if len(hits) < cfg.arrival_min_frac * len(significant) or len(hits) == len(ranks):
+        if len(hits) < cfg.arrival_min_frac * len(significant):
             continue
         peers = [compute[p] for p in ranks if p != r]
         out[r] = Straggler(

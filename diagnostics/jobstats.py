@@ -8,7 +8,7 @@ between ranks (pipeline stages, data shards); a cohort-wide threshold would be w
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,9 @@ class Impact:
     normal_step_s: float  # its normal step: median over the ranks of their own median over the history
     slowdown: float  # job_step_s / normal_step_s
     cost_s: tuple[tuple[int, float], ...] = ()  # (straggler rank, seconds of each step it costs), by rank
+    # (straggler rank, what its peers waited for it at each of the recent collectives it was last at): the
+    # arrival evidence, immediate, where the window's median step does not show the slowdown yet (its onset)
+    wait_s: tuple[tuple[int, float], ...] = ()
 
     def line(self) -> str:
         """'job step 1.95 s, 11 x its normal 0.18 s; rank 2 accounts for 1.8 s of each step'."""
@@ -181,7 +184,11 @@ class Impact:
         ranks = ", ".join(str(r) for r, _ in self.cost_s)
         total = sum(c for _, c in self.cost_s)
         who = f"rank {ranks}" if len(self.cost_s) == 1 else f"ranks {ranks}"
-        return f"{head}; {who} account{'s' if len(self.cost_s) == 1 else ''} for {_secs(total)} s of each step"
+        line = f"{head}; {who} account{'s' if len(self.cost_s) == 1 else ''} for {_secs(total)} s of each step"
+        wait = max((w for _, w in self.wait_s), default=0.0)
+        if wait > total:  # the onset: the recent collectives show it before the window's median step does
+            line += f" so far, and now {_secs(wait)} s of each collective"
+        return line
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -189,6 +196,7 @@ class Impact:
             "normal_step_s": round(self.normal_step_s, 4),
             "slowdown": round(self.slowdown, 3),
             "cost_s": {str(r): round(c, 4) for r, c in self.cost_s},
+            "collective_wait_s": {str(r): round(w, 4) for r, w in self.wait_s},
             "line": self.line(),
         }
 
@@ -202,7 +210,10 @@ def _times(x: float) -> str:
 
 
 def job_impact(
-    observations: Sequence[RankObservation], stragglers: Sequence[int], min_slowdown: float
+    observations: Sequence[RankObservation],
+    stragglers: Sequence[int],
+    min_slowdown: float,
+    waits: Mapping[int, float] | None = None,
 ) -> Impact | None:
     """The job-level impact of slowness, from the step records' features (pure).
 
@@ -210,7 +221,9 @@ def job_impact(
     normal the median over the ranks of their own median period over the history; a straggler's cost per
     step is what its peers now wait per step beyond what they waited normally: median over the peers of
     (recent period - recent own compute) - (median period - median own compute). None when the job is not
-    at least `min_slowdown` x slower and no straggler is named (nothing worth a line), or without steps."""
+    at least `min_slowdown` x slower and no straggler is named (nothing worth a line), or without steps.
+    `waits`: the arrival evidence of the named stragglers (their peers' median wait at each of the recent
+    collectives they were last at), shown as well while the window's median does not show it yet."""
     live = [o for o in observations if o.has_records and not o.closed and o.n_steps > 0 and o.period_p50_s > 0]
     now = [o.recent_period_s for o in live if o.recent_period_s > 0]
     if not now:
@@ -228,4 +241,5 @@ def job_impact(
             [max(0.0, (o.recent_period_s - o.recent_compute_s) - (o.period_p50_s - o.compute_p50_s)) for o in peers]
         )
         cost = tuple((r, extra / len(named)) for r in named)  # several at once: shared evenly (not separable)
-    return Impact(job_step, normal, slowdown, cost)
+    wait = tuple((r, float(w)) for r, w in sorted((waits or {}).items()) if r in named)
+    return Impact(job_step, normal, slowdown, cost, wait)

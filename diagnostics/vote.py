@@ -433,7 +433,12 @@ def vote(
         and not r.blocked_by
         and any(v.dimension in ("arrival", "cohort") and v.verdict == SLOW for v in r.votes)
     ]
-    impact = job_impact([o for o in obs if prelim[o.rank][0] != DEAD], own_slow, cfg.impact_min_slowdown)
+    impact = job_impact(
+        [o for o in obs if prelim[o.rank][0] != DEAD],
+        own_slow,
+        cfg.impact_min_slowdown,
+        {r: st.median_wait_s for r, st in late.items()},
+    )
     return _summarize(tuple(verdicts), culprit_ranks, cohort, impact)
 
 

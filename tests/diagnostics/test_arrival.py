@@ -170,3 +170,11 @@ def test_the_decoder_keeps_each_collective_entry_with_its_wait(tmp_path: Path) -
     assert series.entries == ((7, 2.5, 2.5, 0.4), (8, 3.5, 3.5, -1.0))
     o = observe(series, now_wall=4.0)
     assert o.entries == ((7, 2.5, 0.4), (8, 3.5, -1.0))
+
+
+def test_last_at_as_many_collectives_as_there_are_ranks_is_named_too() -> None:
+    # regression: a rank last at exactly world-size collectives (4 of 4) was refused, so a straggler
+    # named at 3 collectives disappeared at the 4th and came back at the 5th
+    for n in (3, 4, 5, 8):
+        per = synchronous(n, {3: 0.3})
+        assert set(stragglers([ob(r, per[r]) for r in range(4)])) == {3}, n

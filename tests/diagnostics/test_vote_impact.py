@@ -121,3 +121,25 @@ def test_impact_is_finite_and_never_negative(rows, named) -> None:
     assert imp.slowdown > 0 and imp.job_step_s > 0 and imp.normal_step_s > 0
     assert all(c >= 0 and c == c for _, c in imp.cost_s)
     assert imp.line().startswith("job step ")
+
+
+def test_at_the_onset_the_recent_collectives_show_the_cost_before_the_windows_median() -> None:
+    # rank 3 arrived 1.5 s late at the last 4 collectives; the window's median step has not moved yet
+    entries: dict[int, list[tuple[int, float, float]]] = {r: [] for r in range(4)}
+    t = 1000.0
+    for s in range(4):
+        for r in range(4):
+            arr = t + (1.5 if r == 3 else 0.0)
+            entries[r].append((s, arr, t + 1.5 - arr))
+        t += 1.7
+    obs = [
+        replace(ob(r, period=0.18, normal=0.18, compute=0.15, normal_compute=0.15), entries=tuple(entries[r]))
+        for r in range(4)
+    ]
+    job = vote(obs, CFG)
+    assert job.culprits == (3,) and job.impact is not None
+    assert job.impact.wait_s == ((3, 1.5),)
+    assert job.impact.line().endswith(
+        "; rank 3 accounts for 0.00 s of each step so far, and now 1.50 s of each collective"
+    )
+    assert to_json(job)["impact"]["collective_wait_s"] == {"3": 1.5}
