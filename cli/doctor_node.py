@@ -413,6 +413,9 @@ def check_output_path(path: str, *, force: bool, what: str) -> None:
         raise DataError(f"{what} {path}: directory {parent} is a symbolic link: refusing to write through it")
     if not parent.is_dir():
         raise NoInputError(f"{what} {path}: no directory {parent} (it is not created for you)")
+    from gpuguard.foundation.jobdir import check_root_safe_dir
+
+    check_root_safe_dir(parent, f"{what} {path}: directory")  # as root: 77 if another user controls it
     try:
         st = os.lstat(target)
     except FileNotFoundError:
@@ -495,6 +498,20 @@ def write_output_file(path: str, data: bytes, *, force: bool, what: str, mode: i
                 pass
     finally:
         os.close(dfd)
+
+
+def write_textfile(path: str, doc: dict[str, Any]) -> str:
+    """The Prometheus textfile, replaced atomically through `write_output_file` (a temp file in the
+    same directory, renamed over the old one): never through a link, never into a missing directory
+    (66, not created) and, as root, never into a directory another user controls (77)."""
+    from prometheus_client import generate_latest
+
+    from gpuguard.plugins.outputs import prometheus_registry
+
+    if not str(path).endswith(".prom"):
+        raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
+    write_output_file(path, generate_latest(prometheus_registry(doc)), force=True, what="--textfile")
+    return path
 
 
 def _lstat_at(name: str, dfd: int) -> Any:
@@ -716,7 +733,7 @@ def sweep_cmd(
         nvml_timeout=nvml_timeout,
         timeout=timeout,
     )
-    with SweepLock(options.state_dir, wait=min(10.0, budget)):
+    with SweepLock(options.state_dir, wait=min(10.0, budget), create_parents=state_dir is None):
         return run_sweep(options, thresholds, started=started)
 
 
@@ -791,7 +808,7 @@ def _deliver(doc: dict[str, Any], verdict: Any, previous: str | None, options: S
             run_safely(
                 "gpuguard.outputs",
                 "prometheus",
-                lambda: builtin.PrometheusTextfileOutput({"path": textfile}).emit(doc),
+                lambda: write_textfile(textfile, doc),
             )
         )
     if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, PermissionDeniedError, from_os_error
 
 JOB_JSON = "job.json"
 JOB_SCHEMA = "gpuguard.job-dir/1"
@@ -260,7 +261,41 @@ def require_job_dir(job_dir: str | os.PathLike[str]) -> Path:
         raise NoInputError(f"no gpuguard job at {path} (no such directory)")
     if not any(os.path.lexists(path / marker) for marker in JOB_MARKERS):
         raise NoInputError(f"no gpuguard job at {path} (no {JOB_JSON}, ledger or key there)")
+    check_root_safe_dir(path, "job dir")
     return path
+
+
+def check_root_safe_dir(path: str | os.PathLike[str], what: str) -> None:
+    """Run as root, refuse (77, with the fix) a directory another user owns or group/others may write.
+
+    Why: root reads records from it, signals the processes they name and writes into it; whoever
+    controls the directory could plant a link, a forged record or a FIFO there for root to act on.
+    Not root: nothing to check (the kernel's permissions already bind the caller)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise from_os_error(exc, f"{what} {path}") from None
+    if st.st_uid != 0:
+        owner = _user_name(st.st_uid)
+        raise PermissionDeniedError(
+            f"{what} {path}: owned by {owner} (uid {st.st_uid}) while running as root: another user's "
+            f"directory could redirect root's reads and writes; run as that user (`sudo -u {owner} ...`) "
+            f"or, if it is root's, `chown root {path}`"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionDeniedError(
+            f"{what} {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}) while running "
+            f"as root: anyone who can write there could plant files for root; fix with `chmod go-w {path}`"
+        )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid-{uid}"
 
 
 def read_job(job_dir: str | os.PathLike[str]) -> JobInfo | None:

@@ -25,6 +25,7 @@ from gpuguard.foundation.errors import (
     PermissionDeniedError,
     from_os_error,
 )
+from gpuguard.foundation.jobdir import check_root_safe_dir
 
 KEY_FILE = "generation.key"
 KEY_BYTES = 32
@@ -37,9 +38,10 @@ def key_path(job_dir: str | os.PathLike[str]) -> Path:
 def create_key(job_dir: str | os.PathLike[str]) -> bytes:
     """Create the job key (0600, exclusive). Refuses if a key already exists."""
     path = key_path(job_dir)
+    check_root_safe_dir(job_dir, "job dir")  # as root, never create a key in a directory another user controls
     key = secrets.token_bytes(KEY_BYTES)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     except FileExistsError:
         raise GpuguardError(
             f"{path}: a signing key already exists (refusing to overwrite it)", exit_code=EXIT_CANTCREAT
@@ -56,8 +58,11 @@ def create_key(job_dir: str | os.PathLike[str]) -> bytes:
 
 
 def load_key(job_dir: str | os.PathLike[str]) -> bytes:
-    """Read the job key; a missing, unreadable or malformed key is a one-line error."""
+    """Read the job key; a missing, unreadable or malformed key is a one-line error; run as root, a
+    key in a directory another user controls (or group/others may write) is refused (77)."""
     path = key_path(job_dir)
+    if os.path.isdir(job_dir):
+        check_root_safe_dir(job_dir, "job dir")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:

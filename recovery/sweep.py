@@ -7,13 +7,20 @@ kernel-log events (each remembered for `retain_s` after the sweep that saw it, b
 code so an Xid storm cannot grow it), the running Xid totals and the last verdict. One sweep per
 state directory at a time (`SweepLock`): an overlapping cron run must not read the same lines twice
 or overwrite the other's cursor. It writes state, so it is an actor; the CLI only calls it.
+
+The state directory is never a link, is created one level at most (mode 0700; its parent must
+exist, unless it is the default location), and, run as root, must be root's and not writable by
+group or others (`prepare_state_dir`); the state file and the lock are opened without following a
+link, and the state file is read only if it is a regular file of at most `MAX_STATE_BYTES`.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,15 +30,24 @@ from typing import Any, TypedDict
 
 from gpuguard.collectors.kernel_log import Cursor, parse_cursor
 from gpuguard.foundation.env import STATE_DIR_ENV
-from gpuguard.foundation.errors import DataError, UnavailableError, from_os_error
+from gpuguard.foundation.errors import (
+    EXIT_CANTCREAT,
+    EXIT_IOERR,
+    DataError,
+    GpuguardError,
+    NoInputError,
+    UnavailableError,
+    from_os_error,
+)
 from gpuguard.foundation.events import Event
-from gpuguard.foundation.jobdir import atomic_write_bytes
+from gpuguard.foundation.jobdir import atomic_write_bytes, check_root_safe_dir
 
 STATE_SCHEMA = "gpuguard.sweep-state/1"
 STATE_FILE = "sweep-state.json"
 LOCK_FILE = "sweep.lock"
 RETAINED_KINDS = ("xid", "sxid", "gpu_lost")  # the kernel-log events the node verdict counts
 MAX_HISTORY = 2000
+MAX_STATE_BYTES = 16 << 20  # MAX_HISTORY records of at most ~1 KB each, with room to spare
 PER_CODE_HISTORY = 20  # per GPU and Xid code: enough for every repeat rule, bounded under an Xid storm
 
 
@@ -64,6 +80,25 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "gpuguard"
 
 
+def prepare_state_dir(path: Path, *, create_parents: bool = False) -> Path:
+    """The state directory, made safe to write: 65 a link, 66 its parent missing (never created,
+    unless `create_parents`: the default location), 73 not a directory, 77 as root another user's or
+    group/world-writable. Created with mode 0700 when missing."""
+    if os.path.islink(path):
+        raise DataError(f"state dir {path}: is a symbolic link: refusing to write through it")
+    if not os.path.lexists(path):
+        if not create_parents and not path.parent.is_dir():
+            raise NoInputError(f"state dir {path}: no directory {path.parent} (it is not created for you)")
+        try:
+            path.mkdir(mode=0o700, parents=create_parents, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, f"state dir {path}") from None
+    if not path.is_dir() or os.path.islink(path):
+        raise GpuguardError(f"state dir {path}: not a directory", exit_code=EXIT_CANTCREAT)
+    check_root_safe_dir(path, "state dir")
+    return path
+
+
 def empty_state() -> SweepState:
     return {"schema": STATE_SCHEMA, "cursor": None, "events": [], "xid_totals": {}, "last_verdict": None}
 
@@ -75,11 +110,28 @@ def load_state(path: Path) -> tuple[SweepState, list[str]]:
     """
     notes: list[str] = []
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return empty_state(), notes
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DataError(f"sweep state {path}: is a symbolic link: refusing to follow it") from None
         raise from_os_error(exc, f"sweep state {path}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise GpuguardError(f"sweep state {path}: is a directory", exit_code=EXIT_IOERR)
+        if not stat.S_ISREG(mode):
+            raise DataError(f"sweep state {path}: not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_STATE_BYTES + 1)
+    except OSError as exc:
+        raise from_os_error(exc, f"sweep state {path}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_STATE_BYTES:
+        notes.append(f"sweep state {path} is over {MAX_STATE_BYTES >> 20} MiB: starting over from the start of the log")
+        return empty_state(), notes
     try:
         doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("schema") != STATE_SCHEMA:
@@ -224,16 +276,19 @@ class SweepLock:
     the lock is released when the file is closed, so a killed sweep never leaves it held.
     """
 
-    def __init__(self, state_dir: Path, wait: float) -> None:
+    def __init__(self, state_dir: Path, wait: float, *, create_parents: bool = False) -> None:
         self.path = state_dir / LOCK_FILE
         self.wait = wait
+        self.create_parents = create_parents
         self.fd: int | None = None
 
     def __enter__(self) -> SweepLock:
+        prepare_state_dir(self.path.parent, create_parents=self.create_parents)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise DataError(f"sweep lock {self.path}: is a symbolic link: refusing to follow it") from None
             raise from_os_error(exc, f"sweep lock {self.path}") from None
         deadline = time.monotonic() + self.wait
         while True:

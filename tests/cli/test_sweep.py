@@ -47,6 +47,7 @@ def _sweep(tmp_path, log, snap, *args, **kw):
 def test_state_is_kept_and_only_new_lines_are_read(node):
     tmp_path, log, healthy = node
     prom = tmp_path / "textfile" / "gpudoctor.prom"
+    prom.parent.mkdir()  # never created for you
     first = _sweep(tmp_path, log, healthy, "--json", "--textfile", str(prom))
     doc = json.loads(first.stdout)
     assert first.returncode == 2 and doc["verdict"] == "drain"  # Xid 79 on 0000:2b:00.0 in the log
@@ -71,6 +72,7 @@ def test_prometheus_textfile_is_valid_and_atomic(node):
 
     tmp_path, log, _ = node
     prom = tmp_path / "tf" / "gpudoctor.prom"
+    prom.parent.mkdir()
     r = _sweep(tmp_path, log, SAMPLE_NVML, "--textfile", str(prom), "--format", "npd")
     assert r.returncode == 1 and len(r.stdout.strip()) <= 80
     families = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
