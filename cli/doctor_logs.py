@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import typer
 
+from gpuguard.cli._app import safe_text  # every log-derived string is escaped in human output
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
@@ -251,8 +252,11 @@ def _write_plain(events: Iterator[Any], summary: _Summary, stats: list[dict[str,
     out = sys.stdout
     for event in events:
         summary.add(event)
-        out.write(f"{event.source or '-'}:{event.line}: {event.severity} {event.kind} {brief(event)}\n")
-        out.write(f"    {event.diagnosis}\n")
+        where = safe_text(event.source or "-")
+        out.write(
+            f"{where}:{event.line}: {safe_text(event.severity)} {safe_text(event.kind)} {safe_text(brief(event))}\n"
+        )
+        out.write(f"    {safe_text(event.diagnosis)}\n")
     _plain_summary(summary, stats)
 
 
@@ -266,10 +270,10 @@ def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     if summary.worst == "info" or not total:
         out.write(f"  {_ALL_CLEAR}\n")
     if summary.by_kind:
-        out.write("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()) + "\n")
+        out.write("  by kind: " + ", ".join(f"{safe_text(k)}={n}" for k, n in summary.by_kind.most_common()) + "\n")
     for gpu, res in summary.gpus().items():
         ident = f" [{res['uuid']}]" if res.get("uuid") else ""
-        out.write(f"  GPU {gpu}{ident}: {res['severity']} - {res['action']} ({res['reason']})\n")
+        out.write(safe_text(f"  GPU {gpu}{ident}: {res['severity']} - {res['action']} ({res['reason']})") + "\n")
 
 
 def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
@@ -287,12 +291,12 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
         summary.add(event)
         if shown < _TABLE_ROWS:
             style = _SEVERITY_STYLE.get(event.severity, "")
-            table.add_row(
-                f"{os.path.basename(event.source or '-')}:{event.line}",
-                Text(event.severity, style=style),
-                event.kind,
-                brief(event),
-                event.diagnosis,
+            table.add_row(  # Text, never markup: a log line saying "[bold]" or "[link=...]" is text
+                Text(safe_text(f"{os.path.basename(event.source or '-')}:{event.line}")),
+                Text(safe_text(event.severity), style=style),
+                Text(safe_text(event.kind)),
+                Text(safe_text(brief(event))),
+                Text(safe_text(event.diagnosis)),
             )
             shown += 1
     total = sum(summary.by_kind.values())
@@ -309,7 +313,7 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
     if summary.worst == "info" or not total:
         con.print(f"  {_ALL_CLEAR}")
     if summary.by_kind:
-        con.print("  by kind: " + ", ".join(f"{k}={n}" for k, n in summary.by_kind.most_common()))
+        con.print(Text("  by kind: " + ", ".join(f"{safe_text(k)}={n}" for k, n in summary.by_kind.most_common())))
     gpus = summary.gpus()
     if gpus:
         gt = Table(title="per GPU (Xid catalog)")
@@ -321,5 +325,5 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
                 + (f"\n{res['uuid']}" if res.get("uuid") else "")
                 + (f"\nserial {res['serial']}" if res.get("serial") else "")
             )
-            gt.add_row(name, res["severity"], res["action"], res["reason"])
+            gt.add_row(*(Text(safe_text(v)) for v in (name, res["severity"], res["action"], res["reason"])))
         con.print(gt)
