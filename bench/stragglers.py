@@ -1,24 +1,33 @@
-"""Dead versus slow on real stragglers: one rank of a real torchrun job throttled by a cgroup CPU quota.
+"""Dead versus slow on real stragglers: one rank of a real torchrun job throttled, stopped, then killed.
 
-    python bench/stragglers.py [--json] [--quotas 50,20,5,1] [--phase-s 15] [--interval 1.0] [--burn-work 1500]
+    python bench/stragglers.py [--json] [--quotas 50,20,5,1] [--phase-s 15] [--stop-s 40] [--kill-s 10]
+                               [--interval 1.0] [--burn-work 1500] [--keep]
 
 One real job: 4 gloo workers of `gpuguard.examples.demo_train` with a fixed amount of stand-in compute per
 step (`--burn-work`, so a CPU quota makes the step longer instead of doing less work). After a healthy
 warm-up, rank 2's process is moved into a child cgroup with a CPU quota (v1 `cpu.cfs_quota_us`, or v2
-`cpu.max`) of 50, 20, 5 and 1 % in turn, each for `--phase-s` seconds, then moved back (and the cgroup
-removed) and the job left to recover. Without cgroup CPU control it falls back to SIGSTOP/SIGCONT duty
-cycling (labelled `throttle: sigstop-duty` in every row).
+`cpu.max`; tests/support/cpu_quota.py) of 50, 20, 5 and 1 % in turn, each for `--phase-s` seconds, then
+moved back (and the cgroup removed) and the job left to recover. Without cgroup CPU control it falls back
+to SIGSTOP/SIGCONT duty cycling (labelled `throttle: sigstop-duty` in every row). Then rank 2 is stopped
+(SIGSTOP) for `--stop-s` seconds and continued, and finally killed (SIGKILL) and watched `--kill-s` seconds.
 
 The vote is `gpu-doctor watch job --json --interval I`: the same `diagnose job` vote once every I s, the
-previous check carried (hang confirmation in real checks, CPU progress between checks). Per phase:
+previous check carried (hang confirmation in real checks, CPU progress between checks). Per fault, the
+verdict expected of rank 2 is `slow` (quota), `hung` (SIGSTOP, once past its bound) and `dead` (SIGKILL):
 * `slowdown`: the job's median step period in the phase / in the healthy warm-up;
-* `time_to_verdict_s`: throttle applied -> the first check naming rank 2 `slow` with every other rank
-  `blocked_by` it;
-* `false_dead`, `false_hung`: checks (in the phase) calling any rank dead / hung (ground truth: nobody is);
+* `time_to_verdict_s`: fault applied -> the first check giving rank 2 that verdict with every other rank
+  `blocked_by` it (SIGKILL: rank 2 `dead` and a culprit);
+* `false_dead`, `false_hung`: checks (in the phase) calling a rank dead / hung that is not (a quota: nobody;
+  SIGSTOP: nobody dead, no other rank hung; SIGKILL: another rank dead *and a culprit*, anyone hung);
 * `culprit_accuracy`: of the checks after the verdict, those whose culprits are exactly [2];
 * `blocked_by_accuracy`: of the other ranks at those checks, those with blocked_by == [2].
 Baseline rows on the same checks: `fixed-10s`, a watchdog that fails any rank without a record for 10 s
-(computing or waiting): what it names is its culprit, and every firing is a false hang here.
+(computing or waiting; what it names is its culprit: a false hang under a quota, a detection under SIGSTOP
+and SIGKILL), and `nvrx-0.7`, NVRx-style relative scores (median own compute over the ranks / the rank's
+own; a straggler below 0.7).
+
+Interrupted (Ctrl-C, SIGTERM, SIGHUP), it still removes the cgroup, continues a stopped rank and kills the
+job's whole process tree (torchrun starts each worker in a session of its own, so by pid, not by group).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -40,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from _common import emit  # noqa: E402
 
 from gpuguard.collectors.step_records import read_job  # noqa: E402
-from tests.support.cpu_quota import Throttle, burn_job, probe, remove_stale  # noqa: E402
+from tests.support.cpu_quota import Throttle, burn_job, probe, release_all, remove_stale  # noqa: E402
 
 SLOW_RANK = 2
 WORKERS = 4
@@ -76,47 +86,93 @@ class Watch:
             self.proc.kill()
 
 
-def named(doc: dict, rank: int = SLOW_RANK) -> bool:
-    by = {r["rank"]: r for r in doc["ranks"]}
-    if rank not in by or by[rank]["verdict"] != "slow":
+def _by(doc: dict) -> dict[int, dict]:
+    return {r["rank"]: r for r in doc["ranks"]}
+
+
+def named(doc: dict, expect: str = "slow", rank: int = SLOW_RANK) -> bool:
+    """Rank `rank` has the verdict `expect` and the others wait on it (dead: it is a culprit)."""
+    by = _by(doc)
+    if rank not in by or by[rank]["verdict"] != expect:
         return False
+    if expect == "dead":
+        return rank in doc["culprits"]
     return all(r["blocked_by"] == [rank] for k, r in by.items() if k != rank)
 
 
-def score_vote(checks: list[tuple[float, dict]], t0: float) -> dict:
-    false_dead = sum(1 for _, d in checks if any(r["verdict"] == "dead" for r in d["ranks"]))
-    false_hung = sum(1 for _, d in checks if any(r["verdict"] == "hung" for r in d["ranks"]))
-    first = next((t for t, d in checks if named(d)), None)
+def _false(doc: dict, expect: str) -> tuple[bool, bool]:
+    """(a false dead, a false hung) in this check, given the fault (see the module docstring)."""
+    ranks = doc["ranks"]
+    if expect == "slow":
+        return any(r["verdict"] == "dead" for r in ranks), any(r["verdict"] == "hung" for r in ranks)
+    if expect == "hung":
+        return (
+            any(r["verdict"] == "dead" for r in ranks),
+            any(r["verdict"] == "hung" and r["rank"] != SLOW_RANK for r in ranks),
+        )
+    return (
+        any(r["verdict"] == "dead" and r["culprit"] and r["rank"] != SLOW_RANK for r in ranks),
+        any(r["verdict"] == "hung" for r in ranks),
+    )
+
+
+def score_vote(checks: list[tuple[float, dict]], t0: float, expect: str = "slow") -> dict:
+    false = [_false(d, expect) for _, d in checks]
+    first = next((t for t, d in checks if named(d, expect)), None)
     after = [d for t, d in checks if first is not None and t >= first]
     culprit = sum(1 for d in after if d["culprits"] == [SLOW_RANK])
     others = [r for d in after for r in d["ranks"] if r["rank"] != SLOW_RANK]
     blocked = sum(1 for r in others if r["blocked_by"] == [SLOW_RANK])
     return {
         "time_to_verdict_s": round(first - t0, 2) if first is not None else None,
-        "false_dead": false_dead,
-        "false_hung": false_hung,
+        "false_dead": sum(1 for d, _ in false if d),
+        "false_hung": sum(1 for _, h in false if h),
         "culprit_accuracy": round(culprit / len(after), 3) if after else None,
         "blocked_by_accuracy": round(blocked / len(others), 3) if others else None,
         "checks": len(checks),
     }
 
 
-def score_fixed(checks: list[tuple[float, dict]], t0: float, timeout_s: float) -> dict:
-    """A fixed watchdog on the same observations: any rank without a record for `timeout_s` has failed."""
+def _score_named(fired: list[tuple[float, list[int]]], checks: int, t0: float, fault_is_hang: bool) -> dict:
+    """A baseline detector's firings [(time, ranks it names)] scored like the vote."""
+    right = sum(1 for _, f in fired if f == [SLOW_RANK])
+    hit = next((t for t, f in fired if SLOW_RANK in f), None)
+    return {
+        "time_to_verdict_s": round(hit - t0, 2) if hit is not None else None,
+        "false_dead": 0,
+        "false_hung": sum(1 for _, f in fired if not fault_is_hang or f != [SLOW_RANK]),
+        "culprit_accuracy": round(right / len(fired), 3) if fired else None,
+        "blocked_by_accuracy": None,
+        "checks": checks,
+    }
+
+
+def score_fixed(checks: list[tuple[float, dict]], t0: float, timeout_s: float, fault_is_hang: bool = False) -> dict:
+    """A fixed watchdog on the same observations: any rank without a record for `timeout_s` has failed
+    (a firing is a false hang under a quota; under SIGSTOP/SIGKILL naming anyone but rank 2 is)."""
     fired = []
     for t, d in checks:
         failed = sorted(r["rank"] for r in d["ranks"] if r.get("phase_age_s", 0) > timeout_s and r["phase"] != "closed")
         if failed:
             fired.append((t, failed))
-    right = sum(1 for _, f in fired if f == [SLOW_RANK])
-    return {
-        "time_to_verdict_s": round(fired[0][0] - t0, 2) if fired else None,
-        "false_dead": 0,
-        "false_hung": len(fired),
-        "culprit_accuracy": round(right / len(fired), 3) if fired else None,
-        "blocked_by_accuracy": None,
-        "checks": len(checks),
-    }
+    return _score_named(fired, len(checks), t0, fault_is_hang)
+
+
+def score_nvrx(checks: list[tuple[float, dict]], t0: float, threshold: float = 0.7) -> dict:
+    """NVRx-style relative performance scores on the same checks: the median of the ranks' recent own
+    compute over the rank's own; a rank scoring below `threshold` is a straggler."""
+    fired = []
+    for t, d in checks:
+        comp = {r["rank"]: r.get("own_compute_recent_s", 0.0) for r in d["ranks"] if r.get("own_compute_recent_s")}
+        if len(comp) < 2:
+            continue
+        med = statistics.median(comp.values())
+        low = sorted(r for r, c in comp.items() if c > 0 and med / c < threshold)
+        if low:
+            fired.append((t, low))
+    row = _score_named(fired, len(checks), t0, fault_is_hang=False)
+    row["false_hung"] = 0  # it names stragglers, never a hang: its wrong names show in culprit_accuracy
+    return row
 
 
 def step_periods(job: Path, t0: float, t1: float) -> list[float]:
@@ -137,16 +193,61 @@ def wait_steps(job: Path, n: int, timeout: float) -> dict[int, int]:
     raise SystemExit(f"the job did not reach {n} steps on every rank within {timeout:.0f} s (see {job}/torchrun.log)")
 
 
+def kill_job(proc: subprocess.Popen, pids: dict[int, int]) -> None:
+    """SIGKILL torchrun, every descendant and every recorded worker (each worker has a session of its own,
+    so a process-group kill of the launcher would leave them running), then reap torchrun."""
+    import psutil
+
+    victims: list[psutil.Process] = []
+    try:
+        root = psutil.Process(proc.pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        pass
+    for pid in pids.values():
+        try:
+            victims.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _interrupted(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every `finally` and `with`: cgroup removed, job killed
+
+
+def wait_healthy(watch: Watch, interval: float, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        docs = watch.between(time.monotonic() - 1.5 * interval, time.monotonic())
+        if docs and docs[-1][1]["verdict"] == "healthy":
+            return
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quotas", default="50,20,5,1", help="CPU quotas (%% of one CPU), comma-separated")
-    ap.add_argument("--phase-s", type=float, default=15.0, help="seconds each quota is held (<= 20)")
+    ap.add_argument("--phase-s", type=float, default=15.0, help="seconds each quota is held")
+    ap.add_argument("--stop-s", type=float, default=40.0, help="seconds rank 2 is held stopped (0: no SIGSTOP row)")
+    ap.add_argument("--kill-s", type=float, default=10.0, help="seconds watched after SIGKILL (0: no SIGKILL row)")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
     ap.add_argument("--burn-work", type=int, default=1500, help="fixed stand-in compute per step (matmuls)")
     ap.add_argument("--keep", action="store_true", help="keep the job dir")
     args = ap.parse_args(argv)
     quotas = [float(q) for q in args.quotas.split(",") if q.strip()]
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupted)  # SIGINT already raises KeyboardInterrupt
     remove_stale()  # the cgroups of an earlier run that was killed before it could remove them
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-stragglers-"))
@@ -162,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     false_slow_reasons: set[str] = set()
     kind = probe()[0] or "sigstop-duty"
     watch = None
+    pids: dict[int, int] = {}
+    base = float("nan")
+    bound_s = None
     try:
         pids = wait_steps(job, 30, timeout=180)
         watch = Watch(job, args.interval)
@@ -203,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             for method, score in (
                 ("vote", score_vote(checks, t0)),
                 ("fixed-10s", score_fixed(checks, t0, 10.0)),
+                ("nvrx-0.7", score_nvrx(checks, t0)),
             ):
                 rows.append(
                     {
@@ -214,33 +319,70 @@ def main(argv: list[str] | None = None) -> int:
                         "throttle": th.kind,
                     }
                 )
-            # recover: wait for the job to be healthy again before the next quota (at most 30 s)
-            end = time.monotonic() + 30
-            while time.monotonic() < end:
-                docs = watch.between(time.monotonic() - 1.5 * args.interval, time.monotonic())
-                if docs and docs[-1][1]["verdict"] == "healthy":
-                    break
-                time.sleep(0.5)
+            wait_healthy(watch, args.interval, 30)  # recover before the next fault (at most 30 s)
+        if args.stop_s > 0:
+            t0 = time.monotonic()
+            os.kill(pids[SLOW_RANK], signal.SIGSTOP)
+            try:
+                time.sleep(args.stop_s)
+            finally:
+                os.kill(pids[SLOW_RANK], signal.SIGCONT)
+            checks = watch.between(t0, time.monotonic())
+            bound_s = next(
+                (
+                    v["numbers"].get("bound_s")
+                    for _, d in reversed(checks)
+                    for r in d["ranks"]
+                    if r["rank"] == SLOW_RANK
+                    for v in r["evidence"]
+                    if v["dimension"] == "progress" and "bound_s" in v["numbers"]
+                ),
+                None,
+            )
+            for method, score in (
+                ("vote", score_vote(checks, t0, "hung")),
+                ("fixed-10s", score_fixed(checks, t0, 10.0, fault_is_hang=True)),
+            ):
+                rows.append(
+                    {
+                        "fault": f"sigstop-{args.stop_s:g}s",
+                        "method": method,
+                        "quota_pct": None,
+                        "slowdown": None,
+                        **score,
+                    }
+                )
+            wait_healthy(watch, args.interval, 60)
+        if args.kill_s > 0:
+            t0 = time.monotonic()
+            os.kill(pids[SLOW_RANK], signal.SIGKILL)
+            time.sleep(args.kill_s)
+            checks = watch.between(t0, time.monotonic())
+            for method, score in (
+                ("vote", score_vote(checks, t0, "dead")),
+                ("fixed-10s", score_fixed(checks, t0, 10.0, fault_is_hang=True)),
+            ):
+                rows.append({"fault": "sigkill", "method": method, "quota_pct": None, "slowdown": None, **score})
     finally:
         if watch is not None:
             watch.stop()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+        kill_job(proc, pids)
         log.close()
+        release_all()  # a throttle an interruption left (the `with` has normally removed it already)
         if not args.keep:
-            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
     notes = [
         f"real torchrun job: {WORKERS} gloo workers of demo_train --burn-work {args.burn_work}; rank {SLOW_RANK} "
-        f"throttled by {kind} for {args.phase_s:g} s per quota; healthy step period {base:.3f} s (median)",
+        f"throttled by {kind} for {args.phase_s:g} s per quota, then SIGSTOP for {args.stop_s:g} s, then SIGKILL; "
+        f"healthy step period {base:.3f} s (median)",
         f"checks: gpu-doctor watch job --json --interval {args.interval:g} (the diagnose-job vote, previous check "
-        "carried); time_to_verdict counts from the throttle being applied",
-        "fixed-10s: a watchdog failing any rank without a record for 10 s, on the same checks (every firing is a "
-        "false hang: nobody is hung)",
+        "carried); time_to_verdict counts from the fault being applied",
+        "fixed-10s: a watchdog failing any rank without a record for 10 s, on the same checks (under a quota every "
+        "firing is a false hang); nvrx-0.7: NVRx-style relative score median/own compute < 0.7 names a straggler",
         f"bench wall time {time.monotonic() - t_start:.0f} s on {os.cpu_count()} CPU(s)",
     ]
+    if bound_s is not None:
+        notes.append(f"SIGSTOP: rank {SLOW_RANK}'s hang bound at the end of the stop was {bound_s:.1f} s")
     if false_slow_reasons:
         notes.append("healthy warm-up, non-healthy ranks seen: " + " | ".join(sorted(false_slow_reasons)[:4]))
     if kind == "sigstop-duty":
