@@ -16,7 +16,7 @@ Rules:
 
 Pure and deterministic: same observations, config and previous result → same verdict.
 
-Lazy imports (start-up time): yaml, only when the vote configuration is read.
+Lazy imports (start-up time): the YAML reader (yaml), only when the vote configuration is read.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservatio
 SCHEMA = "gpuguard.job/1"
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
 DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
+VOTE_YAML_MAX_BYTES = 64 * 1024  # the packaged file is ~6 KiB
 
 
 DEFAULT_CONFIG = VoteConfig()
@@ -64,13 +65,11 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     out-of-range values and integers given as fractions refuse (DataError, one line naming the key)."""
     import math
 
-    import yaml
+    from gpuguard.foundation.yamlfile import load_yaml
 
     p = Path(path) if path else DATA
-    try:
-        doc = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DataError(f"{p}: not valid YAML: {exc}") from None
+    # the one YAML reader: a regular file under a size cap, no repeated key, finite numbers, bounded aliases
+    doc = load_yaml(p, max_bytes=VOTE_YAML_MAX_BYTES, what="vote thresholds") or {}
     if not isinstance(doc, dict):
         raise DataError(f"{p}: expected a mapping of thresholds")
     doc = dict(doc.get("vote", doc))
