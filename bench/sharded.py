@@ -1,7 +1,7 @@
 """Step-time overhead of collective sharded snapshots on a real FSDP2 job (torchrun, gloo, CPU).
 
     python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
-                            [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N]
+                            [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N] [--nice 0]
 
 One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
 the root `fully_shard`ed, AdamW; with --replicated a plain replicated model, DDP-style gradient
@@ -125,11 +125,11 @@ def worker(a: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(a.hidden, a.replicated)
     job = Path(a.job_dir)
-    snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12])
+    snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12], nice=a.nice)
     snappers = {
         "sharded": snapper,
         "sharded-memdigest": ss.ShardedSnapshotter(
-            job, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=True
+            job, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=True, nice=a.nice
         ),
     }
     sync_dir = job / "dcp-sync"
@@ -268,6 +268,7 @@ def main() -> int:
     ap.add_argument("--gpu-ms", type=float, default=100.0)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=500.0)
+    ap.add_argument("--nice", type=int, default=0, help="the writer thread's nice value (ShardedSnapshotter nice=)")
     ap.add_argument("--replicated", action="store_true", help="a replicated (DDP-style) model instead of FSDP2")
     ap.add_argument(
         "--restore-workers", type=int, default=None, help="restore at this world size (default workers - 1)"
@@ -283,7 +284,7 @@ def main() -> int:
         return restore_worker(a)
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
     try:
-        shape = ("rounds", "block", "every", "gpu-ms", "hidden")
+        shape = ("rounds", "block", "every", "gpu-ms", "hidden", "nice")
         kind = ["--replicated"] if a.replicated else []
         doc = _torchrun(
             a, a.workers, ["--worker", *kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp
@@ -305,6 +306,7 @@ def main() -> int:
             "workers": doc["world"],
             "gpu_ms": a.gpu_ms,
             "every": a.every,
+            "writer_nice": a.nice,
             "step_ms_median": round(med * 1000, 2),
             "step_ms_blocks": [round(t * 1000, 2) for t in doc["times"][mode]],
             "ratio_vs_plain": round(med / base, 4),
