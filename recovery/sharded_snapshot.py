@@ -51,6 +51,7 @@ from gpuguard.recovery.snapshot import (
     STATE_SCHEMA,
     Selection,
     SnapshotInfo,
+    clone_state,
     publish_dir,
     quiet_dcp,
     read_state_record,
@@ -191,20 +192,7 @@ def stage(state: Mapping[str, Any]) -> dict[str, Any]:
     """A detached copy of a state (DTensors keep their sharding; their local shard is copied):
     the snapshot thread writes it while training goes on. At most one staged copy is alive
     (`ShardedSnapshotter`): staging memory is bounded by one copy of this rank's state."""
-    import torch  # noqa: PLC0415 - lazy: torch only where used
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(walk(v) for v in value)
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        return value
-
-    return walk(state)
+    return clone_state(state, to_cpu=False)
 
 
 # ---------------------------------------------------------------- the layout-independent state digest

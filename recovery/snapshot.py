@@ -231,8 +231,9 @@ def _tensor_bytes(t: Any) -> bytes:
     return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
-def clone_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A detached deep copy of a state dict: the snapshot thread writes it while training goes on."""
+def clone_state(state: Mapping[str, Any], *, to_cpu: bool = True) -> dict[str, Any]:
+    """A detached deep copy of a state dict: the snapshot thread writes it while training goes on.
+    `to_cpu=False` copies each tensor where it is (a DTensor keeps its mesh: the sharded writer)."""
     import torch
 
     def walk(value: Any) -> Any:
@@ -243,7 +244,7 @@ def clone_state(state: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, tuple):
             return tuple(walk(v) for v in value)
         if isinstance(value, torch.Tensor):
-            return value.detach().cpu().clone()
+            return value.detach().cpu().clone() if to_cpu else value.detach().clone()
         return value
 
     return walk(state)
