@@ -368,7 +368,9 @@ class InPlaceRuntime(Runtime):
             quiescence_evidence=plan.quiescence_evidence,
             issued_by=f"gpuguard-inplace {issuer()}",
             key=ledger.key,
-            extra=plan.extra,
+            # no new rendezvous round for an in-place switch: its members still run in the round they
+            # were started in, and the certificate names it (`gpu-generation show`/`history`)
+            extra={**plan.extra, "rendezvous_round": self.attempt.round if self.attempt else None},
         )
         self._require_lease(f"certificate of generation {cert.generation}")
         try:

@@ -118,6 +118,9 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
         assert sorted(m.incarnation.pid for m in g2.members) == sorted(first[r] for r in survivors)
         assert g3.extra["switch"] == "in-place" and g3.reason == "operator" and g3.members == g2.members
         assert not g3.admitted and g3.frontier.step >= g2.frontier.step
+        # no new rendezvous round in place: both name the round their members were started in
+        started_in = history[1].extra["rendezvous_round"]
+        assert g2.extra["rendezvous_round"] == g3.extra["rendezvous_round"] == started_in is not None
         shown = run_cli("gpu-generation", "show", "--job-dir", str(job), "--json", timeout=60)
         assert shown.returncode == 0, shown.stderr
         extra = json.loads(shown.stdout)["certificate"]["extra"]
