@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,10 +62,30 @@ def make_app(name: str, help_text: str) -> typer.Typer:
         version: bool = typer.Option(
             False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
         ),
+        debug: bool = typer.Option(
+            False, "-v", "--debug", help=f"Show the traceback of an internal error (also ${DEBUG_ENV}=1)."
+        ),
     ) -> None:
-        pass
+        if debug:
+            os.environ[DEBUG_ENV] = "1"  # this run, and the commands it starts (runbook steps)
+
+    @app.command("completion")
+    def _completion(
+        shell: str = typer.Argument(..., metavar="bash|zsh|fish", help="The shell to print the completion for."),
+    ) -> None:
+        """Print the shell completion script (install: see the examples)."""
+        from importlib import resources
+
+        if shell not in COMPLETION_SHELLS:
+            raise GpuguardError(
+                f"completion {shell!r}: expected one of {', '.join(COMPLETION_SHELLS)}", exit_code=EXIT_USAGE
+            )
+        sys.stdout.write(resources.files("gpuguard.completions").joinpath(f"{name}.{shell}").read_text())
 
     return app
+
+
+COMPLETION_SHELLS = ("bash", "zsh", "fish")
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -127,6 +149,7 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
     code; a failed write to stdout is 74.
     """
     command = typer.main.get_command(app)
+    attach_examples(command, prog)
     guarded = None
     if sys.stdout is not None and not isinstance(sys.stdout, _GuardedStdout):
         guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
@@ -143,8 +166,17 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
             sys.stdout = guarded._inner
 
 
+def _end_startup() -> None:
+    """Ctrl-C is a KeyboardInterrupt again (handled below) once the imports are done (cli/__init__.py)."""
+    from gpuguard import cli
+
+    if threading_main() and signal.getsignal(signal.SIGINT) is getattr(cli, "_interrupted_at_startup", None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _run(command: Any, prog: str, argv: list[str] | None) -> int:
     try:
+        _end_startup()
         rv = command.main(args=argv, prog_name=prog, standalone_mode=False)
     except click.exceptions.UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # bare `gpu-doctor`: show the help
@@ -179,9 +211,9 @@ def _run(command: Any, prog: str, argv: list[str] | None) -> int:
         return err.exit_code
     except Exception as exc:  # a bug: one line, the traceback only on request
         if os.environ.get(DEBUG_ENV):
-            raise
+            traceback.print_exc(file=sys.stderr)
         print(
-            f"{prog}: internal error: {type(exc).__name__}: {exc} (set GPUGUARD_DEBUG=1 for a traceback)",
+            f"{prog}: internal error: {type(exc).__name__}: {exc} (-v or GPUGUARD_DEBUG=1 for a traceback)",
             file=sys.stderr,
         )
         return EXIT_SOFTWARE
@@ -190,6 +222,26 @@ def _run(command: Any, prog: str, argv: list[str] | None) -> int:
     if isinstance(rv, int):
         return rv
     return 0
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def attach_examples(command: Any, prog: str) -> None:
+    """Give every command of the tree its `Examples:` epilog from `EXAMPLES` (one table, so every
+    --help has examples and a test can check each one names real subcommands and options)."""
+
+    def walk(cmd: Any, path: str) -> None:
+        lines = EXAMPLES.get(path)
+        if lines and not cmd.epilog:
+            cmd.epilog = "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+        for sub_name, sub in (getattr(cmd, "commands", None) or {}).items():
+            walk(sub, f"{path} {sub_name}")
+
+    walk(command, prog)
 
 
 def entry(app: typer.Typer, prog: str) -> Callable[[], NoReturn]:
@@ -254,3 +306,143 @@ def require_job(job_dir: Path | None) -> Path:
     if job_dir is None:
         fail(f"no job directory: pass --job-dir or set ${JOB_DIR_ENV}", EXIT_USAGE)
     return require_job_dir(job_dir)
+
+
+# Every command's --help ends with examples (issue 15, CLI habits). Keys: the command path as typed.
+# tests/cli/test_cli_habits.py checks every command has some and each names real subcommands and options.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "gpu-doctor": (
+        "gpu-doctor diagnose node                     # this node's GPUs: Xid, ECC, NVML",
+        "gpu-doctor diagnose job --job-dir /ckpt/job  # is a rank dead or only slow?",
+        "gpu-doctor logs /var/log/kern.log            # explain the GPU events in a log",
+        "gpu-doctor completion bash > /etc/bash_completion.d/gpu-doctor",
+    ),
+    "gpu-doctor diagnose": (
+        "gpu-doctor diagnose node --since 2h --json",
+        "gpu-doctor diagnose job --job-dir /ckpt/job",
+        "gpu-doctor diagnose torchrun --job-dir /ckpt/job",
+    ),
+    "gpu-doctor diagnose node": (
+        "gpu-doctor diagnose node                                  # live NVML and kernel log",
+        "gpu-doctor diagnose node --since 2h --format nagios       # for a monitoring check",
+        "gpu-doctor diagnose node --kernel-log kern.log --nvml-snapshot snap.json --json",
+        "gpu-doctor diagnose node --dump-nvml /tmp/snap.json       # record NVML for a replay",
+    ),
+    "gpu-doctor diagnose job": (
+        "gpu-doctor diagnose job --job-dir /ckpt/job",
+        "gpu-doctor diagnose job --job-dir /ckpt/job --log train.log --log-regex 'step (?P<step>\\d+) (?P<step_s>[0-9.]+)s'",
+        "gpu-doctor diagnose job --job-dir /ckpt/job --config vote.yaml --json",
+    ),
+    "gpu-doctor diagnose torchrun": (
+        "gpu-doctor diagnose torchrun --job-dir /ckpt/job",
+        "gpu-doctor diagnose torchrun --job-dir /ckpt/job --init-timeout 600 --json",
+    ),
+    "gpu-doctor logs": (
+        "gpu-doctor logs /var/log/kern.log",
+        "journalctl -k | gpu-doctor logs -             # from stdin",
+        "gpu-doctor logs train.log.1.gz --min-severity warning --json",
+    ),
+    "gpu-doctor contract": (
+        "gpu-doctor contract /ckpt/job/traces           # one Flight Recorder dump per rank",
+        "gpu-doctor contract dumps/ --world-size 8 --json",
+    ),
+    "gpu-doctor sweep": (
+        "gpu-doctor sweep --textfile /var/lib/node_exporter/gpudoctor.prom   # from cron",
+        "gpu-doctor sweep --format npd                                       # node-problem-detector",
+        "gpu-doctor sweep --webhook http://alertmanager:9093/api/v2/alerts --drain",
+    ),
+    "gpu-doctor watch": ("gpu-doctor watch job --job-dir /ckpt/job",),
+    "gpu-doctor watch job": (
+        "gpu-doctor watch job --job-dir /ckpt/job --interval 10",
+        "gpu-doctor watch job --job-dir /ckpt/job --count 3 --json",
+    ),
+    "gpu-doctor plan": (
+        "gpu-doctor plan checkpoint --cost 30 --mtbf-hours 5000 --gpus 1024",
+        "gpu-doctor plan layout --tp 8 --pp 4 --dp 16 --failed-rank 17",
+    ),
+    "gpu-doctor plan checkpoint": (
+        "gpu-doctor plan checkpoint --cost 30 --mtbf-hours 5000 --gpus 1024",
+        "gpu-doctor plan checkpoint --cost 30 --failures-per-hour 0.2 --json",
+    ),
+    "gpu-doctor plan collective": (
+        "gpu-doctor plan collective --ranks 64 --bytes 1e9 --bandwidth 50e9 --latency 5e-6",
+    ),
+    "gpu-doctor plan layout": ("gpu-doctor plan layout --tp 8 --pp 4 --dp 16 --failed-rank 17 --json",),
+    "gpu-doctor plugins": ("gpu-doctor plugins", "gpu-doctor plugins --json"),
+    "gpu-doctor completion": (
+        "gpu-doctor completion bash > /etc/bash_completion.d/gpu-doctor",
+        "gpu-doctor completion zsh > ~/.zfunc/_gpu-doctor",
+    ),
+    "gpu-generation": (
+        "gpu-generation init --job-dir /ckpt/job",
+        "gpu-generation show --job-dir /ckpt/job",
+        "gpu-generation verify --job-dir /ckpt/job --deep",
+    ),
+    "gpu-generation init": (
+        "gpu-generation init --job-dir /ckpt/job",
+        "gpu-generation init --job-dir /ckpt/job --ledger etcd://etcd1:2379/jobs/llm --timeout 10",
+    ),
+    "gpu-generation show": (
+        "gpu-generation show --job-dir /ckpt/job",
+        "gpu-generation show --job-dir /ckpt/job --json",
+    ),
+    "gpu-generation history": ("gpu-generation history --job-dir /ckpt/job",),
+    "gpu-generation verify": (
+        "gpu-generation verify --job-dir /ckpt/job",
+        "gpu-generation verify --job-dir /ckpt/job --generation 3 --deep --json",
+    ),
+    "gpu-generation explain": (
+        "gpu-generation explain --job-dir /ckpt/job",
+        "gpu-generation explain --job-dir /ckpt/job --all --json",
+    ),
+    "gpu-generation bench": ("gpu-generation bench transitions",),
+    "gpu-generation bench transitions": (
+        "gpu-generation bench transitions --json",
+        "gpu-generation bench transitions --real      # real torchrun jobs (needs torch)",
+    ),
+    "gpu-generation completion": ("gpu-generation completion bash > /etc/bash_completion.d/gpu-generation",),
+    "gpu-recover": (
+        "gpu-recover status --job-dir /ckpt/job            # what on-call runs first",
+        "gpu-recover runbook run rank-failure --job-dir /ckpt/job --dry-run",
+        "gpu-recover abort --job-dir /ckpt/job --dry-run",
+    ),
+    "gpu-recover status": (
+        "gpu-recover status --job-dir /ckpt/job",
+        "gpu-recover status --job-dir /ckpt/job --follow --interval 5",
+        "gpu-recover status --job-dir /ckpt/job --json",
+    ),
+    "gpu-recover abort": (
+        "gpu-recover abort --job-dir /ckpt/job --dry-run              # the signal plan, nothing sent",
+        "gpu-recover abort --job-dir /ckpt/job --generation 2 --grace 10 --yes",
+    ),
+    "gpu-recover rendezvous": (
+        "gpu-recover rendezvous --job-dir /ckpt/job --rdzv-endpoint etcd1:2379 --run-id llm --dry-run",
+    ),
+    "gpu-recover restore": (
+        "gpu-recover restore --job-dir /ckpt/job --dry-run",
+        "gpu-recover restore --job-dir /ckpt/job --step 1200 --yes",
+    ),
+    "gpu-recover verify": (
+        "gpu-recover verify --job-dir /ckpt/job --timeout 120",
+        "gpu-recover verify --job-dir /ckpt/job --newer-than 3 --json",
+    ),
+    "gpu-recover runbook": (
+        "gpu-recover runbook list",
+        "gpu-recover runbook show rank-failure",
+        "gpu-recover runbook run rank-failure --job-dir /ckpt/job --dry-run",
+    ),
+    "gpu-recover runbook list": ("gpu-recover runbook list --json",),
+    "gpu-recover runbook show": (
+        "gpu-recover runbook show rank-failure",
+        "gpu-recover runbook show ./mine.yaml --json",
+    ),
+    "gpu-recover runbook run": (
+        "gpu-recover runbook run rank-failure --job-dir /ckpt/job --dry-run",
+        "gpu-recover runbook run hang --job-dir /ckpt/job --yes",
+    ),
+    "gpu-recover demo": (
+        "gpu-recover demo --job-dir /tmp/demo-job              # a real 4-worker job, killed and recovered",
+        "gpu-recover demo --job-dir /tmp/demo-job --workers 2 --steps 20 --json",
+    ),
+    "gpu-recover completion": ("gpu-recover completion bash > /etc/bash_completion.d/gpu-recover",),
+}

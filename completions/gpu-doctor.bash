@@ -5,11 +5,12 @@ _gpuguard_gpu_doctor() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /contract|/diagnose|/diagnose/job|/diagnose/node|/diagnose/torchrun|/logs|/plan|/plan/checkpoint|/plan/collective|/plan/layout|/plugins|/sweep|/watch|/watch/job) path="${path}/${w}" ;;
+            /completion|/contract|/diagnose|/diagnose/job|/diagnose/node|/diagnose/torchrun|/logs|/plan|/plan/checkpoint|/plan/collective|/plan/layout|/plugins|/sweep|/watch|/watch/job) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
-        "") words="contract diagnose logs plan plugins sweep watch --help --version -h" ;;
+        "") words="completion contract diagnose logs plan plugins sweep watch --debug --help --version -h -v" ;;
+        "/completion") words="--help -h" ;;
         "/contract") words="--help --jobs --json --pg --world-size -h" ;;
         "/diagnose") words="job node torchrun --help -h" ;;
         "/diagnose/job") words="--config --help --interval --job-dir --json --log --log-regex --log-spec --node-report --torchrun-log --window -h" ;;

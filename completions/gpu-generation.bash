@@ -5,13 +5,14 @@ _gpuguard_gpu_generation() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /bench|/bench/transitions|/explain|/history|/init|/show|/verify) path="${path}/${w}" ;;
+            /bench|/bench/transitions|/completion|/explain|/history|/init|/show|/verify) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
-        "") words="bench explain history init show verify --help --version -h" ;;
+        "") words="bench completion explain history init show verify --debug --help --version -h -v" ;;
         "/bench") words="transitions --help -h" ;;
         "/bench/transitions") words="--help --json --layout --real --seed --strategy -h" ;;
+        "/completion") words="--help -h" ;;
         "/explain") words="--all --generation --help --job-dir --json --ledger --timeout -h" ;;
         "/history") words="--help --job-dir --json --ledger --timeout -h" ;;
         "/init") words="--help --job-dir --job-id --json --ledger --timeout -h" ;;

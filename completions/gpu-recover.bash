@@ -5,13 +5,14 @@ _gpuguard_gpu_recover() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /abort|/demo|/rendezvous|/restore|/runbook|/runbook/list|/runbook/run|/runbook/show|/status|/verify) path="${path}/${w}" ;;
+            /abort|/completion|/demo|/rendezvous|/restore|/runbook|/runbook/list|/runbook/run|/runbook/show|/status|/verify) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
-        "") words="abort demo rendezvous restore runbook status verify --help --version -h" ;;
+        "") words="abort completion demo rendezvous restore runbook status verify --debug --help --version -h -v" ;;
         "/abort") words="--dry-run --generation --grace --help --include-active --job-dir --json --rank --yes -h -y" ;;
-        "/demo") words="--help --job-dir --json --kill-step --scenario --steps --timeout --workers -h" ;;
+        "/completion") words="--help -h" ;;
+        "/demo") words="--help --job-dir --json --kill-step --rdzv-endpoint --scenario --steps --timeout --workers -h" ;;
         "/rendezvous") words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --state --yes -h -y" ;;
         "/restore") words="--dry-run --help --job-dir --json --max-tries --step --yes -h -y" ;;
         "/runbook") words="list run show --help -h" ;;
