@@ -107,6 +107,8 @@ DEFAULTS: dict[str, Any] = {
     "closed_ttl": 60,
     "protocol": "http",
 }
+PRUNE_SPAN = 8  # rounds pruned at most per completed round (contiguous rounds need one each)
+KEEP_BINDINGS = 64  # newest `rounds/<R>` bindings kept (what `gpu-recover rendezvous --state` shows)
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -164,6 +166,26 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return state, int(got["header"]["revision"]), True
         kvs = range_kvs(got["responses"][0]) if got.get("responses") else []
         return None if not kvs else (*self._decode(kvs[0]), False)
+
+    def prune_rounds(self, current: int) -> int:
+        """Delete what the rounds before `current - 1` left in etcd: their agents' store keys
+        (`store/torch.rendezvous.<run>.<r>/...`, 2 + 2 x agents per round) and, past the newest
+        KEEP_BINDINGS, their `rounds/<r>` bindings. Without it a long elastic run grows by every
+        round it ever had. Bounded: at most PRUNE_SPAN rounds per call (each completed round prunes
+        its predecessors, so the span only matters after a gap). Returns the keys deleted."""
+        deleted = 0
+        for r in range(max(0, current - 1 - PRUNE_SPAN), current - 1):
+            prefix = self.base + f"store/torch.rendezvous.{self.run_id}.{r}/".encode()
+            deleted += self._delete_range(prefix, prefix_end(prefix))
+        for r in range(max(0, current - KEEP_BINDINGS - PRUNE_SPAN), max(0, current - KEEP_BINDINGS)):
+            key = self.base + f"rounds/{r}".encode()
+            deleted += self._delete_range(key, None)
+        return deleted
+
+    def _delete_range(self, key: bytes, range_end: bytes | None) -> int:
+        body = {"key": b64(key), **({"range_end": b64(range_end)} if range_end is not None else {})}
+        got = self._guard("prune", self.conn.call, "kv/deleterange", body, "rendezvous prune")
+        return int(got.get("deleted", 0))
 
     def depart(self, node: str, members: set[str], closed_ttl: int) -> bool:
         """Record that `node` has shut down; the last of `members` to do so removes the run's keys.
@@ -243,7 +265,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         with _no_shared_store():
-            return super().next_rendezvous()
+            info = super().next_rendezvous()
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        if info.rank == 0 and state is not None:  # one agent per round prunes what all have moved past
+            try:
+                self._gpuguard_backend.prune_rounds(int(state.round))
+            except RendezvousError as exc:  # best effort: the run lease still removes them at the end
+                log.warning("rendezvous %s: could not prune old rounds: %s", self.get_run_id(), exc)
+        return info
 
     def shutdown(self) -> bool:
         ok = super().shutdown()

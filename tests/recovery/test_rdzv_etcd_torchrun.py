@@ -56,13 +56,16 @@ class Agents:
         self.out = tmp / "out"
         self.out.mkdir()
 
-    def start(self, endpoint: str, run_id: str, nnodes: str, conf: str, *, steps: int, pause: float = 0.0):
+    def start(
+        self, endpoint: str, run_id: str, nnodes: str, conf: str, *, steps: int, pause: float = 0.0, fail: int = 0
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TORCH_DISABLE"))}
         env.update(
             {
                 "RDZV_JOB_OUT": str(self.out),
                 "RDZV_JOB_STEPS": str(steps),
                 "RDZV_JOB_SLEEP": str(pause),
+                "RDZV_JOB_FAIL_RESTARTS": str(fail),
                 "PYTHONWARNINGS": "ignore",
                 "LOGLEVEL": "INFO",  # torchrun's own log: what a failure message shows
             }
@@ -79,7 +82,7 @@ class Agents:
                     f"--rdzv-id={run_id}",
                     f"--rdzv-conf={conf}",
                     "--local-addr=127.0.0.1",
-                    "--max-restarts=3",
+                    "--max-restarts=5",
                     "--monitor-interval=0.2",
                     str(JOB),
                 ],
@@ -183,6 +186,23 @@ def test_losing_the_first_agent_leaves_the_other_running(agents, endpoint):
     assert d["master"] != first[0]["master"]  # a new store, hosted by the new rank 0's worker
     base = run_prefix(PREFIX, run)
     assert [k for k, _ in _keys(endpoint, base)] == [base + b"state"], "the survivor cleaned up"
+
+
+def test_a_long_elastic_run_keeps_only_the_last_two_rounds_store_keys(agents, endpoint):
+    """Every round leaves MASTER_ADDR/PORT and per-agent keys in the agents' store: without pruning a
+    job that restarts often grows etcd by every round it ever had."""
+    run = f"grow-{uuid.uuid4().hex[:8]}"
+    conf = f"key_prefix={PREFIX},read_timeout=5,last_call_timeout=1,join_timeout=60,closed_ttl=30"
+    proc = agents.start(endpoint, run, "1", conf, steps=40, pause=0.1, fail=4)  # rounds 0..4
+    agents.wait_for(lambda: (agents.out / "progress-4-0").exists(), 90)
+    base = run_prefix(PREFIX, run)
+    rounds = set()
+    for key, _ in _keys(endpoint, base + b"store/"):
+        head = key[len(base + b"store/") :].split(b"/", 1)[0]  # torch.rendezvous.<run>.<round>
+        rounds.add(int(head.rsplit(b".", 1)[1]))
+    assert rounds == {3, 4}, rounds
+    agents.wait_for(lambda: proc.poll() is not None, 60)
+    assert proc.returncode == 0, agents.logs()
 
 
 def test_silent_etcd_fails_torchrun_with_a_clear_error(agents):

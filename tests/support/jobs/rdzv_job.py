@@ -4,6 +4,8 @@ Each worker records how it was started (rank, world, its agent, the store torchr
 $RDZV_JOB_OUT/start-<rank>-<restart>.json, then all-reduces `rank + 1` for $RDZV_JOB_STEPS steps
 ($RDZV_JOB_SLEEP s apart, progress in progress-<restart>-<rank>), checks each sum, and writes
 done-<rank>-<restart>.json. A finite gloo timeout: a lost peer fails the step instead of hanging.
+With $RDZV_JOB_FAIL_RESTARTS=N, a worker of restart < N exits 1 after recording its start (torchrun
+restarts it: one more rendezvous round each time).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
         "use_agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
     }
     _write(out / f"start-{rank}-{restart}.json", info)
+    if restart < int(os.environ.get("RDZV_JOB_FAIL_RESTARTS", "0")):
+        raise SystemExit(1)
     want = world * (world + 1) / 2
     for step in range(steps):
         t = torch.tensor([rank + 1.0])
