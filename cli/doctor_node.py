@@ -36,6 +36,7 @@ from gpuguard.foundation.errors import (
     EXIT_WARNING,
     UsageError,
 )
+from gpuguard.foundation.outfile import check_output_path, write_output_file
 
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
@@ -399,107 +400,6 @@ def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
 # Output files (--dump-nvml): a new file, atomically, never through a link, never a missing directory
 
 
-def check_output_path(path: str, *, force: bool, what: str) -> None:
-    """Refuse an output path at once: 66 its directory is missing (never created), 65 it or its
-    directory is a symbolic link, 73 it exists (unless `force`, and then only a regular file)."""
-    import os
-    import stat
-
-    from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError
-
-    target = Path(path)
-    parent = target.parent
-    if os.path.islink(parent):
-        raise DataError(f"{what} {path}: directory {parent} is a symbolic link: refusing to write through it")
-    if not parent.is_dir():
-        raise NoInputError(f"{what} {path}: no directory {parent} (it is not created for you)")
-    from gpuguard.foundation.jobdir import check_root_safe_dir
-
-    check_root_safe_dir(parent, f"{what} {path}: directory")  # as root: 77 if another user controls it
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        from gpuguard.foundation.errors import from_os_error
-
-        raise from_os_error(exc, f"{what} {path}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise DataError(f"{what} {path}: is a symbolic link: refusing to write through it")
-    if stat.S_ISDIR(st.st_mode):
-        raise GpuguardError(f"{what} {path}: is a directory", exit_code=EXIT_CANTCREAT)
-    if not force:
-        raise GpuguardError(
-            f"{what} {path}: exists: refusing to overwrite it (--force to replace it)", exit_code=EXIT_CANTCREAT
-        )
-    if not stat.S_ISREG(st.st_mode):
-        raise GpuguardError(f"{what} {path}: not a regular file: refusing to replace it", exit_code=EXIT_CANTCREAT)
-
-
-def write_output_file(path: str, data: bytes, *, force: bool, what: str, mode: int = 0o644) -> None:
-    """Write `data` to a new file at `path` (see `check_output_path`): a temp file in the same
-    directory, opened through a no-follow handle on that directory, then hard-linked into place
-    (fails if the name appeared meanwhile) or, with `force`, renamed over the old regular file. A
-    rename replaces a name, so no write ever goes through a link planted there."""
-    import errno
-    import os
-    import uuid
-
-    from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, from_os_error
-
-    check_output_path(path, force=force, what=what)
-    target = Path(path)
-    name = target.name
-    try:
-        dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(target.parent):
-            raise DataError(f"{what} {path}: directory {target.parent} is a symbolic link") from None
-        raise from_os_error(exc, f"{what} {path}") from None
-    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                mode,
-                dir_fd=dfd,
-            )
-        except OSError as exc:
-            raise from_os_error(exc, f"{what} {path}") from None
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            if force:
-                st = _lstat_at(name, dfd)
-                if st is not None and not _is_regular(st):
-                    raise GpuguardError(
-                        f"{what} {path}: is no longer a regular file: not replaced", exit_code=EXIT_CANTCREAT
-                    )
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            else:
-                try:
-                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:
-                    raise GpuguardError(
-                        f"{what} {path}: exists: refusing to overwrite it (--force to replace it)",
-                        exit_code=EXIT_CANTCREAT,
-                    ) from None
-                os.unlink(tmp, dir_fd=dfd)
-            os.fsync(dfd)
-        except OSError as exc:
-            raise from_os_error(exc, f"{what} {path}") from None
-        finally:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-    finally:
-        os.close(dfd)
-
-
 def write_textfile(path: str, doc: dict[str, Any]) -> str:
     """The Prometheus textfile, replaced atomically through `write_output_file` (a temp file in the
     same directory, renamed over the old one): never through a link, never into a missing directory
@@ -512,21 +412,6 @@ def write_textfile(path: str, doc: dict[str, Any]) -> str:
         raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
     write_output_file(path, generate_latest(prometheus_registry(doc)), force=True, what="--textfile")
     return path
-
-
-def _lstat_at(name: str, dfd: int) -> Any:
-    import os
-
-    try:
-        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-
-
-def _is_regular(st: Any) -> bool:
-    import stat
-
-    return stat.S_ISREG(st.st_mode)
 
 
 def diagnose_node(
