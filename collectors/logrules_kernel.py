@@ -8,6 +8,7 @@ Formats: docs/log-formats.md, "Kernel driver lines".
 
 from __future__ import annotations
 
+import functools
 import re
 
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
@@ -23,6 +24,7 @@ _PCI_RE = re.compile(
 _BUSDEV_RE = re.compile(r"^(?P<bus>[0-9A-Fa-f]{1,4}):(?P<dev>[0-9A-Fa-f]{1,2})$")
 
 
+@functools.lru_cache(maxsize=4096)  # a node has a handful of GPUs: the same few addresses on every line
 def normalize_pci(text: str | None) -> str | None:
     """`PCI:0000:CB:00` / `0000:01:00` / `00000000:10:1C.0` / `01:00.0` / old `0003:00` (bus:device, no
     domain) -> `dddd:bb:dd.f` (lower case)."""
@@ -77,8 +79,26 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
         m = _GPC.search(message)
         if m is not None:
             fields.update(gpc=int(m.group(1)), tpc=int(m.group(2)), sm=int(m.group(3)))
-    sev = catalog.xid_severity(code, fields)
+    if _SPECIAL.isdisjoint(fields):
+        sev, diagnosis = _plain_verdict(code)
+    else:
+        sev, diagnosis = _verdict(code, fields, info)
     fields["catalog_severity"] = sev
+    return Found("xid", fields, catalog.event_severity(sev), diagnosis)
+
+
+# Fields that refine an Xid's verdict; without them the verdict is the code's alone (and cached).
+_SPECIAL = frozenset(("recovery_action_to", "caused_by", "nvlink_severity", "nvlink_unit", "remap_pending"))
+
+
+@functools.lru_cache(maxsize=2048)  # the verdict of a code without refining fields: the same on every line
+def _plain_verdict(code: int) -> tuple[str, str]:
+    return _verdict(code, {}, catalog.lookup(code))
+
+
+def _verdict(code: int, fields: dict, info: catalog.XidInfo) -> tuple[str, str]:
+    """(catalog severity, diagnosis) of one Xid line."""
+    sev = catalog.xid_severity(code, fields)
     diagnosis = f"Xid {code} {info.name}: {info.meaning} [{info.category}]. "
     if code == 154 and "recovery_action_to" in fields:
         act = catalog.recovery_action(fields["recovery_action_to"])
@@ -97,7 +117,7 @@ def _xid_found(code: int, fields: dict, message: str) -> Found:
         )
     if not info.known:
         diagnosis = f"Xid {code}: not in the catalog; needs review (never treated as healthy)."
-    return Found("xid", fields, catalog.event_severity(sev), diagnosis)
+    return sev, diagnosis
 
 
 def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
