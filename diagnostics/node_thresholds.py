@@ -9,6 +9,7 @@ Lazy imports (start-up time): yaml, only when a thresholds file is read (foundat
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,16 @@ class Thresholds:
         return self.values[section][key]
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
+
+
+def _shown(value: Any) -> str:
+    """A config value for an error message: a bounded repr (a few items, two levels), never a walk
+    of the whole value (YAML aliases can make it a large shared-reference graph)."""
+    return _REPR.repr(value)[:60]
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -88,24 +99,24 @@ def _check(kind: str, value: Any, where: str) -> Any:
     nullable = " or null" if optional else ""
     if kind == "count":
         if not _is_int(value) or value < 0:
-            raise UsageError(f"{where}: expected a whole number >= 0{nullable}, got {value!r:.60}")
+            raise UsageError(f"{where}: expected a whole number >= 0{nullable}, got {_shown(value)}")
         return value
     if kind == "number":
         if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-            raise UsageError(f"{where}: expected a number{nullable}, got {value!r:.60}")
+            raise UsageError(f"{where}: expected a number{nullable}, got {_shown(value)}")
         return float(value)
     if kind == "verdict":
         if value not in VERDICT_NAMES:
-            raise UsageError(f"{where}: expected one of {', '.join(VERDICT_NAMES)}, got {value!r:.60}")
+            raise UsageError(f"{where}: expected one of {', '.join(VERDICT_NAMES)}, got {_shown(value)}")
         return value
     if kind == "codes":
         if not isinstance(value, list) or not all(_is_int(c) and 0 <= c < 100000 for c in value):
-            raise UsageError(f"{where}: expected a list of Xid codes (whole numbers), got {value!r:.60}")
+            raise UsageError(f"{where}: expected a list of Xid codes (whole numbers), got {_shown(value)}")
         return tuple(value)
     if kind == "reasons":
         if not isinstance(value, list) or not all(isinstance(r, str) and r in CLOCK_REASONS for r in value):
             raise UsageError(
-                f"{where}: expected a list of clock-event reasons from {', '.join(CLOCK_REASONS)}, got {value!r:.60}"
+                f"{where}: expected a list of clock-event reasons from {', '.join(CLOCK_REASONS)}, got {_shown(value)}"
             )
         return tuple(value)
     raise AssertionError(kind)  # pragma: no cover - SPEC is static
@@ -123,10 +134,10 @@ def validate(
     for section, body in doc.items():
         if section == "schema":
             if body != SCHEMA:
-                raise UsageError(f"{what}: schema must be {SCHEMA!r}, got {body!r:.60}")
+                raise UsageError(f"{what}: schema must be {SCHEMA!r}, got {_shown(body)}")
             continue
         if section not in SPEC:
-            raise UsageError(f"{what}: unknown section {section!r:.60} (known: {', '.join(SPEC)})")
+            raise UsageError(f"{what}: unknown section {_shown(section)} (known: {', '.join(SPEC)})")
         if not isinstance(body, dict):
             raise UsageError(f"{what}: {section}: expected a mapping, got {type(body).__name__}")
         for key, value in body.items():

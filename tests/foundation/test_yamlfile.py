@@ -230,3 +230,18 @@ def test_runbooks_through_the_reader(tmp_path: Path) -> None:
     book = _write(tmp_path, "b.yaml", "name: a\nname: b\nsteps: [{name: s, action: diagnose}]\n")
     with pytest.raises(runbooks.RunbookError, match=r"line 2: duplicate key 'name' \(first at line 1\)"):
         runbooks.load(str(book))
+
+
+def test_a_large_aliased_value_in_a_thresholds_error_is_shown_bounded(tmp_path: Path) -> None:
+    """Under the node budget (aliases of aliases: 111,110 items), but the message shows a bounded
+    repr of the value, built without walking all of it."""
+    levels = ["&a [" + ", ".join(["1"] * 10) + "]"]
+    levels += [f"&{c} [" + ", ".join(["*" + p] * 10) + "]" for p, c in zip("abcd", "bcde", strict=True)]
+    cfg = _write(tmp_path, "t.yaml", "xid:\n  drain: [" + ", ".join(levels) + "]\n")
+    t0 = time.perf_counter()
+    with pytest.raises(UsageError) as info:
+        node_thresholds.load(cfg)
+    assert time.perf_counter() - t0 < 10  # a deadline against a hang, not a speed assertion
+    assert "expected a list of Xid codes" in str(info.value) and len(str(info.value)) < 250
+    huge = [[[[1] * 1000] * 1000] * 1000]  # 10**9 items shared by reference
+    assert len(node_thresholds._shown(huge)) <= 60
