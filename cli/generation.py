@@ -74,6 +74,11 @@ def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
     if rnd is not None:
         attempt = f" (attempt {extra['attempt']})" if extra.get("attempt") else ""
         lines.append(f"rendezvous     round {rnd}{attempt}")
+        agents = extra.get("rendezvous_participants")
+        if isinstance(agents, list) and agents:
+            lines.append(
+                f"agents         {len(agents)}: {', '.join(str(a) for a in agents[:8])}{' ...' if len(agents) > 8 else ''}"
+            )
     phases = extra.get("phases")
     if isinstance(phases, Mapping) and phases:
         lines.append("phases         " + ", ".join(f"{k} {_seconds(v)}" for k, v in phases.items()))

@@ -240,6 +240,7 @@ class ActivationFacts:
     restart_count: int = 0
     rendezvous_round: int | None = None  # the torchrun rendezvous round the members were started in
     lease_expired: frozenset[str] = frozenset()  # parent incarnations whose etcd lease expired (fenced first)
+    rendezvous_participants: tuple[str, ...] = ()  # the round's agents (torch's node names), group-rank order
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ def plan_activation(facts: ActivationFacts) -> ActivationPlan:
         "attempt": facts.attempt_token,
         "attempt_source": facts.attempt_source,
         "rendezvous_round": facts.rendezvous_round,
+        "rendezvous_participants": list(facts.rendezvous_participants),
         "restart_count": facts.restart_count,
         "committed_by_all": facts.committed_by_all,
         "frontier_note": choice.note,

@@ -37,15 +37,19 @@ class Attempt:
     round: int | None
     source: str
     rendezvous: Endpoint | None = None
+    # the round's agents as torch names them (`addr_pid_localid`), in group-rank order
+    participants: tuple[str, ...] = ()
 
 
-def _read_round(ep: Endpoint, timeout_s: float) -> int | None:
+def _read_round(ep: Endpoint, timeout_s: float) -> tuple[int | None, tuple[str, ...]]:
     if ep.backend == "c10d" and ep.port == 0:
-        return None
+        return None, ()
     with open_client(ep, timeout_s) as client:
         state, _ = read_state(client, ep.run_id)
     rnd = getattr(state, "round", None)
-    return rnd if isinstance(rnd, int) else None
+    members = getattr(state, "participants", None) or {}
+    agents = tuple(repr(n) for n, _ in sorted(members.items(), key=lambda kv: kv[1]))
+    return (rnd, agents) if isinstance(rnd, int) else (None, ())
 
 
 def _locate(env: dict[str, str]) -> tuple[Endpoint | None, str]:
@@ -75,11 +79,11 @@ def current_attempt(env: dict[str, str] | None = None, timeout_s: float = 5.0) -
     ep, source = _locate(env)
     if ep is not None:
         try:
-            rnd = _read_round(ep, timeout_s)
+            rnd, agents = _read_round(ep, timeout_s)
         except Exception:  # noqa: BLE001 - unreachable endpoint: fall back below
-            rnd = None
+            rnd, agents = None, ()
         if rnd is not None:
-            return Attempt(f"r{rnd}-p{master_port}", rnd, f"rendezvous round via {source}", ep)
+            return Attempt(f"r{rnd}-p{master_port}", rnd, f"rendezvous round via {source}", ep, agents)
     restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return Attempt(
         f"c{restart}-p{master_port}",

@@ -546,6 +546,7 @@ class Runtime:
                     restart_count=self.restart_count,
                     rendezvous_round=self.attempt.round if self.attempt else None,
                     lease_expired=expired,
+                    rendezvous_participants=self.attempt.participants if self.attempt else (),
                 )
             )
             cert = issue(

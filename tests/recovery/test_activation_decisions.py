@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given
@@ -118,6 +119,7 @@ def test_first_start_plans_generation_one_from_the_initial_state():
         "attempt": "r3",
         "attempt_source": "rendezvous round",
         "rendezvous_round": 3,
+        "rendezvous_participants": [],
         "restart_count": 2,
         "committed_by_all": None,
         "frontier_note": "first start",
@@ -173,6 +175,13 @@ def test_a_lease_never_outranks_a_process_seen_running_nor_stands_in_for_a_missi
     missing = act.plan_activation(facts(parent(3), hellos(2, gone=("inc0",)), expired={"inc2"}))
     assert missing.quiescence == "unknown"
     assert any("inc1" in e and "no expired lease" in e for e in missing.quiescence_evidence)
+
+
+def test_the_certificate_names_the_rounds_agents():
+    f = facts(parent(2), hellos(2, gone=("inc0", "inc1")))
+    plan = act.plan_activation(replace(f, rendezvous_participants=("10.0.0.1_7_0", "10.0.0.2_9_0")))
+    assert plan.extra["rendezvous_participants"] == ["10.0.0.1_7_0", "10.0.0.2_9_0"]
+    assert plan.extra["rendezvous_round"] == 3
 
 
 def test_a_restore_pin_is_recorded_and_used_once():

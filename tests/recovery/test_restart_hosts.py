@@ -50,6 +50,7 @@ def test_the_store_host_is_powered_off_and_the_survivors_restart_certified_then_
             logs = job.logs()
             records = {kind: job.records(kind) for kind in ("resume", "hashes", "final")}
             left = {h: c.pids(h) for h in [*survivors, "h4"]}
+            addresses = {h: c.host(h).address for h in HOSTS}
 
     assert all(code == 0 for code in codes.values()), (codes, logs)
     assert ledger["generations"][:3] == [0, 1, 2], ledger["generations"]
@@ -60,6 +61,9 @@ def test_the_store_host_is_powered_off_and_the_survivors_restart_certified_then_
     others = {m["id"] for m in g1["members"]} - {lost}
     assert all(g2["extra"]["quiescence_by"][i] == PROOF_GONE for i in others), g2
     assert sorted(m["host"] for m in g2["members"]) == sorted(survivors)
+    # the certificate names the rendezvous round's agents (torch's `addr_pid_localid`): the survivors'
+    agents = g2["extra"]["rendezvous_participants"]
+    assert sorted(a.split("_", 1)[0] for a in agents) == sorted(addresses[h] for h in survivors), agents
     # the lost incarnation never committed after its host lost power, and never in generation 2
     assert all(i != lost for _, i, _ in ledger["commits"]["2"])
 
