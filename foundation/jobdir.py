@@ -22,7 +22,6 @@ Layout (docs/formats/job-dir.md)::
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pwd
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, PermissionDeniedError, from_os_error
+from gpuguard.foundation.yamlfile import read_capped  # the one capped reader of regular files
 
 JOB_JSON = "job.json"
 JOB_SCHEMA = "gpuguard.job-dir/1"
@@ -193,28 +193,7 @@ def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES) -
     """A JSON object from `path`: NoInputError if missing, DataError if malformed, a link, not a
     regular file (a FIFO would block) or larger than `max_bytes`."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as exc:
-        raise NoInputError(f"{path}: no such file") from exc
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise DataError(f"{path}: is a symbolic link: refusing to follow it") from None
-        raise from_os_error(exc, str(path)) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{path}: not a regular file")
-        if st.st_size > max_bytes:
-            raise DataError(f"{path}: {st.st_size} bytes, more than the {max_bytes} a record may have")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(max_bytes + 1)
-    except OSError as exc:
-        raise from_os_error(exc, str(path)) from exc
-    finally:
-        os.close(fd)
-    if len(raw) > max_bytes:
-        raise DataError(f"{path}: more than the {max_bytes} bytes a record may have")
+    raw = read_capped(path, max_bytes=max_bytes, what="a record", follow_links=False)
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

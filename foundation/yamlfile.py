@@ -16,6 +16,7 @@ Lazy imports (start-up time): yaml, only when a file is read.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -40,16 +41,25 @@ def _size(limit: int) -> str:
 
 
 def read_capped(
-    path: str | os.PathLike[str], *, max_bytes: int, what: str, error: type[GpuguardError] = DataError
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int,
+    what: str,
+    error: type[GpuguardError] = DataError,
+    follow_links: bool = True,
 ) -> bytes:
     """At most `max_bytes` bytes of a regular file; a FIFO, device or directory is refused at once
-    (opened with O_NONBLOCK, so a FIFO without a writer never blocks the open either)."""
+    (opened with O_NONBLOCK, so a FIFO without a writer never blocks the open either); with
+    `follow_links=False` (job-dir records) a symbolic link is refused too. The one capped reader."""
     p = Path(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(p, flags)
     except IsADirectoryError:
         raise error(f"{p}: is a directory, not {what}") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise error(f"{p}: is a symbolic link: refusing to follow it") from None
         raise from_os_error(exc, str(p)) from None
     try:
         st = os.fstat(fd)

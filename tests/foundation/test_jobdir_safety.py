@@ -46,7 +46,7 @@ def test_read_json_refuses_links_fifos_and_huge_files(tmp_path: Path) -> None:
         jobdir.read_json(tmp_path / "fifo.json")  # no writer: a plain open would block forever
     assert time.monotonic() - t0 < 1.0
     (tmp_path / "big.json").write_bytes(b" " * 2048)
-    with pytest.raises(DataError, match="more than the 1024"):
+    with pytest.raises(DataError, match="more than the 1 KiB a record may have"):
         jobdir.read_json(tmp_path / "big.json", max_bytes=1024)
     with pytest.raises(NoInputError):
         jobdir.read_json(tmp_path / "missing.json")
