@@ -2,14 +2,18 @@
 
 A cron sweep on 10,000 nodes must not re-read a 1 GiB `kern.log` every minute, so file reads are
 incremental: a cursor (device, inode, offset, line number, hash of the last line read) says where the
-last sweep stopped. Rotation (a new inode; the old file is looked for as `<path>.1`) and truncation
-(size below the offset, or the last line's hash no longer matches) restart from the top. Only complete
-lines are consumed, and the cursor is written atomically, so a crash never skips or doubles a line.
+last sweep stopped. Rotation (a new inode), truncation (size below the offset) and rewriting (the last
+line's hash no longer matches) restart from the top, after reading the rest of the old content from
+`<path>.1` (renamed: its inode; copied by `copytruncate`: the hash at the offset) or `<path>.1.gz`
+(compressed: the hash at the offset). Only complete lines are consumed, and the cursor is written
+atomically, so a crash never skips or doubles a line.
 
 Only lines that can matter to the node verdict (`NVRM`, `Xid`, PCIe AER, Fabric Manager, nvidia-smi's
 "No devices were found" / "device handle" pasted into a ticket) reach the parser: a byte search finds
 them, so the scan runs at close to disk speed. A gzip-compressed (rotated) log is decompressed as it is
-read (no cursor: an archive does not grow); a truncated archive is a DataError (exit 65), never "ok".
+read, with a cursor of its own (decompressed offset; the same archive read again gives nothing new); a
+truncated archive, or one that decompresses past `logscan.MAX_DECOMPRESSED` or `MAX_RATIO` times its
+size (a gzip bomb), is a DataError (exit 65), never "ok".
 Lines that look like an Xid but that no rule reads are returned as `unread_lines`.
 """
 
@@ -25,6 +29,7 @@ import shutil
 import stat
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -316,21 +321,110 @@ def _resume_point(fh: IO[bytes], st: os.stat_result, cursor: Cursor | None, note
     return cursor.offset, cursor.line
 
 
-def _rotated_tail(path: Path, cursor: Cursor, deadline: float, notes: list[str]) -> _Scan | None:
-    """After rotation, the lines the last sweep missed in the old file (`<path>.1`)."""
+def _rotated_tail(path: Path, cursor: Cursor, deadline: float, notes: list[str]) -> tuple[_Scan, str] | None:
+    """After rotation (or a copy-and-truncate), the lines the last sweep missed in the old content:
+    `<path>.1` (logrotate's rename: the cursor's inode; `copytruncate`: a copy, recognised by the hash of
+    the last line read at the cursor's offset), else `<path>.1.gz` (`compress`: recognised by that hash).
+    (scan, file name) or None."""
     old = path.with_name(path.name + ".1")
     try:
         with open(old, "rb") as fh:
             st = os.fstat(fh.fileno())
-            if (st.st_dev, st.st_ino) != (cursor.device, cursor.inode) or st.st_size < cursor.offset:
-                return None
-            offset, line = _resume_point(fh, st, cursor, [])
-            if offset != cursor.offset:
-                return None
-            notes.append(f"read the rest of the rotated file {old.name}")
-            return scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline)
+            if st.st_size >= cursor.offset:
+                if (st.st_dev, st.st_ino) == (cursor.device, cursor.inode):
+                    offset, line = _resume_point(fh, st, cursor, [])
+                else:
+                    offset, line = _resume_archive(fh, cursor, []) if cursor.last_line_len else (0, 0)
+                if offset == cursor.offset and (offset or (st.st_dev, st.st_ino) == (cursor.device, cursor.inode)):
+                    notes.append(f"read the rest of the rotated file {old.name}")
+                    return scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline), str(old)
+    except OSError:
+        pass
+    return _rotated_archive_tail(path.with_name(path.name + ".1.gz"), cursor, deadline, notes)
+
+
+def _rotated_archive_tail(old: Path, cursor: Cursor, deadline: float, notes: list[str]) -> tuple[_Scan, str] | None:
+    if not cursor.offset or not cursor.last_line_len:
+        return None
+    try:
+        fh, compressed = open_log(old)
     except OSError:
         return None
+    try:
+        if not compressed:
+            return None
+        offset, line = _resume_archive(fh, cursor, [])
+        if offset != cursor.offset:
+            return None  # not the file the cursor was in
+        notes.append(f"read the rest of the rotated archive {old.name}")
+        return scan(fh, offset=offset, line=line, deadline=deadline, final=True), str(old)
+    except (OSError, EOFError, zlib.error, DataError) as exc:
+        why = "truncated or corrupt" if not isinstance(exc, DataError) or "truncated" in str(exc) else str(exc)
+        notes.append(f"the rest of the rotated archive {old.name} was not read: {why[:200]}")
+        return None
+    finally:
+        close_log(fh)
+
+
+def _resume_archive(fh: IO[bytes], cursor: Cursor, notes: list[str]) -> tuple[int, int]:
+    """(offset, line) to continue an archive from (decompressing up to the cursor): the cursor's, when
+    the last line it read is still there, else the start."""
+    if not cursor.offset:
+        return 0, 0
+    fh.seek(cursor.offset - cursor.last_line_len)
+    if _hash(fh.read(cursor.last_line_len)) == cursor.last_line_sha256:
+        return cursor.offset, cursor.line
+    notes.append("archive differs from the one the cursor was for: reading it from the start")
+    fh.seek(0)
+    return 0, 0
+
+
+def _read_archive(
+    path: Path, fh: IO[bytes], cursor: Cursor | None, deadline: float, timeout: float, parse: bool
+) -> KernelLog:
+    """A gzip-compressed (rotated) log, with a cursor like a plain file's: `offset` counts decompressed
+    bytes, `device`/`inode` are the archive's. The same archive read again gives nothing new; a last
+    line without a newline is consumed (an archive does not grow)."""
+    notes: list[str] = []
+    st = os.fstat(fh.fileobj.fileno())  # type: ignore[attr-defined]
+    if cursor is not None and cursor.path != str(path):
+        notes.append(f"cursor was for {cursor.path}: reading from the start")
+        cursor = None
+    offset = line = 0
+    if cursor is not None:
+        if (cursor.device, cursor.inode) != (st.st_dev, st.st_ino):
+            notes.append("a different archive (new inode): reading it from the start")
+            cursor = None
+        else:
+            offset, line = _resume_archive(fh, cursor, notes)
+    result = scan(fh, offset=offset, line=line, deadline=deadline, final=True)
+    if result.stopped_early:
+        notes.append(f"stopped after {timeout:g} s at line {result.line}: the next sweep continues there")
+    if result.offset > offset:
+        last_hash, last_len = _hash(result.last_line), len(result.last_line)
+    elif cursor is not None and offset:
+        last_hash, last_len = cursor.last_line_sha256, cursor.last_line_len
+    else:
+        last_hash, last_len = "", 0
+    new_cursor = Cursor(str(path), st.st_dev, st.st_ino, result.offset, result.line, last_hash, last_len)
+    events: tuple[Event, ...] = ()
+    unread: tuple[int, ...] = ()
+    if parse:
+        events = parse_candidates(result.candidates, str(path))
+        unread = unread_xid_lines(result.candidates, events)
+    notes.append("gzip-compressed: decompressed as read")
+    return KernelLog(
+        str(path),
+        "ok",
+        None,
+        events,
+        result.line - line,
+        result.bytes_read,
+        new_cursor,
+        tuple(notes),
+        unread,
+        compressed=True,
+    )
 
 
 def read_file(
@@ -356,18 +450,13 @@ def read_file(
         raise from_os_error(exc, f"kernel log {path}") from None
     if compressed:
         try:
-            log = read_stream(fh, str(path), timeout=timeout)
-        except (OSError, EOFError) as exc:
+            return _read_archive(path, fh, cursor, deadline, timeout, parse)
+        except (OSError, EOFError, zlib.error) as exc:
             if is_corrupt_archive(exc):
                 raise DataError(f"kernel log {path}: compressed log is truncated or corrupt ({exc})") from None
             raise from_os_error(exc, f"kernel log {path}") from None
-        except Exception as exc:  # zlib.error
-            if is_corrupt_archive(exc):
-                raise DataError(f"kernel log {path}: compressed log is truncated or corrupt ({exc})") from None
-            raise
         finally:
             close_log(fh)
-        return replace(log, compressed=True, notes=(*log.notes, "gzip-compressed: read whole, no cursor"))
     with fh:
         st = os.fstat(fh.fileno())
         if not _is_regular(st):  # a pipe or device (/dev/stdin): read it whole, no cursor
@@ -375,10 +464,17 @@ def read_file(
         if cursor is not None and cursor.path != str(path):
             notes.append(f"cursor was for {cursor.path}: reading from the start")
             cursor = None
-        previous: _Scan | None = None
-        if cursor is not None and (cursor.device, cursor.inode) != (st.st_dev, st.st_ino):
-            previous = _rotated_tail(path, cursor, deadline, notes)
         offset, line = _resume_point(fh, st, cursor, notes)
+        previous: _Scan | None = None
+        previous_source = ""
+        if (
+            cursor is not None
+            and not offset
+            and (cursor.offset or (cursor.device, cursor.inode) != (st.st_dev, st.st_ino))
+        ):
+            tail = _rotated_tail(path, cursor, deadline, notes)  # started over: the old content's rest
+            if tail is not None:
+                previous, previous_source = tail
         advance = progress(st.st_size - offset, 0) if progress is not None else None
         result = scan(fh, offset=offset, line=line, end=st.st_size, deadline=deadline, progress=advance)
         if result.stopped_early:
@@ -393,7 +489,7 @@ def read_file(
     if parse:
         source = str(path)
         if previous is not None:
-            events = parse_candidates(previous.candidates, source + ".1")
+            events = parse_candidates(previous.candidates, previous_source)
         own = parse_candidates(result.candidates, source)
         unread = unread_xid_lines(result.candidates, own)
         events += own

@@ -148,14 +148,20 @@ def _fallback_finder(markers: list[bytes] | None = None) -> Finder:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+# A rotated kernel or job log decompresses to a few GiB at most and compresses ~10-30x; a gzip bomb
+# (a small file that decompresses to terabytes) compresses ~1000x. Both limits are refused (DataError, 65).
+MAX_DECOMPRESSED = 16 << 30  # bytes one archive may decompress to
+MAX_RATIO = 500  # decompressed / compressed bytes, checked once RATIO_FROM bytes are out
+RATIO_FROM = 64 << 20
 
 
-def open_log(path: str | os.PathLike[str]) -> tuple[BinaryIO, bool]:
+def open_log(
+    path: str | os.PathLike[str], *, max_bytes: int = MAX_DECOMPRESSED, max_ratio: int = MAX_RATIO
+) -> tuple[BinaryIO, bool]:
     """Open a log file for reading bytes: (file, compressed). A gzip-compressed (rotated) log such as
-    `kern.log.2.gz` is recognised by its magic bytes and decompressed as it is read. The one opener of
-    `gpu-doctor logs`, `diagnose node` and `sweep`. OSError as the OS gives it."""
-    import gzip  # lazy: only when a file is opened
-
+    `kern.log.2.gz` is recognised by its magic bytes and decompressed as it is read, at most `max_bytes`
+    and at most `max_ratio` times its compressed size (`DataError` beyond: a gzip bomb). The one opener
+    of `gpu-doctor logs`, `diagnose node` and `sweep`. OSError as the OS gives it."""
     fh = open(path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
     try:
         magic = fh.peek(2)[:2] if hasattr(fh, "peek") else b""
@@ -163,8 +169,73 @@ def open_log(path: str | os.PathLike[str]) -> tuple[BinaryIO, bool]:
         fh.close()
         raise
     if magic == GZIP_MAGIC:
-        return gzip.GzipFile(fileobj=fh, mode="rb"), True  # closing it does not close fh: see close_log
+        return CappedGzip(fh, os.fspath(path), max_bytes, max_ratio), True  # type: ignore[return-value]
     return fh, False
+
+
+class CappedGzip:
+    """A gzip stream read with a cap on what it decompresses to (see `open_log`). Reading past the cap
+    raises `DataError` with one line; a truncated or corrupt archive raises what gzip raises
+    (`is_corrupt_archive`). Closing it does not close the file under it (`close_log` does)."""
+
+    def __init__(self, raw: BinaryIO, name: str, max_bytes: int = MAX_DECOMPRESSED, max_ratio: int = MAX_RATIO) -> None:
+        import gzip  # lazy: only when an archive is opened
+
+        self.fileobj = raw
+        self.name = name
+        self.max_bytes, self.max_ratio = max_bytes, max_ratio
+        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
+
+    def _check(self) -> None:
+        out = self._gz.tell()
+        if out > self.max_bytes:
+            self._refuse(f"decompresses to more than {self.max_bytes:,} bytes")
+        if out > RATIO_FROM:
+            packed = max(1, self.fileobj.tell())
+            if out > self.max_ratio * packed:
+                self._refuse(f"decompresses to more than {self.max_ratio}x its size ({out:,} bytes from {packed:,})")
+
+    def _refuse(self, why: str) -> None:
+        from gpuguard.foundation.errors import DataError
+
+        raise DataError(f"{self.name}: gzip archive {why}: refused (a gzip bomb, or not a log)")
+
+    def read(self, n: int | None = -1) -> bytes:
+        if n is None or n < 0:  # never decompress without bound in one call
+            parts = []
+            while part := self.read(1 << 20):
+                parts.append(part)
+            return b"".join(parts)
+        data = self._gz.read(min(n, self.max_bytes + 1))
+        self._check()
+        return data
+
+    def readinto(self, view: memoryview | bytearray) -> int:
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 0 and offset > self.max_bytes:
+            self._refuse(f"is asked for byte {offset:,}, past the cap of {self.max_bytes:,}")
+        pos = self._gz.seek(offset, whence)
+        self._check()
+        return pos
+
+    def tell(self) -> int:
+        return self._gz.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._gz.close()
+
+    def __enter__(self) -> CappedGzip:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def close_log(fh: BinaryIO) -> None:
