@@ -53,6 +53,11 @@ class Rule:
     markers: tuple[str, ...]
     parse: Parse
 
+    @property
+    def id(self) -> str:
+        """The rule's name in docs/log-formats.md: its parse function's, without the underscore."""
+        return self.parse.__name__.lstrip("_")
+
 
 # Hardware causes named inside application-side errors (CUDA, NCCL, the watchdog's re-throw): the fault
 # names of `gpuguard.foundation.xid_catalog.FAULTS`.
