@@ -11,7 +11,7 @@ moved back (and the cgroup removed) and the job left to recover. Without cgroup 
 to SIGSTOP/SIGCONT duty cycling (labelled `throttle: sigstop-duty` in every row). Then rank 2 is stopped
 (SIGSTOP) for `--stop-s` seconds and continued, and finally killed (SIGKILL) and watched `--kill-s` seconds.
 
-The vote is `gpu-doctor watch job --json --interval I`: the same `diagnose job` vote once every I s, the
+The vote is `gpu-doctor watch job --json --interval I --torchrun-log LOG`: the same `diagnose job` vote once every I s, the
 previous check carried (hang confirmation in real checks, CPU progress between checks). Per fault, the
 verdict expected of rank 2 is `slow` (quota), `hung` (SIGSTOP, once past its bound) and `dead` (SIGKILL):
 * `slowdown`: the job's median step period in the phase / in the healthy warm-up;
@@ -62,6 +62,7 @@ class Watch:
     def __init__(self, job: Path, interval: float) -> None:
         exe = Path(sys.executable).with_name("gpu-doctor")
         argv = [str(exe), "watch", "job", "--job-dir", str(job), "--json", "--interval", str(interval)]
+        argv += ["--torchrun-log", str(job / "torchrun.log")]  # how gone workers ended: who failed first
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.docs: list[tuple[float, dict]] = []
         self._t = threading.Thread(target=self._read, daemon=True)
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
     ap.add_argument("--burn-work", type=int, default=1500, help="fixed stand-in compute per step (matmuls)")
     ap.add_argument("--keep", action="store_true", help="keep the job dir")
+    ap.add_argument("--dump", type=Path, default=None, help="write every check's document here (JSON lines)")
     args = ap.parse_args(argv)
     quotas = [float(q) for q in args.quotas.split(",") if q.strip()]
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -366,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if watch is not None:
             watch.stop()
+            if args.dump is not None:
+                with open(args.dump, "w") as fh:
+                    for t, d in watch.docs:
+                        fh.write(json.dumps({"t": round(t - t_start, 3), "doc": d}) + "\n")
         kill_job(proc, pids)
         log.close()
         release_all()  # a throttle an interruption left (the `with` has normally removed it already)

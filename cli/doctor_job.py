@@ -265,6 +265,13 @@ def watch_job(
     as_json: bool = typer.Option(False, "--json", help="One gpuguard.job/1 document per check (JSON lines)."),
     config: Path | None = typer.Option(None, "--config", metavar="YAML", help="Vote thresholds YAML."),
     count: int = typer.Option(0, "--count", min=0, metavar="N", help="Stop after N checks (0: until Ctrl-C)."),
+    torchrun_log: list[Path] = typer.Option(
+        [],
+        "--torchrun-log",
+        metavar="FILE",
+        help="torchrun's own output, re-read at every check: how workers that are gone ended (the one that "
+        "failed first, the ones torchrun terminated).",
+    ),
 ) -> int:
     """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
     import json as _json
@@ -288,7 +295,9 @@ def watch_job(
             t = time.monotonic()
             elapsed = interval if last is None else max(interval, t - last)
             last = t
-            job, doc, _ = assess(job_dir, config=config, previous=previous, interval_s=elapsed)
+            job, doc, _ = assess(
+                job_dir, config=config, previous=previous, interval_s=elapsed, launcher_logs=tuple(torchrun_log)
+            )
             previous, code, n = job, job.exit_code, n + 1
             if as_json:
                 print(_json.dumps(doc, default=str), flush=True)

@@ -47,6 +47,7 @@ from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservatio
 SCHEMA = "gpuguard.job/1"
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
 DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
+_SIGTERM_EXITS = (-15, 143)  # how torchrun reports a worker it terminated: killed by SIGTERM, or exited 128+15
 VOTE_YAML_MAX_BYTES = 64 * 1024  # the packaged file is ~6 KiB
 
 
@@ -313,6 +314,7 @@ def vote(
     blocked: dict[int, tuple[int, ...]] = {}
     culprits: set[int] = set()
     nobody_to_blame: set[int] = set()
+    waited_for_late: set[int] = set()  # waiters whose culprit has just entered the collective they wait in
     by_seq: dict[int, list[int]] = {}
     for w in stalled_waiters:
         by_seq.setdefault(w.phase_seq, []).append(w.rank)
@@ -324,6 +326,24 @@ def vote(
             for r in waiters:
                 blocked[r] = tuple(m for m in missing if m != r)
             culprits.update(m for m in missing if m not in waiters)
+        elif fresh := _just_arrived(seq, waiters, obs, cfg):
+            # everyone is in it, but the rank(s) that entered last did so long after the others: they are who
+            # the others waited for (the collective completes in a moment), not the waiters (blame not inverted)
+            for r in waiters:
+                blocked[r] = fresh
+                waited_for_late.add(r)
+            for r in fresh:
+                v, why, pend, votes = prelim[r]
+                w0_age = min(o.phase_age_s for o in obs if o.rank in waiters)
+                me = next(o for o in obs if o.rank == r)
+                prelim[r] = (
+                    SLOW if v in (HEALTHY, UNKNOWN) else v,
+                    f"arrived last at collective {seq}, {w0_age - me.phase_age_s:.1f} s after its peers, who "
+                    f"waited for it; {why}",
+                    pend,
+                    votes,
+                )
+                culprits.add(r)
         else:  # everyone is in it and nobody moves: the collective itself is stuck
             nobody_to_blame.update(waiters)
             for r in waiters:
@@ -396,6 +416,24 @@ def vote(
         elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank):
             blocked[o.rank] = tuple(sorted(sticky))
 
+    # The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
+    # first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
+    # one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
+    # them go in (a whole group is torn down between two checks). All by SIGTERM (a preemption): no change.
+    torn_down: dict[int, tuple[int, ...]] = {}
+    if not sticky:
+        ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
+        first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
+        if first and len(first) < len(ended):
+            for r in ended:
+                if r in first:
+                    blocked.pop(r, None)
+                    culprits.add(r)
+                else:
+                    torn_down[r] = first
+                    blocked[r] = first
+                    culprits.discard(r)
+
     victims = _victims(obs, prelim)
     verdicts = []
     for o in obs:
@@ -404,6 +442,12 @@ def vote(
         if b and v in (HUNG, SLOW) and set(b) <= set(late):
             v = HEALTHY
             why = f"waits at each collective for straggler rank(s) {_fmt_ranks(b)} (not this rank's fault)"
+        elif b and v in (HUNG, SLOW) and o.rank in waited_for_late:
+            v = HEALTHY
+            why = (
+                f"waited in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) {_fmt_ranks(b)}, "
+                "which arrived last (not this rank's fault)"
+            )
         elif b and v in (HUNG, SLOW):
             v = HEALTHY
             why = (
@@ -412,6 +456,8 @@ def vote(
             )
         elif b and v == HEALTHY and set(b) <= set(late):
             why = f"{why}; waits at each collective for straggler rank(s) {_fmt_ranks(b)}"
+        elif o.rank in torn_down:
+            why = f"{why}; collateral: torchrun terminated it (SIGTERM) after rank(s) {_fmt_ranks(b)} failed first"
         elif b and v == DEAD:
             why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
         elif v == DEAD and o.rank in victims:
@@ -455,6 +501,30 @@ def _superseded(old: Sequence[tuple[int, RankObservation]], cfg: VoteConfig) -> 
             why = f"generation {g} incarnation, superseded ({gone}; not part of the active generation): {r.reason}"
             out.append(replace(r, reason=why, generation=g, blocked_by=r.blocked_by))
     return tuple(sorted(out, key=lambda r: (r.generation or 0, r.rank)))
+
+
+def _just_arrived(seq: int, waiters: Sequence[int], obs: Sequence[RankObservation], cfg: VoteConfig) -> tuple[int, ...]:
+    """Ranks in collective `seq` that are not stalled there themselves because they entered it long after the
+    stalled waiters (by more than the waiters' pause bound): the ones those waited for. At most
+    `arrival_max_late_frac` of the ranks; none when every rank in it is stalled (a stuck collective)."""
+    stalled = set(waiters)
+    ws = [o for o in obs if o.rank in stalled]
+    if not ws:
+        return ()
+    earliest_wait = min(o.phase_age_s for o in ws)
+    gap = max(pause_bound_s(o, cfg) for o in ws)
+    fresh = tuple(
+        o.rank
+        for o in obs
+        if o.rank not in stalled
+        and o.phase == COLLECTIVE
+        and o.phase_seq == seq
+        and not o.closed
+        and earliest_wait - o.phase_age_s > gap
+    )
+    if not fresh or len(fresh) > cfg.arrival_max_late_frac * len(obs):
+        return ()
+    return fresh
 
 
 def _same_place(a: RankObservation | None, b: RankObservation) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given
@@ -178,3 +179,26 @@ def test_last_at_as_many_collectives_as_there_are_ranks_is_named_too() -> None:
     for n in (3, 4, 5, 8):
         per = synchronous(n, {3: 0.3})
         assert set(stragglers([ob(r, per[r]) for r in range(4)])) == {3}, n
+
+
+def test_a_straggler_that_has_just_entered_after_a_long_wait_is_blamed_before_three_collectives() -> None:
+    # the onset of a severe straggler (one step of ~8 s): its peers waited 6.3 s in collective 73 and it has
+    # just entered it; no three collectives in a row yet, so only the current one tells
+    per = synchronous(4, {})
+    obs = [
+        replace(ob(r, per[r], phase=COLLECTIVE, seq=73, age=0.3 if r == 2 else 6.3), phase_step=73, period_p999_s=0.5)
+        for r in range(4)
+    ]
+    job = vote(obs, CFG)
+    assert job.culprits == (2,) and job.by_rank()[2].verdict == "slow", job.by_rank()[2]
+    assert "arrived last at collective 73" in job.by_rank()[2].reason
+    for r in (0, 1, 3):
+        assert job.by_rank()[r].verdict == "healthy" and job.by_rank()[r].blocked_by == (2,), job.by_rank()[r]
+    # every rank in it for long: the collective itself is stuck, nobody to blame (unchanged)
+    stuck = [replace(o, phase_age_s=30.0, progress_age_s=30.0) for o in obs]
+    assert vote(stuck, CFG).culprits == ()
+    # entered only a little later than the others (within their pause bound): no blame either
+    close = [
+        replace(o, phase_age_s=6.0 if o.rank == 2 else 6.3, progress_age_s=6.0 if o.rank == 2 else 6.3) for o in obs
+    ]
+    assert 2 not in vote(close, CFG).culprits

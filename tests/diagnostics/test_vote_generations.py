@@ -1,4 +1,5 @@
-"""Generations: the vote is on the active generation; earlier incarnations are judged apart, among themselves."""
+"""Generations and teardowns: the vote is on the active generation (earlier incarnations judged apart, among
+themselves), and the workers torchrun terminated after a failure are its collateral."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def test_each_earlier_generation_is_judged_alone() -> None:
     job = vote([ob(r) for r in range(3)], CFG, superseded=old)
     assert [(r.rank, r.generation) for r in job.superseded] == [(5, 0), (6, 1)]
     assert all(r.blocked_by == () for r in job.superseded)
+
+
+def test_the_ranks_torchrun_terminated_are_collateral_of_the_one_that_failed_first() -> None:
+    # the whole group went between two checks: rank 2 was SIGKILLed, torchrun then sent SIGTERM to the rest
+    codes = {0: 143, 1: -15, 2: -9, 3: -15}
+    obs = [ob(r, alive=ProcessState("gone", "pid gone", exit_code=codes[r])) for r in range(4)]
+    job = vote(obs, CFG)
+    assert job.culprits == (2,) and all(r.verdict == "dead" for r in job.ranks)
+    for r in (0, 1, 3):
+        rv = job.by_rank()[r]
+        assert rv.blocked_by == (2,) and not rv.culprit and "torchrun terminated it" in rv.reason, rv
+    # every rank ended by SIGTERM (a preemption): nobody is singled out by it
+    same = [ob(r, alive=ProcessState("gone", "pid gone", exit_code=-15)) for r in range(4)]
+    assert not any("torchrun terminated" in r.reason for r in vote(same, CFG).ranks)
+    # without the launcher's word nothing changes either
+    plain = [ob(r, alive=GONE) for r in range(4)]
+    assert vote(plain, CFG).culprits == (0, 1, 2, 3)
