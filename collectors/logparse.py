@@ -141,15 +141,34 @@ def records(line: str | bytes | bytearray | memoryview) -> list[str]:
     """The records of one line: split on carriage returns (tqdm progress bars rewrite a line with `\r`
     many thousand times before the `\n`, and a watchdog error may sit in the middle), each cut to
     `MAX_LINE` characters. A CRLF ending leaves an empty last record."""
+    return _records(line)[0]
+
+
+def _records(line: str | bytes | bytearray | memoryview) -> tuple[list[str], list[bool] | None]:
+    """(records, which are unreadable or None when none is): a record is unreadable when its bytes are
+    not valid UTF-8 (decoded with replacement characters) or it is longer than `MAX_LINE` (cut)."""
     if isinstance(line, memoryview):
         line = bytes(line)
     if isinstance(line, (bytes, bytearray)):
-        line = line.decode("utf-8", errors="replace")
+        if line.endswith(b"\n"):
+            line = line[:-1]
+        raw = line.split(b"\r") if b"\r" in line else [line]
+        parts, flags = [], []
+        for piece in raw:
+            try:
+                text, bad = piece.decode("utf-8"), False
+            except UnicodeDecodeError:
+                text, bad = piece.decode("utf-8", errors="replace"), True
+            parts.append(text[:MAX_LINE])
+            flags.append(bad or len(text) > MAX_LINE)
+        return parts, flags if any(flags) else None
     if line.endswith("\n"):
         line = line[:-1]
     if "\r" not in line:
-        return [line[:MAX_LINE]]
-    return [part[:MAX_LINE] for part in line.split("\r")]
+        return [line[:MAX_LINE]], [True] if len(line) > MAX_LINE else None
+    pieces = line.split("\r")
+    cut = [len(piece) > MAX_LINE for piece in pieces]
+    return [piece[:MAX_LINE] for piece in pieces], cut if any(cut) else None
 
 
 class LogParser:
@@ -158,6 +177,11 @@ class LogParser:
     def __init__(self, source: str | None = None, *, year: int | None = None) -> None:
         self.source = source
         self.state = ParseState(year=year)
+        # Lines that hold a marker but could not be read as they were: not valid UTF-8 (bytes input;
+        # decoded with replacement characters) or longer than MAX_LINE characters (cut). Their events,
+        # if any, may be missing or incomplete: `gpu-doctor logs` says how many were skipped.
+        self.unreadable = 0
+        self._last_unreadable = -1
 
     def _event(self, found: Found, line_no: int, text: str) -> Event:
         timestamp, uptime = line_time(text, self.state.year)
@@ -196,13 +220,21 @@ class LogParser:
 
     def feed(self, line: str | bytes, line_no: int) -> list[Event]:
         """Events completed by this line (usually zero or one; a flushed multi-line event may precede)."""
-        parts = records(line)
+        parts, bad = _records(line)
+        if bad is not None:
+            self.note_unreadable(parts, bad, line_no)
         if len(parts) == 1:
             return self._feed_record(parts[0], line_no)
         out: list[Event] = []
         for part in parts:
             out.extend(self._feed_record(part, line_no))
         return out
+
+    def note_unreadable(self, parts: list[str], bad: list[bool], line_no: int) -> None:
+        """Count line `line_no` as unreadable if one of its unreadable records holds a marker (once per line)."""
+        if line_no != self._last_unreadable and any(b and has_marker(p) for p, b in zip(parts, bad)):
+            self.unreadable += 1
+            self._last_unreadable = line_no
 
     def _feed_record(self, text: str, line_no: int) -> list[Event]:
         rules = _rules_of(text)

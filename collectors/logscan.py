@@ -277,12 +277,19 @@ class LogScan:
     offset: int = field(init=False, default=0)
     next_line: int = field(init=False, default=1)
     bytes_read: int = field(init=False, default=0)
+    unreadable_lines: int = field(init=False, default=0)  # see `LogParser.unreadable`
 
     def __iter__(self) -> Iterator[Event]:
+        parser = LogParser(self.source, year=self.year)
+        try:
+            yield from self._scan(parser)
+        finally:
+            self.unreadable_lines = parser.unreadable
+
+    def _scan(self, parser: LogParser) -> Iterator[Event]:
         # accelerated: the prefilter's patterns (a superset of the marker lines; the parser drops the
         # rest); the fallback searches the markers themselves (the reference path of the tests)
         find = _bytes_finder(_PREFILTER_BYTES) if self.accelerated else _fallback_finder()
-        parser = LogParser(self.source, year=self.year)
         if self.start_offset:
             self.file.seek(self.start_offset)
         self.offset = self.start_offset
@@ -388,7 +395,8 @@ def iter_file_events(
 
 
 def read_log(path: str | os.PathLike[str], *, source: str | None = None) -> tuple[list[Event], dict[str, object]]:
-    """All events of one log file, `.gz` or not: (events, {"lines", "bytes", "compressed", "rejoined"}).
+    """All events of one log file, `.gz` or not: (events, {"lines", "bytes", "compressed", "rejoined",
+    "unreadable_lines"}) (unreadable: lines holding a marker that were not valid UTF-8 or were cut).
 
     A small input (a paste, up to `logwrap.MAX_BYTES` after decompression) is read whole and its wrapped
     lines are re-joined (`logwrap`); a bigger one streams through `LogScan`. Errors: OSError from the OS;
@@ -401,11 +409,15 @@ def read_log(path: str | os.PathLike[str], *, source: str | None = None) -> tupl
     try:
         head = fh.read(logwrap.MAX_BYTES + 1)
         if len(head) <= logwrap.MAX_BYTES:
-            lines = head.decode("utf-8", "replace").split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
+            lines, unreadable = logwrap.split_paste(head)
             events = list(logwrap.iter_rejoined(lines, source=name))
-            return events, {"lines": len(lines), "bytes": len(head), "compressed": compressed, "rejoined": True}
+            return events, {
+                "lines": len(lines),
+                "bytes": len(head),
+                "compressed": compressed,
+                "rejoined": True,
+                "unreadable_lines": unreadable,
+            }
         scan = LogScan(_Chained(head, fh), source=name)
         events = list(scan)
         return events, {
@@ -413,6 +425,7 @@ def read_log(path: str | os.PathLike[str], *, source: str | None = None) -> tupl
             "bytes": scan.bytes_read,
             "compressed": compressed,
             "rejoined": False,
+            "unreadable_lines": scan.unreadable_lines,
         }
     finally:
         close_log(fh)

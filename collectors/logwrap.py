@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 
-from gpuguard.collectors.logparse import LogParser, has_marker
+from gpuguard.collectors.logparse import MAX_LINE, LogParser, _records, has_marker
 from gpuguard.foundation.events import Event
 
 MAX_BYTES = 8 << 20  # inputs up to this size are read whole and re-joined
@@ -42,6 +42,28 @@ _RECORD_START = re.compile(
     r"[\w.-]+:\d+:\d+ |[\w./-]+\.(?:py|cc|cpp|cu|h):\d+|Traceback |File \"|[A-Z]\w*(?:Error|Exception|Warning)\b|"
     r"[$#] |terminate called|NCCL |NVRM|\w+ \d{2}:\d{2}|WARNING|ERROR|INFO|DEBUG|kernel: |[\w.-]+\[\d+\]: )"
 )
+
+
+def split_paste(data: bytes) -> tuple[list[str], int]:
+    """The lines of a small input (decoded, replacement characters for invalid UTF-8; a last empty line
+    dropped) and how many are unreadable: hold a marker but are not valid UTF-8 or are longer than
+    `logparse.MAX_LINE` characters (the same count as `LogParser.unreadable` on the fast path)."""
+    try:
+        lines = data.decode("utf-8").split("\n")
+        bad_bytes = False
+    except UnicodeDecodeError:
+        lines = data.decode("utf-8", "replace").split("\n")
+        bad_bytes = True
+    if lines and lines[-1] == "":
+        lines.pop()
+    if not bad_bytes and all(len(line) <= MAX_LINE for line in lines):
+        return lines, 0
+    unreadable = 0
+    for raw in data.split(b"\n")[: len(lines)]:
+        parts, bad = _records(raw)
+        if bad is not None and any(b and has_marker(p) for p, b in zip(parts, bad)):
+            unreadable += 1
+    return lines, unreadable
 
 
 def clean(line: str) -> str:
