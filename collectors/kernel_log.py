@@ -98,6 +98,7 @@ class KernelLog:
     notes: tuple[str, ...] = ()
     unread_lines: tuple[int, ...] = ()  # lines that look like an Xid but that no rule read
     compressed: bool = False
+    unreadable_lines: int = 0  # candidate lines not valid UTF-8 or cut at MAX_LINE (`unreadable_candidates`)
 
     def section(self) -> dict[str, Any]:
         """The `kernel_log` section of `gpuguard.node/1`."""
@@ -109,6 +110,7 @@ class KernelLog:
             "bytes_read": self.bytes_read,
             "events": len(self.events),
             "unread_lines": len(self.unread_lines),
+            "unreadable_lines": self.unreadable_lines,
             "compressed": self.compressed,
             "notes": list(self.notes),
         }
@@ -293,6 +295,21 @@ def unread_xid_lines(candidates: list[tuple[int, bytes]], events: tuple[Event, .
     )
 
 
+def unreadable_candidates(candidates: list[tuple[int, bytes]]) -> int:
+    """Candidate lines (they hold a keyword) that are not valid UTF-8 or were cut at `MAX_LINE`: read
+    with replacement characters or in part, so their events may be missing or incomplete."""
+    n = 0
+    for _, raw in candidates:
+        if len(raw) >= MAX_LINE:
+            n += 1
+            continue
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            n += 1
+    return n
+
+
 def _hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
@@ -424,6 +441,7 @@ def _read_archive(
         tuple(notes),
         unread,
         compressed=True,
+        unreadable_lines=unreadable_candidates(result.candidates),
     )
 
 
@@ -504,6 +522,8 @@ def read_file(
         new_cursor,
         tuple(notes),
         unread,
+        unreadable_lines=unreadable_candidates(result.candidates)
+        + (unreadable_candidates(previous.candidates) if previous else 0),
     )
 
 
@@ -581,6 +601,7 @@ def read_stream(fh: IO[bytes], source: str = "-", *, timeout: float = DEFAULT_TI
         None,
         notes,
         unread_xid_lines(result.candidates, events),
+        unreadable_lines=unreadable_candidates(result.candidates),
     )
 
 

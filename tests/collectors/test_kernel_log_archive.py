@@ -216,3 +216,24 @@ def test_every_line_is_reported_once_across_rotations(tmp_path_factory, before, 
         # recognised without a last line, so what was appended to the old file is not read from it
         expected = [(ln.strip(), int(ln.split("): ")[1].split(",")[0])) for ln in new if "Xid" in ln]
     assert seen == expected
+
+
+def test_undecodable_and_cut_candidate_lines_are_counted(tmp_path):
+    path = tmp_path / "kern.log"
+    path.write_bytes(
+        NOISE.encode()
+        + b"\xff\xfe "
+        + xid(79, 1).encode()  # a candidate with invalid UTF-8
+        + b"\xff plain line without a keyword\n"  # not a candidate: holds no event whatever its bytes
+        + b"NVRM: "
+        + b"x" * kl.MAX_LINE
+        + b"\n"  # cut at MAX_LINE
+        + xid(13, 2).encode()
+    )
+    log = kl.read_file(path)
+    assert log.unreadable_lines == 2 and log.section()["unreadable_lines"] == 2
+    assert [e.fields["xid"] for e in log.events if e.kind == "xid"] == [79, 13]
+    gz = tmp_path / "kern.log.1.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert kl.read_file(gz).unreadable_lines == 2
+    assert kl.read_file(path, cursor=log.cursor).unreadable_lines == 0
