@@ -1,4 +1,4 @@
-"""etcd ledger backend (`etcd://host:port/prefix`): the ledger for jobs that span many machines.
+"""etcd ledger backend (`etcd://host:port[,host:port...]/prefix`): the ledger for jobs that span many machines.
 
 Talks to etcd's v3 JSON gateway through `etcd3gw` (path `/v3/`, etcd >= 3.4), every call with a
 total wall-clock deadline (`timeout`, `foundation.deadline`: a trickling or stalling etcd cannot
@@ -14,6 +14,9 @@ Activation of N is one transaction: compare `P/gen/N`'s create revision with 0 a
 with "N-1" (its create revision with 0 for the genesis), then put both. Exactly one racer's
 transaction succeeds.
 
+With several members listed, a call that could not reach one goes to the next
+(`foundation.etcd_url.failover_client`): losing one etcd member does not stop the job.
+
 Lazy imports (start-up time): etcd3gw and requests, only when an etcd ledger is opened.
 """
 
@@ -24,13 +27,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
 
 from gpuguard.foundation.deadline import DeadlineExceeded, call_with_deadline
-from gpuguard.foundation.errors import UnavailableError, UsageError
+from gpuguard.foundation.errors import UnavailableError
+from gpuguard.foundation.etcd_url import EtcdUrl, failover_client, parse_etcd_url
 from gpuguard.generation.ledger import Ledger, dumps_record
-
-API_PATH = "/v3/"
 
 if TYPE_CHECKING:
     from etcd3gw.types import KeyValue
@@ -58,21 +59,22 @@ class EtcdLedger(Ledger):
     def __init__(
         self, host: str, port: int, prefix: str, *, key: bytes | None = None, timeout: float = 5.0, scheme: str = "http"
     ) -> None:
-        super().__init__(key)
-        import etcd3gw
+        self._open(
+            EtcdUrl(((host, port),), "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"), key, timeout
+        )
 
-        self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"
-        self.url = f"etcd://{host}:{port}{self.prefix}"
+    def _open(self, where: EtcdUrl, key: bytes | None, timeout: float) -> None:
+        super().__init__(key)
+        self.prefix = where.prefix
+        self.url = str(where)
         self.timeout = timeout
-        self.client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=timeout, api_path=API_PATH)
-        self.client.session.trust_env = False  # never route the ledger through an HTTP proxy
+        self.client = failover_client(where.endpoints, timeout=timeout)  # never through an HTTP proxy
 
     @classmethod
     def from_url(cls, url: str, *, key: bytes | None = None, timeout: float = 5.0) -> EtcdLedger:
-        parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
-            raise UsageError(f"ledger URL {url!r} needs a host and a port: etcd://host:port/prefix")
-        return cls(parts.hostname, parts.port, parts.path or "/gpuguard", key=key, timeout=timeout)
+        ledger = cls.__new__(cls)
+        ledger._open(parse_etcd_url(url), key, timeout)
+        return ledger
 
     def close(self) -> None:
         self.client.session.close()

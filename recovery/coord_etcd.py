@@ -33,9 +33,9 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
-from gpuguard.foundation.errors import UnavailableError, UsageError
+from gpuguard.foundation.errors import UnavailableError
+from gpuguard.foundation.etcd_url import EtcdUrl, failover_client, parse_etcd_url
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.recovery.lease import Heartbeat, LeaseTiming
 from gpuguard.recovery.lease import now as lease_clock
@@ -69,13 +69,14 @@ class EtcdCoordination:
     kind = "etcd"
 
     def __init__(self, host: str, port: int, prefix: str, *, timeout: float = 3.0) -> None:
-        import etcd3gw
+        self._open(EtcdUrl(((host, port),), "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"), timeout)
 
-        self.host, self.port, self.timeout = host, port, timeout
-        self.prefix = "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"
-        self.url = f"etcd://{host}:{port}{self.prefix}"
-        self.client = etcd3gw.Etcd3Client(host=host, port=port, timeout=timeout, api_path="/v3/")
-        self.client.session.trust_env = False
+    def _open(self, where: EtcdUrl, timeout: float) -> None:
+        self.endpoints, self.timeout = where.endpoints, timeout
+        self.host, self.port = where.endpoints[0]
+        self.prefix = where.prefix
+        self.url = str(where)
+        self.client = failover_client(where.endpoints, timeout=timeout)  # the next member if one is down
         self.fenced_writes = 0
         self.heartbeat: Heartbeat | None = None
         self._lease: Any = None
@@ -84,11 +85,10 @@ class EtcdCoordination:
         self._store: Any = None  # the TCPStore this process serves for its generation
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> EtcdCoordination:
-        parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
-            raise UsageError(f"ledger URL {url!r} needs a host and a port: etcd://host:port/prefix")
-        return cls(parts.hostname, parts.port, parts.path or "/gpuguard", **options)
+    def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
+        coord = cls.__new__(cls)
+        coord._open(parse_etcd_url(url), timeout)
+        return coord
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -135,18 +135,13 @@ class EtcdCoordination:
     # -- leases -----------------------------------------------------------------------------
     def hold_lease(self, incarnation_id: str, info: dict[str, Any], timing: LeaseTiming, on_fence: Any) -> Heartbeat:
         """Grant this incarnation's lease, attach `P/lease/<id>` to it, start the heartbeat."""
-        import etcd3gw
-
         ttl = max(1, round(timing.ttl_s))
         granted_at = lease_clock()  # before the request: etcd's countdown starts after it
         lease = self._call("lease grant", self.client.lease, ttl)
         key = self._key("lease", incarnation_id)
         self._call("put", self.client.put, key, json.dumps({**info, **timing.to_dict()}), lease=lease)
         self._lease, self._lease_key = lease, key
-        beat_client = etcd3gw.Etcd3Client(
-            host=self.host, port=self.port, timeout=timing.call_timeout_s, api_path="/v3/"
-        )
-        beat_client.session.trust_env = False
+        beat_client = failover_client(self.endpoints, timeout=timing.call_timeout_s)
         beat_lease = type(lease)(lease.id, client=beat_client)
 
         def keepalive() -> bool:

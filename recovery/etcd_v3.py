@@ -25,6 +25,7 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote
 
 from gpuguard.foundation.errors import EXIT_TEMPFAIL, GpuguardError, UnavailableError
+from gpuguard.foundation.etcd_url import split_endpoints
 
 API_PATH = "/v3/"
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
@@ -393,23 +394,9 @@ class RunLease:
 
 def parse_endpoints(endpoint: str, default_port: int = 2379) -> list[Endpoint]:
     """`host[:port][,host[:port]...]` (IPv6 in brackets): the etcd cluster's client endpoints."""
-    out = []
-    for part in (p.strip() for p in endpoint.split(",")):
-        if not part:
-            continue
-        if part.startswith("http://") or part.startswith("https://"):
-            part = part.split("://", 1)[1].rstrip("/")
-        host, port = part, default_port
-        if part.startswith("["):
-            host, _, rest = part[1:].partition("]")
-            if rest.startswith(":"):
-                port = int(rest[1:])
-        elif part.count(":") == 1:
-            host, p = part.split(":")
-            port = int(p)
-        if not host or not 0 < port < 65536:
-            raise ValueError(f"bad etcd endpoint {part!r}: host:port")
-        out.append(Endpoint(host, port))
-    if not out:
-        raise ValueError("the rendezvous endpoint names no etcd host (host:port[,host:port...])")
-    return out
+    try:
+        return [Endpoint(host, port) for host, port in split_endpoints(endpoint, default_port)]
+    except ValueError as exc:
+        if "no etcd host" in str(exc):
+            raise ValueError("the rendezvous endpoint names no etcd host (host:port[,host:port...])") from None
+        raise
