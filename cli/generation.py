@@ -91,6 +91,32 @@ def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _ownership_lines(cert: Any) -> list[str]:
+    """The ownership map in force and, for a sharded restore, the frontier snapshot's map and the
+    reshard plan in words (`extra.ownership_map`, `extra.reshard`: docs/formats/certificate.md)."""
+    extra = cert.extra or {}
+    lines = [f"ownership map  version {cert.ownership_map_version}"]
+    omap = extra.get("ownership_map")
+    if isinstance(omap, Mapping):
+        by_rank = omap.get("by_rank") if isinstance(omap.get("by_rank"), Mapping) else {}
+        counts = ", ".join(f"rank {r} {n}" for r, n in list(by_rank.items())[:16])
+        lines.append(
+            f"               frontier snapshot: v{omap.get('version')}, world {omap.get('world_size')}, "
+            f"{omap.get('objects')} chunks ({counts}), digest {str(omap.get('digest'))[:16]}"
+        )
+    reshard = extra.get("reshard")
+    if isinstance(reshard, Mapping):
+        words = reshard.get("lines")
+        if isinstance(words, (list, tuple)):
+            lines.append(f"reshard        {words[0] if words else ''}")
+            lines += [f"               {w}" for w in words[1:40]]
+        if reshard.get("basis"):
+            lines.append(f"               ({reshard['basis']}; checked against the real layout at restore)")
+    elif extra.get("reshard_note"):
+        lines.append(f"reshard        {extra['reshard_note']}")
+    return lines
+
+
 def _rendezvous_round(extra: Mapping[str, Any] | None) -> int | None:
     """The torchrun rendezvous round a generation was activated in: `extra["rendezvous_round"]`, or
     for certificates issued before it was recorded, the round of the attempt token (`r<N>-p<port>`)."""
@@ -125,7 +151,7 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
     ]
     if f.collective_seq:
         lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
-    lines.append(f"ownership map  version {cert.ownership_map_version}")
+    lines += _ownership_lines(cert)
     lines += _switch_lines(cert.extra or {})
     forced = "  FORCED: quiescence of the old generation was not established" if cert.forced else ""
     lines.append(f"parent retired quiescence {cert.quiescence}{forced}")

@@ -18,5 +18,6 @@ LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each incarnation's etcd lease (
 SNAPSHOT_ROOT_ENV = (
     "GPUGUARD_SNAPSHOT_ROOT"  # snapshots/ and checkpoints/ (shared storage across hosts); default the job dir
 )
+SHARDED_ENV = "GPUGUARD_SHARDED"  # 1: sharded (FSDP2/HSDP/DDP) state, collective snapshots on every rank
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
 RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a runbook step's environment: no recursion

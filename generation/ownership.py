@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from gpuguard.generation.canonical import canonical_bytes, sha256_hex
+
 SOURCES = ("local", "survivor", "replica", "checkpoint")
 
 
@@ -389,3 +391,133 @@ def describe_reshard(
     moved = sum(t.region.numel for t in plan if t.source != "local")
     lines.append(f"{len(plan)} chunk reads, {moved} elements moved, {sum(t.region.numel for t in plan)} in all")
     return lines
+
+
+# ---------------------------------------------------------------- the restart path: the certificate's view
+# The certificate of a restart is issued before the new world has formed a group or built its model, so
+# the new layout is predicted from the stored one (FSDP2's rule); the runtime checks the prediction
+# against the real layout after the restore (`plan_digest`) and records whether it held.
+
+INLINE_OWNERS = 4096  # an ownership map with more objects is certified by digest and counts only
+PREDICTED_BASIS = "predicted: FSDP2 Shard(0) over the new world, replicated tensors on every rank"
+
+
+def _fqn_chunks(layout: ShardLayout) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for k, c in sorted(layout.chunks.items()):
+        out.setdefault(c.fqn, []).append(k)
+    return out
+
+
+def predict_layout(old: ShardLayout, world_size: int, version: int) -> ShardLayout | None:
+    """The layout a world of `world_size` ranks will hold of the tensors `old` stores, by FSDP2's rule:
+    a tensor sharded over dim 0 (one holder per chunk) is split into ceil(n / W)-row chunks (rank r
+    holds rows r*s .. min(n, (r+1)*s); none when empty), a tensor every rank held stays on every
+    rank. None when some tensor fits neither rule (HSDP replica groups, another placement)."""
+    if world_size < 1:
+        raise ValueError("the new world needs at least one rank")
+    chunks: dict[str, Chunk] = {}
+    holders: dict[str, tuple[int, ...]] = {}
+    everyone = tuple(range(world_size))
+    for fqn, keys in _fqn_chunks(old).items():
+        cs = [old.chunks[k] for k in keys]
+        held = [old.holders.get(k, ()) for k in keys]
+        whole = len(cs) == 1 and all(o == 0 for o in cs[0].offsets)
+        if whole and (not cs[0].sizes or len(held[0]) == old.world_size > 1):  # replicated (or a scalar)
+            c = cs[0]
+            chunks[c.key], holders[c.key] = c, everyone
+            continue
+        if any(len(h) != 1 for h in held) or any(any(o != 0 for o in c.offsets[1:]) for c in cs) or not cs[0].sizes:
+            return None
+        rest = cs[0].sizes[1:]
+        if any(c.sizes[1:] != rest for c in cs):
+            return None
+        n = max(c.offsets[0] + c.sizes[0] for c in cs)
+        if sum(c.sizes[0] for c in cs) != n:
+            return None
+        step = -(-n // world_size)
+        for r in range(world_size):
+            lo, hi = r * step, min(n, (r + 1) * step)
+            if hi > lo:
+                c = Chunk(fqn, (lo, *(0 for _ in rest)), (hi - lo, *rest))
+                chunks[c.key], holders[c.key] = c, (r,)
+    return ShardLayout(version, world_size, chunks, holders)
+
+
+def same_holding(a: ShardLayout, b: ShardLayout) -> bool:
+    """The same chunks held by the same ranks (empty chunks aside): nothing would move between them."""
+
+    def held(x: ShardLayout) -> set[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        return {
+            (k, x.chunks[k].sizes, tuple(h))
+            for k, h in x.holders.items()
+            if x.chunks[k].numel > 0 or not x.chunks[k].sizes
+        }
+
+    return a.world_size == b.world_size and held(a) == held(b)
+
+
+def plan_digest(plan: Sequence[ChunkRead]) -> str:
+    """SHA-256 of the canonical plan (in plan order): what the certificate binds and the runtime re-checks."""
+    return sha256_hex(canonical_bytes([t.to_dict() for t in sorted(plan, key=_read_order)]))
+
+
+def _read_order(t: ChunkRead) -> tuple[int, str, tuple[int, ...], str]:
+    return (t.to_rank, t.region.fqn, t.region.offsets, t.old_key)
+
+
+def ownership_record(omap: OwnershipMap) -> dict[str, Any]:
+    """The ownership map as the certificate carries it: version, world, per-rank counts, digest, and the
+    owners themselves when there are at most INLINE_OWNERS objects."""
+    doc = omap.to_dict()
+    rec: dict[str, Any] = {
+        "version": omap.version,
+        "world_size": omap.world_size,
+        "objects": len(omap.owners),
+        "by_rank": {str(r): n for r, n in sorted(omap.load().items())},
+        "digest": sha256_hex(canonical_bytes(doc)),
+    }
+    if len(omap.owners) <= INLINE_OWNERS:
+        rec["owners"] = doc["owners"]
+    return rec
+
+
+def reshard_record(
+    old: ShardLayout,
+    new: ShardLayout,
+    plan: Sequence[ChunkRead],
+    *,
+    step: int,
+    lost: Iterable[int] = (),
+    basis: str = PREDICTED_BASIS,
+) -> dict[str, Any]:
+    """A restart's reshard plan as the certificate records it: per (old writer, new rank) pair what is read,
+    the plan's digest and the words of `describe_reshard`."""
+    pairs: dict[tuple[int, int, str], list[ChunkRead]] = {}
+    for t in plan:
+        pairs.setdefault((t.old_writer, t.to_rank, t.source), []).append(t)
+    reads = [
+        {
+            "from_rank": w,
+            "to_rank": to,
+            "source": src,
+            "tensors": len({t.region.fqn for t in ts}),
+            "chunks": len(ts),
+            "elements": sum(t.region.numel for t in ts),
+        }
+        for (w, to, src), ts in sorted(pairs.items())
+    ]
+    gone = sorted(set(lost))
+    return {
+        "from_world": old.world_size,
+        "to_world": new.world_size,
+        "from_version": old.version,
+        "to_version": new.version,
+        "step": step,
+        "lost": gone,
+        "basis": basis,
+        "reads": reads,
+        "plan_digest": plan_digest(plan),
+        "problems": reshard_problems(new, plan)[:8],
+        "lines": describe_reshard(old, new, plan, step=step, lost=gone),
+    }

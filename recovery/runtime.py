@@ -52,6 +52,7 @@ from gpuguard.foundation.env import (
     LEASE_TTL_ENV,
     LEDGER_ENV,
     PG_TIMEOUT_ENV,
+    SHARDED_ENV,
     SNAPSHOT_EVERY_ENV,
     SNAPSHOT_ROOT_ENV,
 )
@@ -62,7 +63,17 @@ from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import init_job, issuer
 from gpuguard.generation.keys import key_path
 from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.generation.ownership import (
+    describe_reshard,
+    ownership_record,
+    plan_digest,
+    plan_reshard,
+    predict_layout,
+    reshard_record,
+    same_holding,
+)
 from gpuguard.generation.records import Incarnation
+from gpuguard.recovery import sharded_snapshot as ss
 from gpuguard.recovery.activation import (
     MAX_UNRESTORABLE_SKIPS,
     ActivationFacts,
@@ -90,6 +101,9 @@ from gpuguard.recovery.snapshot import (
 )
 
 RESTORE_PIN = "restore.json"  # written by `gpu-recover restore` (recovery/actions.py)
+# how long a SIGTERMed worker lets its in-flight snapshot finish: below torchrun's grace period
+# between SIGTERM and SIGKILL (30 s in torch.distributed.elastic's PContext.close)
+SIGTERM_FLUSH_S = 10.0
 
 
 class FencedError(RefusedError):
@@ -111,6 +125,8 @@ class TrainState:
     certificate_digest: str
     restored_from: str | None  # snapshot path, or None for the initial state
     phases: dict[str, float] = field(default_factory=dict)
+    model: Any = None  # sharded mode with `activate(build=...)`: what build() made, restored
+    optimizer: Any = None
 
 
 @dataclass
@@ -213,6 +229,7 @@ class Runtime:
         log: Callable[[str], None] | None = None,
         lease_ttl_s: float | None = None,
         snapshot_root: str | Path | None = None,
+        sharded: bool = False,
     ):
 
         self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
@@ -259,7 +276,18 @@ class Runtime:
             )
         self._snapshot_ledger: Any = None
         self._frontier_step = -1
-        if self.rank == 0:  # the snapshot writer; every other rank keeps SIGTERM's default (instant) action
+        # sharded state (FSDP2 / HSDP / DDP through DCP): every rank writes its shards, collectively
+        self.sharded = bool(sharded)
+        if self.sharded and callable(getattr(type(self), "switch", None)):
+            raise GpuguardError(
+                "sharded state with the in-place switch is not supported yet: use the restart path (Runtime)",
+                exit_code=EXIT_USAGE,
+            )
+        self.snapshot_group: Any = None
+        self._sharded: Any = None  # the ShardedSnapshotter (every rank), sharded mode only
+        self.ownership_map_version = 0
+        self.reshard: dict[str, Any] | None = None  # the certified reshard plan and whether it held
+        if self.rank == 0 or self.sharded:  # the snapshot writers; other ranks keep SIGTERM's default (instant) action
             self._install_sigterm_flush()
 
     # ------------------------------------------------------------------ construction
@@ -279,6 +307,7 @@ class Runtime:
         options.setdefault("checkpoint_every", int(env.get(CHECKPOINT_EVERY_ENV, "50")))
         options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
         options.setdefault("ledger_url", env.get(LEDGER_ENV) or None)
+        options.setdefault("sharded", env.get(SHARDED_ENV, "0") == "1")
         return cls(
             job_dir,
             rank=rank,
@@ -314,9 +343,11 @@ class Runtime:
         """On SIGTERM (torchrun stopping the survivors) let an in-flight snapshot finish, then exit.
 
         The main thread may be blocked in a gloo collective, where no Python handler can run: the
-        C-level wakeup fd wakes a helper thread instead. Only the snapshot writer (rank 0) does
-        this: a Python-level handler delays death until the interpreter runs (measured: a survivor
-        blocked in all_reduce then lingers for seconds), so the other ranks keep SIGTERM's default.
+        C-level wakeup fd wakes a helper thread instead. Only the snapshot writers do this (rank 0;
+        every rank with sharded state, whose save is collective): a Python-level handler delays
+        death until the interpreter runs (measured: a survivor blocked in all_reduce then lingers
+        for seconds), so the other ranks keep SIGTERM's default. The flush is bounded by
+        SIGTERM_FLUSH_S, below the agent's grace period before its SIGKILL.
         """
         if threading.current_thread() is not threading.main_thread():
             return
@@ -335,9 +366,9 @@ class Runtime:
                 except OSError:
                     return
                 if signal.SIGTERM in data:
-                    snap = self._snapshotter
+                    snap = self._sharded if self._sharded is not None else self._snapshotter
                     if snap is not None:
-                        snap.flush(timeout=10.0)
+                        snap.flush(timeout=SIGTERM_FLUSH_S)
                     os._exit(128 + signal.SIGTERM)
 
         threading.Thread(target=watch, name="gpuguard-sigterm", daemon=True).start()
@@ -365,13 +396,27 @@ class Runtime:
 
     # ------------------------------------------------------------------ activation
     def activate(
-        self, model: Any, optimizer: Any = None, scheduler: Any = None, extra: Mapping[str, Any] | None = None
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        build: Callable[[], tuple[Any, Any]] | None = None,
     ) -> TrainState:
         """Agree on the frontier, verify the certificate, restore, form this generation's group.
 
+        Sharded mode: the group forms before the restore (DCP's load is collective), and a model that
+        needs the group to be built (`fully_shard`, a device mesh) comes from `build()` -> (model,
+        optimizer), called once the group is up; the restored pair is `TrainState.model/.optimizer`.
         A member that cannot verify prints one line and exits with status 4 (refused).
         """
+        if build is not None and not self.sharded:
+            raise GpuguardError("activate(build=...) needs sharded=True", exit_code=EXIT_USAGE)
+        if build is None and model is None:
+            raise GpuguardError("activate() needs a model (or, sharded, build=...)", exit_code=EXIT_USAGE)
         self._objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": dict(extra or {})}
+        self._build = build
         try:
             return self._activate()
         except (ActivationRefused, FencedError, UnavailableError) as exc:
@@ -406,6 +451,8 @@ class Runtime:
         phases["certificate"] = time.time()
         if "error" in decision:
             raise ActivationRefused(f"coordinator could not activate a generation: {decision['error']}")
+        if self.sharded:
+            return self._activate_sharded(ns, store, decision, phases)
         try:
             state = self._verify_and_restore(int(decision["generation"]), str(decision["digest"]))
             verdict = "ok"
@@ -426,6 +473,14 @@ class Runtime:
         assert state is not None
         self.generation = state.generation
         self._frontier_step = state.frontier_step
+        self._init_pg(store)
+        phases["pg_ready"] = time.time()
+        return self._started(state, phases)
+
+    def _init_pg(self, store: Any) -> None:
+        import torch.distributed as dist
+
+        assert self.attempt is not None
         pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
         dist.init_process_group(
             "gloo",
@@ -435,7 +490,10 @@ class Runtime:
             timeout=timedelta(seconds=self.pg_timeout_s),
         )
         self.pg = dist.group.WORLD
-        phases["pg_ready"] = time.time()
+
+    def _started(self, state: TrainState, phases: dict[str, float]) -> TrainState:
+        """The group is up and the state restored: records, the snapshot writer(s), the log line."""
+        assert self.attempt is not None and self.generation is not None
         state.phases = phases
         self._write_incarnation(phases=phases)
 
@@ -453,11 +511,15 @@ class Runtime:
                     "phases": phases,
                     "world_size": self.world_size,
                     "restart_count": self.restart_count,
+                    **({"sharded": True, "reshard": self.reshard} if self.sharded else {}),
                 },
             )
+        if self.sharded:
+            self._start_sharded_writer()
+        elif self.rank == 0:
             self._snapshotter = _Snapshotter(self._write_snapshot)
             # a worker that dies of a collective error (peer gone) still finishes its last snapshot
-            atexit.register(self._snapshotter.flush, 10.0)
+            atexit.register(self._snapshotter.flush, SIGTERM_FLUSH_S)
         self._log(
             f"generation {self.generation} active: world {self.world_size}, "
             f"resuming at step {state.start_step} (frontier {state.frontier_step}, attempt {self.attempt.token})"
@@ -529,10 +591,14 @@ class Runtime:
             committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
             pin = _read_restore_pin(self.job_dir)  # `gpu-recover restore` chose a state: never past it
             frontiers = {c.generation: c.frontier.step for c in ledger.history()}
-            selection = self._restorable(
-                restore_bound(parent, committed, pin),
-                lambda info: branch_problem(info.generation, info.step, frontiers, parent.generation),
-            )
+
+            def check(info: SnapshotInfo) -> str | None:
+                problem = branch_problem(info.generation, info.step, frontiers, parent.generation)
+                if problem is None and self.sharded:  # every member's part present and unaltered
+                    problem = ss.parts_problem(info)
+                return problem
+
+            selection = self._restorable(restore_bound(parent, committed, pin), check)
             plan = plan_activation(
                 ActivationFacts(
                     parent=parent,
@@ -549,6 +615,10 @@ class Runtime:
                     rendezvous_participants=self.attempt.participants if self.attempt else (),
                 )
             )
+            extra, version = dict(plan.extra), 0
+            if self.sharded:
+                version, more = self._ownership_facts(parent, selection, plan.choice.frontier)
+                extra.update(more)
             cert = issue(
                 parent=parent,
                 job_id=parent.job_id,
@@ -557,9 +627,10 @@ class Runtime:
                 frontier=plan.choice.frontier,
                 quiescence=plan.quiescence,
                 quiescence_evidence=plan.quiescence_evidence,
+                ownership_map_version=version,
                 issued_by=f"gpuguard-runtime {issuer()}",
                 key=ledger.key,
-                extra=plan.extra,
+                extra=extra,
             )
             ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
             if plan.consume_pin:  # used once: the next generation is bounded by its commits again
@@ -609,7 +680,15 @@ class Runtime:
 
     def _verify_and_restore(self, generation: int, digest: str) -> TrainState:
         """Every member: the certificate admits me, is signed and chained; restore and check the digest."""
+        cert = self._verify_certificate(generation, digest)
+        frontier = cert.frontier
+        restored_from, loaded_digest = None, None
+        if frontier.state_manifest_digest:
+            restored_from, loaded_digest = self._restore_replicated(frontier)
+        return TrainState(frontier.step + 1, generation, frontier.step, loaded_digest, cert.digest(), restored_from)
 
+    def _verify_certificate(self, generation: int, digest: str) -> Any:
+        """The certificate the coordinator published: in the ledger, signed, chained, admitting me."""
         if self._ledger is not None and self._ledger.key is None:
             self._ledger = None  # opened before the coordinator created the key: reopen with it
         ledger = self.ledger()
@@ -631,32 +710,205 @@ class Runtime:
             raise ActivationRefused(
                 f"certificate of generation {generation} does not admit this incarnation on rank {self.rank}"
             )
-        frontier = cert.frontier
-        restored_from, loaded_digest = None, None
-        if frontier.state_manifest_digest:
-            selection = select_restorable(
-                self.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
+        return cert
+
+    def _restore_replicated(self, frontier: Any) -> tuple[str, str]:
+        """Load the certified replicated state into the live objects: (path, loaded digest)."""
+        selection = select_restorable(
+            self.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
+        )
+        info = self._certified(selection, frontier.step)
+        try:
+            loaded_digest = self._restore(info)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
+            raise
+        if loaded_digest != info.state_digest:
+            _mark_unrestorable(self.snapshot_root, info, "loaded state digest differs from the snapshot's")
+            raise ActivationRefused(
+                f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
+                f"{str(info.state_digest)[:16]} (step {frontier.step})"
             )
-            info = selection.chosen
-            if info is None or info.step != frontier.step:
-                why = "; ".join(f"step {r.step}: {r.reason}" for r in selection.rejected if r.step == frontier.step)
-                raise ActivationRefused(
-                    f"certified state of step {frontier.step} not found or does not verify ({why or 'missing'})"
-                )
-            try:
-                loaded_digest = self._restore(info)
-            except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
+        return str(info.path), loaded_digest
+
+    @staticmethod
+    def _certified(selection: Selection, step: int) -> SnapshotInfo:
+        info = selection.chosen
+        if info is None or info.step != step:
+            why = "; ".join(f"step {r.step}: {r.reason}" for r in selection.rejected if r.step == step)
+            raise ActivationRefused(f"certified state of step {step} not found or does not verify ({why or 'missing'})")
+        return info
+
+    # ------------------------------------------------------------------ sharded state (FSDP2 / HSDP / DDP)
+    def _activate_sharded(
+        self, ns: Any, store: Any, decision: Mapping[str, Any], phases: dict[str, float]
+    ) -> TrainState:
+        """Sharded activation: verify the certificate (every member, before the group forms), form the
+        group and the snapshot group, build the model, restore collectively (DCP reshards to this
+        world), check the loaded state's digest against the stored chunks, agree, start."""
+        generation = int(decision["generation"])
+        try:
+            cert, verdict = self._verify_certificate(generation, str(decision["digest"])), "ok"
+        except (ActivationRefused, GpuguardError) as exc:
+            cert, verdict = None, str(exc)
+        self._agree_verdicts(ns, "verdict", verdict, generation)
+        phases["verified"] = time.time()
+        assert cert is not None
+        self.generation, self._frontier_step = cert.generation, cert.frontier.step
+        self.ownership_map_version = cert.ownership_map_version
+        self._init_pg(store)
+        self.snapshot_group = ss.new_snapshot_group(self.pg_timeout_s)
+        phases["pg_ready"] = time.time()
+        restored_from, digest = None, None
+        try:
+            if self._build is not None:
+                model, optimizer = self._build()
+                self._objects["model"], self._objects["optimizer"] = model, optimizer
+            if cert.frontier.state_manifest_digest:
+                restored_from, digest = self._restore_sharded(cert)
+            verdict = "ok"
+        except (ActivationRefused, GpuguardError) as exc:
+            verdict = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            if loaded_digest != info.state_digest:
-                _mark_unrestorable(self.snapshot_root, info, "loaded state digest differs from the snapshot's")
+            verdict = f"restore failed: {type(exc).__name__}: {_first_line(exc)}"
+        self._agree_verdicts(ns, "restored", verdict, generation)
+        phases["restored"] = time.time()
+        state = TrainState(cert.frontier.step + 1, generation, cert.frontier.step, digest, cert.digest(), restored_from)
+        state.model, state.optimizer = self._objects["model"], self._objects["optimizer"]
+        return self._started(state, phases)
+
+    def _agree_verdicts(self, ns: Any, key: str, verdict: str, generation: int) -> None:
+        ns.set(f"{key}/{self.rank}", verdict)
+        for r in range(self.world_size):
+            other = self._wait_raw(ns, f"{key}/{r}")
+            if other != "ok":
                 raise ActivationRefused(
-                    f"loaded state digest {loaded_digest[:16]} differs from the snapshot's "
-                    f"{str(info.state_digest)[:16]} (step {frontier.step})"
+                    f"rank {r} refused generation {generation}: {other}" if r != self.rank else other
                 )
-            restored_from = str(info.path)
-        return TrainState(frontier.step + 1, generation, frontier.step, loaded_digest, cert.digest(), restored_from)
+
+    def _restore_sharded(self, cert: Any) -> tuple[str, str | None]:
+        """Collective: load the certified sharded state into this world's model (resharded by DCP),
+        checked against the stored chunks; with a reshard plan in the certificate, check that the
+        plan it certified (predicted) is the one this world's real layout needs."""
+        frontier = cert.frontier
+        selection = ss.select_sharded(
+            self.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
+        )
+        info = self._certified(selection, frontier.step)
+        live = self.sharded_state()
+        try:
+            loaded, digest = ss.load_sharded_checked(info, live, group=self.snapshot_group)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
+            raise
+        self._apply_sharded(loaded)
+        certified = cert.extra.get("reshard")
+        if isinstance(certified, Mapping):
+            actual = ss.current_layout(live, cert.ownership_map_version, self.snapshot_group)
+            plan = plan_reshard(ss.snapshot_layout(info.path), actual)
+            held = plan_digest(plan) == certified.get("plan_digest")
+            self.reshard = {"certified_plan_held": held, "plan_digest": plan_digest(plan)}
+            if not held and self.rank == 0:
+                self._log("the certified reshard plan was a prediction that did not hold; what was read:")
+                for line in describe_reshard(ss.snapshot_layout(info.path), actual, plan, step=frontier.step):
+                    self._log(f"  {line}")
+                self.reshard["lines"] = describe_reshard(
+                    ss.snapshot_layout(info.path), actual, plan, step=frontier.step
+                )
+        return str(info.path), digest
+
+    def sharded_state(self) -> dict[str, Any]:
+        """Sharded mode: model / optim (`get_state_dict`: DTensors stay sharded) / sched / extra.
+
+        No RNG state: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores a
+        plain tensor once, as a replica)."""
+        model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
+        state = ss.model_state(model, opt, extra=self._objects["extra"] or None)
+        if sched is not None:
+            state["sched"] = sched.state_dict()
+        return state
+
+    def _apply_sharded(self, loaded: Mapping[str, Any]) -> None:
+        ss.apply_model_state(self._objects["model"], self._objects["optimizer"], loaded)
+        sched = self._objects["scheduler"]
+        if sched is not None and "sched" in loaded:
+            sched.load_state_dict(loaded["sched"])
+        extra = self._objects["extra"]
+        for k, v in (loaded.get("extra") or {}).items():
+            if k in extra and hasattr(extra[k], "copy_") and extra[k] is not v:
+                extra[k].copy_(v)
+
+    def _start_sharded_writer(self) -> None:
+        hook = self.fault_hook
+        self._sharded = ss.ShardedSnapshotter(
+            self.snapshot_root,
+            generation=int(self.generation or 0),
+            incarnation=self.incarnation.id,
+            group=self.snapshot_group,
+            still_current=self._still_current,  # only the coordinator (rank 0) calls it
+            before_publish=(lambda step, _dir: hook("snapshot", step)) if hook else None,
+            ownership_map_version=lambda: self.ownership_map_version,
+            on_done=self._sharded_done,
+            max_wait=max(30.0, 2 * self.pg_timeout_s),
+        )
+        # a worker that dies of a collective error (peer gone) still lets its last save end
+        atexit.register(self._sharded.flush, SIGTERM_FLUSH_S)
+
+    def _sharded_done(self, step: int, info: Any, error: BaseException | None) -> None:
+        """The writer thread, after each collective save (every rank): counters; rank 0 prunes."""
+        if self._sharded is not None:
+            self.counters.snapshot_cpu_s = self._sharded.cpu_s
+        why = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
+        shown = info.snapshot(self.generation) if info is not None else None
+        self._snapshot_outcome(step, shown, why, publisher=self.rank == 0)
+
+    def _snapshot_outcome(
+        self, step: int, info: SnapshotInfo | None, error: str | None, publisher: bool = True
+    ) -> None:
+        """Counters for one snapshot (error, fenced: no info, or written); the publisher (the
+        replicated writer; rank 0 of a sharded save) copies a due checkpoint and prunes."""
+        if error is not None:
+            self.counters.snapshot_errors += 1
+            self._log(f"snapshot of step {step} failed: {error}")
+            return
+        if info is None:
+            self.counters.fenced_snapshots += 1
+            self._log(f"snapshot of step {step} dropped: generation {self.generation} is no longer active")
+            return
+        self.counters.snapshots += 1
+        if publisher:
+            if self.checkpoint_every and step % self.checkpoint_every == 0:
+                copy_to_checkpoint(self.snapshot_root, info)
+            prune(self.snapshot_root, self.keep_snapshots, protect=frozenset({self._frontier_step}))
+
+    def _ownership_facts(self, parent: Any, selection: Selection, frontier: Any) -> tuple[int, dict[str, Any]]:
+        """The coordinator, sharded mode: the frontier snapshot's ownership map for the certificate
+        and the reshard plan of this restart (this world's layout predicted: the group does not exist
+        yet; `_restore_sharded` checks the prediction). (ownership map version, extra keys)."""
+        chosen = selection.chosen
+        if (
+            not frontier.state_manifest_digest
+            or chosen is None
+            or chosen.manifest_digest != frontier.state_manifest_digest
+        ):
+            return parent.ownership_map_version, {}
+        old = ss.snapshot_layout(chosen.path)
+        extra: dict[str, Any] = {"ownership_map": ownership_record(old.ownership())}
+        new = predict_layout(old, self.world_size, old.version)
+        if new is None:
+            extra["reshard"] = None
+            extra["reshard_note"] = "the new layout is not predictable (not FSDP2 Shard(0)): DCP reshards on load"
+            return max(parent.ownership_map_version, old.version) + 1, extra
+        if not same_holding(old, new) or parent.ownership_map_version != old.version:
+            new = predict_layout(old, self.world_size, max(parent.ownership_map_version, old.version) + 1)
+            assert new is not None
+        lost = range(self.world_size, old.world_size)
+        extra["reshard"] = reshard_record(old, new, plan_reshard(old, new), step=chosen.step, lost=lost)
+        return new.version, extra
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -701,7 +953,12 @@ class Runtime:
                 extra[k].copy_(v)
 
     def state_hash(self) -> str:
-        """The digest of this rank's current state (what snapshots and the certificate bind)."""
+        """The digest of this rank's current state (what snapshots and the certificate bind).
+
+        Sharded mode: a collective over the default group, the layout-independent digest of the
+        whole (sharded) state, equal at any world size."""
+        if self.sharded:
+            return ss.state_digest_sharded(self.sharded_state())
         return state_digest(self.state_dict())
 
     # ------------------------------------------------------------------ the loop
@@ -750,7 +1007,10 @@ class Runtime:
         self.counters.commits += 1
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
-        if self._snapshotter is not None and self.snapshot_every and step % self.snapshot_every == 0:
+        due = self.snapshot_every and step % self.snapshot_every == 0
+        if self._sharded is not None and due:  # every rank, the same steps: the save is collective
+            self._sharded.submit(step, self.sharded_state())
+        elif self._snapshotter is not None and due:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 
     def _still_current(self) -> bool:
@@ -783,17 +1043,9 @@ class Runtime:
                 before_publish=(lambda _p: hook("snapshot", step)) if hook else None,
             )
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
-            self.counters.snapshot_errors += 1
-            self._log(f"snapshot of step {step} failed: {type(exc).__name__}: {exc}")
+            self._snapshot_outcome(step, None, f"{type(exc).__name__}: {exc}")
             return
-        if info is None:
-            self.counters.fenced_snapshots += 1
-            self._log(f"snapshot of step {step} dropped: generation {self.generation} is no longer active")
-            return
-        self.counters.snapshots += 1
-        if self.checkpoint_every and step % self.checkpoint_every == 0:
-            copy_to_checkpoint(self.snapshot_root, info)
-        prune(self.snapshot_root, self.keep_snapshots, protect=frozenset({self._frontier_step}))
+        self._snapshot_outcome(step, info, None)
 
     def fault(self, point: str, step: int) -> None:
         """Call the test/demo fault hook at a named point of a step (no-op without one)."""
@@ -807,6 +1059,9 @@ class Runtime:
         if self._snapshotter is not None:
             self._snapshotter.close(timeout)
             self.counters.skipped_snapshots = self._snapshotter.skipped
+        if self._sharded is not None:
+            self._sharded.close(timeout)
+            self.counters.snapshot_cpu_s = self._sharded.cpu_s
         if self._steplog is not None:
             self._steplog.close()
         if dist.is_initialized():

@@ -726,10 +726,19 @@ def load_sharded(
     `model_state` of this world, any world size: DCP reshards). With `check`, the loaded state's
     layout-independent digest must equal the stored chunks' (read back independently of DCP's
     load) and, when the snapshot has one, the in-memory digest recorded at save: DataError if not."""
+    return load_sharded_checked(info, state, group=group, check=check)[0]
+
+
+def load_sharded_checked(
+    info: SnapshotInfo, state: Mapping[str, Any], *, group: Any = None, check: bool = True
+) -> tuple[dict[str, Any], str | None]:
+    """`load_sharded`, and the loaded state's layout-independent digest (None without `check`): the
+    runtime certifies it without a second pass over the state."""
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - lazy: torch only where used
 
     loaded = dict(state)
     quiet_dcp(lambda: dcp.load(loaded, checkpoint_id=str(info.path), process_group=group))
+    got = None
     if check:
         got = state_digest_sharded(loaded, group)
         stored = stored_digest_sharded(info.path, group)
@@ -742,4 +751,4 @@ def load_sharded(
             raise DataError(
                 f"{info.path}: the stored state (digest {stored[:16]}…) is not the one in memory at save ({str(recorded)[:16]}…)"
             )
-    return loaded
+    return loaded, got
