@@ -26,6 +26,17 @@ def _seen(log) -> list[tuple[str, int]]:
     return [(e.text, e.fields["xid"]) for e in log.events if e.kind == "xid"]
 
 
+def _swept(tmp_path, appended: str = ""):
+    """kern.log read once (its cursor), then `appended` written to it: (path, cursor)."""
+    path = tmp_path / "kern.log"
+    path.write_text(NOISE + xid(79, 1))
+    cursor = kl.read_file(path).cursor
+    if appended:
+        with open(path, "a") as fh:
+            fh.write(appended)
+    return path, cursor
+
+
 def test_an_archive_read_again_with_its_cursor_gives_nothing_new(tmp_path):
     gz = tmp_path / "kern.log.2.gz"
     gz.write_bytes(gzip.compress((NOISE + xid(79, 1) + NOISE + xid(13, 2)).encode()))
@@ -56,11 +67,7 @@ def test_a_different_archive_under_the_same_name_is_read_from_the_start(tmp_path
 
 
 def test_rotation_with_compress_reads_the_rest_from_the_archive_without_repeats(tmp_path):
-    path = tmp_path / "kern.log"
-    path.write_text(NOISE + xid(79, 1))
-    cursor = kl.read_file(path).cursor
-    with open(path, "a") as fh:
-        fh.write(xid(13, 2))  # written after the sweep, before logrotate (compress, no delaycompress)
+    path, cursor = _swept(tmp_path, xid(13, 2))  # written after the sweep, before logrotate (compress)
     _logrotate_compress(path, NOISE + xid(31, 3))
     log = kl.read_file(path, cursor=cursor)
     assert [(e.source, e.line, e.fields["xid"]) for e in log.events if e.kind == "xid"] == [
@@ -81,11 +88,7 @@ def _logrotate_compress(path, new_content: str) -> None:
 
 
 def test_copytruncate_reads_the_rest_from_the_copy(tmp_path):
-    path = tmp_path / "kern.log"
-    path.write_text(NOISE + xid(79, 1))
-    cursor = kl.read_file(path).cursor
-    with open(path, "a") as fh:
-        fh.write(xid(13, 2))
+    path, cursor = _swept(tmp_path, xid(13, 2))
     (tmp_path / "kern.log.1").write_bytes(path.read_bytes())  # copytruncate: a copy, the log truncated in place
     path.write_text(xid(31, 3))
     log = kl.read_file(path, cursor=cursor)
@@ -93,11 +96,7 @@ def test_copytruncate_reads_the_rest_from_the_copy(tmp_path):
 
 
 def test_inode_reused_by_the_new_log_still_finds_the_rest_in_the_archive(tmp_path):
-    path = tmp_path / "kern.log"
-    path.write_text(NOISE + xid(79, 1))
-    cursor = kl.read_file(path).cursor
-    with open(path, "a") as fh:
-        fh.write(xid(13, 2))
+    path, cursor = _swept(tmp_path, xid(13, 2))
     (tmp_path / "kern.log.1.gz").write_bytes(gzip.compress(path.read_bytes()))
     os.unlink(path)
     path.write_text(xid(31, 3) + NOISE)  # may well get the freed inode back
@@ -106,9 +105,7 @@ def test_inode_reused_by_the_new_log_still_finds_the_rest_in_the_archive(tmp_pat
 
 
 def test_a_rotated_archive_that_is_not_the_old_file_is_not_read(tmp_path):
-    path = tmp_path / "kern.log"
-    path.write_text(NOISE + xid(79, 1))
-    cursor = kl.read_file(path).cursor
+    path, cursor = _swept(tmp_path)
     (tmp_path / "kern.log.1.gz").write_bytes(gzip.compress((xid(13, 9) + NOISE + NOISE).encode()))
     os.unlink(path)
     path.write_text(xid(31, 3))
@@ -117,9 +114,7 @@ def test_a_rotated_archive_that_is_not_the_old_file_is_not_read(tmp_path):
 
 
 def test_a_truncated_rotated_archive_is_a_note_and_a_truncated_input_an_error(tmp_path):
-    path = tmp_path / "kern.log"
-    path.write_text(NOISE + xid(79, 1))
-    cursor = kl.read_file(path).cursor
+    path, cursor = _swept(tmp_path)
     whole = gzip.compress((path.read_text() + xid(13, 2) * 50).encode())
     (tmp_path / "kern.log.1.gz").write_bytes(whole[: len(whole) // 2])
     os.unlink(path)
