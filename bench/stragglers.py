@@ -7,7 +7,9 @@ One real job: 4 gloo workers of `gpuguard.examples.demo_train` with a fixed amou
 step (`--burn-work`, so a CPU quota makes the step longer instead of doing less work). After a healthy
 warm-up, rank 2's process is moved into a child cgroup with a CPU quota (v1 `cpu.cfs_quota_us`, or v2
 `cpu.max`; tests/support/cpu_quota.py) of 50, 20, 5 and 1 % in turn, each for `--phase-s` seconds, then
-moved back (and the cgroup removed) and the job left to recover. Without cgroup CPU control it falls back
+moved back (and the cgroup removed) and the job left to recover. The job's ranks run in cgroups of 8 x the
+default CPU weight, so that other work on the machine does not decide their share (4 workers on 2 cores get
+about half a core each: a 50 % quota is then no slowdown at all). Without cgroup CPU control it falls back
 to SIGSTOP/SIGCONT duty cycling (labelled `throttle: sigstop-duty` in every row). Then rank 2 is stopped
 (SIGSTOP) for `--stop-s` seconds and continued, and finally killed (SIGKILL) and watched `--kill-s` seconds.
 
@@ -50,10 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: t
 from _common import emit  # noqa: E402
 
 from gpuguard.collectors.step_records import read_job  # noqa: E402
-from tests.support.cpu_quota import Throttle, burn_job, probe, release_all, remove_stale  # noqa: E402
+from tests.support.cpu_quota import Boost, Throttle, burn_job, probe, release_all, remove_stale  # noqa: E402
 
 SLOW_RANK = 2
 WORKERS = 4
+BOOST = 8  # the job's cgroups get 8 x the default CPU weight: a crowded host's other work does not set its pace
 
 
 class Watch:
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
     ap.add_argument("--burn-work", type=int, default=1500, help="fixed stand-in compute per step (matmuls)")
     ap.add_argument("--keep", action="store_true", help="keep the job dir")
+    ap.add_argument(
+        "--boost", type=float, default=BOOST, help="CPU weight of the job's cgroups x the default (0: none)"
+    )
     ap.add_argument("--dump", type=Path, default=None, help="write every check's document here (JSON lines)")
     args = ap.parse_args(argv)
     quotas = [float(q) for q in args.quotas.split(",") if q.strip()]
@@ -268,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     pids: dict[int, int] = {}
     base = float("nan")
     bound_s = None
+    done = False
     try:
         pids = wait_steps(job, 30, timeout=180)
+        boost = args.boost or None
+        if kind != "sigstop-duty" and boost:  # the job's ranks before other work on a crowded host (as the tests do)
+            Boost(list(pids.values()), boost).__enter__()
         watch = Watch(job, args.interval)
         w0 = time.time()
         time.sleep(max(8.0, 4 * args.interval))
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for q in quotas:
             t0, w_0 = time.monotonic(), time.time()
-            with Throttle(pids[SLOW_RANK], q, fallback=True) as th:
+            with Throttle(pids[SLOW_RANK], q, fallback=True, boost=boost) as th:
                 time.sleep(args.phase_s)
             t1, w_1 = time.monotonic(), time.time()
             checks = watch.between(t0, t1)
@@ -365,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("fixed-10s", score_fixed(checks, t0, 10.0, fault_is_hang=True)),
             ):
                 rows.append({"fault": "sigkill", "method": method, "quota_pct": None, "slowdown": None, **score})
+        done = True
     finally:
         if watch is not None:
             watch.stop()
@@ -375,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         kill_job(proc, pids)
         log.close()
         release_all()  # a throttle an interruption left (the `with` has normally removed it already)
-        if not args.keep:
+        if done and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
+        elif not done:
+            print(f"stragglers: the job dir is kept for a look: {tmp}", file=sys.stderr)
     notes = [
         f"real torchrun job: {WORKERS} gloo workers of demo_train --burn-work {args.burn_work}; rank {SLOW_RANK} "
         f"throttled by {kind} for {args.phase_s:g} s per quota, then SIGSTOP for {args.stop_s:g} s, then SIGKILL; "

@@ -405,34 +405,36 @@ def vote(
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
 
+    # The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
+    # first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
+    # one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
+    # them go in (a whole group is torn down between two checks), and whatever an earlier check inferred before
+    # the launcher had said it. All by SIGTERM (a preemption): no change.
+    torn_down: dict[int, tuple[int, ...]] = {}
+    ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
+    first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
+    if first and len(first) < len(ended):
+        for r in ended:
+            if r in first:
+                blocked.pop(r, None)
+                culprits.add(r)
+            else:
+                torn_down[r] = first
+                blocked[r] = first
+                culprits.discard(r)
+
     # A culprit named by the previous check that is now dead stays the cause: ranks that die after it
     # without evidence of their own are its collateral (torchrun tearing the group down), even when the
     # culprit had already entered the collective it stalled and so no longer looks "missing".
-    sticky = {r for r in (previous.culprits if previous else ()) if prelim.get(r, (None,))[0] == DEAD}
+    sticky = {
+        r for r in (previous.culprits if previous else ()) if prelim.get(r, (None,))[0] == DEAD and r not in torn_down
+    }
     for o in obs:
         if o.rank in sticky:
             blocked.pop(o.rank, None)
             culprits.add(o.rank)
-        elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank):
+        elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank) and o.rank not in torn_down:
             blocked[o.rank] = tuple(sorted(sticky))
-
-    # The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
-    # first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
-    # one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
-    # them go in (a whole group is torn down between two checks). All by SIGTERM (a preemption): no change.
-    torn_down: dict[int, tuple[int, ...]] = {}
-    if not sticky:
-        ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
-        first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
-        if first and len(first) < len(ended):
-            for r in ended:
-                if r in first:
-                    blocked.pop(r, None)
-                    culprits.add(r)
-                else:
-                    torn_down[r] = first
-                    blocked[r] = first
-                    culprits.discard(r)
 
     victims = _victims(obs, prelim)
     verdicts = []

@@ -76,3 +76,13 @@ def test_the_ranks_torchrun_terminated_are_collateral_of_the_one_that_failed_fir
     # without the launcher's word nothing changes either
     plain = [ob(r, alive=GONE) for r in range(4)]
     assert vote(plain, CFG).culprits == (0, 1, 2, 3)
+
+
+def test_the_launchers_word_overrides_what_an_earlier_check_inferred() -> None:
+    # the first check after the kill, before torchrun had logged anything: ranks 1 and 3 waited in collective
+    # 341 on 0 and 2 (both computing), so 0 and 2 were named; then torchrun says 0 was terminated (143)
+    before = [ob(r, alive=GONE) for r in range(4)]
+    first = vote(before, CFG)
+    codes = {0: 143, 1: -15, 2: -9, 3: -15}
+    after = vote([ob(r, alive=ProcessState("gone", "pid gone", exit_code=codes[r])) for r in range(4)], CFG, first)
+    assert after.culprits == (2,), [(r.rank, r.culprit, r.blocked_by) for r in after.ranks]
