@@ -110,6 +110,81 @@ def restore_worker(a: argparse.Namespace) -> int:
     return 0
 
 
+def train_step(model, opt, step: int, a: argparse.Namespace) -> None:  # noqa: ANN001 - torch types
+    """One step: forward/backward/update (replicated: the gradients all-reduced), then `--gpu-ms` of sleep."""
+    import torch
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 16, generator=g)
+    torch.nn.functional.mse_loss(model(x), x).backward()
+    if a.replicated:  # data parallel without a wrapper: the gradients all-reduced, flattened
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        off = 0
+        for p in model.parameters():
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p)).div_(dist.get_world_size())
+            off += p.numel()
+    opt.step()
+    opt.zero_grad()
+    if a.gpu_ms:
+        time.sleep(a.gpu_ms / 1000)
+
+
+RUNTIME_MODES = ("plain", "runtime-commit", "runtime-sharded")
+
+
+def runtime_worker(a: argparse.Namespace) -> int:
+    """The runtime's own overhead: `Runtime(sharded=True)`'s commit (step + commit records) with and
+    without its sharded snapshot every `--every` steps, against the bare loop, interleaved blocks."""
+    import torch.distributed as dist
+
+    from gpuguard.recovery.runtime import Runtime
+
+    rt = Runtime.from_env(a.job_dir, sharded=True, snapshot_every=a.every, checkpoint_every=0)
+    state = rt.activate(build=lambda: build(a.hidden, a.replicated))
+    model, opt, step = state.model, state.optimizer, state.start_step
+    for _ in range(3):  # warm-up, snapshots included
+        train_step(model, opt, step, a)
+        rt.commit(step)
+        step += 1
+    rt.flush_snapshots(120)
+    times: dict[str, list[float]] = {m: [] for m in RUNTIME_MODES}
+    commits: list[float] = []
+    cpu0 = rt.counters.snapshot_cpu_s
+    snaps0 = rt.counters.snapshots
+    for _ in range(a.rounds):
+        for mode in RUNTIME_MODES:
+            rt.snapshot_every = a.every if mode == "runtime-sharded" else 0
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.block):
+                train_step(model, opt, step, a)
+                if mode != "plain":
+                    t1 = time.perf_counter()
+                    rt.commit(step)
+                    if mode == "runtime-sharded":
+                        commits.append(time.perf_counter() - t1)
+                step += 1
+            times[mode].append((time.perf_counter() - t0) / a.block)
+            rt.flush_snapshots(120)  # the block's last snapshot overlaps the next step in steady state
+            dist.barrier()
+    snaps = rt.counters.snapshots - snaps0
+    doc = {
+        "times": times,
+        "world": rt.world_size,
+        "snapshots_rank0": snaps,
+        "errors": rt.counters.snapshot_errors,
+        "writer_cpu_s_per_snapshot_rank0": (rt.counters.snapshot_cpu_s - cpu0) / max(1, snaps),
+        "commit_s_median_rank0": statistics.median(commits) if commits else 0.0,
+    }
+    rank = rt.rank
+    rt.close()
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(doc))
+    return 0
+
+
 def worker(a: argparse.Namespace) -> int:
     import uuid
     from datetime import timedelta
@@ -137,20 +212,7 @@ def worker(a: argparse.Namespace) -> int:
 
     def train() -> None:
         nonlocal step
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(32, 16, generator=g)
-        torch.nn.functional.mse_loss(model(x), x).backward()
-        if a.replicated:  # data parallel without a wrapper: the gradients all-reduced, flattened
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(flat)
-            off = 0
-            for p in model.parameters():
-                p.grad.copy_(flat[off : off + p.numel()].view_as(p)).div_(world)
-                off += p.numel()
-        opt.step()
-        opt.zero_grad()
-        if a.gpu_ms:
-            time.sleep(a.gpu_ms / 1000)
+        train_step(model, opt, step, a)
         step += 1
 
     for _ in range(3):  # warm-up: allocator, first optimizer state, gloo connections
@@ -273,7 +335,13 @@ def main() -> int:
     ap.add_argument(
         "--restore-workers", type=int, default=None, help="restore at this world size (default workers - 1)"
     )
+    ap.add_argument(
+        "--runtime",
+        action="store_true",
+        help="also measure the runtime's own overhead: Runtime(sharded=True) commits with and without snapshots",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--restore-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -282,6 +350,8 @@ def main() -> int:
         return worker(a)
     if a.restore_worker:
         return restore_worker(a)
+    if a.runtime_worker:
+        return runtime_worker(a)
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
     try:
         shape = ("rounds", "block", "every", "gpu-ms", "hidden", "nice")
@@ -291,6 +361,11 @@ def main() -> int:
         )
         back = a.restore_workers or max(1, a.workers - 1)
         rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
+        shape_args = [*kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)]
+        rt_doc = None
+        if a.runtime:  # a job dir of its own: a fresh ledger, no snapshots of the runs above
+            (tmp / "rt").mkdir()
+            rt_doc = _torchrun(a, a.workers, ["--runtime-worker", *shape_args], tmp / "rt")
     except RuntimeError as exc:
         print(f"bench/sharded.py: {exc}", file=sys.stderr)
         return 1
@@ -344,6 +419,31 @@ def main() -> int:
         "restore: select = every manifest digest re-hashed and every part read (by every rank), load = dcp.load resharding, "
         "check = loaded vs stored layout-independent digests (collective), apply = set_state_dict"
     )
+    if rt_doc is not None:
+        rt_base = statistics.median(rt_doc["times"]["plain"])
+        for mode in RUNTIME_MODES[1:]:
+            med = statistics.median(rt_doc["times"][mode])
+            row = {
+                "mode": mode,
+                "model": "replicated" if a.replicated else "fsdp2",
+                "workers": rt_doc["world"],
+                "gpu_ms": a.gpu_ms,
+                "every": a.every if mode == "runtime-sharded" else 0,
+                "step_ms_median": round(med * 1000, 2),
+                "step_ms_blocks": [round(t * 1000, 2) for t in rt_doc["times"][mode]],
+                "plain_step_ms_median": round(rt_base * 1000, 2),
+                "ratio_vs_plain": round(med / rt_base, 4),
+            }
+            if mode == "runtime-sharded":
+                row["commit_ms_median_rank0"] = round(rt_doc["commit_s_median_rank0"] * 1000, 2)
+                row["writer_cpu_ms_per_snapshot_rank0"] = round(rt_doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
+                row["snapshot_errors"] = rt_doc["errors"]
+            rows.append(row)
+        notes.append(
+            "runtime-*: the same loop under Runtime(sharded=True) (activation, lease-free file ledger): rt.commit per "
+            "step (step and commit records) without (runtime-commit) and with (runtime-sharded) its collective sharded "
+            "snapshot every --every steps; ratio against the bare loop in the same processes (plain_step_ms_median)"
+        )
     emit("sharded", rows, a.json, notes)
     return 0
 

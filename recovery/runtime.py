@@ -1047,6 +1047,12 @@ class Runtime:
             return
         self._snapshot_outcome(step, info, None)
 
+    def flush_snapshots(self, timeout: float) -> bool:
+        """Wait (bounded) until no snapshot is pending or being written; False on timeout. Sharded
+        mode: a collective wait in effect (every rank's writer is in the same save)."""
+        snap = self._sharded if self._sharded is not None else self._snapshotter
+        return True if snap is None else bool(snap.flush(timeout))
+
     def fault(self, point: str, step: int) -> None:
         """Call the test/demo fault hook at a named point of a step (no-op without one)."""
         if self.fault_hook is not None:
