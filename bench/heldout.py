@@ -104,7 +104,8 @@ def score(root: str | None = None) -> dict:
 def main() -> int:
     result = score(_root())
     if wants_json():
-        emit(result)
+        summary = {k: v for k, v in result.items() if k != "rows"}
+        emit("heldout", [summary], True, [f"{r['file']}: {'ok' if r['acceptable'] else 'BAD'}" for r in result["rows"]])
         return 0
     for r in result["rows"]:
         mark = "ok " if r["acceptable"] else "BAD"

@@ -136,13 +136,19 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
                 head = fh.read(logwrap.MAX_BYTES + 1) if small or size is None else b""
                 if len(head) <= logwrap.MAX_BYTES and (small or size is None):
                     # a paste or a small log: read whole, wrapped lines re-joined (logwrap)
-                    lines = head.decode("utf-8", "replace").split("\n")
-                    if lines and lines[-1] == "":
-                        lines.pop()
+                    lines, unreadable = logwrap.split_paste(head)
                     for event in logwrap.iter_rejoined(lines, source=path):
                         count += 1
                         yield event
-                    stats.append({"path": path, "bytes": len(head), "lines": len(lines), "events": count})
+                    stats.append(
+                        {
+                            "path": path,
+                            "bytes": len(head),
+                            "lines": len(lines),
+                            "events": count,
+                            "unreadable_lines": unreadable,
+                        }
+                    )
                     continue
                 scan = LogScan(_Chained(head, fh) if head else fh, source=path, on_progress=on_progress)
                 for event in scan:
@@ -152,7 +158,15 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
                 if is_corrupt_archive(exc):
                     raise DataError(f"{path}: compressed log is truncated or corrupt ({exc})") from None
                 raise from_os_error(exc, path) from None
-            stats.append({"path": path, "bytes": scan.bytes_read, "lines": scan.next_line - 1, "events": count})
+            stats.append(
+                {
+                    "path": path,
+                    "bytes": scan.bytes_read,
+                    "lines": scan.next_line - 1,
+                    "events": count,
+                    "unreadable_lines": scan.unreadable_lines,
+                }
+            )
     finally:
         if progress is not None:
             progress.stop()
@@ -260,8 +274,21 @@ def _write_plain(events: Iterator[Any], summary: _Summary, stats: list[dict[str,
     _plain_summary(summary, stats)
 
 
+def _unreadable_note(stats: list[dict[str, Any]]) -> str | None:
+    n = sum(s.get("unreadable_lines", 0) for s in stats)
+    if not n:
+        return None
+    return (
+        f"warning: {n} unreadable line{'s' if n != 1 else ''} skipped or cut (GPU/NCCL/launcher lines that are not "
+        "valid UTF-8, or longer than 2 M characters): their events may be missing or incomplete"
+    )
+
+
 def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     out = sys.stdout
+    note = _unreadable_note(stats)
+    if note:
+        sys.stderr.write(note + "\n")
     total = sum(summary.by_kind.values())
     lines = sum(s["lines"] for s in stats)
     out.write(
@@ -305,6 +332,9 @@ def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, 
     if total > shown:
         con.print(f"[dim]... {total - shown} more events (use --json for all)[/dim]")
     lines = sum(s["lines"] for s in stats)
+    note = _unreadable_note(stats)
+    if note:
+        console(stderr=True).print(Text(note, style="yellow"))
     worst = summary.worst if total else "none"
     con.print(
         f"[bold]summary[/bold]: {total} events in {lines} lines of {len(stats)} file(s); worst: "

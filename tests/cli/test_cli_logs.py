@@ -55,7 +55,7 @@ def test_stdin_dash_and_warning_exit(cli):
     doc = json.loads(res.stdout)
     failures = [(e["local_rank"], e["exitcode"], e["signal"]) for e in doc["events"] if e["kind"] == "worker_failure"]
     assert failures == [(1, -6, "SIGABRT"), (2, -6, "SIGABRT"), (0, -6, "SIGABRT")]
-    assert doc["files"] == [{"path": "-", "bytes": len(text.encode()), "lines": 27, "events": 3}]
+    assert doc["files"] == [{"path": "-", "bytes": len(text.encode()), "lines": 27, "events": 3, "unreadable_lines": 0}]
 
 
 def test_healthy_log_exits_zero_and_min_severity_filters(cli, tmp_path):
@@ -169,3 +169,19 @@ def test_logs_never_imports_torch():
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "gpuguard.collectors.logscan" in imported  # the measurement sees our modules...
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}  # ...and no torch
+
+
+def test_an_unreadable_marker_line_is_counted_and_said(cli, tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_bytes(
+        b"\xff\xfe NVRM: Xid (PCI:0000:3b:00): 13, pid=1, Graphics Exception\n"
+        b"NVRM: Xid (PCI:0000:3c:00): 13, pid=2, Graphics Exception\n"
+    )
+    res = cli("gpu-doctor", "logs", str(log), "--json")
+    doc = json.loads(res.stdout)
+    assert sum(f.get("unreadable_lines", 0) for f in doc["files"]) == 1, doc["files"]
+    human = cli("gpu-doctor", "logs", str(log))
+    assert "1 unreadable line skipped" in human.stderr, human.stderr
+    clean = tmp_path / "clean.log"
+    clean.write_bytes(b"NVRM: Xid (PCI:0000:3c:00): 13, pid=2, Graphics Exception\n")
+    assert "unreadable" not in cli("gpu-doctor", "logs", str(clean)).stderr
