@@ -24,7 +24,7 @@ _gpuguard_gpu_doctor() {
         "/plugins") words="--help --json -h" ;;
         "/sweep") words="--budget --config --drain --format --help --json --kernel-log --node --nvml-snapshot --nvml-timeout --output --output-option --retain --run-drain --state-dir --textfile --timeout --webhook --webhook-retries --webhook-timeout -h" ;;
         "/watch") words="job --help -h" ;;
-        "/watch/job") words="--config --count --help --interval --job-dir --json -h" ;;
+        "/watch/job") words="--config --count --help --interval --job-dir --json --torchrun-log -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cur" ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -136,4 +136,5 @@ complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -l 
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -l interval -r -F -d 'Seconds between checks.'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -l json -d 'One gpuguard.job/1 document per check (JSON lines).'
+complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -l torchrun-log -r -F -d 'torchruns own output, re-read at every check: how workers that are gon'
 complete -c gpu-doctor -n "test (__gpuguard_path_gpu_doctor) = '/watch/job'" -s h -d 'Show the help and exit.'
