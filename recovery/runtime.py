@@ -21,7 +21,12 @@ Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protoco
 - across hosts (an etcd ledger): each incarnation holds an etcd lease and fences itself (exit 4)
   before it can expire (`recovery.lease`), so the next coordinator proves an incarnation on a lost
   host quiet by its expired lease; snapshots live under `GPUGUARD_SNAPSHOT_ROOT` (the cluster's
-  shared checkpoint storage) so that a new rank 0 on another host finds them.
+  shared checkpoint storage) so that a new rank 0 on another host finds them;
+- sharded state (`sharded=True`, `GPUGUARD_SHARDED=1`; FSDP2 / HSDP / DDP through DCP): every
+  rank writes its own shards of each snapshot (`recovery.sharded_snapshot`, collective, on a gloo
+  group of its own), the group forms before the (collective, resharding) restore, a model that
+  needs the group comes from `activate(build=...)`, and the certificate carries the frontier
+  snapshot's ownership map and the reshard plan (docs/formats/sharded-snapshots.md).
 
 Lazy imports (start-up time): torch, only in the methods that run inside a training process (torch is the optional `gpuguard[runtime]`; `gpu-recover` imports this package without it).
 """
