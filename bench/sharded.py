@@ -2,6 +2,7 @@
 
     python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
                             [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N] [--nice 0]
+                            [--runtime]
 
 One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
 the root `fully_shard`ed, AdamW; with --replicated a plain replicated model, DDP-style gradient
@@ -25,6 +26,9 @@ and for `sharded` the writer thread's CPU time per snapshot (rank 0), the time t
 waited for the previous snapshot, the median submit (get_state_dict, staging copy, hand-over: the
 part the training thread pays in any case), the uncharged end-of-block flush, and bytes written per snapshot
 against the state's size.
+With --runtime, a third job measures the runtime itself: the same loop under
+`Runtime(sharded=True)`, blocks of the bare loop, `rt.commit` without snapshots and `rt.commit`
+with its collective sharded snapshot every `--every` steps (`runtime-*` rows).
 Speed is never asserted in tests; this is the measurement.
 """
 
