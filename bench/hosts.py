@@ -66,7 +66,7 @@ VICTIM = {"power-off": "h1", "partition": "h3", "freeze": "h3", "store-host": "h
 RESTART_VICTIM_RANK = {"power-off": 2, "partition": 2, "freeze": 2, "store-host": 0}
 RESTART_STEPS, RESTART_SLEEP, RESTART_TTL = 30, 0.2, 4.0
 STEPS, MARK, STEP_SLEEP = 20, 6, 0.1
-TTL, PG_TIMEOUT, CKPT_EVERY = 3.0, 3.0, 5
+TTL, PG_TIMEOUT, CKPT_EVERY = 4.0, 3.0, 5  # TTL 3 s fenced healthy workers at load 5+ on 2 cores
 PLAIN_PORT = 29501
 
 
