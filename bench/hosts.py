@@ -8,7 +8,7 @@ the in-place demo's workload with one worker per host, and after step MARK power
 the first coordinator and the snapshot writer), or partitions or freezes h3 (a partitioned or
 frozen host comes back once the survivors have moved on). Rows:
 - `in-place`: gpuguard (`examples.inplace_hosts`), etcd ledger and etcd coordination, lease TTL
-  3 s, collective timeout 3 s. Time = fault -> the first step every survivor committed in the next
+  4 s, collective timeout 3 s. Time = fault -> the first step every survivor committed in the next
   generation (switch records' `first_commit`).
 - `restart`: gpuguard's restart path (`examples.restart_hosts`): one torchrun agent per host on
   `--rdzv-backend=gpuguard` (etcd), `examples.demo_train` under the Runtime, etcd ledger and leases
