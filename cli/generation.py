@@ -25,7 +25,7 @@ from gpuguard.cli._app import (
     safe_text,
     stdout_is_terminal,
 )
-from gpuguard.foundation.env import LEDGER_ENV
+from gpuguard.foundation.env import LEDGER_ENV, SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK
 
 app = make_app(
@@ -324,7 +324,7 @@ def history_cmd(
 
 
 def _deep_check(
-    job_dir: Path, certs: dict[int, Any], target: int, show_progress: bool
+    job_dir: Path, certs: dict[int, Any], target: int, show_progress: bool, snapshot_root: Path | None = None
 ) -> tuple[list[Any], dict[str, Any], list[str]]:
     """Re-hash the checkpoint of every checked frontier against its manifest.
 
@@ -338,7 +338,8 @@ def _deep_check(
     findings: list[Finding] = []
     notes: list[str] = []
     manifests: dict[str, tuple[Path, Any]] = {}
-    for path in find_manifests(job_dir):
+    roots = [job_dir] + ([snapshot_root] if snapshot_root and snapshot_root.resolve() != job_dir.resolve() else [])
+    for path in sorted({p for root in roots for p in find_manifests(root)}):
         try:
             m = load_manifest(path)
         except GpuguardError as exc:
@@ -397,6 +398,12 @@ def verify_cmd(
     ledger: str | None = LEDGER_OPTION,
     generation: int | None = typer.Option(None, "--generation", min=0, help="Verify only this generation."),
     deep: bool = typer.Option(False, "--deep", help="Also re-hash the checkpoint files against their manifests."),
+    snapshot_root: Path | None = typer.Option(
+        None,
+        "--snapshot-root",
+        envvar=SNAPSHOT_ROOT_ENV,
+        help="With --deep: where the job's snapshots/ and checkpoints/ live (shared storage), besides the job dir.",
+    ),
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> int:
@@ -412,7 +419,9 @@ def verify_cmd(
     if deep:
         certs = {n: c for n, c in report.certificates.items() if n in report.checked}
         target = generation if generation is not None else max(report.checked, default=0)
-        more, deep_stats, notes = _deep_check(job_dir, certs, target, stdout_is_terminal() and not as_json)
+        more, deep_stats, notes = _deep_check(
+            job_dir, certs, target, stdout_is_terminal() and not as_json, snapshot_root
+        )
         report.findings += more
         report.notes += notes
     if as_json:

@@ -17,7 +17,7 @@ _gpuguard_gpu_generation() {
         "/history") words="--help --job-dir --json --ledger --timeout -h" ;;
         "/init") words="--help --job-dir --job-id --json --ledger --timeout -h" ;;
         "/show") words="--help --job-dir --json --ledger --timeout -h" ;;
-        "/verify") words="--deep --generation --help --job-dir --json --ledger --timeout -h" ;;
+        "/verify") words="--deep --generation --help --job-dir --json --ledger --snapshot-root --timeout -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cur" ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -241,12 +241,11 @@ class RestartHostJob:
         return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
     def verify(self, host: str) -> tuple[int, dict[str, Any]]:
-        """`gpu-generation verify --ledger etcd://... --json` on `host`: (exit code, document)."""
-        out = self.cluster.run(
-            host,
-            [_console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"],
-            timeout=90,
-        )
+        """`gpu-generation verify --deep --ledger etcd://... --json` on `host`, the frontier states
+        re-hashed on the shared storage: (exit code, document)."""
+        argv = [_console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"]
+        argv += ["--deep", "--snapshot-root", str(self.shared / "state")]
+        out = self.cluster.run(host, argv, timeout=90)
         try:
             doc = json.loads(out.stdout)
         except ValueError:
