@@ -69,6 +69,9 @@ HARNESS = textwrap.dedent(
     from gpuguard.testhosts import up
     cluster = up(1, etcd=False)
     cluster.exec("h1", [sys.executable, "-I", "-S", "-c", "import time; time.sleep(60)"])
+    end = time.monotonic() + 30
+    while len(cluster.pids("h1")) < 2 and time.monotonic() < end:  # its command runs inside the host
+        time.sleep(0.02)
     print(cluster.prefix, flush=True)
     time.sleep(60)
     """
@@ -88,7 +91,8 @@ def test_a_terminated_harness_removes_its_cluster(can_make_hosts, sig) -> None:
     try:
         assert any(leftovers(prefix).values())
         proc.send_signal(sig)
-        assert proc.wait(timeout=20) == -sig  # it died of the signal, after tearing down
+        # it died of the signal, after tearing down (bounded: processes 10 s, then links and dirs)
+        assert proc.wait(timeout=60) == -sig
         assert leftovers(prefix) == {"netns": [], "links": [], "processes": [], "workdirs": []}
     finally:
         proc.kill()
