@@ -17,54 +17,22 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuguard.examples.hostjob import HostJobBase, console
 from gpuguard.examples.inplace_train import FAULTS_ENV
 from gpuguard.foundation.env import JOB_DIR_ENV, JOB_ID_ENV, LEASE_TTL_ENV, LEDGER_ENV, PG_TIMEOUT_ENV
 
 MASTER_PORT = 29500
-LEDGER_PROBE = (
-    "import json, sys\n"
-    "from gpuguard.generation.ledger_open import open_ledger\n"
-    "led = open_ledger(sys.argv[1], sys.argv[2], timeout=5.0)\n"
-    "hist = led.history()\n"
-    "doc = {'generations': led.generations(), 'fenced': led.fenced_count(), 'history': [], 'commits': {}}\n"
-    "for c in hist:\n"
-    "    doc['history'].append({'generation': c.generation, 'reason': c.reason, 'frontier': c.frontier.step,\n"
-    "        'quiescence': c.quiescence, 'evidence': list(c.quiescence_evidence),\n"
-    "        'extra': json.loads(json.dumps(c.extra, default=dict)),\n"
-    "        'members': [{'rank': m.rank, 'id': m.incarnation.id, 'host': m.incarnation.host} for m in c.members]})\n"
-    "    doc['commits'][c.generation] = [[r.rank, r.incarnation_id, r.step] for r in led.commits(c.generation)[0]]\n"
-    "print(json.dumps(doc))\n"
-)
-
-
-def _console(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
 
 
 @dataclass
-class HostJob:
-    """One job: a worker per host, its logs outside the hosts, its job dir private on each host."""
+class HostJob(HostJobBase):
+    """One job: a worker per host (procs keyed by rank), its logs outside the hosts."""
 
-    cluster: Any
-    hosts: list[str]
-    name: str
-    url: str
-    log_dir: Path
-    procs: dict[int, Any] = field(default_factory=dict)
     started: float = 0.0
-
-    @property
-    def job_dir(self) -> str:
-        """The job directory: the same path on every host, its own contents on each."""
-        return f"{self.cluster.job_dir}/{self.name}"
-
-    def outside(self, host: str) -> Path:
-        """That host's job directory as this (outside) process sees it."""
-        return Path(self.cluster.host(host).hostdir) / "job" / self.name
 
     @classmethod
     def launch(
@@ -89,7 +57,7 @@ class HostJob:
         first = hosts[0]
         cluster.run(
             first,
-            [_console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
+            [console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
             timeout=60,
             check=True,
         )
@@ -150,13 +118,6 @@ class HostJob:
             time.sleep(0.02)
         return path if path.exists() else None
 
-    def wait(self, ranks: list[int], timeout: float) -> dict[int, int | None]:
-        """Exit codes of these ranks' workers once all have exited, or None for one still there."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(self.procs[r].poll() is None for r in ranks):
-            time.sleep(0.05)
-        return {r: self.procs[r].poll() for r in ranks}
-
     def result(self, rank: int) -> dict[str, Any] | None:
         path = self.outside(self.hosts[rank]) / "results" / f"{rank}.json"
         try:
@@ -179,39 +140,3 @@ class HostJob:
             return (self.log_dir / f"{self.name}-{self.hosts[rank]}.log").read_text(errors="replace")
         except OSError:
             return ""
-
-    def ledger(self, host: str) -> dict[str, Any]:
-        """History, commits per generation and the fenced count, read from etcd on `host`."""
-        out = self.cluster.run(host, [sys.executable, "-c", LEDGER_PROBE, self.job_dir, self.url], timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"ledger probe on {host}: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-    def verify(self, host: str) -> tuple[int, dict[str, Any]]:
-        """`gpu-generation verify --ledger etcd://... --json` on `host`: (exit code, document)."""
-        out = self.cluster.run(
-            host,
-            [_console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"],
-            timeout=60,
-        )
-        try:
-            doc = json.loads(out.stdout)
-        except ValueError:
-            doc = {"stdout": out.stdout[-2000:], "stderr": out.stderr[-2000:]}
-        return out.returncode, doc
-
-    def kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - a frozen host's process: the harness tears it down
-                pass
-
-    def __enter__(self) -> HostJob:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill_all()

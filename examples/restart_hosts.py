@@ -21,14 +21,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuguard.examples.inplace_hosts import LEDGER_PROBE
+from gpuguard.examples.hostjob import HostJobBase, console
 from gpuguard.foundation.env import (
     JOB_DIR_ENV,
     JOB_ID_ENV,
@@ -44,36 +43,17 @@ RDZV_CONF = f"key_prefix=/gpuguard-rdzv,read_timeout=3,store_timeout=60,lease_tt
 C10D_PORT = 29400
 
 
-def _console(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
 @dataclass
-class RestartHostJob:
-    """One job: a torchrun agent per host, its logs outside the hosts, its job dir private on each host."""
+class RestartHostJob(HostJobBase):
+    """One job: a torchrun agent per host (procs keyed by host), its logs outside the hosts."""
 
-    cluster: Any
-    hosts: list[str]
-    name: str
-    url: str
-    log_dir: Path
     argv: list[str] = field(default_factory=list)  # torchrun's arguments after the program, every host
     env: dict[str, str] = field(default_factory=dict)
-    procs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def job_dir(self) -> str:
-        """The job directory: the same path on every host, its own contents on each."""
-        return f"{self.cluster.job_dir}/{self.name}"
 
     @property
     def shared(self) -> Path:
         """This job's folder on the shared checkpoint storage (the same path inside and outside)."""
         return Path(self.cluster.shared_path) / self.name
-
-    def outside(self, host: str) -> Path:
-        """That host's job directory as this (outside) process sees it."""
-        return Path(self.cluster.host(host).hostdir) / "job" / self.name
 
     @classmethod
     def launch(
@@ -108,7 +88,7 @@ class RestartHostJob:
         first = hosts[0]
         cluster.run(
             first,
-            [_console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
+            [console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
             timeout=60,
             check=True,
         )
@@ -174,7 +154,7 @@ class RestartHostJob:
 
     def start_agent(self, host: str) -> Any:
         """A torchrun agent on `host` (a spare joining later, or one of the first hosts)."""
-        argv = [_console("torchrun"), f"--local-addr={self.cluster.host(host).address}", *self.argv]
+        argv = [console("torchrun"), f"--local-addr={self.cluster.host(host).address}", *self.argv]
         with open(self.log_dir / f"{self.name}-{host}.log", "ab") as log:
             proc = self.cluster.exec(host, argv, env=self.env, inherit_env=False, stdout=log, stderr=log)
         self.procs[host] = proc
@@ -217,13 +197,6 @@ class RestartHostJob:
             time.sleep(interval)
         return bool(predicate())
 
-    def wait(self, hosts: list[str], timeout: float) -> dict[str, int | None]:
-        """Exit codes of these hosts' agents once all have exited, or None for one still there."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(self.procs[h].poll() is None for h in hosts):
-            time.sleep(0.1)
-        return {h: self.procs[h].poll() for h in hosts}
-
     def log(self, host: str) -> str:
         try:
             return (self.log_dir / f"{self.name}-{host}.log").read_text(errors="replace")
@@ -233,37 +206,6 @@ class RestartHostJob:
     def logs(self, tail: int = 3000) -> str:
         return "\n".join(f"--- {h}\n{self.log(h)[-tail:]}" for h in self.procs)
 
-    def ledger(self, host: str) -> dict[str, Any]:
-        """History, commits per generation and the fenced count, read from etcd on `host`."""
-        out = self.cluster.run(host, [sys.executable, "-c", LEDGER_PROBE, self.job_dir, self.url], timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"ledger probe on {host}: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-    def verify(self, host: str) -> tuple[int, dict[str, Any]]:
-        """`gpu-generation verify --deep --ledger etcd://... --json` on `host`, the frontier states
-        re-hashed on the shared storage: (exit code, document)."""
-        argv = [_console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"]
-        argv += ["--deep", "--snapshot-root", str(self.shared / "state")]
-        out = self.cluster.run(host, argv, timeout=90)
-        try:
-            doc = json.loads(out.stdout)
-        except ValueError:
-            doc = {"stdout": out.stdout[-2000:], "stderr": out.stderr[-2000:]}
-        return out.returncode, doc
-
-    def kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - a frozen host's process: the harness tears it down
-                pass
-
-    def __enter__(self) -> RestartHostJob:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill_all()
+    def verify(self, host: str, *extra: str) -> tuple[int, dict[str, Any]]:
+        """`gpu-generation verify --deep` on `host`, the frontier states re-hashed on the shared storage."""
+        return super().verify(host, "--deep", "--snapshot-root", str(self.shared / "state"), *extra)

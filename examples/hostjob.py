@@ -1,0 +1,98 @@
+"""What every demo job on namespace hosts shares: where its files are, its ledger, verify, teardown.
+
+`examples.inplace_hosts.HostJob` (one in-place worker per host) and
+`examples.restart_hosts.RestartHostJob` (one torchrun agent per host) both build on `HostJobBase`.
+The cluster is duck-typed (`run`, `host(name).hostdir`, `job_dir`): any cluster with the
+`gpuguard.testhosts` shape.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LEDGER_PROBE = (
+    "import json, sys\n"
+    "from gpuguard.generation.ledger_open import open_ledger\n"
+    "led = open_ledger(sys.argv[1], sys.argv[2], timeout=5.0)\n"
+    "hist = led.history()\n"
+    "doc = {'generations': led.generations(), 'fenced': led.fenced_count(), 'history': [], 'commits': {}}\n"
+    "for c in hist:\n"
+    "    doc['history'].append({'generation': c.generation, 'reason': c.reason, 'frontier': c.frontier.step,\n"
+    "        'quiescence': c.quiescence, 'evidence': list(c.quiescence_evidence),\n"
+    "        'extra': json.loads(json.dumps(c.extra, default=dict)),\n"
+    "        'members': [{'rank': m.rank, 'id': m.incarnation.id, 'host': m.incarnation.host} for m in c.members]})\n"
+    "    doc['commits'][c.generation] = [[r.rank, r.incarnation_id, r.step] for r in led.commits(c.generation)[0]]\n"
+    "print(json.dumps(doc))\n"
+)
+
+
+def console(name: str) -> str:
+    """A console script of this Python's environment (gpu-generation, torchrun)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+@dataclass
+class HostJobBase:
+    """One job: its processes (keyed by rank or by host), its logs outside the hosts, its job dir
+    private on each host, its ledger in etcd."""
+
+    cluster: Any
+    hosts: list[str]
+    name: str
+    url: str
+    log_dir: Path
+    procs: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def job_dir(self) -> str:
+        """The job directory: the same path on every host, its own contents on each."""
+        return f"{self.cluster.job_dir}/{self.name}"
+
+    def outside(self, host: str) -> Path:
+        """That host's job directory as this (outside) process sees it."""
+        return Path(self.cluster.host(host).hostdir) / "job" / self.name
+
+    def wait(self, keys: list[Any], timeout: float) -> dict[Any, int | None]:
+        """Exit codes of these processes once all have exited, or None for one still there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.procs[k].poll() is None for k in keys):
+            time.sleep(0.05)
+        return {k: self.procs[k].poll() for k in keys}
+
+    def ledger(self, host: str) -> dict[str, Any]:
+        """History, commits per generation and the fenced count, read from etcd on `host`."""
+        out = self.cluster.run(host, [sys.executable, "-c", LEDGER_PROBE, self.job_dir, self.url], timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"ledger probe on {host}: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    def verify(self, host: str, *extra: str) -> tuple[int, dict[str, Any]]:
+        """`gpu-generation verify --ledger etcd://... --json [extra]` on `host`: (exit code, document)."""
+        argv = [console("gpu-generation"), "verify", "--job-dir", self.job_dir, "--ledger", self.url, "--json"]
+        out = self.cluster.run(host, [*argv, *extra], timeout=90)
+        try:
+            doc = json.loads(out.stdout)
+        except ValueError:
+            doc = {"stdout": out.stdout[-2000:], "stderr": out.stderr[-2000:]}
+        return out.returncode, doc
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a frozen host's process: the harness tears it down
+                pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
