@@ -32,7 +32,8 @@ def test_the_ledger_and_a_lease_keep_working_when_the_first_listed_member_dies(c
     genesis = led.require_active()
     coord = EtcdCoordination.from_url(url, timeout=2.0)
     fenced: list[str] = []
-    hb = coord.hold_lease("inc-a", {"rank": 0}, LeaseTiming(3.0), fenced.append)
+    # TTL 6 s (the default): its fence margin of 3 s outlasts a leader election after the kill
+    hb = coord.hold_lease("inc-a", {"rank": 0}, LeaseTiming(6.0), fenced.append)
     try:
         cluster.kill(first)  # the member every client talks to first
         t0 = time.monotonic()
@@ -53,7 +54,7 @@ def test_the_ledger_and_a_lease_keep_working_when_the_first_listed_member_dies(c
         assert open_ledger(tmp_path, url).require_active().generation == 1
         assert time.monotonic() - t0 < 10
         done = threading.Event()
-        done.wait(2.0)  # more than TTL/2: the heartbeat must have renewed through another member
+        done.wait(3.5)  # more than TTL/2: the heartbeat must have renewed through another member
         assert hb.valid() and not fenced, (hb.age(), fenced)
         assert "inc-a" not in coord.expired(["inc-a"])
     finally:
