@@ -34,6 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.inplace import InPlaceRuntime
 from gpuguard.recovery.switch import Layout
@@ -178,7 +179,7 @@ def worker_main() -> int:
         "step_time_p50_s": _median(rt.step_times),
         "remember_p50_s": _median(rt.remember_times),
     }
-    (out / f"{orig}.json").write_text(json.dumps(doc))
+    jobdir.atomic_write_json(out / f"{orig}.json", doc)  # a reader never sees it half-written
     rt.close(timeout=10.0)
     return 0
 
