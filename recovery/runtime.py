@@ -1077,7 +1077,12 @@ class Runtime:
             self._steplog.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Drop the last references while the interpreter is whole: a gloo group destroyed during
+        # interpreter finalization can abort the process (std::terminate) after a clean run.
         self.pg = None
+        self.snapshot_group = None
+        if self._sharded is not None:
+            self._sharded.group = None
         self.coord.close()  # gives the lease back: a clean exit frees it at once
 
     # ------------------------------------------------------------------ store helpers
