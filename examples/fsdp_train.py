@@ -13,9 +13,14 @@ and 4), so every world size computes the same global-mean gradient. After each c
 takes part in the layout-independent state digest (`rt.state_hash()`, a collective) and rank 0
 appends it to DIR/fsdp-out/digests.jsonl; each activation (frontier, restored digest) goes to
 DIR/fsdp-out/activations.jsonl: a restored state can be compared bitwise with the state the
-previous generation had at that step, at any world size.
+previous generation had at that step, at any world size. At the start of each step every rank
+draws from its global torch RNG (what dropout or data augmentation would use) and appends the
+draw to DIR/fsdp-out/draws-rank<R>.jsonl: a restart at the same world size restores each rank's
+RNG from its part of the snapshot, so the restored run draws what an uninterrupted one drew.
 
 `--kill R:S` SIGKILLs rank R (a real signal, once: a marker file) at the start of step S.
+`--final` gathers the full parameters after the last step into DIR/fsdp-out/final.pt (rank 0;
+`gpu-recover demo --scenario fsdp` compares them with `reference`, the same training in one process).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from gpuguard.examples.demo_train import Faults
@@ -39,12 +45,17 @@ GLOBAL_BATCH = 24
 POINT = "step-start"
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The same initial weights at every world size, sharded over the default group (FSDP2)."""
+def mlp() -> torch.nn.Sequential:
+    """The model, its initial weights seeded (0): the same at every world size and in `reference`."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
     )
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same initial weights at every world size, sharded over the default group (FSDP2)."""
+    model = mlp()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -62,6 +73,30 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     opt.step()
     opt.zero_grad()
     return float(loss.detach())
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """The same training without FSDP, in one process, steps 1..`steps`: the full parameters a
+    fault-free job ends with (up to the gradient sum's reassociation over the ranks)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _write_final(model: torch.nn.Module, path: Path, rank: int) -> None:
+    """Collective: the full (gathered) parameters, written by rank 0 atomically."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({k: v.detach().clone() for k, v in full.items()}, tmp)
+        os.replace(tmp, path)
 
 
 def parse_kill(text: str) -> tuple[int, int, str]:
@@ -87,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", type=parse_kill, action="append", default=[], metavar="R:S")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per step (s)")
     ap.add_argument("--no-digests", action="store_true", help="no per-step state digest (the benchmark)")
+    ap.add_argument("--final", action="store_true", help="gather the full parameters at the end (fsdp-out/final.pt)")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="wall-clock limit of this process")
     a = ap.parse_args(argv)
     deadline = time.monotonic() + a.max_seconds
@@ -107,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 "restored_from": state.restored_from,
                 "state_digest": state.state_digest,
                 "reshard": rt.reshard,
+                "rng": rt.rng_restore,
             },
         )
     for step in rt.steps(state, until=a.steps):
@@ -114,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[fsdp rank {rt.rank}] wall-clock limit at step {step}", file=sys.stderr, flush=True)
             return 2
         faults(POINT, step)
+        draw = torch.rand(4 + rt.rank)  # the global RNG (per rank: its own use), restored from the rank's part
+        if not a.no_digests:
+            _append(
+                out / f"draws-rank{rt.rank}.jsonl",
+                {"generation": state.generation, "step": step, "draw": draw.tolist()},
+            )
         train_step(model, opt, step)
         if a.step_sleep:
             time.sleep(a.step_sleep)
@@ -125,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     out / "digests.jsonl",
                     {"generation": state.generation, "world_size": rt.world_size, "step": step, "digest": digest},
                 )
+    if a.final:
+        _write_final(model, out / "final.pt", rt.rank)
     counters = rt.counters
     rt.close()
     if rt.rank == 0:

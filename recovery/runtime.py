@@ -292,6 +292,7 @@ class Runtime:
         self._sharded: Any = None  # the ShardedSnapshotter (every rank), sharded mode only
         self.ownership_map_version = 0
         self.reshard: dict[str, Any] | None = None  # the certified reshard plan and whether it held
+        self.rng_restore: str | None = None  # sharded restore: what happened to the RNG states, in words
         if self.rank == 0 or self.sharded:  # the snapshot writers; other ranks keep SIGTERM's default (instant) action
             self._install_sigterm_flush()
 
@@ -811,6 +812,9 @@ class Runtime:
                 _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
             raise
         self._apply_sharded(loaded)
+        _, self.rng_restore = ss.restore_rng(info.path, self.rank, self.world_size)  # after build()'s seeding
+        if self.rank == 0:
+            self._log(self.rng_restore)
         certified = cert.extra.get("reshard")
         if isinstance(certified, Mapping):
             actual = ss.current_layout(live, cert.ownership_map_version, self.snapshot_group)
@@ -829,8 +833,8 @@ class Runtime:
     def sharded_state(self) -> dict[str, Any]:
         """Sharded mode: model / optim (`get_state_dict`: DTensors stay sharded) / sched / extra.
 
-        No RNG state: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores a
-        plain tensor once, as a replica)."""
+        No RNG state here: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores
+        a plain tensor once, as a replica); each rank's RNG goes into its part (`commit`)."""
         model, opt, sched = self._objects["model"], self._objects["optimizer"], self._objects["scheduler"]
         state = ss.model_state(model, opt, extra=self._objects["extra"] or None)
         if sched is not None:
@@ -903,6 +907,7 @@ class Runtime:
             return parent.ownership_map_version, {}
         old = ss.snapshot_layout(chosen.path)
         extra: dict[str, Any] = {"ownership_map": ownership_record(old.ownership())}
+        extra["rng"] = ss.rng_restore_plan(chosen.path, self.world_size)[1]
         new = predict_layout(old, self.world_size, old.version)
         if new is None:
             extra["reshard"] = None
@@ -1014,7 +1019,7 @@ class Runtime:
             self.step_times.append(time.perf_counter() - self._step_t0)
         due = self.snapshot_every and step % self.snapshot_every == 0
         if self._sharded is not None and due:  # every rank, the same steps: the save is collective
-            self._sharded.submit(step, self.sharded_state())
+            self._sharded.submit(step, self.sharded_state(), rng=ss.rng_state())
         elif self._snapshotter is not None and due:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 

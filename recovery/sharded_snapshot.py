@@ -83,9 +83,10 @@ class Part:
     incarnation: str
     entries: tuple[m.ManifestEntry, ...]
     held: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # chunk key -> sizes it holds in memory
+    rng: Mapping[str, str] | None = None  # this rank's RNG states at the step (`rng_state`), hex
 
     def header(self) -> dict[str, Any]:
-        return {
+        head = {
             "schema": PART_SCHEMA,
             "step": self.step,
             "generation": self.generation,
@@ -94,6 +95,9 @@ class Part:
             "incarnation": self.incarnation,
             "held": {k: list(v) for k, v in sorted(self.held.items())},
         }
+        if self.rng is not None:  # optional: a part without it (an older writer) keeps its digest
+            head["rng"] = dict(sorted(self.rng.items()))
+        return head
 
     @property
     def digest(self) -> str:
@@ -122,7 +126,7 @@ def read_part(directory: Path, rank: int) -> Part:
     try:
         if doc.get("schema") != PART_SCHEMA:
             raise ValueError(f"schema is not {PART_SCHEMA}")
-        if set(doc) != {
+        if set(doc) - {"rng"} != {
             "schema",
             "step",
             "generation",
@@ -134,6 +138,9 @@ def read_part(directory: Path, rank: int) -> Part:
             "digest",
         }:
             raise ValueError("unexpected fields")
+        rng = doc.get("rng")
+        if rng is not None and not _valid_rng(rng):
+            raise ValueError("rng is not a map of RNG names to hex strings")
         part = Part(
             int(doc["step"]),
             int(doc["generation"]),
@@ -142,6 +149,7 @@ def read_part(directory: Path, rank: int) -> Part:
             str(doc["incarnation"]),
             tuple(m.ManifestEntry.from_dict(e) for e in doc["entries"]),
             {str(k): tuple(int(x) for x in v) for k, v in doc["held"].items()},
+            rng,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DataError(f"{path}: unreadable part ({exc})") from None
@@ -150,6 +158,75 @@ def read_part(directory: Path, rank: int) -> Part:
     if part.digest != doc["digest"]:
         raise DataError(f"{path}: part digest does not match its entries: tampered")
     return part
+
+
+# ---------------------------------------------------------------- per-rank RNG state
+
+RNG_NAMES = ("torch", "cuda")  # torch's CPU generator; the CUDA generators of this process, one after another
+MAX_RNG_HEX = 1 << 20
+
+
+def _valid_rng(rng: Any) -> bool:
+    return (
+        isinstance(rng, dict)
+        and set(rng) <= set(RNG_NAMES)
+        and all(isinstance(v, str) and len(v) <= MAX_RNG_HEX and len(v) % 2 == 0 for v in rng.values())
+        and all(c in "0123456789abcdef" for v in rng.values() for c in v)
+    )
+
+
+def rng_state() -> dict[str, str]:
+    """This rank's RNG states, hex (stored in its part, not in DCP's files: a per-rank stream is
+    no tensor to reshard). CUDA only when this process has initialised it (no context is created)."""
+    import torch  # noqa: PLC0415 - lazy: torch only where used
+
+    out = {"torch": torch.get_rng_state().numpy().tobytes().hex()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states = torch.cuda.get_rng_state_all()
+        out["cuda"] = b"".join(len(t).to_bytes(4, "big") + t.numpy().tobytes() for t in states).hex()
+    return out
+
+
+def set_rng_state(rng: Mapping[str, str]) -> None:
+    """Put RNG states from `rng_state` back (CUDA: as many devices as both have)."""
+    import torch  # noqa: PLC0415 - lazy: torch only where used
+
+    if "torch" in rng:
+        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(rng["torch"])), dtype=torch.uint8))
+    if "cuda" in rng and torch.cuda.is_available():
+        raw, states = bytes.fromhex(rng["cuda"]), []
+        while raw:
+            n = int.from_bytes(raw[:4], "big")
+            states.append(torch.frombuffer(bytearray(raw[4 : 4 + n]), dtype=torch.uint8))
+            raw = raw[4 + n :]
+        torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
+
+
+def rng_restore_plan(directory: str | Path, world_size: int) -> tuple[bool, str]:
+    """Whether a restore of this snapshot at `world_size` restores each rank's RNG, and why, in
+    words: only at the world size that wrote it (rank r takes rank r's stream); at another world
+    size the streams do not map onto the new ranks, so each keeps what its build() seeded."""
+    directory = Path(directory)
+    world = int(dict(m.load_manifest(directory).extra).get("world_size", 0))
+    if world != world_size:
+        return False, (
+            f"RNG not restored: world {world} -> {world_size}, per-rank RNG streams do not map onto "
+            "another world size; each rank keeps the RNG state its build() left"
+        )
+    if read_part(directory, 0).rng is None:
+        return False, "RNG not restored: the snapshot's parts hold no RNG state"
+    return True, f"RNG restored: each of the {world} ranks from its own part"
+
+
+def restore_rng(directory: str | Path, rank: int, world_size: int) -> tuple[bool, str]:
+    """`rng_restore_plan`, carried out for this rank (its own part's RNG state, re-verified)."""
+    ok, why = rng_restore_plan(directory, world_size)
+    if ok:
+        rng = read_part(Path(directory), rank).rng
+        if rng is None:
+            return False, f"RNG not restored: the part of rank {rank} holds no RNG state"
+        set_rng_state(rng)
+    return ok, why
 
 
 @dataclass(frozen=True)
@@ -379,6 +456,7 @@ def save_sharded(
     still_current: Callable[[], bool] | None = None,
     before_publish: Callable[[Path], None] | None = None,
     memory_digest: bool = False,
+    rng: Mapping[str, str] | None = None,
 ) -> ShardedInfo | None:
     """Collective over `group` (every member calls it with the same step): write `state` as the
     sharded snapshot of `step`. Returns the published snapshot on every member; None when the
@@ -389,6 +467,9 @@ def save_sharded(
     (`state_digest` in state.json; a full pass over the state, ~20-60 ns an element on one CPU core),
     so that a restore also proves that what was written is what was in memory. Without it
     `state_digest` is null and a restore checks the loaded state against the stored one.
+
+    `rng`: this rank's RNG states at the step (`rng_state()`, taken on the training thread when the
+    state was staged), kept in its part (so under the part's digest and the manifest's Merkle root).
 
     The group should be a dedicated gloo group with a finite timeout (`new_snapshot_group`): a
     member that dies mid-save makes the others' save fail by that timeout, never hang.
@@ -418,7 +499,7 @@ def save_sharded(
         meta = load_metadata(tmp)
         mine = [s for s in m.specs_from_metadata(meta) if m.owner_of(s.file) == rank]
         entries = m.build_entries(mine, tmp, step=step, generation=generation, owners={rank: incarnation})
-        part = Part(step, generation, rank, world, incarnation, tuple(entries), getattr(planner, "held", {}))
+        part = Part(step, generation, rank, world, incarnation, tuple(entries), getattr(planner, "held", {}), rng)
         write_part(part, tmp)
         summary: Any = {"digest": part.digest}
         if memory_digest:
@@ -587,13 +668,14 @@ class ShardedSnapshotter:
         self.cpu_s = 0.0
         self.wait_s = 0.0  # time the training thread waited for the previous snapshot
         self.last: ShardedInfo | None = None
-        self._q: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue(maxsize=1)
+        self._q: queue.Queue[tuple[int, dict[str, Any], Mapping[str, str] | None] | None] = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="gpuguard-sharded-snapshot", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, state: Mapping[str, Any]) -> None:
+    def submit(self, step: int, state: Mapping[str, Any], rng: Mapping[str, str] | None = None) -> None:
+        """Stage `state` (and this rank's `rng`, see `save_sharded`) for the snapshot of `step`."""
         t0 = time.monotonic()
         if not self._idle.wait(self.max_wait):
             raise SnapshotStuck(
@@ -602,7 +684,7 @@ class ShardedSnapshotter:
         self.wait_s += time.monotonic() - t0
         staged = stage(state)  # before the writer is marked busy: a failed copy leaves it idle
         self._idle.clear()
-        self._q.put((step, staged))
+        self._q.put((step, staged, dict(rng) if rng is not None else None))
 
     def _run(self) -> None:
         if self.nice:  # Linux: a thread's own nice value; training threads keep the CPU when both want it
@@ -614,7 +696,7 @@ class ShardedSnapshotter:
             item = self._q.get()
             if item is None:
                 return
-            step, state = item
+            step, state, rng = item
             t0 = time.thread_time()
             info: ShardedInfo | None = None
             error: BaseException | None = None
@@ -630,6 +712,7 @@ class ShardedSnapshotter:
                     memory_digest=self.memory_digest,
                     before_publish=(lambda p, s=step: hook(s, p)) if (hook := self.before_publish) else None,
                     ownership_map_version=self.ownership_map_version() if self.ownership_map_version else 0,
+                    rng=rng,
                 )
                 if info is None:
                     self.unpublished += 1

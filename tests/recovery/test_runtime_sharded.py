@@ -136,6 +136,28 @@ def test_a_killed_rank_resumes_from_the_certified_sharded_state_at_the_same_worl
     assert f"rank 1's shards of 21 tensors: read from snapshot step {frontier} by ranks 0,1,2" in shown
 
 
+def draws(job_dir: Path, rank: int, generation: int) -> dict[int, list[float]]:
+    return {r["step"]: r["draw"] for r in records(job_dir, f"draws-rank{rank}.jsonl") if r["generation"] == generation}
+
+
+def test_a_restart_at_the_same_world_size_draws_the_random_numbers_of_an_uninterrupted_run(job):
+    second = records(job, "activations.jsonl")[1]
+    frontier = second["frontier_step"]
+    assert second["rng"] == "RNG restored: each of the 3 ranks from its own part"
+    assert active_certificate(job)["extra"]["rng"] == second["rng"]
+    for rank in range(3):
+        before, after = draws(job, rank, 1), draws(job, rank, 2)
+        # generation 1 drew at steps it never committed (the kill came at KILL_STEP): generation 2 redoes them
+        again = sorted(s for s in after if s in before and s > frontier)
+        assert again, f"rank {rank}: no step drawn by both generations after the frontier {frontier}"
+        for step in again:
+            assert after[step] == before[step], f"rank {rank} step {step}: {after[step]} != {before[step]}"
+        # not what a fresh process draws first (build() seeds 0): the restored stream, not a reseeded one
+        assert after[frontier + 1] != before[1]
+    # each rank draws 4 + rank numbers a step, so the streams differ: each was restored from its own part
+    assert draws(job, 0, 2)[frontier + 1] != draws(job, 1, 2)[frontier + 1][:4]
+
+
 def test_a_relaunch_at_world_size_2_restores_the_3_rank_state_resharded(resharded):
     job = resharded
     last = records(job, "activations.jsonl")[-1]
@@ -147,6 +169,9 @@ def test_a_relaunch_at_world_size_2_restores_the_3_rank_state_resharded(resharde
     # bitwise the state the 3 ranks had (the digest does not depend on the layout)
     assert last["state_digest"] == digest_at(job, 2, frontier)
     assert last["reshard"]["certified_plan_held"] is True
+    # per-rank RNG streams of 3 ranks do not map onto 2: not restored, and the certificate says so
+    assert last["rng"].startswith("RNG not restored: world 3 -> 2") and cert["extra"]["rng"] == last["rng"]
+    assert draws(job, 0, 3)[frontier + 1] == draws(job, 0, 1)[1]  # rank 0 draws what its build() seeded
     assert cert["reason"] == "scale-down" and cert["ownership_map_version"] == 1
     assert cert["extra"]["ownership_map"]["world_size"] == 3
     reshard = cert["extra"]["reshard"]

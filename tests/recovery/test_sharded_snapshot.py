@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gpuguard.foundation.errors import DataError
 from gpuguard.generation import manifest as m
 from gpuguard.generation.ownership import plan_reshard, reshard_problems
 from gpuguard.recovery import sharded_snapshot as ss
@@ -431,3 +434,43 @@ def test_a_sharded_snapshot_is_promoted_to_a_durable_checkpoint_like_a_replicate
     sel = ss.select_sharded(job)
     assert sel.chosen is not None and sel.chosen.kind == "checkpoints" and sel.chosen.path == durable.path
     assert sel.chosen.manifest_digest == chosen.manifest_digest  # ...the checkpoint is the same state
+
+
+# ------------------------------------------------------------------ per-rank RNG state in the parts (pure)
+
+
+def _part(rng: dict | None) -> ss.Part:
+    return ss.Part(4, 1, 0, 1, "inc", (), {"w@0": (2,)}, rng)
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=st.binary(min_size=0, max_size=64), cuda=st.none() | st.binary(max_size=32))
+def test_a_parts_rng_state_reads_back_under_its_digest_and_an_altered_one_is_refused(tmp_path_factory, raw, cuda):
+    d = tmp_path_factory.mktemp("part")
+    rng = {"torch": raw.hex()} | ({"cuda": cuda.hex()} if cuda is not None else {})
+    ss.write_part(_part(rng), d)
+    back = ss.read_part(d, 0)
+    assert back.rng == rng and back.digest == _part(rng).digest != _part(None).digest
+    doc = json.loads((d / ss.part_name(0)).read_text())
+    doc["rng"]["torch"] = (raw + b"\x01").hex()
+    (d / ss.part_name(0)).write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="part digest does not match its entries: tampered"):
+        ss.read_part(d, 0)
+
+
+@pytest.mark.parametrize("bad", [{"torch": "xyz1"}, {"torch": "abc"}, {"numpy": "00"}, {"torch": 5}, ["00"]])
+def test_a_part_with_an_unreadable_rng_field_is_refused_in_one_line(tmp_path, bad):
+    ss.write_part(_part({"torch": "00"}), tmp_path)
+    doc = json.loads((tmp_path / ss.part_name(0)).read_text())
+    doc["rng"] = bad
+    (tmp_path / ss.part_name(0)).write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="unreadable part .rng is not a map of RNG names to hex strings"):
+        ss.read_part(tmp_path, 0)
+
+
+def test_the_rng_state_round_trips_through_its_hex_form():
+    saved = ss.rng_state()
+    first = torch.rand(8)
+    torch.rand(100)
+    ss.set_rng_state(saved)
+    assert torch.equal(torch.rand(8), first)
