@@ -9,9 +9,10 @@ admits nothing: any reference to a callable is refused with a clear error (exit 
 
 Why the odd columnar code: 1,024 ranks x 2,000 entries is 2 million dicts. Fields are pulled with
 `operator.itemgetter` (C speed) and signatures are deduplicated per rank before the expensive
-freeze into hashable tuples, and many files are read by a small process pool.
+freeze into hashable tuples, and many files are read by a small process pool (every file in a
+reader process with a deadline: see `load_all`).
 
-Lazy imports (start-up time): multiprocessing, only when many dumps are read by a pool.
+Lazy imports (start-up time): multiprocessing, only when the dumps are read (foundation.workers).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import stat
 import struct
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from operator import itemgetter, lt, methodcaller
 from pathlib import Path
@@ -37,6 +37,7 @@ from gpuguard.foundation import unpickle
 from gpuguard.foundation.collective_trace import PERSIST_MAGIC, decode_persisted
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
 from gpuguard.foundation.traces import COMPLETED, Interner, RankTrace, Signature, Stream
+from gpuguard.foundation.workers import Overdue, map_with_deadlines
 
 GPUGUARD_SCHEMA = "gpuguard.collective-trace/1"
 FORMAT_FR_PICKLE = "fr-pickle"
@@ -747,12 +748,6 @@ def _load_or_refuse(path: str, interner: Interner) -> Loaded | GpuguardError:
         return exc
 
 
-def _load_chunk(paths: list[str]) -> tuple[list[Loaded | GpuguardError], list[Signature], list[str]]:
-    interner = Interner()
-    with _gc_paused():
-        return [_load_or_refuse(p, interner) for p in paths], interner.signatures, interner.sites
-
-
 def _remap(loaded: Loaded, sig_map: list[int], site_map: list[int]) -> Loaded:
     streams = tuple(
         Stream(
@@ -791,38 +786,66 @@ def load_all(
     files: Iterable[Path], interner: Interner, *, jobs: int | None = None, progress: Any = None
 ) -> tuple[list[Loaded], list[GpuguardError]]:
     """Load every file; return the loaded dumps and, one per refused file, its one-line error (the
-    caller analyses the rest and marks the result partial). With many files, a small process pool
-    shares the unpickling."""
+    caller analyses the rest and marks the result partial), both in input order.
+
+    Files are read in forked reader processes (`jobs`, default: one, or up to 8 with 64 files or
+    more), each file under a deadline (`unpickle.load_deadline` of its size): a pickle can make the
+    C load itself endless (a dict key built from shared references is hashed without bound), which
+    only killing the process that runs it stops; such a file is refused like any other. Each worker
+    interns into an Interner of its own and sends the new signatures and sites with each file;
+    they are merged here in input order, so ids are the same whatever the number of workers."""
     paths = [str(f) for f in files]
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 8) if len(paths) >= 64 else 1
-    out: list[Loaded] = []
-    refused: list[GpuguardError] = []
-    if jobs <= 1:
-        with _gc_paused():
-            for p in paths:
-                item = _load_or_refuse(p, interner)
-                (refused if isinstance(item, GpuguardError) else out).append(item)  # type: ignore[arg-type]
+    deadlines = [unpickle.load_deadline(_size(p)) for p in paths]
+    mine: dict[str, Any] = {}
+
+    def read(i: int) -> tuple[Loaded | GpuguardError, list[Signature], list[str]]:  # in the worker
+        it = mine.setdefault("interner", Interner())
+        n_sigs, n_sites = len(it.signatures), len(it.sites)
+        item = _load_or_refuse(paths[i], it)
+        return item, it.signatures[n_sigs:], it.sites[n_sites:]
+
+    results: dict[int, tuple[int, Any]] = {}
+    maps: dict[int, tuple[list[int], list[int]]] = {}
+    items: list[Loaded | GpuguardError] = []
+    with _gc_paused(), closing(map_with_deadlines(read, deadlines, jobs=max(1, jobs))) as done:
+        for d in done:
+            results[d.index] = (d.worker, d.value)
+            while len(items) in results:  # merge in input order: the interner's ids do not depend on timing
+                i = len(items)
+                worker, value = results.pop(i)
+                items.append(_merged(paths[i], worker, value, interner, maps))
                 if progress:
                     progress(1)
-        return out, refused
-    size = max(1, -(-len(paths) // (jobs * 4)))
-    chunks = [paths[i : i + size] for i in range(0, len(paths), size)]
-    import multiprocessing
+    out = [x for x in items if not isinstance(x, GpuguardError)]
+    return out, [x for x in items if isinstance(x, GpuguardError)]
 
-    ctx = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool, _gc_paused():
-        for loaded, sigs, sites in pool.map(_load_chunk, chunks):
-            sig_map = [interner.sig(s) for s in sigs]
-            site_map = [interner.site(s) for s in sites]
-            for item in loaded:
-                if isinstance(item, GpuguardError):
-                    refused.append(item)
-                else:
-                    out.append(_remap(item, sig_map, site_map))
-            if progress:
-                progress(len(loaded))
-    return out, refused
+
+def _merged(
+    path: str,
+    worker: int,
+    value: Any,
+    interner: Interner,
+    maps: dict[int, tuple[list[int], list[int]]],
+) -> Loaded | GpuguardError:
+    if isinstance(value, Overdue):
+        return DataError(
+            f"{path}: refused: reading it {value.reason} (a pickle can make the load itself endless: "
+            f"a dict key or set member built from shared references is hashed without bound)"
+        )
+    item, sigs, sites = value
+    sig_map, site_map = maps.setdefault(worker, ([], []))
+    sig_map.extend(interner.sig(s) for s in sigs)
+    site_map.extend(interner.site(s) for s in sites)
+    return item if isinstance(item, GpuguardError) else _remap(item, sig_map, site_map)
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
 
 
 def load_many(

@@ -1,0 +1,167 @@
+"""Forked worker processes, each item under a deadline of its own: the one way to bound a load of
+untrusted input in time when the slow part is a C loop (a pickle whose dict key is a shared-reference
+tuple DAG is hashed inside the C unpickler: no signal handler, thread or hook interrupts it; only
+killing the process that runs it does). See `foundation.unpickle` for the bound on size.
+
+Not for the pure judges (diagnostics import foundation.unpickle, never this: clock and processes).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import ForkProcess
+
+R = TypeVar("R")
+
+_IN_FLIGHT = 2
+"""Items queued to a worker at once (the next one is there when it finishes; the deadline of the
+second starts when the first's result arrives)."""
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """An item whose worker passed the item's deadline (and was killed) or died while on it."""
+
+    seconds: float
+    """The deadline that applied."""
+    reason: str
+    """In words: "took more than 1.0 s" or "its reader process died (signal 9)"."""
+
+
+@dataclass(frozen=True)
+class Done(Generic[R]):
+    """One item's result: `value` is what `fn` returned, or `Overdue`; `worker` names the worker
+    process that ran it (a new number for each one started), for state a worker builds up."""
+
+    index: int
+    worker: int
+    value: R | Overdue
+
+
+@dataclass
+class _Worker:
+    serial: int
+    proc: ForkProcess
+    conn: Connection
+    queued: deque[int] = field(default_factory=deque)
+    since: float = 0.0
+
+
+def map_with_deadlines(fn: Callable[[int], R], deadlines: Sequence[float], *, jobs: int = 1) -> Iterator[Done[R]]:
+    """`fn(i)` for every index of `deadlines`, in `jobs` forked worker processes, in completion order.
+
+    An item still running `deadlines[i]` seconds after it started gets its worker killed (SIGKILL:
+    nothing else stops a C loop) and is `Overdue`; so is an item whose worker died; the items
+    queued behind it go to a new worker. `fn` runs in the child (a closure is fine: fork copies it),
+    so what it returns crosses a pipe (picklable); an exception in it is raised here as a
+    RuntimeError naming the item. Workers ignore SIGINT (the parent's Ctrl-C ends them) and none
+    outlives the generator.
+    """
+    import multiprocessing  # noqa: PLC0415 - start-up time: only readers of many files fork
+    from multiprocessing.connection import wait  # noqa: PLC0415
+
+    ctx = multiprocessing.get_context("fork")
+    todo = deque(range(len(deadlines)))
+    live: dict[Any, _Worker] = {}
+    serials = iter(range(1 << 62))
+
+    def start() -> None:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(fn, child), daemon=True)
+        proc.start()
+        child.close()
+        w = _Worker(next(serials), proc, parent, since=time.monotonic())
+        live[parent] = w
+        feed(w)
+
+    def feed(w: _Worker) -> None:
+        while todo and len(w.queued) < _IN_FLIGHT:
+            i = todo.popleft()
+            w.queued.append(i)
+            try:
+                w.conn.send(i)
+            except OSError:  # it died: its end of the pipe reads EOF next, and its items go back
+                return
+
+    def drop(w: _Worker, why: str) -> Done[R]:
+        i = w.queued.popleft()
+        todo.extendleft(reversed(w.queued))
+        del live[w.conn]
+        _stop(w)
+        return Done(i, w.serial, Overdue(deadlines[i], why))
+
+    try:
+        while todo or live:
+            while todo and len(live) < jobs:
+                start()
+            now = time.monotonic()
+            due = min(w.since + deadlines[w.queued[0]] for w in live.values())
+            for conn in wait(list(live), timeout=max(0.0, due - now)):
+                w = live[conn]
+                try:
+                    i, ok, value = w.conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join(5)
+                    code = w.proc.exitcode
+                    what = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+                    yield drop(w, f"its reader process died ({what})")
+                    continue
+                w.queued.popleft()
+                w.since = time.monotonic()
+                if not ok:
+                    raise RuntimeError(f"a reader process failed on item {i}: {value}")
+                feed(w)
+                if not w.queued:
+                    del live[w.conn]
+                    _stop(w, kill=False)
+                yield Done(int(i), w.serial, value)
+            now = time.monotonic()
+            for w in [w for w in live.values() if now >= w.since + deadlines[w.queued[0]]]:
+                yield drop(w, f"took more than {deadlines[w.queued[0]]:.1f} s")
+    finally:
+        for w in list(live.values()):
+            _stop(w)
+
+
+def _serve(fn: Callable[[int], Any], conn: Connection) -> None:
+    """A worker: run `fn` on each index received until None or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            i = conn.recv()
+        except (EOFError, OSError):
+            return
+        if i is None:
+            return
+        try:
+            out = (i, True, fn(i))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            out = (i, False, f"{type(exc).__name__}: {str(exc)[:200]}")
+        try:
+            conn.send(out)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _stop(w: _Worker, *, kill: bool = True) -> None:
+    if kill:
+        w.proc.kill()
+    else:
+        try:
+            w.conn.send(None)
+        except OSError:
+            w.proc.kill()
+    w.proc.join(5)
+    if w.proc.exitcode is None:  # pragma: no cover - a worker that ignores its exit request
+        w.proc.kill()
+        w.proc.join()
+    w.conn.close()
+    w.proc.close()
