@@ -28,7 +28,7 @@ from gpuguard.foundation.errors import (
     UnavailableError,
     UsageError,
 )
-from gpuguard.foundation.jobdir import atomic_write_bytes
+from gpuguard.foundation.outfile import write_output_file
 
 NAGIOS_EXIT = {
     "healthy": EXIT_OK,
@@ -266,15 +266,15 @@ def _nvml_families(doc: Mapping[str, Any], family: Any, specs: Any):
 
 
 def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
-    """Write the metrics atomically (temp file in the same directory + rename: prometheus_client)."""
-    from prometheus_client import write_to_textfile
+    """Write the metrics through the one output writer (`foundation.outfile.write_output_file`):
+    a temp file opened through a no-follow handle on the directory, renamed over the old file; the
+    directory is never created, a link (the file or its directory) is refused, never written
+    through (prometheus_client's own writer follows links and needs the directory made for it)."""
+    from prometheus_client import generate_latest
 
     if not str(path).endswith(".prom"):
         raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_to_textfile(str(path), prometheus_registry(doc))
+    write_output_file(str(path), generate_latest(prometheus_registry(doc)), force=True, what="prometheus output")
 
 
 def post_webhook(
@@ -338,7 +338,7 @@ class Output:
 
 class JsonOutput(Output):
     name = "json"
-    description = "the gpuguard.node/1 document, to stdout or to path=FILE (written atomically)"
+    description = "the gpuguard.node/1 document, to stdout or to path=FILE (replaced atomically, never through a link)"
 
     def emit(self, document: Mapping[str, Any]) -> str:
         text = json.dumps(document, indent=2, default=str) + "\n"
@@ -347,13 +347,13 @@ class JsonOutput(Output):
             sys.stdout.write(text)
             return "stdout"
 
-        atomic_write_bytes(path, text.encode())
+        write_output_file(path, text.encode(), force=True, what="json output")
         return path
 
 
 class PrometheusTextfileOutput(Output):
     name = "prometheus"
-    description = "node_exporter textfile (path=DIR/gpudoctor.prom), written atomically"
+    description = "node_exporter textfile (path=DIR/gpudoctor.prom), replaced atomically, never through a link"
 
     def emit(self, document: Mapping[str, Any]) -> str:
         path = self.options.get("path")
