@@ -1,6 +1,7 @@
 """`gpu-recover demo`: kill a worker of a real torchrun job mid optimizer step; watch gpuguard bring it back.
 
-`--scenario node-loss`: lose a whole node of a 3-agent torchrun job; the survivors switch in place."""
+`--scenario node-loss`: lose a whole node of a 3-agent torchrun job; the survivors switch in place.
+`--scenario fsdp`: lose a node of a 4-agent FSDP2 job; certified restart at world 3, resharded."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def _progress(line: str) -> str | None:
 class Scenario(str, Enum):
     restart = "restart"
     node_loss = "node-loss"
+    fsdp = "fsdp"
 
 
 @contextmanager
@@ -110,6 +112,59 @@ def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: b
     )
 
 
+def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+    from gpuguard.examples import demo as d
+    from gpuguard.examples import demo_fsdp as fd
+
+    out = console(stderr=as_json)
+    out.print(f"[bold]gpuguard demo[/] (FSDP2, sharded state): {fd.LAUNCHER}; job dir {job}")
+    out.print(
+        f"  the node running rank {fd.VICTIM_RANK} (agent + worker) will be SIGKILLed once step {kill_step} is committed"
+    )
+    t0 = time.monotonic()
+
+    def on_event(text: str) -> None:
+        out.print(f"  {time.monotonic() - t0:6.1f}s  {text}", markup=False, highlight=False, soft_wrap=True)
+
+    with _spinner(out, as_json):
+        res = fd.run_fsdp(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event)
+    if not as_json:
+        _, show_text = d.gpu_generation("show", "--job-dir", str(job))
+        out.print("\n$ gpu-generation show --job-dir " + str(job), markup=False, soft_wrap=True)
+        out.print(show_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
+        out.print("\n$ gpu-generation verify --deep --job-dir " + str(job), markup=False, soft_wrap=True)
+        out.print(res.verify_deep.rstrip(), markup=False, highlight=False, soft_wrap=True)
+    return _finish(
+        out,
+        as_json,
+        t0,
+        "node loss survived: certified restart at world 3, resharded",
+        {
+            "scenario": "fsdp",
+            "launcher": res.launcher,
+            "job_dir": str(job),
+            "recovered": res.recovered,
+            "kill": res.kill,
+            "generations": res.generations,
+            "first_world": res.first_world,
+            "world_after": res.world_after,
+            "reason": res.reason,
+            "frontier": res.frontier,
+            "steps_lost": res.steps_lost,
+            "resume_s": res.resume_s,
+            "restored_bitwise": res.restored_bitwise,
+            "reshard_lines": res.reshard_lines,
+            "certified_plan_held": res.plan_held,
+            "rng": res.rng,
+            "final_max_abs_diff": res.final_max_abs_diff,
+            "tolerance": {"atol": fd.ATOL, "rtol": fd.RTOL},
+            "matches_reference": res.matches_reference,
+            "verify_deep_rc": res.verify_deep_rc,
+            "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
+        },
+    )
+
+
 def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:
     """The last word: the gpuguard.demo/1 document, or one line; exit 0 when the demo's `ok`."""
     if as_json:
@@ -148,7 +203,8 @@ def register(*, app: typer.Typer) -> None:
             "--scenario",
             help="restart: a worker SIGKILLed, certified restart. node-loss: 3 torchrun agents, one node (agent + "
             "worker) SIGKILLed, the survivors switch generation in place (--workers is ignored; --kill-step: "
-            "kill once that step is committed).",
+            "kill once that step is committed). fsdp: 4 agents train an FSDP2 model with sharded snapshots, one "
+            "node SIGKILLed once --kill-step is committed, certified restart at world 3 resharded, verify --deep.",
         ),
     ) -> int:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
@@ -171,6 +227,8 @@ def register(*, app: typer.Typer) -> None:
         job.mkdir(parents=True, exist_ok=True)
         if scenario is Scenario.node_loss:
             return _node_loss(job, steps, kill_step, timeout, as_json)
+        if scenario is Scenario.fsdp:
+            return _fsdp(job, steps, kill_step, timeout, as_json)
         out = console(stderr=as_json)
         victim = min(2, workers - 1)
         argv = d.torchrun_argv(
