@@ -15,14 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
-
-import typer
-
-try:  # typer >= 0.24 vendors click; older releases depend on it
-    from typer import _click as click
-except ImportError:  # pragma: no cover - depends on the installed typer
-    import click  # type: ignore[no-redef]
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuguard import __version__
 from gpuguard.foundation.env import DEBUG_ENV, JOB_DIR_ENV
@@ -36,9 +29,27 @@ from gpuguard.foundation.errors import (
     from_os_error,
 )
 
+if TYPE_CHECKING:
+    import typer
+
+# typer (and the click it vendors) is imported by the functions that build or run an app, never at
+# module level: `cli._fast` runs `gpu-doctor logs` and `diagnose node` through this module's runner
+# and output helpers without it (start-up time).
+
+
+def _click() -> Any:
+    """The click typer uses (typer >= 0.24 vendors it; older releases depend on it)."""
+    try:
+        from typer import _click as click
+    except ImportError:  # pragma: no cover - depends on the installed typer
+        import click  # type: ignore[no-redef]
+    return click
+
 
 def make_app(name: str, help_text: str) -> typer.Typer:
     """A Typer app with `--version` and no shell-completion install flags (we ship our own)."""
+    import typer
+
     from gpuguard.cli._fastparams import install as install_fast_params
 
     install_fast_params()  # plain options without a pydantic import on every run
@@ -148,13 +159,21 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
     Ctrl-C is 130 with one line; a closed stdout (`| head`) ends quietly with the command's own exit
     code; a failed write to stdout is 74.
     """
+    import typer
+
     command = typer.main.get_command(app)
     attach_examples(command, prog)
+    return run_guarded(lambda: _run(command, prog, argv), prog)
+
+
+def run_guarded(call: Callable[[], int], prog: str) -> int:
+    """`call()` with stdout guarded (see `_GuardedStdout`): its exit code, or 74 for a failed write.
+    The one runner of the Typer path (`run`) and the fast path (`cli._fast`)."""
     guarded = None
     if sys.stdout is not None and not isinstance(sys.stdout, _GuardedStdout):
         guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
     try:
-        code = _run(command, prog, argv)
+        code = call()
         if guarded is not None:
             guarded.flush()
         return code
@@ -174,25 +193,50 @@ def _end_startup() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+class _Done(Exception):
+    """A click-level outcome (usage error, `typer.Exit`, abort) already reported: end with `code`."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
 def _run(command: Any, prog: str, argv: list[str] | None) -> int:
+    import typer
+
+    click = _click()
+
+    def call() -> Any:
+        try:
+            return command.main(args=argv, prog_name=prog, standalone_mode=False)
+        except click.exceptions.UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `gpu-doctor`: show the help
+                print(exc.format_message(), file=sys.stderr)
+                raise _Done(EXIT_USAGE) from None
+            msg = exc.format_message()
+            if exc.ctx is not None:
+                msg = f"{msg} (try '{exc.ctx.command_path} --help')"
+            print(f"{prog}: usage error: {msg}", file=sys.stderr)
+            raise _Done(EXIT_USAGE) from None
+        except click.exceptions.ClickException as exc:
+            print(f"{prog}: error: {exc.format_message()}", file=sys.stderr)
+            raise _Done(EXIT_USAGE) from None
+        except typer.Exit as exc:
+            raise _Done(int(getattr(exc, "exit_code", getattr(exc, "code", EXIT_OK)) or EXIT_OK)) from None
+        except typer.Abort:
+            raise KeyboardInterrupt from None
+
+    return run_command(call, prog)
+
+
+def run_command(call: Callable[[], Any], prog: str) -> int:
+    """Run one command's function: its int result is the exit code; every failure is one stderr line
+    and the documented exit code (the error mapping both the Typer and the fast path share)."""
     try:
         _end_startup()
-        rv = command.main(args=argv, prog_name=prog, standalone_mode=False)
-    except click.exceptions.UsageError as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `gpu-doctor`: show the help
-            print(exc.format_message(), file=sys.stderr)
-            return EXIT_USAGE
-        msg = exc.format_message()
-        if exc.ctx is not None:
-            msg = f"{msg} (try '{exc.ctx.command_path} --help')"
-        print(f"{prog}: usage error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
-    except click.exceptions.ClickException as exc:
-        print(f"{prog}: error: {exc.format_message()}", file=sys.stderr)
-        return EXIT_USAGE
-    except typer.Exit as exc:
-        return int(getattr(exc, "exit_code", getattr(exc, "code", EXIT_OK)) or EXIT_OK)
-    except (typer.Abort, KeyboardInterrupt):
+        rv = call()
+    except _Done as done:
+        return done.code
+    except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except GpuguardError as exc:
@@ -273,6 +317,8 @@ def console(stderr: bool = False):  # -> rich.console.Console, imported lazily
 
 def job_dir_option(required: bool = True) -> Any:
     """The shared `--job-dir` option (falls back to $GPUGUARD_JOB_DIR)."""
+    import typer
+
     return typer.Option(
         None if not required else ...,
         "--job-dir",

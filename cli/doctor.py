@@ -1,33 +1,41 @@
 """`gpu-doctor`: what broke, and is it dead or only slow.
 
-This module only wires subcommands together. Each command module imports its heavy
-dependencies inside the command function, so `gpu-doctor --help` and a cron sweep stay fast
-and never import torch.
+The console script's module, kept lean: `main` runs `gpu-doctor logs` and `gpu-doctor diagnose node`
+with plain arguments through `cli._fast` (no typer, no other command module: start-up time, a cron
+sweep on every node), and everything else - help, completion, errors, the other commands - through
+the full Typer app of `cli.doctor_app`, which `app` (and the other `*_app` names) load on first use.
 """
 
 from __future__ import annotations
 
-import typer
+import sys
+from typing import Any, NoReturn
 
-from gpuguard.cli import doctor_contract, doctor_job, doctor_logs, doctor_node, doctor_torchrun
-from gpuguard.cli._app import entry, make_app
+PROG = "gpu-doctor"
+_APPS = ("app", "diagnose_app", "watch_app", "plan_app")
 
-app = make_app(
-    "gpu-doctor",
-    "Diagnose GPU nodes and torchrun jobs: Xid/ECC/NVML health, logs, dead-vs-slow votes, "
-    "collective contracts, cron sweeps and planners.",
-)
-diagnose_app = typer.Typer(help="Diagnose a node or a job.", no_args_is_help=True)
-watch_app = typer.Typer(help="Live views.", no_args_is_help=True)
-plan_app = typer.Typer(help="Planners: checkpoint interval, layout shrink, collective cost.", no_args_is_help=True)
-app.add_typer(diagnose_app, name="diagnose")
-app.add_typer(watch_app, name="watch")
-app.add_typer(plan_app, name="plan")
 
-for _module in (doctor_node, doctor_logs, doctor_job, doctor_contract, doctor_torchrun):
-    _module.register(app=app, diagnose=diagnose_app, watch=watch_app, plan=plan_app)
+def main() -> NoReturn:
+    """The console-script entry point."""
+    from gpuguard.cli._fast import try_fast
 
-main = entry(app, "gpu-doctor")
+    code = try_fast(PROG, sys.argv[1:])
+    if code is None:
+        from gpuguard.cli._app import run
+        from gpuguard.cli.doctor_app import app
+
+        code = run(app, PROG)
+    sys.exit(code)
+
+
+def __getattr__(name: str) -> Any:
+    """`from gpuguard.cli.doctor import app`: the Typer app, built on first use."""
+    if name in _APPS:
+        from gpuguard.cli import doctor_app
+
+        return getattr(doctor_app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 if __name__ == "__main__":
     main()

@@ -21,9 +21,7 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any, BinaryIO
-
-import typer
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpuguard.cli._app import safe_text  # every log-derived string is escaped in human output
 from gpuguard.foundation.errors import (
@@ -36,6 +34,9 @@ from gpuguard.foundation.errors import (
     from_os_error,
 )
 
+if TYPE_CHECKING:
+    import typer
+
 _PROGRESS_MIN_BYTES = 64 << 20
 _TABLE_ROWS = 1000
 _SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
@@ -44,7 +45,8 @@ _BRIEF_SKIP = {"message", "name", "catalog_severity", "binary", "error", "locati
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add `gpu-doctor logs` to the app."""
+    """Add `gpu-doctor logs` to the app (typer only here: `cli._fast` calls `logs_command` without it)."""
+    import typer
 
     @app.command("logs")
     def logs(
@@ -57,9 +59,14 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         Exit 0: nothing at warning level; 1: warnings; 2: critical events; 64 usage; 66 missing input;
         77 permission denied.
         """
-        if min_severity not in _SEVERITY_STYLE:
-            raise UsageError(f"--min-severity must be one of info, warning, critical (got {min_severity!r})")
-        return run_logs(files, as_json=as_json, min_severity=min_severity)
+        return logs_command(files, as_json=as_json, min_severity=min_severity)
+
+
+def logs_command(files: list[str], *, as_json: bool = False, min_severity: str = "info") -> int:
+    """`gpu-doctor logs` once its arguments are parsed (by typer, or by `cli._fast`)."""
+    if min_severity not in _SEVERITY_STYLE:
+        raise UsageError(f"--min-severity must be one of info, warning, critical (got {min_severity!r})")
+    return run_logs(files, as_json=as_json, min_severity=min_severity)
 
 
 _LEVEL = {"info": 0, "warning": 1, "critical": 2}

@@ -19,13 +19,11 @@ import shlex
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 from gpuguard.cli._app import emit_json
 from gpuguard.foundation.env import STATE_DIR_ENV
@@ -36,7 +34,9 @@ from gpuguard.foundation.errors import (
     EXIT_WARNING,
     UsageError,
 )
-from gpuguard.foundation.outfile import check_output_path, write_output_file
+
+if TYPE_CHECKING:
+    import typer
 
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
@@ -291,11 +291,11 @@ def build_document(
 
 
 def _render(doc: dict[str, Any], fmt: str) -> int:
-    from gpuguard.plugins.outputs import nagios_text, npd_line
-
     if fmt == "json":
         emit_json(doc)
         return doc["exit_code"]
+    from gpuguard.plugins.outputs import nagios_text, npd_line  # not for JSON: start-up time
+
     if fmt == "npd":
         code, line = npd_line(doc)
         print(line)
@@ -406,6 +406,7 @@ def write_textfile(path: str, doc: dict[str, Any]) -> str:
     (66, not created) and, as root, never into a directory another user controls (77)."""
     from prometheus_client import generate_latest
 
+    from gpuguard.foundation.outfile import write_output_file
     from gpuguard.plugins.outputs import prometheus_registry
 
     if not str(path).endswith(".prom"):
@@ -415,62 +416,23 @@ def write_textfile(path: str, doc: dict[str, Any]) -> str:
 
 
 def diagnose_node(
-    kernel_log: str | None = typer.Option(
-        None,
-        "--kernel-log",
-        metavar="FILE|-",
-        help="Kernel log to read (a file, or - for stdin). Default: dmesg, else journalctl -k, else /var/log/kern.log.",
-    ),
-    nvml_snapshot: str | None = typer.Option(
-        None, "--nvml-snapshot", metavar="FILE", help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."
-    ),
-    since: str | None = typer.Option(
-        None,
-        "--since",
-        metavar="D",
-        help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). A log file is judged whole otherwise.",
-    ),
-    config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-    json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-    fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
-    demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
-    dump_nvml: str | None = typer.Option(
-        None,
-        "--dump-nvml",
-        metavar="FILE",
-        help="Also save the NVML snapshot (replay it with --nvml-snapshot). A new file in an existing directory: "
-        "73 if FILE exists (see --force), 66 if its directory is missing, 65 if FILE or its directory is a link.",
-    ),
-    force: bool = typer.Option(
-        False, "--force", help="Let --dump-nvml replace an existing regular file (never a link or a directory)."
-    ),
-    processes: bool | None = typer.Option(
-        None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
-    ),
-    nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
-    timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
-    log: list[str] = typer.Option(
-        [],
-        "--log",
-        metavar="FILE",
-        help="A training / job log (repeatable, .gz ok): CUDA / NCCL hardware errors in it (uncorrectable ECC, "
-        "NVLink, GPU lost, fabric not initialised) count as node evidence, with rank and host.",
-    ),
-    mode: str | None = typer.Option(
-        None,
-        "--mode",
-        metavar="live|replay",
-        help="live: judge this node (NVML absent = a finding). replay: judge the files given (NVML of this "
-        "machine is not evidence; not examined unless --nvml-snapshot). Default: replay when --kernel-log, "
-        "--log or --nvml-snapshot is given, else live.",
-    ),
+    *,
+    kernel_log: str | None = None,
+    nvml_snapshot: str | None = None,
+    since: str | None = None,
+    config: str | None = None,
+    json_: bool = False,
+    fmt: str | None = None,
+    demo: bool = False,
+    dump_nvml: str | None = None,
+    force: bool = False,
+    processes: bool | None = None,
+    nvml_timeout: float = 10.0,
+    timeout: float = 10.0,
+    log: Sequence[str] = (),
+    mode: str | None = None,
 ) -> int:
-    """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action.
-
-    Two modes: live (on the node: dmesg/journal + NVML; a driver that does not answer is a finding) and
-    replay (files from a node, read anywhere: the verdict comes from the evidence given, and NVML is "not
-    examined" unless --nvml-snapshot). "healthy" means no evidence of a fault in what was read.
-    """
+    """`gpu-doctor diagnose node` once its options are parsed (by typer, or by `cli._fast`)."""
     started = time.monotonic()
     out_fmt = _format(json_, fmt)
     if demo:
@@ -482,6 +444,8 @@ def diagnose_node(
         raise UsageError(f"--mode {mode!r}: expected live or replay")
     cutoff = parse_since(since)
     if dump_nvml and (nvml_snapshot is not None or mode == "live"):
+        from gpuguard.foundation.outfile import check_output_path
+
         check_output_path(dump_nvml, force=force, what="--dump-nvml")  # refuse before the probe, not after
     from gpuguard.diagnostics import node_thresholds
 
@@ -499,6 +463,8 @@ def diagnose_node(
         if snapshot is None:
             raise UsageError("--dump-nvml: NVML is not examined in replay mode; add --mode live (or --nvml-snapshot)")
         import json
+
+        from gpuguard.foundation.outfile import write_output_file
 
         write_output_file(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode(), force=force, what="--dump-nvml")
     procs = _processes() if (processes if processes is not None else mode == "live") else None
@@ -542,53 +508,28 @@ class SweepOptions:
 
 
 def sweep_cmd(
-    kernel_log: str | None = typer.Option(
-        None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
-    ),
-    nvml_snapshot: str | None = typer.Option(
-        None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
-    ),
-    config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-    state_dir: str | None = typer.Option(
-        None,
-        "--state-dir",
-        metavar="DIR",
-        envvar=STATE_DIR_ENV,
-        help="Where the kernel-log cursor and recent events are kept "
-        "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
-    ),
-    retain: str = typer.Option(
-        "24h",
-        "--retain",
-        metavar="D",
-        help="How long a kernel-log event keeps counting after the sweep that saw it.",
-    ),
-    textfile: str | None = typer.Option(
-        None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
-    ),
-    webhook: str | None = typer.Option(
-        None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
-    ),
-    webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
-    webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
-    budget: float = typer.Option(
-        30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
-    ),
-    output: list[str] = typer.Option(
-        [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
-    ),
-    output_option: list[str] = typer.Option(
-        [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
-    ),
-    drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
-    run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
-    node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
-    json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
-    fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
-    nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
-    timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+    *,
+    kernel_log: str | None = None,
+    nvml_snapshot: str | None = None,
+    config: str | None = None,
+    state_dir: str | None = None,
+    retain: str = "24h",
+    textfile: str | None = None,
+    webhook: str | None = None,
+    webhook_timeout: float = 5.0,
+    webhook_retries: int = 2,
+    budget: float = 30.0,
+    output: Sequence[str] = (),
+    output_option: Sequence[str] = (),
+    drain: bool = False,
+    run_drain: bool = False,
+    node: str | None = None,
+    json_: bool = False,
+    fmt: str | None = None,
+    nvml_timeout: float = 10.0,
+    timeout: float = 10.0,
 ) -> int:
-    """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
+    """`gpu-doctor sweep` once its options are parsed (by typer, or by `cli._fast`)."""
     started = time.monotonic()
     out_fmt = _format(json_, fmt)
     retain_s = time.time() - parse_since(retain, now=time.time())
@@ -724,8 +665,11 @@ def _deliver(doc: dict[str, Any], verdict: Any, previous: str | None, options: S
     return results
 
 
-def plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
-    """List installed plugins (collectors, outputs, actions) and whether each loads."""
+def plugins_cmd(
+    *,
+    json_: bool = False,
+) -> int:
+    """`gpu-doctor plugins` once its options are parsed (by typer, or by `cli._fast`)."""
     from gpuguard.plugins.registry import discover
 
     found = discover()
@@ -744,10 +688,126 @@ def plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard
 
 
 def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app."""
-    diagnose.command("node")(diagnose_node)
-    app.command("sweep")(sweep_cmd)
-    app.command("plugins")(plugins_cmd)
+    """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app: the typer signatures (help,
+    completion) wrap the plain functions above (`cli._fast` calls `diagnose_node` without typer)."""
+    import typer
+
+    def _diagnose_node(
+        kernel_log: str | None = typer.Option(
+            None,
+            "--kernel-log",
+            metavar="FILE|-",
+            help="Kernel log to read (a file, or - for stdin). Default: dmesg, else journalctl -k, else /var/log/kern.log.",
+        ),
+        nvml_snapshot: str | None = typer.Option(
+            None, "--nvml-snapshot", metavar="FILE", help="A recorded gpuguard.nvml/1 snapshot instead of live NVML."
+        ),
+        since: str | None = typer.Option(
+            None,
+            "--since",
+            metavar="D",
+            help="Only kernel-log events newer than D (30m, 2h, 7d, ISO time). A log file is judged whole otherwise.",
+        ),
+        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        demo: bool = typer.Option(False, "--demo", help="Use the bundled sample kernel log and NVML snapshot."),
+        dump_nvml: str | None = typer.Option(
+            None,
+            "--dump-nvml",
+            metavar="FILE",
+            help="Also save the NVML snapshot (replay it with --nvml-snapshot). A new file in an existing directory: "
+            "73 if FILE exists (see --force), 66 if its directory is missing, 65 if FILE or its directory is a link.",
+        ),
+        force: bool = typer.Option(
+            False, "--force", help="Let --dump-nvml replace an existing regular file (never a link or a directory)."
+        ),
+        processes: bool | None = typer.Option(
+            None, "--processes/--no-processes", help="List torchrun agents/workers (default: on for live runs)."
+        ),
+        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S", help="Deadline of the NVML probe."),
+        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of each kernel-log source."),
+        log: list[str] = typer.Option(
+            [],
+            "--log",
+            metavar="FILE",
+            help="A training / job log (repeatable, .gz ok): CUDA / NCCL hardware errors in it (uncorrectable ECC, "
+            "NVLink, GPU lost, fabric not initialised) count as node evidence, with rank and host.",
+        ),
+        mode: str | None = typer.Option(
+            None,
+            "--mode",
+            metavar="live|replay",
+            help="live: judge this node (NVML absent = a finding). replay: judge the files given (NVML of this "
+            "machine is not evidence; not examined unless --nvml-snapshot). Default: replay when --kernel-log, "
+            "--log or --nvml-snapshot is given, else live.",
+        ),
+    ) -> int:
+        """Per-GPU and node verdict: healthy, degraded, reset, drain or unknown, with evidence and action.
+
+        Two modes: live (on the node: dmesg/journal + NVML; a driver that does not answer is a finding) and
+        replay (files from a node, read anywhere: the verdict comes from the evidence given, and NVML is "not
+        examined" unless --nvml-snapshot). "healthy" means no evidence of a fault in what was read.
+        """
+        return diagnose_node(**locals())
+
+    def _sweep_cmd(
+        kernel_log: str | None = typer.Option(
+            None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
+        ),
+        nvml_snapshot: str | None = typer.Option(
+            None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
+        ),
+        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        state_dir: str | None = typer.Option(
+            None,
+            "--state-dir",
+            metavar="DIR",
+            envvar=STATE_DIR_ENV,
+            help="Where the kernel-log cursor and recent events are kept "
+            "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
+        ),
+        retain: str = typer.Option(
+            "24h",
+            "--retain",
+            metavar="D",
+            help="How long a kernel-log event keeps counting after the sweep that saw it.",
+        ),
+        textfile: str | None = typer.Option(
+            None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
+        ),
+        webhook: str | None = typer.Option(
+            None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
+        ),
+        webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
+        webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
+        budget: float = typer.Option(
+            30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
+        ),
+        output: list[str] = typer.Option(
+            [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
+        ),
+        output_option: list[str] = typer.Option(
+            [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
+        ),
+        drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
+        run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
+        node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
+        fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
+        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
+        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+    ) -> int:
+        """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
+        return sweep_cmd(**locals())
+
+    def _plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
+        """List installed plugins (collectors, outputs, actions) and whether each loads."""
+        return plugins_cmd(**locals())
+
+    diagnose.command("node")(_diagnose_node)
+    app.command("sweep")(_sweep_cmd)
+    app.command("plugins")(_plugins_cmd)
 
 
 def _failed(info: Any) -> Any:

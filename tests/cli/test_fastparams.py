@@ -12,7 +12,7 @@ PROBE = """
 import atexit, sys
 atexit.register(lambda: print("pydantic-imported" if "pydantic" in sys.modules else "pydantic-absent", file=sys.stderr))
 from gpuguard.cli import _fastparams
-from gpuguard.cli.doctor import main
+from gpuguard.cli.doctor import app, main  # app: the Typer app (built on first use) installs the patch
 assert _fastparams.installed(), "the typer fast path was not installed"
 import typer.core
 assert typer.core.build_runtime_param.__module__ == "gpuguard.cli._fastparams"
