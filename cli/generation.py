@@ -33,8 +33,12 @@ app = make_app(
     "Generation certificates: membership (incarnations) + commit frontier + state digest + ownership, certified together.",
 )
 
-CERT_SCHEMA = "gpuguard.certificate/1"
-LEDGER_SCHEMA = "gpuguard.ledger/1"
+# One schema name per document shape (the certificate inside keeps its own, gpuguard.certificate/1).
+INIT_SCHEMA = "gpuguard.generation-init/1"
+SHOW_SCHEMA = "gpuguard.generation-show/1"
+HISTORY_SCHEMA = "gpuguard.generation-history/1"
+VERIFY_SCHEMA = "gpuguard.generation-verify/1"
+EXPLAIN_SCHEMA = "gpuguard.generation-explain/1"
 
 LEDGER_OPTION = typer.Option(
     None,
@@ -189,7 +193,7 @@ def init_cmd(
     if as_json:
         emit_json(
             {
-                "schema": CERT_SCHEMA,
+                "schema": INIT_SCHEMA,
                 "ledger": result.ledger.url,
                 "key": str(key_path(job_dir)),
                 "digest": g.digest(),
@@ -220,7 +224,7 @@ def show_cmd(
     if as_json:
         emit_json(
             {
-                "schema": CERT_SCHEMA,
+                "schema": SHOW_SCHEMA,
                 "ledger": led.url,
                 "active": not beyond,
                 "digest": cert.digest(),
@@ -264,6 +268,7 @@ def history_cmd(
 ) -> int:
     """Every generation of the verified chain, oldest first, with fenced commits and refusals counted."""
     from gpuguard.generation.job import open_job_ledger
+    from gpuguard.generation.records import encode_time
 
     led = open_job_ledger(require_job(job_dir), ledger, timeout=timeout)
     chain = led.history()
@@ -280,7 +285,7 @@ def history_cmd(
             "state_manifest_digest": c.frontier.state_manifest_digest,
             "quiescence": c.quiescence,
             "forced": c.forced,
-            "activation_time": c.activation_time,
+            "activation_time": encode_time(c.activation_time),  # as the certificate stores it: a decimal string
             "issued_by": c.issued_by,
             "switch": (c.extra or {}).get("switch"),
             "rendezvous_round": _rendezvous_round(c.extra),
@@ -291,9 +296,9 @@ def history_cmd(
     if as_json:
         emit_json(
             {
-                "schema": LEDGER_SCHEMA,
+                "schema": HISTORY_SCHEMA,
                 "ledger": led.url,
-                "active": chain[-1].generation,
+                "active_generation": chain[-1].generation,  # as in gpuguard.status/1 (show's "active" is a bool)
                 "generations": rows,
                 "unverified_after_active": beyond,
                 "fenced_commits": led.fenced_count(),
@@ -427,7 +432,7 @@ def verify_cmd(
     if as_json:
         emit_json(
             {
-                "schema": LEDGER_SCHEMA,
+                "schema": VERIFY_SCHEMA,
                 "ledger": led.url,
                 "ok": report.ok,
                 "checked": report.checked,
@@ -475,7 +480,7 @@ def explain_cmd(
     if not show_all:
         refusals = refusals[-1:]
     if as_json:
-        emit_json({"schema": LEDGER_SCHEMA, "ledger": led.url, "refusals": [r.to_dict() for r in refusals]})
+        emit_json({"schema": EXPLAIN_SCHEMA, "ledger": led.url, "refusals": [r.to_dict() for r in refusals]})
         return EXIT_OK
     if not refusals:
         typer.echo(f"no refused activation recorded in {led.url}")

@@ -335,7 +335,7 @@ class RunReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "schema": "gpuguard.action/1",
+            "schema": "gpuguard.runbook-run/1",  # not an action/1 document: steps, no details
             "action": "runbook",
             "runbook": self.runbook,
             "run_id": self.run_id,

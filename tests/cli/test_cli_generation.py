@@ -54,7 +54,7 @@ def job(request, tmp_path, cli):
     jd = tmp_path / "job"
     args = ["gpu-generation", "init", "--job-dir", str(jd), "--job-id", "train-42", "--json"]
     doc = j(cli(*args, *(["--ledger", url] if url else [])))
-    assert doc["schema"] == "gpuguard.certificate/1" and doc["certificate"]["generation"] == 0
+    assert doc["schema"] == "gpuguard.generation-init/1" and doc["certificate"]["generation"] == 0
     return jd, url
 
 
@@ -63,12 +63,13 @@ def test_init_show_history_verify_explain(job, cli):
     assert stat.S_IMODE(os.stat(jd / "generation.key").st_mode) == 0o600
     led, cert = grow(jd, None, n=2)  # no URL: found from what init recorded
     show = j(cli("gpu-generation", "show", "--job-dir", str(jd), "--json"))
-    assert show["schema"] == "gpuguard.certificate/1" and show["digest"] == cert.digest()
+    assert show["schema"] == "gpuguard.generation-show/1" and show["digest"] == cert.digest()
     assert show["certificate"]["generation"] == 2 and len(show["certificate"]["members"]) == 2
     text = cli("gpu-generation", "show", env={"GPUGUARD_JOB_DIR": str(jd)})
     assert text.returncode == 0 and "active generation 2" in text.stdout and "quiescence proved" in text.stdout
     hist = j(cli("gpu-generation", "history", "--job-dir", str(jd), "--json"))
-    assert hist["schema"] == "gpuguard.ledger/1" and [g["generation"] for g in hist["generations"]] == [0, 1, 2]
+    assert hist["schema"] == "gpuguard.generation-history/1" and hist["active_generation"] == 2
+    assert [g["generation"] for g in hist["generations"]] == [0, 1, 2]
     ver = j(cli("gpu-generation", "verify", "--job-dir", str(jd), "--json"))
     assert ver["ok"] and ver["checked"] == [0, 1, 2]
     one = j(cli("gpu-generation", "verify", "--job-dir", str(jd), "--generation", "1", "--json"))
