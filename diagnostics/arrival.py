@@ -2,13 +2,15 @@
 
 In a synchronous job a straggler makes every peer wait in each collective, so wall step times and own
 compute drift together and the cohort voter needs many steps to see it. The *order of arrival* shows it
-at once: at collective N the rank that entered last is the one every other rank waited for. A rank that
-was last at the most recent collectives, each time by a wait that is large against its peers' own
-compute, is `slow` and the others are `blocked_by` it (the last `arrival_min_collectives` collectives in a row, and
-most of the significant ones in the window: scheduler noise on a crowded host makes a random rank late
-now and then, never the same one every time). The collective now in progress counts too: a
-rank that has not entered it yet, while peers wait there, is later than every peer by at least their
-wait so far.
+at once: at collective N the rank that entered last is the one every other rank waited for. What it costs
+is its *lateness*, how much later than every other rank it entered, and that is judged against the job's
+own arrival noise (`arrival_noise_s`): on a crowded host (four workers on two cores) the scheduler makes
+ranks, often a pair together, late by turns by a good part of a step, never the same one for long and
+never by much more than the usual spread. A rank last at the most recent collectives in a row (at least
+`arrival_min_collectives`) by a median lateness above the bar, and at most of the significant ones in the
+window, is `slow` and the others are `blocked_by` it. The collective now in progress counts too: a rank
+that has not entered it yet, while peers wait there, is later than every peer by at least their wait so
+far.
 
 Pure: entry times and waits come from the step records (`RankObservation.entries`: C records, the wait
 of the matching X record), `now` from the waiters' own phase ages.
@@ -23,11 +25,8 @@ from gpuguard.diagnostics.jobstats import median
 from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import COLLECTIVE, RankObservation
 
-# Thresholds (diagnostics/data/vote.yaml, `arrival_*`): the recent collectives looked at (window); the most
-# recent ones in a row the straggler must be last at, each significant (min_collectives), and the share of
-# the significant ones in the window (min_frac); a wait is significant above wait_frac of the peers' own
-# compute per step and above min_wait_s (scheduler noise on tiny steps is not straggling); more than
-# max_late_frac of the ranks "late" is the job's pace, nobody to blame.
+# Thresholds: diagnostics/data/vote.yaml, `arrival_*` (window, min_collectives, min_frac, wait_frac, min_wait_s,
+# noise_k, max_late_frac), documented there.
 DEFAULT = VoteConfig()
 
 
@@ -38,18 +37,58 @@ class Straggler:
     median_wait_s: float  # what the others waited for it, median over those collectives
     peer_compute_s: float  # the others' own compute per step (median)
     significant: int  # significant collectives in the window
+    recent: int = 0  # collectives looked at (the window)
+    lateness_s: float = 0.0  # how much later than every other rank it entered the recent ones (median)
+    noise_s: float = 0.0  # the job's own arrival noise those are judged against (`arrival_noise_s`)
 
     def reason(self) -> str:
         seqs = ", ".join(str(s) for s in self.last_at[-4:])
         return (
-            f"arrived last at {len(self.last_at)} of the last {self.significant} collectives that made peers wait "
-            f"(seq {seqs}); peers waited {self.median_wait_s:.3f} s each time (median) against their own "
-            f"compute of {self.peer_compute_s:.3f} s per step"
+            f"arrived last at {len(self.last_at)} of the last {max(self.recent, len(self.last_at))} collectives "
+            f"({self.significant} made peers wait significantly; seq {seqs}), {self.lateness_s:.3f} s after every other rank (median of the recent ones; the job's "
+            f"arrival noise is {self.noise_s:.3f} s); peers waited {self.median_wait_s:.3f} s each time (median) "
+            f"against their own compute of {self.peer_compute_s:.3f} s per step"
         )
 
 
+@dataclass(frozen=True)
+class _Collective:
+    seq: int
+    lasts: tuple[int, ...]  # the rank(s) that arrived last (within arrival_min_wait_s of each other)
+    lateness_s: float  # how much later than every other rank they entered: what they alone cost
+    wait_s: float  # what the others waited (median): the X records' measure, or their wait so far
+    bar_s: float  # the lateness that is significant here (see `stragglers`)
+    noise_s: float  # the arrival noise in that bar
+    in_progress: bool
+
+
+def arrival_noise_s(arrivals: Mapping[int, Mapping[int, float]], late: int = 1) -> float:
+    """The job's own arrival noise: over the complete collectives given, the median spread of the arrivals.
+
+    `late=1` (one rank late): the spread of every arrival but the latest (second-latest entry minus the
+    earliest). It leaves the late rank out, so a straggler, however long it lasts, does not raise it.
+    `late=0` (several ranks late together): the whole spread. On a crowded host the scheduler makes a pair
+    of ranks late together by turns (two of four workers on two cores get the CPU second, ~30 % of a step
+    later), which looks exactly like two equal stragglers: a late set must stand out of the whole spread."""
+    spreads = []
+    for got in arrivals.values():
+        if len(got) >= 2:
+            t = sorted(got.values())
+            spreads.append(t[-1 - late] - t[0])
+    return median(spreads) if spreads else 0.0
+
+
 def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAULT) -> dict[int, Straggler]:
-    """The ranks the arrival order names as the ones the others wait for (usually none or one)."""
+    """The ranks the arrival order names as the ones the others wait for (usually none or one).
+
+    A collective counts against the rank(s) that entered it last by their *lateness*: how much later than
+    every other rank they entered (what they alone cost; a rank last by a hair costs nothing). It is
+    significant above `bar` = max(arrival_min_wait_s, arrival_wait_frac x the peers' own compute,
+    arrival_noise_k x the job's arrival noise), the noise learned from the job's own recent collectives
+    (`arrival_noise_s`), so a crowded host's scheduling, which makes ranks late by turns by a good part of a
+    step, is not straggling. A rank is named when it was last at each of the `arrival_min_collectives` most
+    recent collectives with a median lateness above the bar there, and at `arrival_min_frac` of the
+    significant ones in the window."""
     window, min_wait = max(1, cfg.arrival_window), cfg.arrival_min_wait_s
     live = [o for o in observations if o.has_records and not o.closed and o.entries]
     if len(live) < 2:
@@ -66,15 +105,15 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
             now = t if now is None else max(now, t)
     ranks = {o.rank for o in live}
     newest = max(arrivals)
-    seqs = sorted(s for s, a in arrivals.items() if set(a) == ranks or s == newest)[-window:]
+    complete = {s: {r: w for r, (w, _) in a.items()} for s, a in arrivals.items() if set(a) == ranks}
+    noise_one, noise_set = arrival_noise_s(complete, 1), arrival_noise_s(complete, 0)
+    seqs = sorted(s for s in arrivals if s in complete or s == newest)[-window:]
     compute = {o.rank: o.recent_compute_s for o in live}
-    last_at: dict[int, list[tuple[int, float]]] = {}
-    significant: list[tuple[int, tuple[int, ...]]] = []
-    in_row: list[tuple[int, ...]] = []  # per collective, oldest first: who was last by a significant wait
+    rows: list[_Collective] = []
     for seq in seqs:
         got = dict(arrivals[seq])
         missing = ranks - set(got)
-        if missing and (now is None or seq != newest):
+        if missing and now is None:
             continue  # only the newest collective may be incomplete: its missing ranks are late by `now`
         for r in missing:
             got[r] = (now or 0.0, 0.0)
@@ -83,35 +122,47 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
         others = [r for r in got if r not in lasts]
         if not others:
             continue
+        if len(lasts) > cfg.arrival_max_late_frac * len(ranks):
+            lasts = ()  # most ranks late together: the early one is fast, nobody is late (breaks every run)
+        lateness = min(got[r][0] for r in lasts) - max(got[r][0] for r in others) if lasts else 0.0
         # what the others waited: the X record's measure, or (still in it) the time since they entered
         waits = [got[r][1] if got[r][1] >= 0 else (now or got[r][0]) - got[r][0] for r in others]
-        wait = median(waits)
         peer_compute = median([compute[r] for r in others]) or 0.0
-        if wait <= max(min_wait, cfg.arrival_wait_frac * peer_compute):
-            if not missing:  # the one in progress that is not significant YET neither counts nor breaks a row
-                in_row.append(())
-            continue
-        in_row.append(lasts)
-        significant.append((seq, lasts))
-        for r in lasts:
-            last_at.setdefault(r, []).append((seq, wait))
-    if len(significant) < 1:
+        noise = noise_one if len(lasts) == 1 else noise_set
+        bar = max(min_wait, cfg.arrival_wait_frac * peer_compute, cfg.arrival_noise_k * noise)
+        if missing and lateness <= bar:
+            continue  # the one in progress that is not significant YET neither counts nor breaks a row
+        rows.append(_Collective(seq, lasts, lateness, median(waits), bar, noise, bool(missing)))
+    significant = [c for c in rows if c.lateness_s > c.bar_s]
+    if not significant:
         return {}
     out: dict[int, Straggler] = {}
     need = max(1, cfg.arrival_min_collectives)
-    recent = in_row[-need:]
-    for r, hits in last_at.items():
-        if len(recent) < need or not all(r in lasts for lasts in recent):
+    for r in rows[-1].lasts if rows else ():
+        # its current run: the most recent collectives in a row it was last at (at least `need`), with the same
+        # rank(s) last each time, judged by the
+        # median lateness over the run (the quota's period makes every third or fourth late step of a
+        # throttled rank shorter: that must not break the row)
+        run: list[_Collective] = []
+        for c in reversed(rows):
+            if c.lasts != rows[-1].lasts:  # the same rank(s) last: a pair late by turns before is not its run
+                break
+            run.append(c)
+        if len(run) < need or median([c.lateness_s for c in run]) <= median([c.bar_s for c in run]):
             continue
-        if len(hits) < cfg.arrival_min_frac * len(significant):
+        hits = [c for c in rows if r in c.lasts and (c.lateness_s > c.bar_s or c in run)]
+        if sum(1 for c in significant if r in c.lasts) < cfg.arrival_min_frac * len(significant):
             continue
         peers = [compute[p] for p in ranks if p != r]
         out[r] = Straggler(
             rank=r,
-            last_at=tuple(s for s, _ in hits),
-            median_wait_s=median([w for _, w in hits]),
+            last_at=tuple(c.seq for c in hits),
+            recent=len(rows),
+            median_wait_s=median([c.wait_s for c in hits]),
             peer_compute_s=median(peers) if peers else 0.0,
             significant=len(significant),
+            lateness_s=median([c.lateness_s for c in run]),
+            noise_s=median([c.noise_s for c in run]),
         )
     if len(out) > cfg.arrival_max_late_frac * len(
         ranks

@@ -45,10 +45,11 @@ class VoteConfig:
     impact_min_slowdown: float = 1.5
     outlier_cap_k: float = 2.0
     arrival_window: int = 8
-    arrival_min_collectives: int = 3
+    arrival_min_collectives: int = 2
     arrival_min_frac: float = 0.75
     arrival_wait_frac: float = 0.25
     arrival_min_wait_s: float = 0.01
+    arrival_noise_k: float = 2.0
     arrival_max_late_frac: float = 0.5
 
 

@@ -113,7 +113,7 @@ def late_job(n_coll: int, late_rank: int = 3, by: float = 0.2):
 def test_the_arrival_rule_uses_the_configured_thresholds() -> None:
     obs = late_job(3)
     cfg = VoteConfig()
-    assert set(stragglers(obs, cfg)) == {3}  # last at the 3 most recent collectives (the default)
+    assert set(stragglers(obs, cfg)) == {3}  # last at the 3 most recent collectives (2 needed by default)
     assert stragglers(obs, replace(cfg, arrival_min_collectives=4)) == {}  # 4 needed, 3 seen
     assert set(stragglers(late_job(2), replace(cfg, arrival_min_collectives=2))) == {3}
     assert stragglers(obs, replace(cfg, arrival_wait_frac=5.0)) == {}  # a 0.2 s wait under 5 x 0.05 s of compute
