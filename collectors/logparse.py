@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault, lazy_re
 from gpuguard.collectors.logrules_comm import RULES as _COMM
 from gpuguard.collectors.logrules_kernel import RULES as _KERNEL
 from gpuguard.collectors.logrules_runtime import CUDA_RULES as _CUDA
@@ -85,7 +85,7 @@ RULES: tuple[Rule, ...] = (
     *_HOST,
 )
 MARKERS: tuple[str, ...] = tuple(dict.fromkeys(m for rule in RULES for m in rule.markers))
-_MARKER_RE = re.compile("|".join(re.escape(m) for m in sorted(MARKERS, key=len, reverse=True)))
+_MARKER_RE = lazy_re("|".join(re.escape(m) for m in sorted(MARKERS, key=len, reverse=True)))  # the fallback only
 MAX_LINE = 2 << 20  # characters parsed per line
 MAX_TEXT = 2000  # characters of the line kept in the event
 _PENDING_SPAN = 12  # lines a rendezvous result block may span

@@ -9,6 +9,7 @@ other lines, and the line-by-line parser see the same thing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,3 +79,33 @@ def hw_fault(text: str) -> str | None:
         if needle in low:
             return name
     return None
+
+
+class LazyPattern:
+    """`re.compile(pattern, flags)`, compiled on first use.
+
+    Why: the rule modules hold ~90 patterns and compiling them all costs more of `gpu-doctor diagnose
+    node`'s start-up than the judging does, while one run uses a handful (a rule runs only on lines
+    holding its markers). The first attribute asked for compiles the pattern and copies the compiled
+    pattern's methods onto the instance, so later calls are plain attribute lookups."""
+
+    _COPIED = ("search", "match", "fullmatch", "finditer", "findall", "sub", "subn", "split", "pattern", "flags")
+
+    def __init__(self, pattern: str, flags: int = 0) -> None:
+        self._source = (pattern, flags)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_source":
+            raise AttributeError(name)
+        compiled = re.compile(*self._source)
+        for attr in self._COPIED:
+            setattr(self, attr, getattr(compiled, attr))
+        return getattr(compiled, name)
+
+    def __repr__(self) -> str:
+        return f"LazyPattern({self._source[0]!r}, {self._source[1]!r})"
+
+
+def lazy_re(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    """A pattern compiled when first used (see `LazyPattern`); typed as the `re.Pattern` it stands for."""
+    return LazyPattern(pattern, flags)  # type: ignore[return-value]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 
-from gpuguard.collectors.logrule import Found, ParseState, Rule
+from gpuguard.collectors.logrule import Found, ParseState, Rule, lazy_re
 
-_RANK_IN_PG = re.compile(r"\bRank (\d+)\]")
-_RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
-_PG = re.compile(r"\[PG (?:ID )?(?P<pg>\d+)(?: PG GUID (?P<guid>\d+)(?:\((?P<name>[^)]*)\))?)? Rank \d+\]")
+_RANK_IN_PG = lazy_re(r"\bRank (\d+)\]")
+_RANK_PREFIX = lazy_re(r"\[rank(\d+)\]:")
+_PG = lazy_re(r"\[PG (?:ID )?(?P<pg>\d+)(?: PG GUID (?P<guid>\d+)(?:\((?P<name>[^)]*)\))?)? Rank \d+\]")
 
 
 def rank_of(text: str) -> int | None:
@@ -36,16 +36,16 @@ def _pg(text: str) -> dict:
 
 # --- NCCL -------------------------------------------------------------------------------------------
 
-_NCCL_WARN = re.compile(
+_NCCL_WARN = lazy_re(
     r"(?:(?P<host>[^\s:\[\]|]+):(?P<pid>\d+):(?P<tid>\d+) )?(?:\[(?P<dev>\d+)\] )?"
     r"(?:(?P<file>[\w./-]+):(?P<line>\d+) )?(?:\((?P<func>[^)]*)\) )?NCCL WARN (?P<msg>.*)"
 )
-_OLD_WARN = re.compile(  # NCCL 2.2 and older: no `NCCL` token
+_OLD_WARN = lazy_re(  # NCCL 2.2 and older: no `NCCL` token
     r"(?:(?P<host>[^\s:\[\]|]+):(?P<pid>\d+):(?P<tid>\d+) )?(?:\[(?P<dev>\d+)\] )?"
     r"(?P<file>[\w./-]+\.(?:cc|cu|c|h|cpp|hpp)):(?P<line>\d+) WARN (?P<msg>.*)"
 )
-_IB_STATUS = re.compile(r"(?:with error |status=)(?P<st>\d+).*?vendor err (?P<vendor>\d+)")
-_PEER = re.compile(r"from peer (?P<peer>[0-9A-Za-z.:_-]+<\d+>)")
+_IB_STATUS = lazy_re(r"(?:with error |status=)(?P<st>\d+).*?vendor err (?P<vendor>\d+)")
+_PEER = lazy_re(r"from peer (?P<peer>[0-9A-Za-z.:_-]+<\d+>)")
 IBV_WC_STATUS = {
     0: "SUCCESS",
     1: "LOC_LEN_ERR",
@@ -64,30 +64,30 @@ IBV_WC_STATUS = {
 }
 _WARN_DIAGNOSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
-        re.compile(r"ibv_reg_mr|Cannot allocate memory"),
+        lazy_re(r"ibv_reg_mr|Cannot allocate memory"),
         "Locked-memory limit too low for RDMA registration: set memlock unlimited (limits.conf, and `ulimit -l` inside the job/mpirun).",
     ),
     (
-        re.compile(r"ibv_create_qp|ibv_create_cq"),
+        lazy_re(r"ibv_create_qp|ibv_create_cq"),
         "InfiniBand verbs resource creation failed: RDMA limits in the container/job (memlock, device access).",
     ),
-    (re.compile(r"ibv_modify_qp.*unreachable"), "RoCE GID/route problem: the NIC cannot reach the peer."),
-    (re.compile(r"Cuda failure.*out of memory|CUDA calloc"), "GPU out of memory while NCCL allocated its buffers."),
-    (re.compile(r"Cuda failure"), "A CUDA call inside NCCL failed: GPU/driver state (999 = reset/reboot the GPU)."),
+    (lazy_re(r"ibv_modify_qp.*unreachable"), "RoCE GID/route problem: the NIC cannot reach the peer."),
+    (lazy_re(r"Cuda failure.*out of memory|CUDA calloc"), "GPU out of memory while NCCL allocated its buffers."),
+    (lazy_re(r"Cuda failure"), "A CUDA call inside NCCL failed: GPU/driver state (999 = reset/reboot the GPU)."),
     (
-        re.compile(r"Connection closed by remote peer|Broken pipe|Connection reset by peer|Connection closed by"),
+        lazy_re(r"Connection closed by remote peer|Broken pipe|Connection reset by peer|Connection closed by"),
         "The peer closed the connection: usually a remote rank crashed first (secondary error); find that rank's log.",
     ),
     (
-        re.compile(r"Failed to execute operation"),
+        lazy_re(r"Failed to execute operation"),
         "The NCCL proxy thread failed during connection setup (secondary to a network or peer error).",
     ),
     (
-        re.compile(r"NCCL_SOCKET_IFNAME|no socket interface|neither AF_INET|Address family not supported"),
+        lazy_re(r"NCCL_SOCKET_IFNAME|no socket interface|neither AF_INET|Address family not supported"),
         "No usable network interface: NCCL_SOCKET_IFNAME names a missing interface or none is usable.",
     ),
     (
-        re.compile(r"Connect to .* failed|connect.* failed"),
+        lazy_re(r"Connect to .* failed|connect.* failed"),
         "Cannot connect to a peer: interface selection, firewall or routing.",
     ),
 )
@@ -139,7 +139,7 @@ def _nccl_warn(text: str, line_no: int, state: ParseState) -> Found | None:
     return Found("nccl_warn", fields, "warning", diag)
 
 
-_NCCL_ERROR_IN = re.compile(r"NCCL error in: (?P<loc>[^,]+), (?P<err>.*?)(?:, NCCL versi(?:on (?P<ver>[\d.]+))?.*)?$")
+_NCCL_ERROR_IN = lazy_re(r"NCCL error in: (?P<loc>[^,]+), (?P<err>.*?)(?:, NCCL versi(?:on (?P<ver>[\d.]+))?.*)?$")
 NCCL_RESULTS = {
     "ncclUnhandledCudaError": 1,
     "ncclSystemError": 2,
@@ -150,7 +150,7 @@ NCCL_RESULTS = {
     "ncclInProgress": 7,
     "ncclTimeout": 8,
 }
-_NCCL_RESULT = re.compile(r"(?<![\w])(?P<res>" + "|".join(NCCL_RESULTS) + r"): (?P<desc>.*)")
+_NCCL_RESULT = lazy_re(r"(?<![\w])(?P<res>" + "|".join(NCCL_RESULTS) + r"): (?P<desc>.*)")
 _RESULT_DIAGNOSES = {
     1: "A CUDA call inside NCCL failed: check the `Last error` (999 = GPU/driver in a bad state: reset/reboot; OOM at init).",
     2: "A system call or IB verbs call failed, or a remote peer exited: check NCCL WARN lines (memlock, ibv_create_qp, sockets).",
@@ -195,12 +195,12 @@ def _nccl_error(text: str, line_no: int, state: ParseState) -> Found | None:
 
 # --- PyTorch ProcessGroupNCCL watchdog ----------------------------------------------------------------
 
-_WORK = re.compile(r"WorkNCCL\((?P<work>.*?)\) (?:ran for (?P<elapsed>\d+) milliseconds|timed out in blocking wait)")
-_SEQ = re.compile(r"SeqNum=(\d+)")
-_OP = re.compile(r"OpType=(\w+)")
-_NUMEL_IN = re.compile(r"NumelIn=(-?\d+)")
-_NUMEL_OUT = re.compile(r"NumelOut=(-?\d+)")
-_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)")
+_WORK = lazy_re(r"WorkNCCL\((?P<work>.*?)\) (?:ran for (?P<elapsed>\d+) milliseconds|timed out in blocking wait)")
+_SEQ = lazy_re(r"SeqNum=(\d+)")
+_OP = lazy_re(r"OpType=(\w+)")
+_NUMEL_IN = lazy_re(r"NumelIn=(-?\d+)")
+_NUMEL_OUT = lazy_re(r"NumelOut=(-?\d+)")
+_TIMEOUT = lazy_re(r"Timeout\(ms\)=(\d+)")
 _NUMEL_UNKNOWN = 2**64 - 1
 
 
@@ -244,13 +244,13 @@ def _watchdog_timeout(text: str, line_no: int, state: ParseState) -> Found | Non
 
 
 _STATUS = (
-    re.compile(
+    lazy_re(
         r"detected by watchdog at work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"
     ),
-    re.compile(
+    lazy_re(
         r"Timeout at NCCL work: (?P<seq>\d+), last enqueued NCCL work: (?P<enq>-?\d+), last completed NCCL work: (?P<done>-?\d+)"
     ),
-    re.compile(
+    lazy_re(
         r"failure detected by watchdog at work sequence id: (?P<seq>\d+) PG status: last enqueued work: (?P<enq>-?\d+), last completed work: (?P<done>-?\d+)"
     ),
 )
@@ -279,8 +279,8 @@ def _watchdog_failure(text: str, line_no: int, state: ParseState) -> Found | Non
     return Found("watchdog_failure", fields, "warning", diag)
 
 
-_STUCK = re.compile(r"watchdog got stuck for (\d+) seconds")
-_WORK_QUEUE = re.compile(r"workMetaList_\.size\(\)=(\d+)")
+_STUCK = lazy_re(r"watchdog got stuck for (\d+) seconds")
+_WORK_QUEUE = lazy_re(r"workMetaList_\.size\(\)=(\d+)")
 
 
 def _watchdog_hang(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -308,7 +308,7 @@ def _watchdog_hang(text: str, line_no: int, state: ParseState) -> Found | None:
     )
 
 
-_ABORT = re.compile(
+_ABORT = lazy_re(
     r"taking the entire process down|Terminating the process after attempting to dump debug info|"
     r"watchdog thread terminated with(?: exception)?"
 )
@@ -329,9 +329,9 @@ def _watchdog_abort(text: str, line_no: int, state: ParseState) -> Found | None:
 
 # --- gloo ---------------------------------------------------------------------------------------------
 
-_GLOO = re.compile(r"gloo/(?:transport/)?[\w/]+\.(?:cc|h):(?P<line>\d+)\] (?P<msg>.*)")
-_GLOO_TIMEOUT = re.compile(r"Timed out waiting (?P<ms>\d+)ms for (?P<op>recv|send) operation")
-_GLOO_PEER = re.compile(r"(?:by peer|error) \[?(?P<peer>[0-9A-Za-z.:_-]+?)\]?:(?P<port>\d+)")
+_GLOO = lazy_re(r"gloo/(?:transport/)?[\w/]+\.(?:cc|h):(?P<line>\d+)\] (?P<msg>.*)")
+_GLOO_TIMEOUT = lazy_re(r"Timed out waiting (?P<ms>\d+)ms for (?P<op>recv|send) operation")
+_GLOO_PEER = lazy_re(r"(?:by peer|error) \[?(?P<peer>[0-9A-Za-z.:_-]+?)\]?:(?P<port>\d+)")
 
 
 def _gloo(text: str, line_no: int, state: ParseState) -> Found | None:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import functools
 import re
 
-from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, lazy_re
 from gpuguard.collectors.logtime import line_time
 from gpuguard.foundation import xid_catalog as catalog
 
 _PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
-_PCI_RE = re.compile(
+_PCI_RE = lazy_re(
     r"^(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})(?:\.(?P<fn>[0-7]))?$"
 )
 
 
-_BUSDEV_RE = re.compile(r"^(?P<bus>[0-9A-Fa-f]{1,4}):(?P<dev>[0-9A-Fa-f]{1,2})$")
+_BUSDEV_RE = lazy_re(r"^(?P<bus>[0-9A-Fa-f]{1,4}):(?P<dev>[0-9A-Fa-f]{1,2})$")
 
 
 @functools.lru_cache(maxsize=4096)  # a node has a handful of GPUs: the same few addresses on every line
@@ -45,15 +45,15 @@ def normalize_pci(text: str | None) -> str | None:
 
 # The code is any token up to the comma: only 1-6 ASCII digits are a code; anything else (7+ digits, hex,
 # a sign, other scripts' digits) is reported as an unreadable code that needs review, never dropped.
-_XID = re.compile(
+_XID = lazy_re(
     r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r"|[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]{1,2}|\.\.\.)\):\s*(?P<xid>[^,\s]+),?\s*"
     r"(?:pid=(?P<pid>'<unknown>'|<unknown>|[0-9]+),\s*(?:name=(?P<name>[^,]*),\s*)?)?(?P<msg>.*)"
 )
-_CODE = re.compile(r"[0-9]{1,6}", re.ASCII)
-_CHANNEL = re.compile(r"(?:\bCh (?P<ch>[0-9a-fA-F]{8})\b|\bchannel (?P<ch2>0x[0-9a-fA-F]+))")
-_CAUSED_BY = re.compile(r"caused by previous Xid (\d+)")
-_GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
-_PLUGIN_XID = re.compile(r"XidCriticalError: Xid=(?P<xid>[0-9]{1,6}) on Device=(?P<dev>[^,\s]+),")
+_CODE = lazy_re(r"[0-9]{1,6}", re.ASCII)
+_CHANNEL = lazy_re(r"(?:\bCh (?P<ch>[0-9a-fA-F]{8})\b|\bchannel (?P<ch2>0x[0-9a-fA-F]+))")
+_CAUSED_BY = lazy_re(r"caused by previous Xid (\d+)")
+_GPC = lazy_re(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
+_PLUGIN_XID = lazy_re(r"XidCriticalError: Xid=(?P<xid>[0-9]{1,6}) on Device=(?P<dev>[^,\s]+),")
 
 
 def _xid_found(code: int, fields: dict, message: str) -> Found:
@@ -183,7 +183,7 @@ def _plugin_xid(text: str, line_no: int, state: ParseState) -> Found | None:
     return _xid_found(code, fields, "")
 
 
-_SXID = re.compile(
+_SXID = lazy_re(
     r"SXid \((?:PCI:)?(?P<pci>"
     + _PCI
     + r")\):\s*(?P<sxid>[0-9]{1,6}),\s*(?:(?P<sev>Fatal|Non-fatal|Nonfatal),\s*)?(?P<msg>.*)"
@@ -211,9 +211,9 @@ def _sxid(text: str, line_no: int, state: ParseState) -> Found | None:
     return Found("sxid", fields, "critical" if fatal else "warning", diag)
 
 
-_GPU_LOST_LINE = re.compile(r"GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):? (?:GPU )?has fallen off the bus")
-_GPU_NAMED = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b")
-_GPU_IS_LOST = re.compile(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
+_GPU_LOST_LINE = lazy_re(r"GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):? (?:GPU )?has fallen off the bus")
+_GPU_NAMED = lazy_re(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b")
+_GPU_IS_LOST = lazy_re(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): GPU is lost")
 _LOST_DIAG = (
     "GPU lost: it fell off the PCIe bus (treated as Xid 79). Drain the node and reboot; if it "
     "repeats, check power, seating, cooling and SBIOS, then RMA."
@@ -248,8 +248,8 @@ def _gpu_lost(text: str, line_no: int, state: ParseState) -> Found | None:
     return Found("gpu_lost", fields, "critical", _LOST_DIAG, timestamp=timestamp)
 
 
-_IDENTITY = re.compile(r"NVRM: GPU at (?:PCI:)?(?P<pci>" + _PCI + r"):\s+(?P<uuid>GPU-[0-9A-Za-z-]+)")
-_SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
+_IDENTITY = lazy_re(r"NVRM: GPU at (?:PCI:)?(?P<pci>" + _PCI + r"):\s+(?P<uuid>GPU-[0-9A-Za-z-]+)")
+_SERIAL = lazy_re(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
 
 
 def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -272,8 +272,8 @@ def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
     return None
 
 
-_RESET_REQUIRED = re.compile(r"NV_ERR_RESET_REQUIRED|NVRM: .*Reset required")  # not other drivers' resets
-_GPU_INDEX = re.compile(r"\bGPU(\d+)\b")
+_RESET_REQUIRED = lazy_re(r"NV_ERR_RESET_REQUIRED|NVRM: .*Reset required")  # not other drivers' resets
+_GPU_INDEX = lazy_re(r"\bGPU(\d+)\b")
 
 
 def _reset_required(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -290,7 +290,7 @@ def _reset_required(text: str, line_no: int, state: ParseState) -> Found | None:
     )
 
 
-_HUNG = re.compile(r"task (?P<task>\S+?):(?P<pid>\d+) blocked for more than (?P<s>\d+) seconds")
+_HUNG = lazy_re(r"task (?P<task>\S+?):(?P<pid>\d+) blocked for more than (?P<s>\d+) seconds")
 
 
 def _hung_task(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -308,12 +308,12 @@ def _hung_task(text: str, line_no: int, state: ParseState) -> Found | None:
 
 # --- GPU faults without an Xid --------------------------------------------------------------------
 
-_INIT_FAILED = re.compile(
+_INIT_FAILED = lazy_re(
     r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>" + _PCI + r"):\s*(?P<what>RmInitAdapter failed!?|rm_init_adapter failed)"
     r"(?:\s*\((?P<code>[^)]*)\))?(?:, device minor number (?P<minor>[0-9]+))?"
 )
-_ATTACH = re.compile(r"[Cc]annot attach (?:gpu|GPU)(?:\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + _PCI + r"))?")
-_HANDLE_UNKNOWN = re.compile(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): (?P<err>Unknown Error|[^.]*)")
+_ATTACH = lazy_re(r"[Cc]annot attach (?:gpu|GPU)(?:\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + _PCI + r"))?")
+_HANDLE_UNKNOWN = lazy_re(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): (?P<err>Unknown Error|[^.]*)")
 
 
 def _fault(name: str, fields: dict, severity: str | None = None, diagnosis: str | None = None) -> Found:
@@ -348,17 +348,17 @@ def _init_failed(text: str, line_no: int, state: ParseState) -> Found | None:
 
 
 # PCIe Advanced Error Reporting, from the GPU (`nvidia <pci>:`) or the port above it (`pcieport <pci>:`).
-_AER_DEV = re.compile(
+_AER_DEV = lazy_re(
     r"(?:^|[\s\]])(?P<drv>nvidia|pcieport) (?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]):"
 )
-_AER_SEV = re.compile(
+_AER_SEV = lazy_re(
     r"(?:severity=)?(?P<sev>Uncorrected \(Fatal\)|Uncorrectable \(Fatal\)|Uncorrected \(Non-Fatal\)|"
     r"Uncorrectable \(Non-Fatal\)|Corrected|Correctable)"
 )
-_AER_SOURCE = re.compile(
+_AER_SOURCE = lazy_re(
     r"(?:error received|error message received from):? (?P<src>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])"
 )
-_AER_FAILED = re.compile(r"AER: (?:can't recover|device recovery failed)|has no AER-aware driver")
+_AER_FAILED = lazy_re(r"AER: (?:can't recover|device recovery failed)|has no AER-aware driver")
 
 
 def _aer(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -399,7 +399,7 @@ def _aer(text: str, line_no: int, state: ParseState) -> Found | None:
     return _fault(fault, fields)
 
 
-_BRIDGE = re.compile(
+_BRIDGE = lazy_re(
     r"pci (?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]): PCI bridge to \[bus (?P<lo>[0-9a-fA-F]{2})(?:-(?P<hi>[0-9a-fA-F]{2}))?\]"
 )
 
@@ -415,8 +415,8 @@ def _bridge(text: str, line_no: int, state: ParseState) -> Found | None:
     return ABSORBED
 
 
-_FM = re.compile(r"fabric ?manager", re.I)
-_FM_FAILED = re.compile(r"fail|error|FAILURE|exited", re.I)
+_FM = lazy_re(r"fabric ?manager", re.I)
+_FM_FAILED = lazy_re(r"fail|error|FAILURE|exited", re.I)
 
 
 def _fabric(text: str, line_no: int, state: ParseState) -> Found | None:

@@ -8,10 +8,9 @@ docs/log-formats.md, "Launcher and process lines" (old `ERROR:torch.distributed.
 
 from __future__ import annotations
 
-import re
 import signal as _signal
 
-from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault
+from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault, lazy_re
 from gpuguard.collectors.logrules_comm import rank_of
 from gpuguard.foundation import xid_catalog as catalog
 
@@ -43,13 +42,13 @@ def _exit_diagnosis(exitcode: int | None, sig: str | None) -> str:
     return f"Worker exited with code {exitcode}."
 
 
-_FAILED = re.compile(
+_FAILED = lazy_re(
     r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<lr>\d+) \(pid: (?P<pid>\d+)\)(?: of binary: (?P<bin>.*))?"
 )
 # ChildFailedError summary records (launchers may prefix them, e.g. `[default0]:`).
-_SUM_RANK = re.compile(r"(?:^|[\s:])rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<lr>\d+)\)")
-_SUM_HOST = re.compile(r"(?:^|[\s:])host\s+:\s*(?P<host>\S+)")
-_SUM_EXIT = re.compile(r"(?:^|[\s:])exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)")
+_SUM_RANK = lazy_re(r"(?:^|[\s:])rank\s*:\s*(?P<rank>\d+) \(local_rank: (?P<lr>\d+)\)")
+_SUM_HOST = lazy_re(r"(?:^|[\s:])host\s+:\s*(?P<host>\S+)")
+_SUM_EXIT = lazy_re(r"(?:^|[\s:])exitcode\s*:\s*(?P<code>-?\d+) \(pid: (?P<pid>\d+)\)")
 
 
 def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -107,7 +106,7 @@ def _root_cause(text: str, line_no: int, state: ParseState) -> Found | None:
     return ABSORBED
 
 
-_CLOSING = re.compile(r"Sending process (?P<pid>\d+) closing signal (?P<sig>\w+)")
+_CLOSING = lazy_re(r"Sending process (?P<pid>\d+) closing signal (?P<sig>\w+)")
 
 
 def _worker_stop(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -122,8 +121,8 @@ def _worker_stop(text: str, line_no: int, state: ParseState) -> Found | None:
     )
 
 
-_RESTART = re.compile(r"Worker group FAILED\. (?P<left>\d+)/(?P<max>\d+) attempts left; will restart worker group")
-_GROUP_FAILED = re.compile(r"Worker group failed")
+_RESTART = lazy_re(r"Worker group FAILED\. (?P<left>\d+)/(?P<max>\d+) attempts left; will restart worker group")
+_GROUP_FAILED = lazy_re(r"Worker group failed")
 
 
 def _worker_group(text: str, line_no: int, state: ParseState) -> Found | None:
@@ -142,17 +141,17 @@ def _worker_group(text: str, line_no: int, state: ParseState) -> Found | None:
     return None
 
 
-_JOINED = re.compile(
+_JOINED = lazy_re(
     r"joined round (?P<round>\d+) of the rendezvous '(?P<rdzv>[^']*)' as rank (?P<rank>\d+) in a world of size (?P<ws>\d+)"
 )
-_KV = re.compile(r"\b(?P<k>restart_count|master_addr|master_port|group_rank|group_world_size)=(?P<v>[^\s,]+)")
+_KV = lazy_re(r"\b(?P<k>restart_count|master_addr|master_port|group_rank|group_world_size)=(?P<v>[^\s,]+)")
 _KV_INT = {"restart_count", "master_port", "group_rank", "group_world_size"}
-_RDZV_ERROR = re.compile(
+_RDZV_ERROR = lazy_re(
     r"Rendezvous(?:Connection|Timeout|Closed|State)?Error|keep-alive heartbeat|\[c10d\] The client socket|"
     r"clients joined|rendezvous.*(?:timed out|failed)"
 )
-_ENDPOINT = re.compile(r"connect to (?:\[(?P<h6>[^\]]+)\]|(?P<h>[0-9A-Za-z._-]+)):(?P<port>\d+)")
-_ERRNO = re.compile(r"errno: (?P<n>\d+) - (?P<msg>[^)]*)")
+_ENDPOINT = lazy_re(r"connect to (?:\[(?P<h6>[^\]]+)\]|(?P<h>[0-9A-Za-z._-]+)):(?P<port>\d+)")
+_ERRNO = lazy_re(r"errno: (?P<n>\d+) - (?P<msg>[^)]*)")
 
 
 def kv_fields(text: str) -> dict:
@@ -220,14 +219,14 @@ def _rendezvous_kv(text: str, line_no: int, state: ParseState) -> Found | None:
 # --- CUDA -------------------------------------------------------------------------------------------
 
 _CUDA_PATTERNS = (
-    re.compile(r"cuda runtime error \((?P<code>\d+)\) : (?P<err>.*?)(?: at \S+:\d+)?\s*$"),
-    re.compile(r"CUDA error: (?P<err>.*?)\s*$"),
-    re.compile(r"failed to initialize CUDA: (?P<err>.*?)\s*$"),
-    re.compile(r"Triton Error \[CUDA\]: (?P<err>.*?)\s*$"),
-    re.compile(r"Cuda failure (?:(?P<code>\d+) )?'(?P<err>[^']*)'"),
-    re.compile(r"(?P<err>CUDA-capable device\(s\) is/are busy or unavailable|no CUDA-capable device is detected)"),
-    re.compile(r"CUDA_ERROR_(?P<err>[A-Z_]+)"),
-    re.compile(r"(?P<err>CUDA out of memory)"),
+    lazy_re(r"cuda runtime error \((?P<code>\d+)\) : (?P<err>.*?)(?: at \S+:\d+)?\s*$"),
+    lazy_re(r"CUDA error: (?P<err>.*?)\s*$"),
+    lazy_re(r"failed to initialize CUDA: (?P<err>.*?)\s*$"),
+    lazy_re(r"Triton Error \[CUDA\]: (?P<err>.*?)\s*$"),
+    lazy_re(r"Cuda failure (?:(?P<code>\d+) )?'(?P<err>[^']*)'"),
+    lazy_re(r"(?P<err>CUDA-capable device\(s\) is/are busy or unavailable|no CUDA-capable device is detected)"),
+    lazy_re(r"CUDA_ERROR_(?P<err>[A-Z_]+)"),
+    lazy_re(r"(?P<err>CUDA out of memory)"),
 )
 # (substring of the error, CUDA runtime code, severity, diagnosis)
 _CUDA_KINDS = (
@@ -324,9 +323,9 @@ def _cuda(text: str, line_no: int, state: ParseState) -> Found | None:
 
 # --- host-level lines that explain GPU job failures ------------------------------------------------------
 
-_NVML = re.compile(r"Failed to initialize NVML: (?P<err>.*)")
-_HW_SEVERITY = re.compile(r"\[Hardware Error\]:\s+event severity: (?P<sev>\w+)")
-_PCIE = re.compile(
+_NVML = lazy_re(r"Failed to initialize NVML: (?P<err>.*)")
+_HW_SEVERITY = lazy_re(r"\[Hardware Error\]:\s+event severity: (?P<sev>\w+)")
+_PCIE = lazy_re(
     r"(?P<pci>[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]): (?P<avail>[\d.]+ Gb/s) available PCIe bandwidth, limited by "
     r"(?P<lim>.*?) link at (?P<at>\S+) \(capable of (?P<cap>[\d.]+ Gb/s)"
 )

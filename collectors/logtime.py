@@ -16,9 +16,10 @@ would put the line more than a day in the future).
 from __future__ import annotations
 
 import calendar
-import re
 import time
 from datetime import datetime, timedelta, timezone
+
+from gpuguard.collectors.logrule import lazy_re
 
 _MONTHS = {
     m: i
@@ -26,19 +27,19 @@ _MONTHS = {
 }
 _MON = r"(?P<mon>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 
-_ISO = re.compile(
+_ISO = lazy_re(
     r"(?<!\d)(?P<y>\d{4})-(?P<m>\d{2})-(?P<d>\d{2})[T ](?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})"
     r"(?:[.,](?P<f>\d{1,9}))?(?P<tz>Z|[+-]\d{2}:?\d{2})?"
 )
-_CTIME = re.compile(
+_CTIME = lazy_re(
     r"\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) "
     + _MON
     + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2}) (?P<y>\d{4})\]"
 )
-_SYSLOG = re.compile(r"^\s*" + _MON + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\b")
-_GLOG = re.compile(r"(?:^|[\s\[:])[EWIF](?P<md>\d{3,4}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\.(?P<f>\d+)")
-_BRACKET_SECONDS = re.compile(r"\[\s*(?P<s>\d+\.\d+)\]")
-_DMESG_START = re.compile(r"\s*\[\s*(?P<s>\d+\.\d+)\]")  # the common case, tried first (anchored: cheap)
+_SYSLOG = lazy_re(r"^\s*" + _MON + r" +(?P<d>\d{1,2}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\b")
+_GLOG = lazy_re(r"(?:^|[\s\[:])[EWIF](?P<md>\d{3,4}) (?P<H>\d{2}):(?P<M>\d{2}):(?P<S>\d{2})\.(?P<f>\d+)")
+_BRACKET_SECONDS = lazy_re(r"\[\s*(?P<s>\d+\.\d+)\]")
+_DMESG_START = lazy_re(r"\s*\[\s*(?P<s>\d+\.\d+)\]")  # the common case, tried first (anchored: cheap)
 
 _HEAD = 160  # prefixes live at the start; never scan a megabyte line for them
 _EPOCH_MIN = 3e8  # a bracketed number above this is epoch seconds, not uptime (~9.5 years)

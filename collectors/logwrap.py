@@ -17,18 +17,18 @@ path; big files go through the fast scanner (`logscan`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 
 from gpuguard.collectors.logparse import MAX_LINE, LogParser, _records, has_marker
+from gpuguard.collectors.logrule import lazy_re
 from gpuguard.foundation.events import Event
 
 MAX_BYTES = 8 << 20  # inputs up to this size are read whole and re-joined
 MIN_WRAPPED = 60  # a line shorter than this was not wrapped by a terminal or a ticket
 MAX_JOIN = 3  # continuation lines joined to one record at most
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|(?<![\w\]])\[(?:\d{1,3};)*\d{1,3}m")
-_PASTE_PREFIX = re.compile(
+_ANSI = lazy_re(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|(?<![\w\]])\[(?:\d{1,3};)*\d{1,3}m")
+_PASTE_PREFIX = lazy_re(
     r"^(?:\s*\d{1,7}\s*[|│]\s?"  # ticket / editor line numbers: "  41 | "
     r"|\s*\d{1,7}:\s"  # "41: "
     r"|\[\d+,\d+\]<(?:stdout|stderr)>:\s?"  # mpirun --tag-output
@@ -36,7 +36,7 @@ _PASTE_PREFIX = re.compile(
     r"|\(\w+ pid=\d+(?:, ip=[0-9a-fA-F.:]+)?\)\s?"  # Ray worker prefix
     r")+"
 )
-_RECORD_START = re.compile(
+_RECORD_START = lazy_re(
     r"^(?:\s*$|\s{2,}\S|\[|\d{4}-\d{2}-\d{2}|\d{2}:\d{2}:\d{2}|"
     r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +\d|[EWIF]\d{4} \d|"
     r"[\w.-]+:\d+:\d+ |[\w./-]+\.(?:py|cc|cpp|cu|h):\d+|Traceback |File \"|[A-Z]\w*(?:Error|Exception|Warning)\b|"
