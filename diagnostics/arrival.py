@@ -124,9 +124,13 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
             continue
         if len(lasts) > cfg.arrival_max_late_frac * len(ranks):
             lasts = ()  # most ranks late together: the early one is fast, nobody is late (breaks every run)
-        lateness = min(got[r][0] for r in lasts) - max(got[r][0] for r in others) if lasts else 0.0
         # what the others waited: the X record's measure, or (still in it) the time since they entered
         waits = [got[r][1] if got[r][1] >= 0 else (now or got[r][0]) - got[r][0] for r in others]
+        # the lateness by the entry times, but no more than every other rank really waited (the X records
+        # measure it on each rank's own clock: hosts' wall clocks may disagree, and ranks that never ran at the
+        # same time did not wait for each other)
+        lateness = min(got[r][0] for r in lasts) - max(got[r][0] for r in others) if lasts else 0.0
+        lateness = min(lateness, min(waits))
         peer_compute = median([compute[r] for r in others]) or 0.0
         noise = noise_one if len(lasts) == 1 else noise_set
         bar = max(min_wait, cfg.arrival_wait_frac * peer_compute, cfg.arrival_noise_k * noise)

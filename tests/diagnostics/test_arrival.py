@@ -237,3 +237,14 @@ def test_a_crowded_hosts_pairs_late_by_turns_name_nobody_and_a_straggler_among_t
             e for e in range(61, 81) if set(stragglers([ob(r, per[r][:e], compute=0.1) for r in range(4)])) == {2}
         ]
         assert firsts and firsts[0] <= 62 and len(firsts) >= 15, (seed, firsts)  # at 2 collectives, then >= 80 %
+
+
+def test_a_rank_whose_wall_clock_is_ahead_is_not_late_when_nobody_waited_for_it() -> None:
+    # rank 3's host clock runs 0.5 s ahead: by the entry times it is last by 0.5 s at every collective, but
+    # the X records (each rank's own clock) say nobody waited
+    per = synchronous(8, {})
+    per[3] = [(s, t + 0.5, w) for s, t, w in per[3]]
+    assert stragglers([ob(r, per[r]) for r in range(4)]) == {}
+    late = synchronous(8, {3: 0.3})  # really late as well: the waits show it
+    late[3] = [(s, t + 0.5, w) for s, t, w in late[3]]
+    assert set(stragglers([ob(r, late[r]) for r in range(4)])) == {3}
