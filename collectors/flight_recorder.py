@@ -105,11 +105,26 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Path], list[
     return files, notes
 
 
+def _open_regular(path: Path) -> Any:
+    """The file opened for reading if it is a regular file, else DataError: a FIFO, a device
+    (`/dev/zero` never ends) or a socket is refused at once (opened O_NONBLOCK: a FIFO without a
+    writer does not block the open)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataError(f"{path}: not a regular file (a FIFO, device or socket is not a dump)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _sniff(path: Path) -> str | None:
     try:
-        with open(path, "rb") as fh:
+        with _open_regular(path) as fh:
             head = fh.read(64)
-    except OSError:
+    except (OSError, DataError):
         return None
     if head[:1] == b"\x80":
         return FORMAT_FR_PICKLE
@@ -133,7 +148,7 @@ def load_dump(path: str | os.PathLike[str], interner: Interner) -> Loaded:
     """Load one dump of any supported format; raise a one-line GpuguardError when it is unusable."""
     p = Path(path)
     try:
-        with open(p, "rb") as fh:
+        with _open_regular(p) as fh:
             size = os.fstat(fh.fileno()).st_size
             if size > MAX_BYTES:
                 raise DataError(f"{p}: {size} bytes is too large for a collective trace")

@@ -165,3 +165,24 @@ def test_load_all_refuses_the_hashed_dag_and_reads_every_other_dump(tmp_path: An
     ranks, refused = out.stdout.splitlines()
     assert ranks == "[0, 1, 3, 4]"
     assert refused.startswith("1 ") and "rank_2: refused: reading it took more than" in refused
+
+
+def test_a_fifo_or_device_is_refused_at_once_never_read(tmp_path: Any) -> None:
+    """/dev/zero never ends (today: memory runs out, exit 70); a FIFO without a writer blocks the
+    open (today: no end), named or inside a dump directory, where it is skipped with a note."""
+    fifo = tmp_path / "dumps" / "rank_1"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    from tests.support import contract_job as jh
+
+    doc = jh.fr_doc([jh.fr_entry(1)], ranks=range(2))
+    (fifo.parent / "rank_0").write_bytes(pickle.dumps(doc, protocol=2))
+    for path in ("/dev/zero", str(fifo)):
+        r = run_cli("gpu-doctor", "contract", path, timeout=30)
+        assert r.returncode == 65 and r.stderr.strip().endswith(
+            "not a regular file (a FIFO, device or socket is not a dump)"
+        )
+        assert r.stderr.count("\n") == 1
+    r = run_cli("gpu-doctor", "contract", str(fifo.parent), "--json", timeout=30)
+    assert r.returncode == 3, r.stderr  # rank 1's dump is missing: partial
+    assert "Traceback" not in r.stderr
