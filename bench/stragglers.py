@@ -21,6 +21,8 @@ verdict expected of rank 2 is `slow` (quota), `hung` (SIGSTOP, once past its bou
   `blocked_by` it (SIGKILL: rank 2 `dead` and a culprit);
 * `false_dead`, `false_hung`: checks (in the phase) calling a rank dead / hung that is not (a quota: nobody;
   SIGSTOP: nobody dead, no other rank hung; SIGKILL: another rank dead *and a culprit*, anyone hung);
+* `false_slow`: checks (in the phase) calling another rank than 2 `slow`; in the healthy warm-up (`fault: none`),
+  checks with any rank not `healthy` (a demanding user wants 0: there is nothing to find);
 * `culprit_accuracy`: of the checks after the verdict, those whose culprits are exactly [2];
 * `blocked_by_accuracy`: of the other ranks at those checks, those with blocked_by == [2].
 Baseline rows on the same checks: `fixed-10s`, a watchdog that fails any rank without a record for 10 s
@@ -131,6 +133,10 @@ def score_vote(checks: list[tuple[float, dict]], t0: float, expect: str = "slow"
         "time_to_verdict_s": round(first - t0, 2) if first is not None else None,
         "false_dead": sum(1 for d, _ in false if d),
         "false_hung": sum(1 for _, h in false if h),
+        # a rank other than the faulty one called slow: the blame inverted (the healthy row: any rank not healthy)
+        "false_slow": sum(
+            1 for _, d in checks if any(r["verdict"] == "slow" and r["rank"] != SLOW_RANK for r in d["ranks"])
+        ),
         "culprit_accuracy": round(culprit / len(after), 3) if after else None,
         "blocked_by_accuracy": round(blocked / len(others), 3) if others else None,
         "checks": len(checks),
@@ -259,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupted)  # SIGINT already raises KeyboardInterrupt
     remove_stale()  # the cgroups of an earlier run that was killed before it could remove them
     t_start = time.monotonic()
+    load_start, load_warm = os.getloadavg()[0], float("nan")
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-stragglers-"))
     job = tmp / "job"
     job.mkdir()
@@ -285,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         w0 = time.time()
         time.sleep(max(args.warmup_s, 4 * args.interval))
         healthy_checks = watch.between(0, time.monotonic())
+        load_warm = os.getloadavg()[0]
         base = statistics.median(step_periods(job, w0, time.time()) or [float("nan")])
         h = score_vote(healthy_checks, 0)
         false_slow_reasons = {
@@ -399,10 +407,17 @@ def main(argv: list[str] | None = None) -> int:
         "carried); time_to_verdict counts from the fault being applied",
         "fixed-10s: a watchdog failing any rank without a record for 10 s, on the same checks (under a quota every "
         "firing is a false hang); nvrx-0.7: NVRx-style relative score median/own compute < 0.7 names a straggler",
-        f"bench wall time {time.monotonic() - t_start:.0f} s on {os.cpu_count()} CPU(s)",
+        f"bench wall time {time.monotonic() - t_start:.0f} s on {os.cpu_count()} CPU(s); 1-min load average "
+        f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (the machine is shared)",
     ]
     if bound_s is not None:
         notes.append(f"SIGSTOP: rank {SLOW_RANK}'s hang bound at the end of the stop was {bound_s:.1f} s")
+    healthy_row = rows[0] if rows and rows[0]["fault"] == "none" else None
+    if healthy_row is not None:
+        notes.append(
+            f"healthy warm-up ({args.warmup_s:g} s, load average {load_warm:.1f} at its end): "
+            f"{healthy_row['false_slow']} of {healthy_row['checks']} checks not healthy"
+        )
     if false_slow_reasons:
         notes.append("healthy warm-up, non-healthy ranks seen: " + " | ".join(sorted(false_slow_reasons)[:4]))
     if kind == "sigstop-duty":
