@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from gpuguard.foundation.unpickle import Refused, load_deadline, restricted_loads
+
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.context import ForkProcess
@@ -147,8 +149,10 @@ def _serve(fn: Callable[[int], Any], conn: Connection) -> None:
             out = (i, False, f"{type(exc).__name__}: {str(exc)[:200]}")
         try:
             conn.send(out)
-        except (BrokenPipeError, OSError):
+        except OSError:  # the parent is gone
             return
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle: say so, do not die
+            conn.send((i, False, f"its result cannot be sent back: {type(exc).__name__}: {str(exc)[:200]}"))
 
 
 def _stop(w: _Worker, *, kill: bool = True) -> None:
@@ -165,3 +169,31 @@ def _stop(w: _Worker, *, kill: bool = True) -> None:
         w.proc.join()
     w.conn.close()
     w.proc.close()
+
+
+def restricted_loads_within(
+    data: bytes, resolve: Callable[[str, str], Any] | None = None, *, what: str = "this pickle"
+) -> Any:
+    """`unpickle.restricted_loads` in a forked worker killed at `unpickle.load_deadline(len(data))`.
+
+    For an untrusted pickle read one at a time (DCP metadata, rendezvous state): the load's own
+    refusals and errors are raised here as they are (`unpickle.Refused`, `pickle.UnpicklingError`,
+    ...); a load that does not finish in time (a dict key built from shared references, hashed
+    without end inside the C load) is `unpickle.Refused` too. The loaded object comes back through
+    a pipe, so it must pickle (the admitted classes do)."""
+
+    def load(_i: int) -> tuple[bool, Any]:
+        try:
+            return True, restricted_loads(data, resolve, what=what)
+        except Exception as exc:  # noqa: BLE001 - raised again in the parent
+            return False, exc
+
+    deadline = load_deadline(len(data))
+    for done in map_with_deadlines(load, [deadline], jobs=1):
+        if isinstance(done.value, Overdue):
+            raise Refused(f"{what}: loading it {done.value.reason} (a shared-reference dict key or set member?)")
+        ok, value = done.value
+        if not ok:
+            raise value
+        return value
+    raise AssertionError("unreachable: one item gives one result")  # pragma: no cover

@@ -186,3 +186,57 @@ def test_a_fifo_or_device_is_refused_at_once_never_read(tmp_path: Any) -> None:
     r = run_cli("gpu-doctor", "contract", str(fifo.parent), "--json", timeout=30)
     assert r.returncode == 3, r.stderr  # rank 1's dump is missing: partial
     assert "Traceback" not in r.stderr
+
+
+LOADS_WITHIN = """
+import sys, time
+from gpuguard.foundation.workers import restricted_loads_within
+from gpuguard.foundation.unpickle import Refused
+t0 = time.monotonic()
+try:
+    restricted_loads_within(open(sys.argv[1], "rb").read(), what="rendezvous state")
+except Refused as exc:
+    print(type(exc).__name__, round(time.monotonic() - t0, 1), exc)
+"""
+
+
+@pytest.mark.parametrize("where", ["dict key", "frozenset member"])
+def test_restricted_loads_within_refuses_a_hashed_dag_in_time(tmp_path: Any, where: str) -> None:
+    path = tmp_path / "state.pkl"
+    path.write_bytes(hashed_dag(60, where))
+    out = subprocess.run(
+        [sys.executable, "-c", LOADS_WITHIN, str(path)], capture_output=True, text=True, timeout=60, cwd=REPO.parent
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    kind, seconds, msg = out.stdout.split(" ", 2)
+    assert kind == "Refused" and float(seconds) < 30
+    assert (
+        msg.strip() == "rendezvous state: loading it took more than 1.0 s (a shared-reference dict key or set member?)"
+    )
+
+
+class _Box:
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+
+def test_restricted_loads_within_returns_the_value_and_raises_the_loads_own_errors() -> None:
+    from gpuguard.foundation.unpickle import Refused, Unbounded, admit
+    from gpuguard.foundation.workers import restricted_loads_within
+
+    t: tuple[Any, ...] = ()
+    for _ in range(8):
+        t = (t, t)
+    assert restricted_loads_within(hashed_dag(8, "dict key")) == {t: 1}
+    box = restricted_loads_within(pickle.dumps(_Box([1, "a"])), admit({(__name__, "_Box"): _Box}))
+    assert type(box) is _Box and box.v == [1, "a"]
+    with pytest.raises(Refused, match="is not allowed in DCP metadata"):
+        restricted_loads_within(pickle.dumps(_Box(1)), what="DCP metadata")
+    dag: list[Any] = []
+    for _ in range(60):
+        dag = [dag, dag]
+    with pytest.raises(Unbounded):
+        restricted_loads_within(pickle.dumps(dag, protocol=4))
+    with pytest.raises(pickle.UnpicklingError):
+        restricted_loads_within(b"\x80\x04garbage")
+    assert multiprocessing.active_children() == []
