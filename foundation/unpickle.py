@@ -22,13 +22,14 @@ Error messages never show a loaded value: `brief` says what it is without a repr
 
 Bounded in time, too, where the caller reads through workers: a tuple DAG used as a dict key
 or set member is hashed inside the C load, and tuple hashes are not cached, so the hash unfolds it
-(24 levels: 0.5 s; 60 levels: no end, from a 500-byte file) before any check after the load can
+(24 levels: 0.5 s; 60 levels: no end, from a file under 1 KB) before any check after the load can
 run. The C hash never returns to the interpreter, so no signal handler, thread or opcode hook can
 stop it in the process; a refusal that can be reported has to come from another process. So the
-loads run in forked workers (`foundation.workers.map_with_deadlines`), each item killed at its own
-deadline (`load_deadline`: 1 s plus 1 s per 8 MiB) and reported `Overdue`. Why not a targeted opcode check before the load instead: any
-Python pass over the opcodes costs the 74 ms above per real dump, and which memo slot feeds which
-SETITEM key is only known by simulating the stack; a worker costs one fork per reader process.
+loads run in forked workers (`foundation.workers.map_with_deadlines` for many files,
+`restricted_loads_within` for one), each killed at its own deadline (`load_deadline`: 1 s plus 1 s
+per 2 MiB). Why not a targeted opcode check before the load instead: any Python pass over the
+opcodes costs the 74 ms above per real dump, and which memo slot feeds which SETITEM key is only
+known by simulating the stack; a worker costs one fork per reader process.
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ def brief(value: Any) -> str:
 
 LOAD_BASE_S = 1.0
 """Every untrusted load may take this long, however small (a real 412 KB dump loads in 4-13 ms)."""
-LOAD_BYTES_PER_S = 8 << 20
-"""... plus a second per 8 MiB of input: 20x slower than the slowest real dump measured."""
+LOAD_BYTES_PER_S = 2 << 20
+"""... plus a second per 2 MiB of input: 15x slower than the slowest real dump measured (412 KB
+loaded and converted in 13 ms, 31 MB/s), so a big real dump on a crowded host is never refused."""
 
 
 def load_deadline(size: int | None) -> float:

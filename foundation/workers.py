@@ -126,7 +126,8 @@ def map_with_deadlines(fn: Callable[[int], R], deadlines: Sequence[float], *, jo
                     _stop(w, kill=False)
                 yield Done(int(i), w.serial, value)
             now = time.monotonic()
-            for w in [w for w in live.values() if now >= w.since + deadlines[w.queued[0]]]:
+            late = [w for w in live.values() if now >= w.since + deadlines[w.queued[0]] and not w.conn.poll(0)]
+            for w in late:  # (a result already in the pipe is read at the next wait, never killed)
                 yield drop(w, f"took more than {deadlines[w.queued[0]]:.1f} s")
     finally:
         for w in list(live.values()):
