@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 _PROGRESS_MIN_BYTES = 64 << 20
 _TABLE_ROWS = 1000
+_JSON_BATCH = 256
 _SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 _ALL_CLEAR = "no evidence of a fault in these lines; that is what was found, not proof of health"
 _BRIEF_SKIP = {"message", "name", "catalog_severity", "binary", "error", "location", "uptime_s", "summary"}
@@ -240,16 +241,24 @@ def run_logs(paths: list[str], *, as_json: bool, min_severity: str = "info") -> 
 
 
 def _write_json(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
-    """Stream the document: events are written as they are found, never all held in memory."""
+    """Stream the document: events are written as they are found (in groups), never all held in memory."""
     from gpuguard.foundation.events import EVENTS_SCHEMA
 
     out = sys.stdout
     out.write(f'{{"schema": {json.dumps(EVENTS_SCHEMA)},\n "events": [')
-    first = True
-    for event in events:
-        summary.add(event)
-        out.write(("\n  " if first else ",\n  ") + json.dumps(event.to_json(), default=str))
-        first = False
+    encode = json.JSONEncoder(default=str).encode  # what json.dumps(..., default=str) makes per call, once
+    pending: list[str] = []  # written in groups of _JSON_BATCH events: fewer writes, memory still bounded
+    sep = "\n  "
+    try:
+        for event in events:
+            summary.add(event)
+            pending.append(sep + encode(event.to_json()))
+            sep = ",\n  "
+            if len(pending) >= _JSON_BATCH:
+                out.write("".join(pending))
+                pending.clear()
+    finally:  # what was found before an error (a corrupt .gz further on) is out, as when written one by one
+        out.write("".join(pending))
     out.write("\n ],\n")
     out.write(f' "files": {json.dumps(stats)},\n')
     out.write(f' "summary": {json.dumps(summary.to_json())},\n')
