@@ -18,7 +18,7 @@ of the matching X record), `now` from the waiters' own phase ages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuguard.diagnostics.jobstats import median
@@ -78,7 +78,9 @@ def arrival_noise_s(arrivals: Mapping[int, Mapping[int, float]], late: int = 1) 
     return median(spreads) if spreads else 0.0
 
 
-def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAULT) -> dict[int, Straggler]:
+def stragglers(
+    observations: Sequence[RankObservation], cfg: VoteConfig = DEFAULT, held: Collection[int] = ()
+) -> dict[int, Straggler]:
     """The ranks the arrival order names as the ones the others wait for (usually none or one).
 
     A collective counts against the rank(s) that entered it last by their *lateness*: how much later than
@@ -88,7 +90,9 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
     (`arrival_noise_s`), so a crowded host's scheduling, which makes ranks late by turns by a good part of a
     step, is not straggling. A rank is named when it was last at each of the `arrival_min_collectives` most
     recent collectives with a median lateness above the bar there, and at `arrival_min_frac` of the
-    significant ones in the window."""
+    significant ones in the window. `held`: the ranks the previous check named (hysteresis): for them the most
+    recent collective alone is enough, so a named straggler is not dropped for a check when its run is broken
+    by the one collective it was not last at (a 1 % rank resuming after a quota period of its own)."""
     window, min_wait = max(1, cfg.arrival_window), cfg.arrival_min_wait_s
     live = [o for o in observations if o.has_records and not o.closed and o.entries]
     if len(live) < 2:
@@ -152,7 +156,9 @@ def stragglers(observations: Sequence[RankObservation], cfg: VoteConfig = DEFAUL
             if c.lasts != rows[-1].lasts:  # the same rank(s) last: a pair late by turns before is not its run
                 break
             run.append(c)
-        if len(run) < need or median([c.lateness_s for c in run]) <= median([c.bar_s for c in run]):
+        if len(run) < (1 if r in held else need) or median([c.lateness_s for c in run]) <= median(
+            [c.bar_s for c in run]
+        ):
             continue
         hits = [c for c in rows if r in c.lasts and (c.lateness_s > c.bar_s or c in run)]
         if sum(1 for c in significant if r in c.lasts) < cfg.arrival_min_frac * len(significant):

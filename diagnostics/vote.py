@@ -382,7 +382,9 @@ def vote(
 
     # arrival order: the rank that entered the recent collectives last, each time making its peers wait
     # long against their own compute, is the straggler at any severity; the others are blocked by it
-    late = stragglers(obs, cfg)
+    # named at the previous check: kept while still last at the most recent collective (hysteresis)
+    held = {r.rank for r in previous.ranks if r.culprit and r.verdict == SLOW} if previous else set()
+    late = stragglers(obs, cfg, held)
     for r, st in late.items():
         v, why, pend, votes = prelim[r]
         arrival = Vote("arrival", SLOW, st.reason(), {"collectives_last": len(st.last_at), "wait_s": st.median_wait_s})

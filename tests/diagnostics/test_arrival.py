@@ -248,3 +248,21 @@ def test_a_rank_whose_wall_clock_is_ahead_is_not_late_when_nobody_waited_for_it(
     late = synchronous(8, {3: 0.3})  # really late as well: the waits show it
     late[3] = [(s, t + 0.5, w) for s, t, w in late[3]]
     assert set(stragglers([ob(r, late[r]) for r in range(4)])) == {3}
+
+
+def test_a_named_straggler_stays_named_when_one_collective_breaks_its_run() -> None:
+    # rank 3 late by 0.4 s at collectives 0-4, then rank 1 last by 0.05 s at 5, then rank 3 late again at 6
+    lates = [{3: 0.4}] * 5 + [{1: 0.05}, {3: 0.4}]
+    per: dict[int, list[tuple[int, float, float]]] = {r: [] for r in range(4)}
+    t = 1000.0
+    for s, late in enumerate(lates):
+        last = t + max(late.values())
+        for r in range(4):
+            per[r].append((s, t + late.get(r, 0.0), last - t - late.get(r, 0.0)))
+        t = last + 0.05
+    named = vote([ob(r, per[r][:5]) for r in range(4)], CFG)
+    assert named.culprits == (3,)
+    obs = [ob(r, per[r]) for r in range(4)]
+    assert stragglers(obs) == {}  # on its own: a run of one
+    assert vote(obs, CFG, named).culprits == (3,)  # named at the previous check: kept
+    assert vote(obs, CFG).culprits == ()
