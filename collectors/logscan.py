@@ -328,7 +328,10 @@ class LogScan:
                     line_no += 1
                 dropping = False
                 start = first + 1
-            last = max(buf.rfind(b"\n", start, end), buf.rfind(b"\r", start, end))
+            # the last record delimiter: a `\r` only counts after the last `\n` (searching the whole chunk
+            # for a `\r` that is usually not there was one more full pass, ~0.1 s of CPU per GiB)
+            last_nl = buf.rfind(b"\n", start, end)
+            last = max(last_nl, buf.rfind(b"\r", max(start, last_nl + 1), end))
             rest_start = start
             if last >= 0:
                 pos = start  # offset up to which newlines are counted into line_no
