@@ -2,7 +2,7 @@
 
     python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
                             [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N] [--nice 0]
-                            [--runtime]
+                            [--runtime [--runtime-only] [--budget B]]
 
 One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
 the root `fully_shard`ed, AdamW; with --replicated a plain replicated model, DDP-style gradient
@@ -28,7 +28,10 @@ part the training thread pays in any case), the uncharged end-of-block flush, an
 against the state's size.
 With --runtime, a third job measures the runtime itself: the same loop under
 `Runtime(sharded=True)`, blocks of the bare loop, `rt.commit` without snapshots and `rt.commit`
-with its collective sharded snapshot every `--every` steps (`runtime-*` rows).
+with its collective sharded snapshot (`runtime-*` rows) at the runtime's default interval:
+adaptive, a snapshot's CPU (the coordinator's staging + writer) at most `--budget` (default
+0.03) of the median step, never more often than every `--every` steps; `--budget 0`: every
+`--every` steps. `--runtime-only` runs only that job.
 Speed is never asserted in tests; this is the measurement.
 """
 
@@ -47,6 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+
+from gpuguard.recovery.sharded_snapshot import DEFAULT_BUDGET  # noqa: E402 - no torch at import
 
 MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
 
@@ -145,7 +150,7 @@ def runtime_worker(a: argparse.Namespace) -> int:
 
     from gpuguard.recovery.runtime import Runtime
 
-    rt = Runtime.from_env(a.job_dir, sharded=True, snapshot_every=a.every, checkpoint_every=0)
+    rt = Runtime.from_env(a.job_dir, sharded=True, snapshot_every=a.every, snapshot_budget=a.budget, checkpoint_every=0)
     state = rt.activate(build=lambda: build(a.hidden, a.replicated))
     model, opt, step = state.model, state.optimizer, state.start_step
     for _ in range(3):  # warm-up, snapshots included
@@ -175,6 +180,7 @@ def runtime_worker(a: argparse.Namespace) -> int:
             dist.barrier()
     snaps = rt.counters.snapshots - snaps0
     doc = {
+        "steps_per_snapshot": a.rounds * a.block / max(1, snaps),
         "times": times,
         "world": rt.world_size,
         "snapshots_rank0": snaps,
@@ -344,6 +350,13 @@ def main() -> int:
         action="store_true",
         help="also measure the runtime's own overhead: Runtime(sharded=True) commits with and without snapshots",
     )
+    ap.add_argument("--runtime-only", action="store_true", help="only the runtime job (implies --runtime)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=DEFAULT_BUDGET,
+        help="the runtime's snapshot budget (fraction of step time; 0: every --every steps)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--restore-worker", action="store_true", help=argparse.SUPPRESS)
@@ -360,14 +373,16 @@ def main() -> int:
     try:
         shape = ("rounds", "block", "every", "gpu-ms", "hidden", "nice")
         kind = ["--replicated"] if a.replicated else []
-        doc = _torchrun(
-            a, a.workers, ["--worker", *kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp
-        )
-        back = a.restore_workers or max(1, a.workers - 1)
-        rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
-        shape_args = [*kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)]
+        doc = rest = None
+        if not a.runtime_only:
+            doc = _torchrun(
+                a, a.workers, ["--worker", *kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp
+            )
+            back = a.restore_workers or max(1, a.workers - 1)
+            rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
+        shape_args = [*kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in (*shape, "budget"))]
         rt_doc = None
-        if a.runtime:  # a job dir of its own: a fresh ledger, no snapshots of the runs above
+        if a.runtime or a.runtime_only:  # a job dir of its own: a fresh ledger, no snapshots of the runs above
             (tmp / "rt").mkdir()
             rt_doc = _torchrun(a, a.workers, ["--runtime-worker", *shape_args], tmp / "rt")
     except RuntimeError as exc:
@@ -375,54 +390,57 @@ def main() -> int:
         return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    base = statistics.median(doc["times"]["plain"])
-    rows = []
-    for mode in MODES:
-        med = statistics.median(doc["times"][mode])
-        row = {
-            "mode": mode,
-            "model": "replicated" if a.replicated else "fsdp2",
-            "workers": doc["world"],
-            "gpu_ms": a.gpu_ms,
-            "every": a.every,
-            "writer_nice": a.nice,
-            "step_ms_median": round(med * 1000, 2),
-            "step_ms_blocks": [round(t * 1000, 2) for t in doc["times"][mode]],
-            "ratio_vs_plain": round(med / base, 4),
-        }
-        if mode == "sharded-memdigest":
-            row["note"] = "with the in-memory state digest (memory_digest=True)"
-        if mode == "sharded":
-            row["writer_cpu_ms_per_snapshot_rank0"] = round(doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
-            row["wait_ms_per_snapshot_rank0"] = round(doc["wait_s_per_snapshot_rank0"] * 1000, 2)
-            row["submit_ms_median_rank0"] = round(doc["submit_s_median_rank0"] * 1000, 2)
-            row["uncharged_flush_ms_per_block_rank0"] = round(doc["flush_s_per_block_rank0"] * 1000, 2)
-            row["bytes_per_snapshot"] = doc["bytes_per_snapshot"]
-            row["state_bytes"] = doc["state_bytes"]
-            row["snapshot_errors"] = doc["errors"]
-        rows.append(row)
-    notes = [
-        f"{a.workers} gloo workers on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
-        "ratio_vs_plain: median block step time / plain's, same processes, interleaved blocks",
-        "bytes_per_snapshot: all members' .distcp files; state_bytes: model + optimizer tensors of all ranks",
+    rows: list[dict] = []
+    notes: list[str] = [
+        f"{a.workers} gloo workers on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
     ]
-    rows.append(
-        {
-            "mode": f"restore {rest['from_world']}->{rest['to_world']}",
-            "workers": rest["to_world"],
-            "select_ms": round(rest["select_s"] * 1000, 1),
-            "plan_ms": round(rest["plan_s"] * 1000, 1),
-            "load_ms": round(rest["load_s"] * 1000, 1),
-            "check_ms": round(rest["check_s"] * 1000, 1),
-            "apply_ms": round(rest["apply_s"] * 1000, 1),
-            "digests_equal": rest["digests_equal"],
-            "chunk_reads": rest["chunk_reads"],
-        }
-    )
-    notes.append(
-        "restore: select = every manifest digest re-hashed and every part read (by every rank), load = dcp.load resharding, "
-        "check = loaded vs stored layout-independent digests (collective), apply = set_state_dict"
-    )
+    if doc is not None and rest is not None:
+        base = statistics.median(doc["times"]["plain"])
+        for mode in MODES:
+            med = statistics.median(doc["times"][mode])
+            row = {
+                "mode": mode,
+                "model": "replicated" if a.replicated else "fsdp2",
+                "workers": doc["world"],
+                "gpu_ms": a.gpu_ms,
+                "every": a.every,
+                "writer_nice": a.nice,
+                "step_ms_median": round(med * 1000, 2),
+                "step_ms_blocks": [round(t * 1000, 2) for t in doc["times"][mode]],
+                "ratio_vs_plain": round(med / base, 4),
+            }
+            if mode == "sharded-memdigest":
+                row["note"] = "with the in-memory state digest (memory_digest=True)"
+            if mode == "sharded":
+                row["writer_cpu_ms_per_snapshot_rank0"] = round(doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
+                row["wait_ms_per_snapshot_rank0"] = round(doc["wait_s_per_snapshot_rank0"] * 1000, 2)
+                row["submit_ms_median_rank0"] = round(doc["submit_s_median_rank0"] * 1000, 2)
+                row["uncharged_flush_ms_per_block_rank0"] = round(doc["flush_s_per_block_rank0"] * 1000, 2)
+                row["bytes_per_snapshot"] = doc["bytes_per_snapshot"]
+                row["state_bytes"] = doc["state_bytes"]
+                row["snapshot_errors"] = doc["errors"]
+            rows.append(row)
+        notes += [
+            "ratio_vs_plain: median block step time / plain's, same processes, interleaved blocks",
+            "bytes_per_snapshot: all members' .distcp files; state_bytes: model + optimizer tensors of all ranks",
+        ]
+        rows.append(
+            {
+                "mode": f"restore {rest['from_world']}->{rest['to_world']}",
+                "workers": rest["to_world"],
+                "select_ms": round(rest["select_s"] * 1000, 1),
+                "plan_ms": round(rest["plan_s"] * 1000, 1),
+                "load_ms": round(rest["load_s"] * 1000, 1),
+                "check_ms": round(rest["check_s"] * 1000, 1),
+                "apply_ms": round(rest["apply_s"] * 1000, 1),
+                "digests_equal": rest["digests_equal"],
+                "chunk_reads": rest["chunk_reads"],
+            }
+        )
+        notes.append(
+            "restore: select = every manifest digest re-hashed and every part read (by every rank), load = dcp.load resharding, "
+            "check = loaded vs stored layout-independent digests (collective), apply = set_state_dict"
+        )
     if rt_doc is not None:
         rt_base = statistics.median(rt_doc["times"]["plain"])
         for mode in RUNTIME_MODES[1:]:
@@ -433,6 +451,7 @@ def main() -> int:
                 "workers": rt_doc["world"],
                 "gpu_ms": a.gpu_ms,
                 "every": a.every if mode == "runtime-sharded" else 0,
+                "budget": a.budget if mode == "runtime-sharded" else 0,
                 "step_ms_median": round(med * 1000, 2),
                 "step_ms_blocks": [round(t * 1000, 2) for t in rt_doc["times"][mode]],
                 "plain_step_ms_median": round(rt_base * 1000, 2),
@@ -442,11 +461,16 @@ def main() -> int:
                 row["commit_ms_median_rank0"] = round(rt_doc["commit_s_median_rank0"] * 1000, 2)
                 row["writer_cpu_ms_per_snapshot_rank0"] = round(rt_doc["writer_cpu_s_per_snapshot_rank0"] * 1000, 2)
                 row["snapshot_errors"] = rt_doc["errors"]
+                row["steps_per_snapshot"] = round(rt_doc["steps_per_snapshot"], 2)
+                row["writer_cpu_share_of_step"] = round(
+                    rt_doc["writer_cpu_s_per_snapshot_rank0"] / rt_doc["steps_per_snapshot"] / rt_base, 4
+                )
             rows.append(row)
         notes.append(
             "runtime-*: the same loop under Runtime(sharded=True) (activation, lease-free file ledger): rt.commit per "
             "step (step and commit records) without (runtime-commit) and with (runtime-sharded) its collective sharded "
-            "snapshot every --every steps; ratio against the bare loop in the same processes (plain_step_ms_median)"
+            "snapshot (runtime-sharded: at the runtime's interval, --budget of the step for its CPU, 0: every --every "
+            "steps; steps_per_snapshot measured); ratio against the bare loop in the same processes (plain_step_ms_median)"
         )
     emit("sharded", rows, a.json, notes)
     return 0

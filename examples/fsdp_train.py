@@ -122,13 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", type=parse_kill, action="append", default=[], metavar="R:S")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per step (s)")
     ap.add_argument("--no-digests", action="store_true", help="no per-step state digest (the benchmark)")
+    ap.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=0.0,
+        help="the runtime's adaptive snapshot interval (fraction of step time; default here 0: every step, "
+        "so the tests lose at most the snapshot in flight; the runtime's own default is 0.03)",
+    )
     ap.add_argument("--final", action="store_true", help="gather the full parameters at the end (fsdp-out/final.pt)")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="wall-clock limit of this process")
     a = ap.parse_args(argv)
     deadline = time.monotonic() + a.max_seconds
     rank = int(os.environ.get("RANK", "0"))
     faults = Faults(a.job_dir, rank, a.kill)
-    rt = Runtime.from_env(a.job_dir, sharded=True, fault_hook=faults, activation_timeout_s=60.0)
+    rt = Runtime.from_env(
+        a.job_dir, sharded=True, fault_hook=faults, activation_timeout_s=60.0, snapshot_budget=a.snapshot_budget
+    )
     state = rt.activate(build=build)
     model, opt = state.model, state.optimizer
     out = a.job_dir / "fsdp-out"

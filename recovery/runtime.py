@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -235,6 +236,7 @@ class Runtime:
         lease_ttl_s: float | None = None,
         snapshot_root: str | Path | None = None,
         sharded: bool = False,
+        snapshot_budget: float = ss.DEFAULT_BUDGET,
     ):
 
         self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
@@ -290,6 +292,11 @@ class Runtime:
             )
         self.snapshot_group: Any = None
         self._sharded: Any = None  # the ShardedSnapshotter (every rank), sharded mode only
+        # sharded mode: snapshot_every is the shortest interval; the budget (a fraction of step time
+        # for the snapshot's CPU, 0: off) stretches it (ShardedSnapshotter.due)
+        self.snapshot_budget = max(0.0, snapshot_budget)
+        self._commit_gaps: deque[float] = deque(maxlen=16)  # recent commit-to-commit times (the step time)
+        self._last_commit_t: float | None = None
         self.ownership_map_version = 0
         self.reshard: dict[str, Any] | None = None  # the certified reshard plan and whether it held
         self.rng_restore: str | None = None  # sharded restore: what happened to the RNG states, in words
@@ -517,7 +524,7 @@ class Runtime:
                     "phases": phases,
                     "world_size": self.world_size,
                     "restart_count": self.restart_count,
-                    **({"sharded": True, "reshard": self.reshard} if self.sharded else {}),
+                    **({"sharded": True, "reshard": self.reshard, "rng": self.rng_restore} if self.sharded else {}),
                 },
             )
         if self.sharded:
@@ -862,6 +869,8 @@ class Runtime:
             before_publish=(lambda step, _dir: hook("snapshot", step)) if hook else None,
             ownership_map_version=lambda: self.ownership_map_version,
             on_done=self._sharded_done,
+            every=max(1, self.snapshot_every),
+            cpu_budget=self.snapshot_budget,
             max_wait=max(30.0, 2 * self.pg_timeout_s),
         )
         # a worker that dies of a collective error (peer gone) still lets its last save end
@@ -1018,8 +1027,15 @@ class Runtime:
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
         due = self.snapshot_every and step % self.snapshot_every == 0
-        if self._sharded is not None and due:  # every rank, the same steps: the save is collective
-            self._sharded.submit(step, self.sharded_state(), rng=ss.rng_state())
+        if self._sharded is not None:  # every rank, the same steps (`due` agrees): the save is collective
+            now = time.perf_counter()
+            if self._last_commit_t is not None:  # commit to commit: the whole step, with or without rt.steps()
+                self._commit_gaps.append(now - self._last_commit_t)
+            self._last_commit_t = now
+            self._sharded.every = max(1, self.snapshot_every)
+            if self.snapshot_every and self._sharded.due(step):
+                step_s = statistics.median(self._commit_gaps) if self._commit_gaps else 0.0
+                self._sharded.submit(step, self.sharded_state, rng=ss.rng_state(), step_s=step_s)
         elif self._snapshotter is not None and due:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 

@@ -28,6 +28,7 @@ Lazy imports (start-up time): torch, only inside the functions that save, load o
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import queue
 import shutil
@@ -62,6 +63,9 @@ LAYOUT = "gpuguard.sharded/1"  # manifest extra["layout"] and state.json "layout
 PART_SCHEMA = "gpuguard.sharded-part/1"
 MAX_PART_BYTES = 64 << 20  # a part lists one rank's objects: a few MiB for 100,000s of chunks
 _M64 = (1 << 64) - 1
+# the runtime's default snapshot budget: a snapshot's CPU (coordinator) at most 3 % of step time
+# (issue 16's overhead target), so the interval is ceil(cost / (0.03 x step))
+DEFAULT_BUDGET = 0.03
 
 
 def part_name(rank: int) -> str:
@@ -239,6 +243,8 @@ class ShardedInfo:
     manifest_digest: str
     state_digest: str | None  # the in-memory state's digest (memory_digest=True), else None
     bytes_written: int  # data files of all members
+    cost_s: float = 0.0  # the coordinator's CPU for it: its staging (training thread) + its save up to the publish
+    step_s: float = 0.0  # the coordinator's recent step time when it was submitted
 
     def snapshot(self, generation: int | None = None) -> SnapshotInfo:
         return SnapshotInfo(self.step, self.path, "snapshots", generation, self.state_digest, self.manifest_digest)
@@ -457,6 +463,8 @@ def save_sharded(
     before_publish: Callable[[Path], None] | None = None,
     memory_digest: bool = False,
     rng: Mapping[str, str] | None = None,
+    submit_s: float = 0.0,
+    step_s: float = 0.0,
 ) -> ShardedInfo | None:
     """Collective over `group` (every member calls it with the same step): write `state` as the
     sharded snapshot of `step`. Returns the published snapshot on every member; None when the
@@ -470,6 +478,9 @@ def save_sharded(
 
     `rng`: this rank's RNG states at the step (`rng_state()`, taken on the training thread when the
     state was staged), kept in its part (so under the part's digest and the manifest's Merkle root).
+    `submit_s` (what staging cost the training thread) and `step_s` (the recent step time): the
+    coordinator's go into the result (`cost_s` = its `submit_s` + its own CPU for the save, and
+    `step_s`), the same on every member (`ShardedSnapshotter`'s adaptive interval).
 
     The group should be a dedicated gloo group with a finite timeout (`new_snapshot_group`): a
     member that dies mid-save makes the others' save fail by that timeout, never hang.
@@ -478,6 +489,7 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - lazy: torch only where used
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cpu0 = time.thread_time()
     parent = Path(job_dir) / "snapshots"
     box: list[Any] = [None]
     if rank == 0:
@@ -523,7 +535,8 @@ def save_sharded(
                     reason = f"fenced: generation {generation} is no longer the active one"
                 else:
                     publish_dir(tmp, final)
-                    result = ShardedInfo(step, final, world, *done)
+                    cost = submit_s + time.thread_time() - cpu0
+                    result = ShardedInfo(step, final, world, *done, cost, step_s)
             except Exception as exc:  # noqa: BLE001 - reported to every member, not raised mid-collective
                 reason = f"{type(exc).__name__}: {exc}"
             if result is None:
@@ -639,6 +652,15 @@ class ShardedSnapshotter:
     `ownership_map_version()` is stamped into each manifest. `nice`: the writer thread's nice
     value (Linux, per thread; 0 leaves it), so that on a busy host it takes the CPU the training
     threads leave (off by default: on the 2-core bench host, 0, 10 and 19 were within the noise).
+
+    The interval (`due(step)`): every `every` steps with `cpu_budget` 0; with a budget (a fraction
+    of step time; the runtime's default is 0.03) it adapts: after each snapshot the next one is due
+    `interval` steps later, interval = max(`every`, ceil(cost / (cpu_budget x step time))), where
+    cost is the coordinator's CPU for the last snapshot (`ShardedInfo.cost_s`: its staging on the
+    training thread plus its writer thread up to the publish) and step time is the median step the
+    coordinator passed to `submit`. Both come to every member in the snapshot's outcome (the
+    coordinator's broadcast), and each member applies the interval at its next `submit`, which
+    first waits for that snapshot: every member picks the same steps. A failed snapshot keeps it.
     """
 
     def __init__(
@@ -655,6 +677,8 @@ class ShardedSnapshotter:
         before_publish: Callable[[int, Path], None] | None = None,
         ownership_map_version: Callable[[], int] | None = None,
         nice: int = 0,
+        every: int = 1,
+        cpu_budget: float = 0.0,
     ) -> None:
         self.job_dir, self.generation, self.incarnation = Path(job_dir), generation, incarnation
         self.group = group if group is not None else new_snapshot_group()
@@ -662,29 +686,49 @@ class ShardedSnapshotter:
         self.memory_digest, self.before_publish = memory_digest, before_publish
         self.ownership_map_version = ownership_map_version
         self.nice = nice
+        self.every, self.cpu_budget = max(1, every), max(0.0, cpu_budget)
+        self.interval = self.every  # steps from one snapshot to the next (adaptive with a budget)
+        self._next_due = 0
         self.written = 0
         self.errors = 0
         self.unpublished = 0
         self.cpu_s = 0.0
         self.wait_s = 0.0  # time the training thread waited for the previous snapshot
         self.last: ShardedInfo | None = None
-        self._q: queue.Queue[tuple[int, dict[str, Any], Mapping[str, str] | None] | None] = queue.Queue(maxsize=1)
+        self._q: queue.Queue[tuple[int, dict[str, Any], Mapping[str, str] | None, float, float] | None] = queue.Queue(
+            maxsize=1
+        )
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="gpuguard-sharded-snapshot", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, state: Mapping[str, Any], rng: Mapping[str, str] | None = None) -> None:
-        """Stage `state` (and this rank's `rng`, see `save_sharded`) for the snapshot of `step`."""
+    def due(self, step: int) -> bool:
+        """Whether `step` gets a snapshot: the same answer on every member (see the class docstring)."""
+        if self.cpu_budget <= 0:
+            return step % self.every == 0
+        return step >= self._next_due
+
+    def submit(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        rng: Mapping[str, str] | None = None,
+        step_s: float = 0.0,
+    ) -> None:
+        """Stage `state` (a callable: called here, its cost counted as staging) and this rank's `rng`
+        (see `save_sharded`) for the snapshot of `step`; `step_s`: the recent (median) step time."""
         t0 = time.monotonic()
         if not self._idle.wait(self.max_wait):
             raise SnapshotStuck(
                 f"the sharded snapshot before step {step} is still being written after {self.max_wait:.0f} s"
             )
         self.wait_s += time.monotonic() - t0
-        staged = stage(state)  # before the writer is marked busy: a failed copy leaves it idle
+        c0 = time.thread_time()
+        staged = stage(state() if callable(state) else state)  # before the writer is busy: a failed copy leaves it idle
+        self._next_due = step + self.interval  # the previous snapshot's interval: the same on every member
         self._idle.clear()
-        self._q.put((step, staged, dict(rng) if rng is not None else None))
+        self._q.put((step, staged, dict(rng) if rng is not None else None, step_s, time.thread_time() - c0))
 
     def _run(self) -> None:
         if self.nice:  # Linux: a thread's own nice value; training threads keep the CPU when both want it
@@ -696,7 +740,7 @@ class ShardedSnapshotter:
             item = self._q.get()
             if item is None:
                 return
-            step, state, rng = item
+            step, state, rng, step_s, submit_s = item
             t0 = time.thread_time()
             info: ShardedInfo | None = None
             error: BaseException | None = None
@@ -713,12 +757,15 @@ class ShardedSnapshotter:
                     before_publish=(lambda p, s=step: hook(s, p)) if (hook := self.before_publish) else None,
                     ownership_map_version=self.ownership_map_version() if self.ownership_map_version else 0,
                     rng=rng,
+                    submit_s=submit_s,
+                    step_s=step_s,
                 )
                 if info is None:
                     self.unpublished += 1
                 else:
                     self.written += 1
                     self.last = info
+                    self.interval = self._interval(info)
             except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
                 self.errors += 1
                 error = exc
@@ -731,6 +778,12 @@ class ShardedSnapshotter:
                     except Exception:  # noqa: BLE001,S110 - a reporting hook must not stop the writer
                         pass
                 self._idle.set()
+
+    def _interval(self, info: ShardedInfo) -> int:
+        """The steps until the next snapshot, from the coordinator's figures (the same on every member)."""
+        if self.cpu_budget <= 0 or info.step_s <= 0:
+            return self.every if self.cpu_budget <= 0 else self.interval
+        return max(self.every, math.ceil(info.cost_s / (self.cpu_budget * info.step_s)))
 
     def flush(self, timeout: float) -> bool:
         """Wait for the snapshot in flight (True when none is left)."""

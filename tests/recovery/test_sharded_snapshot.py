@@ -474,3 +474,44 @@ def test_the_rng_state_round_trips_through_its_hex_form():
     torch.rand(100)
     ss.set_rng_state(saved)
     assert torch.equal(torch.rand(8), first)
+
+
+# ------------------------------------------------------------------ the adaptive interval (pure: no save runs)
+
+
+def _info(cost_s: float, step_s: float) -> ss.ShardedInfo:
+    return ss.ShardedInfo(1, Path("x"), 2, "m", None, 0, cost_s, step_s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    every=st.integers(1, 5),
+    budget=st.sampled_from([0.0, 0.01, 0.03, 0.1]),
+    cost_ms=st.integers(0, 500),
+    step_ms=st.integers(0, 2000),
+)
+def test_the_interval_keeps_the_snapshot_cpu_within_the_budget_and_never_below_every(
+    tmp_path_factory, every, budget, cost_ms, step_ms
+):
+    snap = ss.ShardedSnapshotter(
+        tmp_path_factory.mktemp("s"), generation=0, incarnation="x", group=object(), every=every, cpu_budget=budget
+    )
+    try:
+        k = snap._interval(_info(cost_ms / 1000, step_ms / 1000))
+        if budget == 0:
+            assert k == every
+        elif step_ms == 0:
+            assert k == snap.interval  # no step time yet: unchanged
+        else:
+            assert k >= every and (cost_ms / 1000) / (k * step_ms / 1000) <= budget + 1e-12
+            assert k == every or (cost_ms / 1000) / ((k - 1) * step_ms / 1000) > budget  # the shortest such
+    finally:
+        assert snap.close(5)
+
+
+def test_without_a_budget_the_due_steps_are_every_kth(tmp_path):
+    fixed = ss.ShardedSnapshotter(tmp_path, generation=0, incarnation="x", group=object(), every=3)
+    try:
+        assert [s for s in range(1, 10) if fixed.due(s)] == [3, 6, 9]
+    finally:
+        assert fixed.close(5)
