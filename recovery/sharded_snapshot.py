@@ -31,6 +31,7 @@ import hashlib
 import math
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -170,12 +171,14 @@ RNG_NAMES = ("torch", "cuda")  # torch's CPU generator; the CUDA generators of t
 MAX_RNG_HEX = 1 << 20
 
 
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+
+
 def _valid_rng(rng: Any) -> bool:
     return (
         isinstance(rng, dict)
         and set(rng) <= set(RNG_NAMES)
-        and all(isinstance(v, str) and len(v) <= MAX_RNG_HEX and len(v) % 2 == 0 for v in rng.values())
-        and all(c in "0123456789abcdef" for v in rng.values() for c in v)
+        and all(isinstance(v, str) and len(v) <= MAX_RNG_HEX and _HEX.fullmatch(v) for v in rng.values())
     )
 
 
