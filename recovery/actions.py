@@ -149,9 +149,27 @@ def abort(
     records = []
     unknown: list[str] = []
     spared: list[str] = []
+    procs: list[dict[str, Any]] = []  # the same evidence as objects, one per record (details.processes)
+
+    def said(rec: Any, outcome: str, reason: str, signal_name: str | None = None) -> None:
+        procs.append(
+            {
+                "rank": getattr(rec, "rank", None),
+                "incarnation": getattr(rec, "incarnation_id", None),
+                "pid": getattr(rec, "pid", None),
+                "host": getattr(rec, "host", None),
+                "generation": getattr(rec, "generation", None),
+                "active": _is_active(getattr(rec, "generation", None), active),
+                "outcome": outcome,
+                "signal": signal_name,
+                "reason": reason,
+            }
+        )
+
     for rec in iter_incarnations(job_dir):
         if isinstance(rec, DataError):
             unknown.append(f"unreadable incarnation record, not verified: {rec}")
+            said(None, "unreadable", str(rec))
         elif (generation is None or rec.generation is None or rec.generation <= generation) and (
             not ranks or rec.rank in ranks
         ):
@@ -161,6 +179,7 @@ def abort(
                     f"{who}: generation {rec.generation} is the ACTIVE generation: left alone "
                     "(--include-active to abort it)"
                 )
+                said(rec, "left-alone", "the active generation (--include-active to abort it)")
                 continue
             if not include_active and ledger_problem is not None and rec.generation is not None:
                 # which generation is active is unknown: this one may be the running job's
@@ -168,6 +187,7 @@ def abort(
                     f"{who}: generation {rec.generation} may be the active one (ledger: {ledger_problem}): "
                     "left alone (--include-active to abort it)"
                 )
+                said(rec, "left-alone", f"may be the active generation (ledger: {ledger_problem})")
                 continue
             records.append(rec)
     host = os.uname().nodename
@@ -179,6 +199,7 @@ def abort(
         if rec.host and rec.host not in (host, _hostname()):
             unknown.append(f"{who} on {rec.host}: not on this host, not verified")
             unverified_ids.add(rec.incarnation_id)
+            said(rec, "unverified", "not on this host")
             continue
         check = check_job_process(
             JobProcessClaim(rec.pid, rec.start_time, uid=rec.uid, run_id=rec.run_id, agent_pid=rec.agent_pid)
@@ -188,14 +209,19 @@ def abort(
         elif check.verdict == "gone":
             suffix = ": not signalled" if "newer process" in check.reason else ""
             evidence.append(f"{who}: gone ({check.reason}{suffix})")
+            said(rec, "gone", check.reason)
         elif check.verdict == "not-the-job":
             unknown.append(f"{who}: alive but not the job's ({check.reason}): not signalled")
             unverified_ids.add(rec.incarnation_id)
+            said(rec, "not-the-job", check.reason)
         else:
             unknown.append(f"{who}: cannot be verified ({check.reason}): not signalled")
             unverified_ids.add(rec.incarnation_id)
+            said(rec, "unverified", check.reason)
     if dry_run:
         plan = [f"rank {r.rank} pid {r.pid}: would SIGTERM, then SIGKILL after {grace_s:g} s" for r, _ in targets]
+        for r, _ in targets:
+            said(r, "would-terminate", f"proven the job's: SIGTERM, then SIGKILL after {grace_s:g} s")
         return ActionResult(
             "abort",
             "dry-run",
@@ -218,6 +244,7 @@ def abort(
                 "evidence": evidence,
                 "unverified": unknown,
                 "left_alone": spared,
+                "processes": procs,
             },
             dry_run=True,
         )
@@ -234,10 +261,12 @@ def abort(
         state = process_status(rec.pid, rec.start_time)
         if state in ALIVE_STATES:
             evidence.append(f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: STILL ALIVE after {how}")
+            said(rec, "still-alive", f"still {state} after {how}", how)
         else:
             evidence.append(
                 f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}: terminated by {how} ({state})"
             )
+            said(rec, "terminated", str(state), how)
     quiescent = not still and not unknown
     evidence_file = _write_quiescence(
         job_dir,
@@ -253,6 +282,7 @@ def abort(
         # "proved" covers every recorded incarnation; with the active generation left running it cannot
         "quiescence": ("proved" if not spared else "active-running") if quiescent else "unknown",
         "left_alone": spared,
+        "processes": procs,
         "evidence_file": str(evidence_file),
         "elapsed_s": round(time.monotonic() - t0, 3),
     }
