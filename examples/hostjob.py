@@ -9,6 +9,8 @@ The cluster is duck-typed (`run`, `host(name).hostdir`, `job_dir`): any cluster 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +58,21 @@ class HostJobBase:
     def outside(self, host: str) -> Path:
         """That host's job directory as this (outside) process sees it."""
         return Path(self.cluster.host(host).hostdir) / "job" / self.name
+
+    def init_ledger(self, to_hosts: list[str]) -> None:
+        """`gpu-generation init` on the first host, then the job's identity and signing key (0600) on
+        each of `to_hosts`: a deployment's secret handed out, not coordination."""
+        first = self.hosts[0]
+        argv = [console("gpu-generation"), "init", "--job-dir", self.job_dir, "--ledger", self.url]
+        self.cluster.run(first, [*argv, "--job-id", self.name], timeout=60, check=True)
+        src = self.outside(first)
+        for h in to_hosts:
+            dst = self.outside(h)
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in ("generation.key", "ledger.url", "job.json"):
+                if (src / f).exists():
+                    shutil.copy2(src / f, dst / f)
+            os.chmod(dst / "generation.key", 0o600)
 
     def wait(self, keys: list[Any], timeout: float) -> dict[Any, int | None]:
         """Exit codes of these processes once all have exited, or None for one still there."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuguard.examples.hostjob import HostJobBase, console
+from gpuguard.examples.hostjob import HostJobBase
 from gpuguard.examples.inplace_train import FAULTS_ENV
 from gpuguard.foundation.env import JOB_DIR_ENV, JOB_ID_ENV, LEASE_TTL_ENV, LEDGER_ENV, PG_TIMEOUT_ENV
 
@@ -55,19 +54,7 @@ class HostJob(HostJobBase):
         job = cls(cluster, list(hosts), name, url, Path(log_dir))
         job.log_dir.mkdir(parents=True, exist_ok=True)
         first = hosts[0]
-        cluster.run(
-            first,
-            [console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
-            timeout=60,
-            check=True,
-        )
-        src = job.outside(first)
-        for h in hosts[1:]:  # the job's identity and key on every host: a deployment's secret, not coordination
-            dst = job.outside(h)
-            dst.mkdir(parents=True, exist_ok=True)
-            for f in ("generation.key", "ledger.url"):
-                shutil.copy2(src / f, dst / f)
-            os.chmod(dst / "generation.key", 0o600)
+        job.init_ledger(hosts[1:])
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
         env.update(
             {

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,20 +85,7 @@ class RestartHostJob(HostJobBase):
         (job.shared / "state").mkdir(parents=True)
         (job.shared / "out").mkdir()
         first = hosts[0]
-        cluster.run(
-            first,
-            [console("gpu-generation"), "init", "--job-dir", job.job_dir, "--ledger", url, "--job-id", name],
-            timeout=60,
-            check=True,
-        )
-        src = job.outside(first)
-        for h in [*hosts[1:], *(spares or [])]:  # a deployment's secret on every host, not coordination
-            dst = job.outside(h)
-            dst.mkdir(parents=True, exist_ok=True)
-            for f in ("generation.key", "ledger.url", "job.json"):
-                if (src / f).exists():
-                    shutil.copy2(src / f, dst / f)
-            os.chmod(dst / "generation.key", 0o600)
+        job.init_ledger([*hosts[1:], *(spares or [])])
         etcd_host = cluster.etcd_url.split("://", 1)[1]
         if seed_recipe:
             rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.host(first).address}:{C10D_PORT}"]
