@@ -3,8 +3,12 @@
     python bench/node.py [--json] [--runs N] [--size-mb MB]
 
 1. `gpu-doctor diagnose node --json --kernel-log <sample>`: median wall time and peak RSS over N runs,
-   as a ratio to `python3 -c pass` measured in the same run; `python -X importtime` proves torch is
-   not imported. Targets: median <= 0.35 s, <= 60 MB.
+   as a ratio to `python3 -c pass` measured in the same run (target <= 2.1 x, issue 14); `python -X
+   importtime` on the console script's own path (`cli.doctor.main`: the typer-free `cli._fast`) proves
+   torch and typer are not imported. Targets: median <= 0.35 s, <= 60 MB. When the environment sets
+   PYTHONDONTWRITEBYTECODE (this dev environment does), every run compiles gpuguard's sources again,
+   which an installed package never does: a second row runs the same command with a bytecode cache (a
+   temporary PYTHONPYCACHEPREFIX, warmed once), interleaved with the same baseline.
 2. Incremental sweep over a generated kernel log (realistic line mix, ~0.1 % Xid lines, in a temp dir
    that is deleted): first sweep, then a second sweep over the unchanged file (target < 50 ms for the
    kernel-log read; the process start is reported separately), against `grep -c 'NVRM: Xid'`.
@@ -58,57 +62,76 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 
 def bench_diagnose(runs: int) -> tuple[list[dict], list[str]]:
     doctor = [str(BIN / "gpu-doctor"), "diagnose", "node", "--json", "--kernel-log", str(SAMPLE_LOG)]
-    baseline = ["python3", "-c", "pass"]
     rows, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="gpuguard-bench-pyc-") as pyc:
+        cached = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        cached["PYTHONPYCACHEPREFIX"] = pyc
+        for label, env in (("", None), (", bytecode cached", cached)):
+            rows.append(_diagnose_row(f"diagnose node --json (sample log, replay){label}", doctor, runs, env))
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        notes.append(
+            "PYTHONDONTWRITEBYTECODE is set here: the first row compiles gpuguard's sources on every run; "
+            "the second is what an installed package (compiled at install) costs"
+        )
+    rows.extend(_importtime(doctor))
+    notes.append("replay (--kernel-log given): NVML is not examined, as on a laptop reading a node's log")
+    return rows, notes
+
+
+def _diagnose_row(case: str, doctor: list[str], runs: int, env: dict[str, str] | None) -> dict:
+    baseline = ["python3", "-c", "pass"]
     samples: dict[str, list[tuple[float, int]]] = {"doctor": [], "baseline": []}
-    timed(doctor)  # warm the page cache
+    CPU.pop(tuple(doctor), None)
+    CPU.pop(tuple(baseline), None)
+    timed(doctor, env)  # warm the page cache (and the bytecode cache)
+    CPU.pop(tuple(doctor), None)
+    code = 0
     for _ in range(runs):  # interleaved, so machine noise hits both alike
         samples["baseline"].append(timed(baseline)[:2])
-        wall, rss, code = timed(doctor)
+        wall, rss, code = timed(doctor, env)
         samples["doctor"].append((wall, rss))
     med = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     rss = {k: max(r for _, r in v) for k, v in samples.items()}
-    rows.append(
-        {
-            "case": "diagnose node --json (sample log, live NVML)",
-            "runs": runs,
-            "median_s": round(med["doctor"], 4),
-            "p_max_s": round(max(w for w, _ in samples["doctor"]), 4),
-            "peak_rss_mb": round(rss["doctor"] / 2**20, 1),
-            "baseline": "python3 -c pass",
-            "baseline_median_s": round(med["baseline"], 4),
-            "baseline_rss_mb": round(rss["baseline"] / 2**20, 1),
-            "ratio_time": round(med["doctor"] / med["baseline"], 2),
-            "median_cpu_s": round(statistics.median(CPU[tuple(doctor)]), 4),
-            "baseline_median_cpu_s": round(statistics.median(CPU[tuple(baseline)]), 4),
-            "ratio_cpu": round(statistics.median(CPU[tuple(doctor)]) / statistics.median(CPU[tuple(baseline)]), 2),
-            "ratio_rss": round(rss["doctor"] / rss["baseline"], 2),
-            "target": "median <= 0.35 s, <= 60 MB",
-            "meets_target": med["doctor"] <= 0.35 and rss["doctor"] <= 60 * 2**20,
-            "exit_code": code,
-        }
-    )
-    code = (
-        "import sys; from gpuguard.cli.doctor import app; from gpuguard.cli._app import run; "
-        f"sys.exit(run(app, 'gpu-doctor', {doctor[1:]!r}))"
-    )
+    return {
+        "case": case,
+        "runs": runs,
+        "median_s": round(med["doctor"], 4),
+        "p_max_s": round(max(w for w, _ in samples["doctor"]), 4),
+        "peak_rss_mb": round(rss["doctor"] / 2**20, 1),
+        "baseline": "python3 -c pass",
+        "baseline_median_s": round(med["baseline"], 4),
+        "baseline_rss_mb": round(rss["baseline"] / 2**20, 1),
+        "ratio_time": round(med["doctor"] / med["baseline"], 2),
+        "median_cpu_s": round(statistics.median(CPU[tuple(doctor)]), 4),
+        "baseline_median_cpu_s": round(statistics.median(CPU[tuple(baseline)]), 4),
+        "ratio_cpu": round(statistics.median(CPU[tuple(doctor)]) / statistics.median(CPU[tuple(baseline)]), 2),
+        "ratio_rss": round(rss["doctor"] / rss["baseline"], 2),
+        "target": "median <= 0.35 s, <= 60 MB; ratio_time <= 2.1",
+        "meets_target": med["doctor"] <= 0.35
+        and rss["doctor"] <= 60 * 2**20
+        and med["doctor"] <= 2.1 * med["baseline"],
+        "exit_code": code,
+    }
+
+
+def _importtime(doctor: list[str]) -> list[dict]:
+    """The modules the console script's own path imports (`cli.doctor.main`, as `gpu-doctor` runs it)."""
+    code = f"import sys; sys.argv = {['gpu-doctor', *doctor[1:]]!r}; from gpuguard.cli.doctor import main; main()"
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120)
     modules = [ln.split("|")[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")]
     torch = [m for m in modules if m == "torch" or m.startswith("torch.")]
     heavy = sorted(
         {m.split(".")[0] for m in modules}
-        & {"torch", "numpy", "pydantic", "rich", "requests", "prometheus_client", "psutil"}
+        & {"torch", "numpy", "pydantic", "rich", "requests", "prometheus_client", "psutil", "typer", "click"}
     )
-    rows.append(
+    return [
         {
-            "case": "python -X importtime (diagnose node --json)",
+            "case": "python -X importtime (gpu-doctor diagnose node --json, the console script's path)",
             "modules_imported": len(modules),
             "torch_imported": bool(torch),
             "heavy_imported": ",".join(heavy) or "none",
         }
-    )
-    notes.append("NVML is live here: on a machine without a driver pynvml answers LibraryNotFound in < 1 ms")
-    return rows, notes
+    ]
 
 
 LINES = [
