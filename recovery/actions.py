@@ -487,6 +487,16 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
     except GpuguardError:
         pass
     summary = f"step {chosen.step} ({chosen.kind}, manifest {str(chosen.manifest_digest)[:12]})"
+    # what the pin changes, in words: the next activation's bound (`activation.restore_bound`)
+    change = f"the next generation starts from step {chosen.step}"
+    if frontier is None:
+        change += f" (no frontier limit to compare with: {source})"
+    elif chosen.step < frontier:
+        change += f" instead of the frontier limit, step {frontier}"
+    else:
+        change += " (the frontier limit itself: the pin fixes which copy)"
+    details["effect"] = change + " (used by the next activation only; a pin never moves the frontier forward)"
+    summary = f"{summary}: {details['effect']}"
     if current is not None and {k: current.get(k) for k in pin} == pin:
         return ActionResult("restore", "noop", EXIT_OK, f"already pinned: {summary}", details, dry_run=dry_run)
     if dry_run:
