@@ -326,6 +326,8 @@ def vote(
             for r in waiters:
                 blocked[r] = tuple(m for m in missing if m != r)
             culprits.update(m for m in missing if m not in waiters)
+            if len(missing) <= cfg.arrival_max_late_frac * len(obs):
+                _slow_for_waiters(prelim, obs, missing, waiters, seq, cfg)
         elif fresh := _just_arrived(seq, waiters, obs, cfg):
             # everyone is in it, but the rank(s) that entered last did so long after the others: they are who
             # the others waited for (the collective completes in a moment), not the waiters (blame not inverted)
@@ -489,6 +491,38 @@ def vote(
         {r: st.median_wait_s for r, st in late.items()},
     )
     return _summarize(tuple(verdicts), culprit_ranks, cohort, impact)
+
+
+def _slow_for_waiters(
+    prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]],
+    obs: Sequence[RankObservation],
+    missing: Sequence[int],
+    waiters: Sequence[int],
+    seq: int,
+    cfg: VoteConfig,
+) -> None:
+    """A live rank that its peers have waited for in collective `seq` past their pause bound, while it is still
+    working towards it, is `slow` (a straggler at its onset, before two late collectives exist: a 5 % rank's
+    first slow step), not `healthy`: the job stands still for it. `hung` stays its own progress voter's call."""
+    by = {o.rank: o for o in obs}
+    ws = [by[r] for r in waiters]
+    waited = min(o.phase_age_s for o in ws)
+    bound = max(pause_bound_s(o, cfg) for o in ws)
+    if waited <= bound:
+        return
+    for m in missing:
+        v, why, pend, votes = prelim[m]
+        o = by[m]
+        if v != HEALTHY or not o.has_records or o.closed or m in waiters:
+            continue
+        where = f"{o.phase} step {o.phase_step}" if o.phase_step >= 0 else o.phase
+        prelim[m] = (
+            SLOW,
+            f"its peers have waited {waited:.1f} s for it in collective {seq} (past their pause bound "
+            f"{bound:.1f} s) while it is still {where}: the job waits for it; {why}",
+            pend,
+            votes,
+        )
 
 
 def _superseded(old: Sequence[tuple[int, RankObservation]], cfg: VoteConfig) -> tuple[RankVerdict, ...]:

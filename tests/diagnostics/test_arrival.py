@@ -266,3 +266,23 @@ def test_a_named_straggler_stays_named_when_one_collective_breaks_its_run() -> N
     assert stragglers(obs) == {}  # on its own: a run of one
     assert vote(obs, CFG, named).culprits == (3,)  # named at the previous check: kept
     assert vote(obs, CFG).culprits == ()
+
+
+def test_a_rank_its_peers_wait_for_past_their_pause_bound_is_slow_even_while_it_heartbeats() -> None:
+    # the onset of a 5 % straggler: no late collective yet; ranks 0-2 wait in collective 4 for 1.9 s (pause
+    # bound 1 s), rank 3 still computes step 4 and writes heartbeats (its own progress looks fresh)
+    per = synchronous(4, {})
+    obs = []
+    for r in range(4):
+        e = list(per[r])
+        if r != 3:
+            obs.append(replace(ob(r, [*e, (4, 2000.0, -1.0)], COLLECTIVE, age=1.9, seq=4), phase_step=4))
+        else:
+            obs.append(replace(ob(r, e, COMPUTING, age=2.0, seq=3), phase_step=4, progress_age_s=0.1))
+    job = vote(obs, CFG)
+    v = job.by_rank()
+    assert v[3].verdict == "slow" and job.culprits == (3,) and "waited 1.9 s for it" in v[3].reason, v[3]
+    assert all(v[r].verdict == "healthy" and v[r].blocked_by == (3,) for r in (0, 1, 2)), job
+    # waited less than their pause bound: nothing to say yet
+    short = [replace(o, phase_age_s=0.5, progress_age_s=0.5) if o.rank != 3 else o for o in obs]
+    assert vote(short, CFG).culprits == () and vote(short, CFG).verdict == "healthy"
