@@ -18,6 +18,7 @@ import typer
 
 from gpuguard.cli import recover_demo, recover_status
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, require_job, safe_text
+from gpuguard.foundation.env import SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import EXIT_OK
 
 app = make_app(
@@ -187,12 +188,19 @@ def restore_cmd(
     job_dir: Path = job_dir_option(),
     step: int | None = typer.Option(None, "--step", min=0, help="Newest step acceptable (default: the frontier)."),
     max_tries: int = typer.Option(3, "--max-tries", min=1, max=100, help="Candidates verified before giving up."),
+    snapshot_root: Path | None = typer.Option(
+        None,
+        "--snapshot-root",
+        envvar=SNAPSHOT_ROOT_ENV,
+        help="Where snapshots/ and checkpoints/ live when not in the job dir (shared storage; default: the job dir).",
+    ),
     dry_run: bool = _DRY,
     yes: bool = _YES,
     as_json: bool = _JSON,
 ) -> int:
     """Pin the newest complete, verified state at or before the committed frontier."""
-    return _act("restore", {"job_dir": job_dir, "step": step, "max_tries": max_tries}, job_dir, dry_run, yes, as_json)
+    kwargs = {"job_dir": job_dir, "step": step, "max_tries": max_tries, "snapshot_root": snapshot_root}
+    return _act("restore", kwargs, job_dir, dry_run, yes, as_json)
 
 
 @app.command("verify")

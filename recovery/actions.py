@@ -444,11 +444,20 @@ def read_rendezvous(
 RESTORE_PIN = "restore.json"
 
 
-def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_run: bool = False) -> ActionResult:
+def restore(
+    job_dir: Path,
+    *,
+    step: int | None = None,
+    max_tries: int = 3,
+    snapshot_root: Path | None = None,
+    dry_run: bool = False,
+) -> ActionResult:
     """Pin the newest complete, verified state at or before the committed frontier (and `step`).
 
     Corrupt or incomplete candidates are rejected with the reason and the next older one is tried,
     at most `max_tries` times. The choice is written to `<job-dir>/restore.json` for the runtime.
+    `snapshot_root`: where the job keeps snapshots/ and checkpoints/ when they are not in the job
+    dir (shared storage across hosts, the runtime's GPUGUARD_SNAPSHOT_ROOT).
     """
 
     if not job_dir.is_dir():
@@ -457,11 +466,20 @@ def restore(job_dir: Path, *, step: int | None = None, max_tries: int = 3, dry_r
         raise UsageError("--max-tries must be at least 1")
     frontier, source = _frontier(job_dir)
     bound = step if frontier is None else (frontier if step is None else min(step, frontier))
-    selection = snapshot.select_restorable(job_dir, bound, max_tries=max_tries)
-    details: dict[str, Any] = {"frontier": frontier, "frontier_source": source, "limit": bound, **selection.to_dict()}
+    root = snapshot_root if snapshot_root is not None else job_dir
+    if not root.is_dir():
+        raise NoInputError(f"{root}: no such snapshot root")
+    selection = snapshot.select_restorable(root, bound, max_tries=max_tries)
+    details: dict[str, Any] = {
+        "frontier": frontier,
+        "frontier_source": source,
+        "limit": bound,
+        "snapshot_root": str(root),
+        **selection.to_dict(),
+    }
     if selection.chosen is None:
         if not selection.rejected:
-            raise NoInputError(f"{job_dir}: no snapshot or checkpoint to restore")
+            raise NoInputError(f"{root}: no snapshot or checkpoint to restore")
         return ActionResult(
             "restore",
             "failed",

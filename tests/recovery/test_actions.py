@@ -120,6 +120,40 @@ def test_restore_skips_a_corrupted_snapshot_and_pins_the_previous_verified_one(t
     assert json.loads(r.stdout)["details"]["chosen"]["step"] == 3
 
 
+def test_restore_finds_the_states_on_the_shared_snapshot_root(tmp_path):
+    """Across hosts the snapshots live on shared storage, not in the host's job dir: restore reads
+    them there (--snapshot-root or the runtime's GPUGUARD_SNAPSHOT_ROOT) and pins that path."""
+    import torch
+
+    from gpuguard.recovery.snapshot import save_snapshot
+
+    job, shared = tmp_path / "job", tmp_path / "shared"
+    ensure_job(job)
+    for step in (4, 8):
+        save_snapshot(shared, step, {"w": torch.full((4,), float(step))}, generation=0, owner="test")
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(job), "--yes", "--json", env={"GPUGUARD_SNAPSHOT_ROOT": ""})
+    assert r.returncode == 66 and "no snapshot or checkpoint to restore" in r.stderr  # not in the job dir
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(job), "--snapshot-root", str(shared), "--yes", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["details"]["chosen"]["step"] == 8 and doc["details"]["snapshot_root"] == str(shared)
+    assert json.loads((job / "restore.json").read_text())["path"] == str(shared / "snapshots" / "step-8")
+    r = run_cli(
+        "gpu-recover",
+        "restore",
+        "--job-dir",
+        str(job),
+        "--step",
+        "5",
+        "--yes",
+        "--json",
+        env={"GPUGUARD_SNAPSHOT_ROOT": str(shared)},
+    )
+    assert r.returncode == 0 and json.loads(r.stdout)["details"]["chosen"]["step"] == 4
+    r = run_cli("gpu-recover", "restore", "--job-dir", str(job), "--snapshot-root", str(tmp_path / "gone"), "--yes")
+    assert r.returncode == 66 and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_abort_never_signals_a_process_that_is_not_the_jobs(tmp_path):
     """A forged record with the right pid and start time names an unrelated process: it lacks the
     job's run id in its environment (or runs as another uid), so it is reported and left alone,
