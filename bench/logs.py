@@ -225,6 +225,13 @@ def main() -> None:
         if grep_count != xid_events:
             notes.append(f"xid counts differ: grep {grep_count}, gpu-doctor {xid_events}")
         notes.append(f"file {size / (1 << 30):.2f} GiB, page-cached; target: gpu-doctor <= 2x grep")
+        try:
+            import numpy  # noqa: F401 - only: is it there for the scanner's newline counter?
+
+            counter = "numpy" if size >= logscan_numpy_from() else "bytes.count (file below NUMPY_FROM)"
+        except ImportError:
+            counter = "bytes.count (numpy not installed)"
+        notes.append(f"gpu-doctor's newline counter: {counter}; the floor row counts with bytes.count")
         if os.environ.get("PYTHONDONTWRITEBYTECODE"):
             notes.append("PYTHONDONTWRITEBYTECODE is set: every gpu-doctor run compiles gpuguard's sources again")
         notes.append(
@@ -260,6 +267,12 @@ def _floor(path: Path, size: int, grep_best: float, cpu_ratio) -> dict:
         "prefilter_hits": hits,
         "lines": lines,
     }
+
+
+def logscan_numpy_from() -> int:
+    from gpuguard.collectors import logscan
+
+    return logscan.NUMPY_FROM
 
 
 class _Head:
