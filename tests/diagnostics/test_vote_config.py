@@ -73,7 +73,13 @@ def test_the_cli_refuses_a_bad_threshold_file_in_one_line(tmp_path: Path) -> Non
 
 def test_the_packaged_yaml_holds_every_arrival_and_outlier_threshold() -> None:
     text = (Path(__file__).resolve().parents[2] / "diagnostics" / "data" / "vote.yaml").read_text()
-    for name in ("arrival_window", "arrival_min_collectives", "arrival_min_frac", "arrival_wait_frac"):
+    for name in (
+        "arrival_window",
+        "arrival_min_collectives",
+        "arrival_min_frac",
+        "arrival_wait_frac",
+        "arrival_noise_k",
+    ):
         assert f"  {name}: " in text
     assert "  arrival_min_wait_s: " in text and "  arrival_max_late_frac: " in text and "  outlier_cap_k: " in text
     assert load_config() == VoteConfig()
