@@ -3,12 +3,15 @@
 Tolerant by design: the writer may be mid-write (torn last line), two writers may have shared a file
 (interleaved lines), segments may rotate away while we read, a rank may not have written anything
 yet. Nothing here raises on bad content: the decoder (`foundation.steplog`) counts and skips bad lines.
+A rank whose newest step log cannot be read (an OS error other than rotation: a directory, no permission)
+or holds no record at all (garbage) is reported in `unusable` with the reason, never dropped: without its
+records the vote would call it hung, or not see it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpuguard.foundation.jobdir import ranks_dir
@@ -23,6 +26,8 @@ class JobRecords:
     job_dir: str
     ranks: dict[int, RankSeries]
     skipped_files: tuple[str, ...] = ()
+    # ranks whose newest step log could not be used, with the reason (one line, no "step log unreadable" prefix)
+    unusable: dict[int, str] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -38,7 +43,7 @@ class JobRecords:
     def silent_ranks(self) -> tuple[int, ...]:
         """Ranks below the recorded WORLD_SIZE that have not written a record (yet)."""
         w = self.expected_world
-        return tuple(r for r in range(w) if r not in self.ranks) if w else ()
+        return tuple(r for r in range(w) if r not in self.ranks and r not in self.unusable) if w else ()
 
 
 def _complete_lines(data: bytes) -> list[str]:
@@ -52,11 +57,13 @@ def _complete_lines(data: bytes) -> list[str]:
 BYTES_PER_STEP = 4 * 64  # ~4 records of ~50 bytes per step: how much tail to read for `max_steps`
 
 
-def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], list[str]]:
-    """The header line plus the last ~`budget` bytes of whole lines across the segments (oldest first).
+def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], list[str], str]:
+    """The header line plus the last ~`budget` bytes of whole lines across the segments (oldest first), and
+    why the newest segment could not be read ("" when it could, or when it rotated away).
 
     Reading only the tail keeps a check cheap however long the job has run (rotation bounds the rest).
     """
+    error = ""
     chunks: list[list[str]] = []
     files: list[str] = []
     header: list[str] = []
@@ -77,7 +84,11 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
                     fh.seek(0)
                     data = fh.read()
                     first = b""  # the whole segment, header included
-        except OSError:  # rotated away while we listed
+        except FileNotFoundError:  # rotated away while we listed
+            continue
+        except OSError as e:  # a directory, no permission, an I/O error: not rotation
+            if not files and not error:
+                error = f"{name}: {e.strerror or e}"
             continue
         left -= size
         chunks.append(_complete_lines(data))
@@ -87,7 +98,18 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
     lines = header[:]
     for chunk in reversed(chunks):
         lines.extend(chunk)
-    return lines, list(reversed(files))
+    return lines, list(reversed(files)), error
+
+
+def _mtime(root: Path, names: list[str]) -> float:
+    """The newest modification time among the segments (lstat: a link is not followed), 0 when none."""
+    out = 0.0
+    for name in names:
+        try:
+            out = max(out, os.lstat(root / name).st_mtime)
+        except OSError:
+            continue
+    return out
 
 
 def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
@@ -108,15 +130,35 @@ def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> 
         rank, inc, segment = parsed
         groups.setdefault((rank, inc), []).append((segment, name))
     per_rank: dict[int, list[RankSeries]] = {}
+    bad: dict[int, list[tuple[float, str, list[str]]]] = {}  # rank -> (mtime, reason, files) per unusable group
     budget = max(64 * 1024, max_steps * BYTES_PER_STEP)
     for (rank, inc), segs in groups.items():
-        lines, files = _tail_lines(root, [name for _, name in sorted(segs)], budget)
+        names_in = [name for _, name in sorted(segs)]
+        lines, files, error = _tail_lines(root, names_in, budget)
+        if error:
+            bad.setdefault(rank, []).append((_mtime(root, names_in), error, names_in))
+            continue
         if not files:
             continue
         series = decode_lines(lines, rank=rank, incarnation=inc, max_steps=max_steps)
+        if not series.start_wall and not series.last_wall:  # not one record: its age would be "since 1970"
+            got = f"{series.bad_lines} line(s), none a step record" if series.bad_lines else "no complete record yet"
+            why = f"{files[-1]}: {got}"
+            bad.setdefault(rank, []).append((_mtime(root, names_in), why, files))
+            continue
         per_rank.setdefault(rank, []).append(replace(series, files=tuple(files)))
     ranks: dict[int, RankSeries] = {}
+    unusable: dict[int, str] = {}
     for rank, all_series in per_rank.items():
         newest = max(all_series, key=lambda s: (s.generation, s.start_wall, s.last_wall, s.incarnation))
         ranks[rank] = replace(newest, incarnations_seen=len(all_series))
-    return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)))
+    for rank, groups_bad in bad.items():
+        mtime, why, files = max(groups_bad)
+        usable = ranks.get(rank)
+        if usable is not None and mtime < usable.start_wall:
+            skipped.extend(files)  # an older incarnation than the one we read: history only
+            continue
+        # it may be the rank's newest incarnation: what we could read of it says nothing about it now
+        ranks.pop(rank, None)
+        unusable[rank] = why
+    return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)), dict(sorted(unusable.items())))

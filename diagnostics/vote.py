@@ -45,6 +45,7 @@ from gpuguard.foundation.errors import DataError
 from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservation
 
 SCHEMA = "gpuguard.job/1"
+UNREADABLE = "step log unreadable"  # a rank's note that starts so is its reason as it stands (its records exist)
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
 DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
 _SIGTERM_EXITS = (-15, 143)  # how torchrun reports a worker it terminated: killed by SIGTERM, or exited 128+15
@@ -284,7 +285,12 @@ def vote(
     v_live, v_prog, v_coh, v_coll, v_hw, v_comm = VOTERS
     for o in obs:
         if not o.has_records:
-            why = "no step records from this rank yet" + (f" ({o.notes[0]})" if o.notes else "")
+            note = o.notes[0] if o.notes else ""
+            why = (
+                note
+                if note.startswith(UNREADABLE)
+                else "no step records from this rank yet" + (f" ({note})" if note else "")
+            )
             prelim[o.rank] = (UNKNOWN, why, False, ())
             continue
         votes: tuple[Vote, ...] = (

@@ -27,6 +27,7 @@ from gpuguard.collectors.log_steps import LogStepSpec, read_log_steps
 from gpuguard.collectors.step_records import JobRecords, read_job
 from gpuguard.diagnostics.jobevidence import hardware_from_node_reports
 from gpuguard.diagnostics.jobstats import comm_errors_from_text, observe
+from gpuguard.diagnostics.vote import UNREADABLE
 from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import ProcessState, RankObservation
 
@@ -84,8 +85,8 @@ def observe_job_generations(
     stepped = set(records.ranks)  # ranks with StepLog records (they carry a generation; training logs do not)
     if log_spec is not None:
         from_logs = read_log_steps(logs, log_spec, max_steps=history)
-        merged = {**from_logs, **records.ranks}
-        records = JobRecords(records.job_dir, dict(sorted(merged.items())), records.skipped_files)
+        merged = {r: s for r, s in {**from_logs, **records.ranks}.items() if r not in records.unusable}
+        records = JobRecords(records.job_dir, dict(sorted(merged.items())), records.skipped_files, records.unusable)
     hardware = hardware_from_node_reports(node_reports, {r: (s.host, s.local_rank) for r, s in records.ranks.items()})
     codes = exit_codes_from_logs(launcher_logs)
     comm = comm_errors_from_logs([*logs, *launcher_logs])
@@ -138,6 +139,9 @@ def observe_job_generations(
                     ),
                 )
             )
+    for rank, why in records.unusable.items():
+        # never hung or dead on records we could not read: unknown, with the reason
+        out.append(RankObservation(rank=rank, has_records=False, notes=(f"{UNREADABLE}: {why}",)))
     for rank in records.silent_ranks[:100_000]:
         out.append(
             RankObservation(
