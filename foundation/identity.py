@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from gpuguard.foundation.env import JOB_ID_ENV
+
 if TYPE_CHECKING:
     import psutil
 
@@ -114,6 +116,9 @@ def pid_alive(pid: int) -> bool:
 
 # -- is it the job's? (before any signal) ------------------------------------------------------------
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker's environment at spawn
+# a launcher that names each worker's incarnation exports it here (nothing in gpuguard sets it yet): when the
+# process's environment has it, it must be the recorded incarnation's id
+INCARNATION_ID_ENV = "GPUGUARD_INCARNATION_ID"
 
 JobVerdict = Literal["job", "gone", "not-the-job", "unknown"]
 
@@ -127,6 +132,8 @@ class JobProcessClaim:
     uid: int | None = None  # the real uid it ran as (records written before this field: None)
     run_id: str | None = None  # TORCHELASTIC_RUN_ID of the job (None: not checked)
     agent_pid: int | None = None  # its torchrun agent (None: not checked)
+    job_id: str | None = None  # the gpuguard job id (job.json); checked against GPUGUARD_JOB_ID when it is set
+    incarnation_id: str | None = None  # the recorded incarnation; checked against GPUGUARD_INCARNATION_ID when set
 
 
 @dataclass(frozen=True)
@@ -138,14 +145,22 @@ class JobProcessCheck:
     process: Any = None  # the psutil.Process, only when verdict == "job"
 
 
+def _shown(value: str, limit: int = 80) -> str:
+    """An id as a reason shows it: quoted, control characters escaped, at most `limit` characters."""
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
+
+
 def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
     """Prove (or refuse) that the live process at `claim.pid` is the job's recorded worker.
 
     Checked in order: pid + start time (a reused pid is `gone`), uid, the torchrun run id in the
     process's own environment (as the kernel holds it from exec: a forged record naming an unrelated
-    process fails here), and the parent agent (a process re-parented away from a live agent is not
-    the job's; one whose agent is gone is an orphan of the job and still its own). Anything that
-    cannot be read is `unknown`, which callers treat as "not signalled, not proved gone".
+    process fails here), the gpuguard job id and the incarnation id in that environment (each only when
+    the claim carries it and the environment has it: a job launched without them proves nothing by their
+    absence, but another job's id is proof it is not this one's), and the parent agent (a process
+    re-parented away from a live agent is not the job's; one whose agent is gone is an orphan of the job
+    and still its own). Anything that cannot be read is `unknown`, which callers treat as "not
+    signalled, not proved gone".
     """
     import psutil
 
@@ -160,20 +175,36 @@ def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
             return JobProcessCheck("gone", "pid now belongs to a newer process")
         if claim.uid is not None and proc.uids().real != claim.uid:
             return JobProcessCheck("not-the-job", f"runs as uid {proc.uids().real}, the record says {claim.uid}")
+        checked = ["pid", "start time", *(["uid"] if claim.uid is not None else [])]
+        env = proc.environ() if (claim.run_id, claim.job_id, claim.incarnation_id) != (None, None, None) else {}
         if claim.run_id is not None:
             # torchrun's own default run id is the literal "none"; a worker started without torchrun
             # records that too, so an unset variable reads as "none" (the agent check still applies)
-            found = proc.environ().get(RUN_ID_ENV)
+            found = env.get(RUN_ID_ENV)
             if (found if found is not None else "none") != claim.run_id:
                 shown = f"{found!r}" if found is not None else "unset"
                 return JobProcessCheck("not-the-job", f"its {RUN_ID_ENV} is {shown}, the job's is {claim.run_id!r}")
+            checked.append("run id")
+        for name, claimed, what in (
+            (JOB_ID_ENV, claim.job_id, "job id"),
+            (INCARNATION_ID_ENV, claim.incarnation_id, "incarnation id"),
+        ):
+            found = env.get(name)
+            if claimed is None or found is None:
+                continue
+            if found != claimed:
+                return JobProcessCheck(
+                    "not-the-job", f"its {name} is {_shown(found)}, the record's {what} is {_shown(claimed)}"
+                )
+            checked.append(what)
         if claim.agent_pid is not None:
             parent = proc.ppid()
             if parent != claim.agent_pid and pid_alive(claim.agent_pid):
                 return JobProcessCheck(
                     "not-the-job", f"its parent is pid {parent}, not the job's live agent {claim.agent_pid}"
                 )
-        return JobProcessCheck("job", "pid, start time, uid, run id and agent match", proc)
+            checked.append("agent")
+        return JobProcessCheck("job", f"{', '.join(checked[:-1])} and {checked[-1]} match", proc)
     except psutil.NoSuchProcess:
         return JobProcessCheck("gone", "exited while being checked")
     except psutil.AccessDenied:
