@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -255,6 +254,8 @@ def run_command(call: Callable[[], Any], prog: str) -> int:
         return err.exit_code
     except Exception as exc:  # a bug: one line, the traceback only on request
         if os.environ.get(DEBUG_ENV):
+            import traceback
+
             traceback.print_exc(file=sys.stderr)
         print(
             f"{prog}: internal error: {type(exc).__name__}: {exc} (-v or GPUGUARD_DEBUG=1 for a traceback)",

@@ -15,7 +15,6 @@ directory, 77 permission denied.
 from __future__ import annotations
 
 import re
-import shlex
 import socket
 import sys
 import time
@@ -346,6 +345,8 @@ def _render_human(doc: dict[str, Any]) -> None:
     out.print(escape(_read_summary(doc)))
     drain = doc.get("drain")
     if drain:
+        import shlex
+
         out.print(
             f"drain: {escape(shlex.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
         )
