@@ -436,6 +436,8 @@ class InPlaceRuntime(Runtime):
             # when it writes): let it finish, or be fenced, before the generation changes
             self._snapshotter.flush(timeout=10.0)
         self.generation = cert.generation
+        # the snapshot the new certificate names is the one pruning must keep (`verify --deep` checks it)
+        self._frontier_step = frontier
         self.rank, self.world_size = mine[0].rank, len(cert.members)
         if cert.extra.get("layout"):
             lay = cert.extra["layout"]

@@ -24,6 +24,9 @@ def test_demo_kills_a_worker_mid_update_and_ends_certified(cli, tmp_path):
     assert (job / "ledger" / "gen-2.json").exists() and (job / "torchrun.log").exists()
     assert list((job / "snapshots").glob("step-*/gpuguard.manifest.json"))
     assert len(list((job / "incarnations").glob("*.json"))) == 8
+    # every demo's output passes the deep check (the certified frontier's snapshot is never pruned)
+    deep = cli("gpu-generation", "verify", "--deep", "--job-dir", str(job), "--json", timeout=60)
+    assert deep.returncode == 0 and json.loads(deep.stdout)["deep"]["manifests"] >= 1, deep.stdout + deep.stderr
 
 
 @pytest.mark.etcd

@@ -38,6 +38,11 @@ def test_node_loss_demo_ends_with_a_certified_in_place_generation(cli, tmp_path)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     shown = cli("gpu-generation", "show", "--job-dir", str(job))
     assert shown.returncode == 0 and "in-place" in shown.stdout
+    # the in-place generation's certified frontier snapshot is still there to re-hash (it was pruned: FAIL)
+    deep = cli("gpu-generation", "verify", "--deep", "--job-dir", str(job), "--json", timeout=60)
+    assert deep.returncode == 0, deep.stdout[-3000:] + deep.stderr[-3000:]
+    assert json.loads(deep.stdout)["deep"]["manifests"] >= 1
+    assert (job / "snapshots" / f"step-{cert.frontier.step}" / "gpuguard.manifest.json").exists()
 
 
 def test_demo_rejects_an_unknown_scenario(cli, tmp_path):
