@@ -14,7 +14,7 @@ _gpuguard_gpu_recover() {
         "/completion") words="--help -h" ;;
         "/demo") words="--help --job-dir --json --kill-step --rdzv-endpoint --scenario --steps --timeout --workers -h" ;;
         "/rendezvous") words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --state --yes -h -y" ;;
-        "/restore") words="--dry-run --help --job-dir --json --max-tries --step --yes -h -y" ;;
+        "/restore") words="--dry-run --help --job-dir --json --max-tries --snapshot-root --step --yes -h -y" ;;
         "/runbook") words="list run show --help -h" ;;
         "/runbook/list") words="--help --json -h" ;;
         "/runbook/run") words="--dry-run --help --job-dir --json --new --run-id --yes -h -y" ;;

@@ -66,6 +66,7 @@ complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l 
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l json -d 'Print a gpuguard.action/1 JSON document.'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l max-tries -r -F -d 'Candidates verified before giving up.'
+complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l snapshot-root -r -F -d 'Where snapshots/ and checkpoints/ live when not in the job dir (shared'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l step -r -F -d 'Newest step acceptable (default: the frontier).'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -l yes -d 'Do not ask for confirmation (required without a terminal).'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/restore'" -s h -d 'Show the help and exit.'
