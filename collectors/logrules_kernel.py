@@ -127,6 +127,10 @@ def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
     raw = m["xid"]
     if _CODE.fullmatch(raw) is None:
         return _unreadable_xid(raw, m, text)
+    if not text[m.end("xid") :].strip():
+        # Every driver format puts a comma after the code: a line that ends right after its digits
+        # may have been cut there ("...): 1" of 145), so its code is not trusted.
+        return _unreadable_xid(raw, m, text, truncated=True)
     code = int(raw)
     pid = m["pid"]
     name = (m["name"] or "").strip()
@@ -145,7 +149,7 @@ def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
     return _xid_found(code, fields, message)
 
 
-def _unreadable_xid(raw: str, m: re.Match[str], text: str) -> Found:
+def _unreadable_xid(raw: str, m: re.Match[str], text: str, truncated: bool = False) -> Found:
     fields: dict = {
         "xid": None,
         "xid_raw": raw[:40],
@@ -156,12 +160,12 @@ def _unreadable_xid(raw: str, m: re.Match[str], text: str) -> Found:
         "message": m["msg"].strip()[:500],
         "catalog_severity": "review",
     }
+    why = "ends the line, which may be cut there" if truncated else "is not a code gpuguard can read (1-6 ASCII digits)"
     return Found(
         "xid",
         fields,
         "warning",
-        f"Xid code {raw[:40]!r} is not a code gpuguard can read (1-6 ASCII digits): needs review by an "
-        "operator (never treated as healthy).",
+        f"Xid code {raw[:40]!r} {why}: needs review by an operator (never treated as healthy).",
     )
 
 

@@ -138,6 +138,18 @@ def test_non_ascii_digits_are_never_codes(digits):
     assert ev.fields["xid"] is None and ev.fields["xid_raw"] == digits
 
 
+@given(st.integers(1, 999999), st.data())
+def test_a_line_cut_inside_its_code_is_never_read_as_a_shorter_code(code, data):
+    """Every driver format puts a comma after the code; a line that ends on the code may have been cut
+    there ("...): 1" of 145): needs review, never Xid 1."""
+    digits = str(code)
+    cut = data.draw(st.integers(1, len(digits)))
+    ev = _one(f"kernel: NVRM: Xid ({PCI}): {digits[:cut]}")
+    assert ev.fields["xid"] is None and ev.fields["xid_raw"] == digits[:cut]
+    assert "may be cut" in ev.diagnosis and catalog.resolution_for([ev]).severity == "review"
+    assert _one(f"kernel: NVRM: Xid ({PCI}): {digits}, pid=1, name=x, msg").fields["xid"] == code
+
+
 @given(st.integers(0, 0xFF), st.integers(0, 0x1F), st.sampled_from(["{:04x}:{:02x}", "{:x}:{:x}", "{:04X}:{:02X}"]))
 def test_old_bus_device_addresses_normalise(bus, dev, form):
     assert normalize_pci(form.format(bus, dev)) == f"0000:{bus:02x}:{dev:02x}.0"
