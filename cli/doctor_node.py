@@ -9,16 +9,19 @@ imports torch.
 Exit codes (human/json): 0 healthy, 1 degraded, 2 reset or drain, 3 unknown; 64 usage or config error,
 65 malformed input, 66 missing input, 73 output cannot be created, 75 another sweep holds the state
 directory, 77 permission denied.
-`--format npd`: 0 OK, 1 problem, 2 unknown (node-problem-detector). `--format nagios`: 0/1/2/3.
+`--format npd`: 0 OK, 1 problem, 2 unknown (node-problem-detector), also for a usage, input or lock error
+found once the options are parsed (NPD reads anything else as a problem). `--format nagios`: 0/1/2/3.
+`sweep --quiet`: nothing on stdout when the node is healthy (cron mails any output).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +34,9 @@ from gpuguard.foundation.errors import (
     EXIT_OK,
     EXIT_UNKNOWN,
     EXIT_WARNING,
+    GpuguardError,
     UsageError,
+    from_os_error,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +87,30 @@ def _format(json_flag: bool, fmt: str | None) -> str:
 
 def _warn(message: str) -> None:
     print(f"gpu-doctor: warning: {message}", file=sys.stderr)
+
+
+def _npd_exit_codes(command: Callable[..., int]) -> Callable[..., int]:
+    """With `--format npd`, an error is `unknown` (exit 2, its one NPD line on stdout, the error on
+    stderr): node-problem-detector knows 0, 1 and 2 only, and reads any other code as a problem."""
+
+    @functools.wraps(command)
+    def run(**kw: Any) -> int:
+        if str(kw.get("fmt") or "").lower() != "npd":
+            return command(**kw)
+        try:
+            return command(**kw)
+        except BrokenPipeError:
+            raise
+        except (GpuguardError, OSError) as exc:
+            err = exc if isinstance(exc, GpuguardError) else from_os_error(exc, exc.filename or "I/O")
+            from gpuguard.plugins.outputs import npd_line
+
+            code, line = npd_line({"verdict": "unknown", "summary": f"unknown: {err}"})
+            print(f"gpu-doctor: error: {err} (exit {err.exit_code}; {code} for node-problem-detector)", file=sys.stderr)
+            print(line)
+            return code
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -416,6 +445,7 @@ def write_textfile(path: str, doc: dict[str, Any]) -> str:
     return path
 
 
+@_npd_exit_codes
 def diagnose_node(
     *,
     kernel_log: str | None = None,
@@ -506,8 +536,10 @@ class SweepOptions:
     out_fmt: str = "human"
     nvml_timeout: float = 10.0
     timeout: float = 10.0
+    quiet: bool = False  # nothing on stdout when healthy
 
 
+@_npd_exit_codes
 def sweep_cmd(
     *,
     kernel_log: str | None = None,
@@ -529,6 +561,7 @@ def sweep_cmd(
     fmt: str | None = None,
     nvml_timeout: float = 10.0,
     timeout: float = 10.0,
+    quiet: bool = False,
 ) -> int:
     """`gpu-doctor sweep` once its options are parsed (by typer, or by `cli._fast`)."""
     started = time.monotonic()
@@ -559,6 +592,7 @@ def sweep_cmd(
         out_fmt=out_fmt,
         nvml_timeout=nvml_timeout,
         timeout=timeout,
+        quiet=quiet,
     )
     with SweepLock(options.state_dir, wait=min(10.0, budget), create_parents=state_dir is None):
         return run_sweep(options, thresholds, started=started)
@@ -619,6 +653,8 @@ def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
         if options.out_fmt in ("npd", "nagios"):
             print(f"gpu-doctor: drain: {drain_command_line(node, verdict.summary)}", file=sys.stderr)
     doc["duration_s"] = round(time.monotonic() - started, 4)
+    if options.quiet and doc["exit_code"] == EXIT_OK:
+        return EXIT_OK  # healthy: the textfile, the webhook and the state are written; stdout stays empty
     return _render(doc, options.out_fmt)
 
 
@@ -798,6 +834,9 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
         nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
         timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+        quiet: bool = typer.Option(
+            False, "--quiet", "-q", help="Print nothing on stdout when the node is healthy (cron mails any output)."
+        ),
     ) -> int:
         """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
         return sweep_cmd(**locals())
