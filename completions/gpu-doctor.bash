@@ -22,7 +22,7 @@ _gpuguard_gpu_doctor() {
         "/plan/collective") words="--bandwidth --bytes --help --json --latency --ranks -h" ;;
         "/plan/layout") words="--dp --failed-rank --global-batch --help --json --pp --tp -h" ;;
         "/plugins") words="--help --json -h" ;;
-        "/sweep") words="--budget --config --drain --format --help --json --kernel-log --node --nvml-snapshot --nvml-timeout --output --output-option --retain --run-drain --state-dir --textfile --timeout --webhook --webhook-retries --webhook-timeout -h" ;;
+        "/sweep") words="--budget --config --drain --format --help --json --kernel-log --node --nvml-snapshot --nvml-timeout --output --output-option --quiet --retain --run-drain --state-dir --textfile --timeout --webhook --webhook-retries --webhook-timeout -h -q" ;;
         "/watch") words="job --help -h" ;;
         "/watch/job") words="--config --count --help --interval --job-dir --json --torchrun-log -h" ;;
     esac
