@@ -8,6 +8,7 @@ from __future__ import annotations
 
 JOB_DIR_ENV = "GPUGUARD_JOB_DIR"  # the job directory
 JOB_ID_ENV = "GPUGUARD_JOB_ID"  # the job id a runtime records when it creates the job directory
+INCARNATION_ID_ENV = "GPUGUARD_INCARNATION_ID"  # set by a launcher that names each worker's incarnation
 LEDGER_ENV = "GPUGUARD_LEDGER"  # ledger URL; default <job-dir>/ledger
 PG_TIMEOUT_ENV = "GPUGUARD_PG_TIMEOUT"  # collective timeout (s) of each generation's process group
 SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"  # snapshot interval in steps

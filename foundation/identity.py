@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from gpuguard.foundation.env import JOB_ID_ENV
+from gpuguard.foundation.env import INCARNATION_ID_ENV, JOB_ID_ENV
 
 if TYPE_CHECKING:
     import psutil
@@ -116,9 +116,8 @@ def pid_alive(pid: int) -> bool:
 
 # -- is it the job's? (before any signal) ------------------------------------------------------------
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker's environment at spawn
-# a launcher that names each worker's incarnation exports it here (nothing in gpuguard sets it yet): when the
-# process's environment has it, it must be the recorded incarnation's id
-INCARNATION_ID_ENV = "GPUGUARD_INCARNATION_ID"
+# INCARNATION_ID_ENV: a launcher that names each worker's incarnation exports it (nothing in gpuguard sets
+# it yet); when the process's environment has it, it must be the recorded incarnation's id
 
 JobVerdict = Literal["job", "gone", "not-the-job", "unknown"]
 

@@ -146,6 +146,11 @@ def abort(
     if not job_dir.is_dir():
         raise NoInputError(f"{job_dir}: no such job directory")
     active, ledger_problem = _read_active_generation(job_dir)
+    try:  # a worker launched with another GPUGUARD_JOB_ID is not ours; an unreadable job.json checks nothing
+        job = jobdir.read_job(job_dir)
+    except GpuguardError:
+        job = None
+    job_id = job.job_id if job is not None else None
     records = []
     unknown: list[str] = []
     spared: list[str] = []
@@ -201,9 +206,10 @@ def abort(
             unverified_ids.add(rec.incarnation_id)
             said(rec, "unverified", "not on this host")
             continue
-        check = check_job_process(
-            JobProcessClaim(rec.pid, rec.start_time, uid=rec.uid, run_id=rec.run_id, agent_pid=rec.agent_pid)
+        claim = JobProcessClaim(
+            rec.pid, rec.start_time, uid=rec.uid, run_id=rec.run_id, agent_pid=rec.agent_pid, job_id=job_id
         )
+        check = check_job_process(claim)
         if check.verdict == "job":
             targets.append((rec, check.process))
         elif check.verdict == "gone":

@@ -154,6 +154,23 @@ def test_restore_finds_the_states_on_the_shared_snapshot_root(tmp_path):
     assert r.returncode == 66 and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_abort_never_signals_a_worker_of_another_gpuguard_job(tmp_path):
+    """Same torchrun run id, right pid and start time, but launched for another gpuguard job
+    (GPUGUARD_JOB_ID differs from job.json's id): not this job's, left alone."""
+    ours, theirs = spawn(job_id=tmp_path.name), spawn(job_id="another-job")
+    try:
+        record(tmp_path, ours, 0)  # job.json's id is the directory's name
+        record(tmp_path, theirs, 1)
+        r = run_cli("gpu-recover", "abort", "--job-dir", str(tmp_path), "--yes", "--grace", "1", "--json", timeout=60)
+        details = json.loads(r.stdout)["details"]
+        assert details["terminated"] == [ours.pid] and ours.wait(10) == -15
+        assert theirs.poll() is None
+        mine = {p["rank"]: p for p in details["processes"]}
+        assert mine[1]["outcome"] == "not-the-job" and "job id" in mine[1]["reason"]
+    finally:
+        reap(ours, theirs)
+
+
 def test_abort_never_signals_a_process_that_is_not_the_jobs(tmp_path):
     """A forged record with the right pid and start time names an unrelated process: it lacks the
     job's run id in its environment (or runs as another uid), so it is reported and left alone,

@@ -22,13 +22,15 @@ IGNORE_TERM = (
 RUN_ID = "t"  # the torchrun run id the fake workers carry in their environment, as torchrun's do
 
 
-def spawn(ignore_term: bool = False, *, run_id: str | None = RUN_ID) -> subprocess.Popen:
+def spawn(ignore_term: bool = False, *, run_id: str | None = RUN_ID, job_id: str | None = None) -> subprocess.Popen:
     """A process that looks like one of the job's workers (run id in its environment), or, with
-    `run_id=None`, an unrelated process a forged record could name."""
+    `run_id=None`, an unrelated process a forged record could name; `job_id`: its GPUGUARD_JOB_ID."""
     code = IGNORE_TERM if ignore_term else "import time; print('ready', flush=True); time.sleep(300)"
-    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "GPUGUARD_JOB_ID")}
     if run_id is not None:
         env["TORCHELASTIC_RUN_ID"] = run_id
+    if job_id is not None:
+        env["GPUGUARD_JOB_ID"] = job_id
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "ready"
     return proc
