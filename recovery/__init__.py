@@ -3,6 +3,9 @@
 `gpuguard.recovery.Runtime` is the training-side entry point; it is resolved lazily so
 that torch-free users of this package (gpu-doctor, gpu-recover) never import the runtime.
 
+`gpuguard.recovery.fault_tolerant` wraps an existing loop in the runtime with a few lines
+(`recovery.adopt`).
+
 Lazy imports (start-up time): the runtime, only when `gpuguard.recovery.Runtime` is used.
 """
 
@@ -14,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from gpuguard.recovery import runtime
 
         return getattr(runtime, name)
+    if name in ("fault_tolerant", "FaultTolerant", "RunSummary"):
+        from gpuguard.recovery import adopt
+
+        return getattr(adopt, name)
     raise AttributeError(f"module 'gpuguard.recovery' has no attribute {name!r}")

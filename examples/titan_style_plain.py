@@ -1,0 +1,176 @@
+"""A torchtitan-style FSDP2 training loop WITHOUT gpuguard: the baseline `titan_style_train` adopts.
+
+    torchrun --nproc-per-node=2 ... -m gpuguard.examples.titan_style_plain --out DIR --steps 8 [--kill R:S] [--final]
+
+What a user has before adopting gpuguard: a small decoder-only transformer (token embedding, blocks
+of RMSNorm + causal attention + SwiGLU MLP, output head), `fully_shard` on every block and then on
+the root, AdamW, gradient clipping, and a loop that takes (inputs, labels) from a dataloader-like
+iterator and steps the optimizer. A killed rank ends the job; a restart starts again at step 1.
+
+The model, the data and the step live here and `titan_style_train` imports them, so the two
+`main()` functions differ only in the lines adoption changes (README, sharded state, counts them;
+`tests/examples/test_titan_style.py` checks the count). The data is a function of the step (each
+step's global batch is drawn from a generator seeded with the step, split evenly over the ranks):
+the iterator can start at any step at any world size, which is all a resumed loop needs of it.
+
+`--kill R:S` SIGKILLs rank R at the start of step S, once (a marker file under DIR/faults/).
+`--final` gathers the full parameters after the last step into DIR/final.pt (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from gpuguard.examples.demo_train import Faults
+from gpuguard.examples.fsdp_train import POINT, parse_kill
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """torchtitan's `ModelArgs`, tiny: a CPU with two cores trains it in tens of milliseconds a step."""
+
+    vocab_size: int = 96
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 16
+    global_batch: int = 8  # rows a step, over all ranks (divisible by 1, 2, 4, 8)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = a.n_heads, a.dim // a.n_heads
+        self.wq, self.wk, self.wv = (nn.Linear(a.dim, a.dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(a.dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(a.dim), nn.RMSNorm(a.dim)
+        self.attention, self.feed_forward = Attention(a), FeedForward(a.dim, 4 * a.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(a) for i in range(a.n_layers)})
+        self.norm, self.output = nn.RMSNorm(a.dim), nn.Linear(a.dim, a.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def build(a: ModelArgs = ModelArgs()) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (seeded: the same initial weights at any world size), sharded per block, and AdamW.
+    Needs the default process group (`fully_shard`)."""
+    torch.manual_seed(0)
+    model = Transformer(a)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+class TokenBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
+    """A dataloader-like iterator of (inputs, labels) for this rank, from `start_step` on: step s's
+    global batch comes from a generator seeded with s (so it can start at any step), rank r takes
+    rows r*n .. (r+1)*n of it."""
+
+    def __init__(self, a: ModelArgs = ModelArgs(), *, start_step: int = 1) -> None:
+        self.a, self.step = a, start_step
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(7919 * self.step)
+        self.step += 1
+        tokens = torch.randint(0, self.a.vocab_size, (self.a.global_batch, self.a.seq_len + 1), generator=g)
+        n = self.a.global_batch // self.world
+        mine = tokens[self.rank * n : (self.rank + 1) * n]
+        return mine[:, :-1], mine[:, 1:]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Forward, next-token cross-entropy, backward, clip (a collective over DTensors), AdamW."""
+    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten(0, 1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def write_final(model: nn.Module, out: Path) -> None:
+    """Collective: the full (gathered) parameters, written by rank 0 to OUT/final.pt atomically."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tmp = out / "final.pt.tmp"
+        torch.save({k: v.detach().clone() for k, v in full.items()}, tmp)
+        os.replace(tmp, out / "final.pt")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="output (and, adopted, job) directory")
+    ap.add_argument("--steps", type=int, required=True, help="train until this step (inclusive)")
+    ap.add_argument("--kill", type=parse_kill, action="append", default=[], metavar="R:S")
+    ap.add_argument("--final", action="store_true", help="gather the full parameters at the end (OUT/final.pt)")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    faults = Faults(a.out, int(os.environ["RANK"]), a.kill)
+    dist.init_process_group("gloo")
+    model, optimizer = build()
+    data = TokenBatches(start_step=1)
+    for step in range(1, a.steps + 1):
+        faults(POINT, step)
+        inputs, labels = next(data)
+        train_step(model, optimizer, inputs, labels)
+    if a.final:
+        write_final(model, a.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
