@@ -2,6 +2,7 @@
 
     python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze,store-host]
                           [--paths in-place,restart,restart-baseline] [--stores N]
+                          [--heartbeat S] [--pg-timeout S]
 
 Each trial brings up 3 training hosts and a control host running etcd (gpuguard.testhosts), trains
 the in-place demo's workload with one worker per host, and after step MARK powers off h1 (rank 0:
@@ -9,7 +10,10 @@ the first coordinator and the snapshot writer), or partitions or freezes h3 (a p
 frozen host comes back once the survivors have moved on). Rows:
 - `in-place`: gpuguard (`examples.inplace_hosts`), etcd ledger and etcd coordination, lease TTL
   4 s, collective timeout 3 s. Time = fault -> the first step every survivor committed in the next
-  generation (switch records' `first_commit`).
+  generation (switch records' `first_commit`). `--heartbeat S` turns on the in-place peer
+  heartbeat (`GPUGUARD_PEER_HEARTBEAT=S`: a peer silent for 5 x S is suspected) and
+  `--pg-timeout S` sets the collective timeout of the in-place rows (default 3 s; the default of a
+  deployment is 60 s, which is what a power-off waits for without the heartbeat).
 - `restart`: gpuguard's restart path (`examples.restart_hosts`): one torchrun agent per host on
   `--rdzv-backend=gpuguard` (etcd), `examples.demo_train` under the Runtime, etcd ledger and leases
   (TTL 4 s), snapshots every step on the shared storage. The victim is the host of rank 2
@@ -40,6 +44,7 @@ through `recovery.etcd_store.EtcdStore`. Needs root (real namespaces).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -59,6 +64,7 @@ from _common import emit  # noqa: E402
 from gpuguard.examples.inplace_hosts import HostJob  # noqa: E402
 from gpuguard.examples.inplace_train import reference  # noqa: E402
 from gpuguard.examples.restart_hosts import RestartHostJob  # noqa: E402
+from gpuguard.foundation.env import PEER_HEARTBEAT_ENV  # noqa: E402
 from gpuguard.testhosts import preflight, up  # noqa: E402
 
 HOSTS = ["h1", "h2", "h3"]
@@ -95,7 +101,7 @@ def _same(params: list[float] | None, ref: list[float]) -> bool:
     return bool(params) and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(params or [], ref))
 
 
-def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
+def in_place_trial(fault: str, logs: Path, heartbeat: float = 0.0, pg_timeout: float = PG_TIMEOUT) -> dict[str, Any]:
     victim = VICTIM[fault]
     lost = HOSTS.index(victim)
     survivors = [r for r in range(len(HOSTS)) if r != lost]
@@ -106,9 +112,10 @@ def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
             logs,
             steps=STEPS,
             step_sleep=STEP_SLEEP,
-            pg_timeout=PG_TIMEOUT,
+            pg_timeout=pg_timeout,
             lease_ttl=TTL,
             faults=f"{lost}:{MARK}:before_commit:mark",
+            extra_env={PEER_HEARTBEAT_ENV: f"{heartbeat:g}"} if heartbeat > 0 else None,
         )
         with job:
             if not job.wait_file(victim, f"faults/{lost}-before_commit-{MARK}.json", 90):
@@ -118,7 +125,7 @@ def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
             if fault != "power-off":
                 _wait(lambda: all(job.switch_records(HOSTS[r]) for r in survivors), 60)
                 _unfault(c, fault, victim)
-            codes = job.wait(list(range(len(HOSTS))), 90)
+            codes = job.wait(list(range(len(HOSTS))), 90 + pg_timeout)
             ledger = job.ledger(HOSTS[survivors[0]])
             verified, _ = job.verify(HOSTS[survivors[0]])
         results = {r: job.result(r) for r in survivors}
@@ -137,6 +144,12 @@ def in_place_trial(fault: str, logs: Path) -> dict[str, Any]:
         "self_fenced": codes[lost] == 4,
         "seconds": (max(first) - t_fault) if first and None not in first else None,
         "steps_lost": (before - frontier) if frontier is not None else None,
+        # fault -> the first survivor noticing, the certificate being seen, the last first commit
+        "breakdown": {
+            k: round(f(rec["phases"][k] for rec in records) - t_fault, 3)
+            for k, f in (("detect", min), ("decided", max), ("first_commit", max))
+            if records and all(rec["phases"].get(k) for rec in records)
+        },
     }
 
 
@@ -401,7 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="power-off,partition,freeze,store-host")
     ap.add_argument("--paths", default="in-place,restart,seed-recipe,restart-baseline")
     ap.add_argument("--stores", type=int, default=0, metavar="N", help="also time N group formations per store")
+    ap.add_argument("--heartbeat", type=float, default=0.0, metavar="S", help="in-place rows: peer heartbeat every S s")
+    ap.add_argument(
+        "--pg-timeout", type=float, default=PG_TIMEOUT, metavar="S", help="in-place rows: collective timeout"
+    )
     args = ap.parse_args(argv)
+    if args.heartbeat < 0 or args.pg_timeout <= 0:
+        print("--heartbeat must be >= 0 and --pg-timeout > 0", file=sys.stderr)
+        return 64
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     bad = [f for f in faults if f not in VICTIM]
     if bad:
@@ -415,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     trial = {
-        "in-place": in_place_trial,
+        "in-place": functools.partial(in_place_trial, heartbeat=args.heartbeat, pg_timeout=args.pg_timeout),
         "restart": restart_trial,
         "seed-recipe": seed_recipe_trial,
         "restart-baseline": baseline_trial,
@@ -428,11 +448,15 @@ def main(argv: list[str] | None = None) -> int:
             if fault == "store-host" and path not in ("restart", "seed-recipe"):
                 continue  # in place and in the baseline, rank 0's host is the power-off row's victim already
             results.append(row(fault, path, [trial[path](fault, logs) for _ in range(max(1, args.trials))]))
+            if path == "in-place":
+                results[-1].update(peer_heartbeat_s=args.heartbeat or None, pg_timeout_s=args.pg_timeout)
     if args.stores:
         results += store_rows(args.stores)
     notes = [
         f"3 training hosts x 1 worker (gloo over the hosts' links), etcd on a control host; {STEPS} steps, "
-        f"fault after step {MARK}; lease TTL {TTL:g} s (fence margin {TTL / 2:g} s), collective timeout {PG_TIMEOUT:g} s",
+        f"fault after step {MARK}; lease TTL {TTL:g} s (fence margin {TTL / 2:g} s), collective timeout {PG_TIMEOUT:g} s "
+        f"(in-place rows: {args.pg_timeout:g} s, peer heartbeat "
+        + (f"every {args.heartbeat:g} s, suspect after 5 misses)" if args.heartbeat else "off)"),
         f"victims: power-off {VICTIM['power-off']} (rank 0), partition/freeze {VICTIM['partition']} (healed/thawed "
         "after the survivors moved on)",
         f"restart-baseline: plain torch.distributed, checkpoint every {CKPT_EVERY} steps on shared storage, "

@@ -15,6 +15,7 @@ SNAPSHOT_EVERY_ENV = "GPUGUARD_SNAPSHOT_EVERY"  # snapshot interval in steps
 CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"  # durable checkpoint interval in steps
 RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is read (else the agent's argv)
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
+PEER_HEARTBEAT_ENV = "GPUGUARD_PEER_HEARTBEAT"  # <s>[:<misses>]: in-place peer heartbeat (off by default)
 LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each incarnation's etcd lease (docs/formats/leases.md)
 SNAPSHOT_ROOT_ENV = (
     "GPUGUARD_SNAPSHOT_ROOT"  # snapshots/ and checkpoints/ (shared storage across hosts); default the job dir

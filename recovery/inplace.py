@@ -4,7 +4,8 @@
     state = rt.activate(model, optimizer)                 # the restart path's certified activation
     last = rt.run(state, step_fn, until=N)                # step_fn(step, rank, world): fwd, bwd, all_reduce, update
 
-On a collective failure (peer closed, timeout) or an operator's abort (`request_abort`), every
+On a collective failure (peer closed, timeout, or, opt-in, a peer's UDP heartbeat gone silent:
+`recovery.heartbeat`, docs/formats/peer-heartbeat.md) or an operator's abort (`request_abort`), every
 survivor, in this order (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; files: docs/formats/inplace.md):
 1. leaves the `except` scope, then destroys G's gloo group: that closes its sockets, which wakes a
    survivor still blocked on a *live* neighbour (inside `except` the traceback keeps the group
@@ -35,6 +36,7 @@ Lazy imports (start-up time): torch.distributed, only in the methods that run in
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -46,12 +48,14 @@ from datetime import timedelta
 from typing import Any
 
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
 from gpuguard.foundation.errors import EXIT_REFUSED, RefusedError, UnavailableError
 from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
+from gpuguard.recovery import heartbeat as peer_hb
 from gpuguard.recovery.activation import frontier_limit
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
@@ -75,6 +79,14 @@ from gpuguard.recovery.switch import (
 )
 
 StepFn = Callable[[int, int, int], None]
+
+
+def _etcd_ports(url: str | None) -> list[int]:
+    """The ports of an etcd:// ledger's endpoints: the peer heartbeat never breaks those connections."""
+    if not url or not url.startswith("etcd://"):
+        return []
+    hosts = url[len("etcd://") :].split("/", 1)[0]
+    return [int(p) for h in hosts.split(",") if (p := h.rpartition(":")[2]).isdigit()]
 
 
 def _process_state(pid: int, start_time: float) -> Liveness:
@@ -111,9 +123,15 @@ class InPlaceRuntime(Runtime):
         switch_timeout_s: float = 60.0,
         keep_local: int = 3,
         lease_ttl_s: float | None = None,
+        peer_heartbeat: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, lease_ttl_s=lease_ttl_s, **kwargs)
+        # opt-in silent-peer detector (recovery.heartbeat); off: a lost host is noticed at the collective timeout
+        setting = peer_heartbeat if peer_heartbeat is not None else os.environ.get(PEER_HEARTBEAT_ENV)
+        self.peer_heartbeat_config = peer_hb.parse_setting(setting)
+        self._peer_hb: peer_hb.PeerHeartbeat | None = None
+        self._suspicion: str | None = None  # set by the detector thread: why this generation is over
         self.layout = layout or Layout(dp=self.world_size)
         self.grace_s, self.switch_timeout_s = grace_s, switch_timeout_s
         self.keep_local = max(2, keep_local)
@@ -146,6 +164,9 @@ class InPlaceRuntime(Runtime):
         state = super().activate(model, optimizer, scheduler, extra)
         self.committed = state.frontier_step
         self._remember(state.frontier_step)
+        why = self._start_peer_heartbeat()
+        if why is not None:  # the group just broke: the first step fails and switches
+            self._log(f"peer heartbeat not started: {why}")
         return state
 
     def commit(self, step: int) -> None:
@@ -169,14 +190,21 @@ class InPlaceRuntime(Runtime):
         Returns the last committed step. `step_fn(step, rank, world)` must use the default group.
         """
         step = state.start_step
-        while step <= until:
-            failure = self._try_step(step, step_fn)
-            if failure is None:
-                step += 1
-                continue
-            # outside the except scope: the failed group can really be torn down now
-            step = self.switch(failure)
+        try:
+            while step <= until:
+                failure = self._try_step(step, step_fn)
+                if failure is None:
+                    step += 1
+                    continue
+                # outside the except scope: the failed group can really be torn down now
+                step = self.switch(failure)
+        finally:
+            self._stop_peer_heartbeat()
         return self.committed if self.committed is not None else state.frontier_step
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._stop_peer_heartbeat()
+        super().close(timeout)
 
     def _abort_requested(self) -> bool:
         return self.generation is not None and self.coord.abort_requested(self.generation)
@@ -185,6 +213,8 @@ class InPlaceRuntime(Runtime):
         """One step and its commit; the failure text (no exception object survives this frame)."""
         if self._abort_requested():
             return OPERATOR_ABORT
+        if self._suspicion is not None:
+            return self._suspicion
         self._step_t0 = time.perf_counter()
         if self._steplog is not None:
             self._steplog.begin_step(step)
@@ -194,8 +224,78 @@ class InPlaceRuntime(Runtime):
         except FencedError:
             raise
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out waiting ..."
+            if self._suspicion is not None:  # the detector broke the connections: its evidence is the cause
+                return self._suspicion
             return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return None
+
+    # ------------------------------------------------------------------ the peer heartbeat (opt-in)
+    def _start_peer_heartbeat(self) -> str | None:
+        """Exchange heartbeat addresses over the new group and start watching; None, or why not.
+
+        Runs right after a group formed (all members are in it), so the exchange is one small
+        all_gather bounded by the collective timeout; a failure means the group is already broken.
+        """
+        self._stop_peer_heartbeat()
+        self._suspicion = None
+        cfg = self.peer_heartbeat_config
+        if cfg is None or self.world_size < 2 or self.generation is None:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        ledger = self.ledger()
+        if ledger.key is None:
+            return "no signing key to authenticate heartbeats"
+        cert = ledger.get(self.generation)
+        incarnations = {m.rank: m.incarnation.id for m in cert.members}
+        sock = peer_hb.open_socket(peer_hb.local_address(self.master_addr or "127.0.0.1"))
+        try:
+            addr, port = sock.getsockname()[:2]
+            ip = ipaddress.ip_address(addr)
+            mine = torch.tensor([ip.version, *ip.packed.rjust(16, b"\0"), port], dtype=torch.int64)
+            gathered = [torch.zeros(18, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine)
+        except RuntimeError as exc:
+            sock.close()
+            return f"address exchange failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        peers = {}
+        for rank, t in enumerate(gathered):
+            version, *octets, peer_port = (int(v) for v in t.tolist())
+            raw = bytes(b & 0xFF for b in octets)
+            peer_ip = ipaddress.ip_address(raw[12:] if version == 4 else raw)
+            peers[rank] = peer_hb.Peer(rank, incarnations.get(rank, ""), (str(peer_ip), peer_port))
+        self._peer_hb = peer_hb.PeerHeartbeat(
+            sock,
+            key=peer_hb.derive_key(ledger.key),
+            job_id=cert.job_id,
+            generation=self.generation,
+            rank=self.rank,
+            incarnation_id=self.incarnation.id,
+            peers=peers,
+            config=cfg,
+            on_suspect=self._on_suspect,
+        )
+        self._peer_hb.start()
+        return None
+
+    def _stop_peer_heartbeat(self) -> None:
+        hb, self._peer_hb = self._peer_hb, None
+        if hb is not None:
+            hb.stop()
+
+    def _on_suspect(self, rank: int, silent_s: float) -> None:
+        """(detector thread) End this generation: record why, wake the blocked collective."""
+        hb = self._peer_hb
+        self._suspicion = f"no heartbeat from rank {rank} for {silent_s:.2f} s"
+        if hb is None or rank not in hb.peers:
+            return
+        peer_ip, own_ip = hb.peers[rank].address[0], hb.sock.getsockname()[0]
+        if peer_ip == own_ip:  # same host: a dead process resets its sockets itself; a frozen one times out
+            self._log(f"{self._suspicion}: a peer on this host, left to the collective timeout")
+            return
+        n = peer_hb.break_connections(peer_ip, keep_ports=_etcd_ports(self.ledger_url))
+        self._log(f"{self._suspicion}: shut {n} connection(s) to {peer_ip}")
 
     # ------------------------------------------------------------------ the switch (every survivor)
     def switch(self, failure: str) -> int:
@@ -216,6 +316,7 @@ class InPlaceRuntime(Runtime):
     def _teardown(self) -> None:
         import torch.distributed as dist
 
+        self._stop_peer_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
@@ -445,6 +546,10 @@ class InPlaceRuntime(Runtime):
         failure = self._init_group(cert.generation)
         if failure is not None:
             return failure
+        why = self._start_peer_heartbeat()
+        if why is not None:
+            self._teardown()
+            return f"group of generation {cert.generation}: {why}"
         phases["group_ready"] = time.time()
         self._after_join(cert, phases)
         return None

@@ -21,6 +21,7 @@ import pytest
 
 from gpuguard.examples.inplace_hosts import HostJob
 from gpuguard.examples.inplace_train import reference
+from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
 from gpuguard.testhosts import preflight, up
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,3 +147,57 @@ def test_an_operators_abort_travels_through_etcd_and_every_host_switches(can_mak
     ref = reference(STEPS)
     assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(results[0]["params"], ref))
     assert not (job.outside("h1") / "coord" / "inplace" / "abort.json").exists()  # nothing through files
+
+
+def test_the_peer_heartbeat_notices_a_powered_off_host_long_before_the_collective_timeout(can_make_hosts, tmp_path):
+    """GPUGUARD_PEER_HEARTBEAT on, a 30 s collective timeout: the survivors hear h1 go silent (no
+    reset reaches them), break their connections to it and switch in place within about a lease
+    TTL, not 30 s; the certificate still proves h1 quiet by its expired lease."""
+    long_timeout, lost, survivors = 30.0, 0, [1, 2]
+    with up(len(HOSTS)) as c:
+        job = HostJob.launch(
+            c,
+            HOSTS,
+            tmp_path,
+            steps=STEPS,
+            step_sleep=0.1,
+            pg_timeout=long_timeout,
+            lease_ttl=TTL,
+            faults=f"{lost}:{MARK}:before_commit:mark",
+            extra_env={PEER_HEARTBEAT_ENV: "0.1"},
+        )
+        with job:
+            assert job.wait_file("h1", f"faults/{lost}-before_commit-{MARK}.json", 150), job.log(lost)
+            t_fault = time.time()
+            c.power_off("h1")
+            codes = job.wait(survivors, 60)
+            logs = {r: job.log(r) for r in survivors}
+            ledger = job.ledger("h2")
+            verified, report = job.verify("h2")
+            left = {h: c.pids(h) for h in HOSTS}
+        results = {r: job.result(r) for r in survivors}
+        switches = {r: job.switch_records(HOSTS[r]) for r in survivors}
+
+    assert all(codes[r] == 0 for r in survivors), (codes, logs)
+    # detected by silence: each survivor names the missing heartbeat, and no collective timed out
+    assert any("no heartbeat from rank 0" in logs[r] for r in survivors), logs
+    assert not any("Timed out" in logs[r] for r in survivors), logs
+    ref = reference(STEPS)
+    for r in survivors:
+        doc = results[r]
+        assert doc and doc["last_step"] == STEPS and doc["generation"] == 2 and doc["world"] == 2, doc
+        assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(doc["params"], ref))
+        (rec,) = switches[r]
+        assert rec["generation"] == 2 and rec["first_step"] == rec["frontier_step"] + 1
+        # fault -> first commit in generation 2: about a lease TTL (the quiescence proof), far from 30 s
+        assert rec["phases"]["first_commit"] - t_fault < long_timeout / 3, rec["phases"]
+    assert len({results[r]["digest"] for r in survivors}) == 1
+    assert verified == 0 and report["ok"], report
+    assert ledger["generations"] == [0, 1, 2]
+    g1, g2 = ledger["history"][1], ledger["history"][2]
+    victim_id = next(m["id"] for m in g1["members"] if m["host"] == "h1")
+    assert g2["extra"]["switch"] == "in-place" and g2["quiescence"] == "proved"
+    assert g2["extra"]["quiescence_by"][victim_id] == LEASE_PROOF
+    assert list(g2["extra"]["evicted"]["dead"]) == [lost]
+    assert all(i != victim_id for _, i, _ in ledger["commits"]["2"])
+    assert all(len(pids) <= 1 for pids in left.values()), left
