@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from gpuguard.foundation import jobdir
+from gpuguard.foundation.errors import EXIT_REFUSED
 from gpuguard.generation.ledger_open import open_ledger
 from tests.recovery.test_sharded_snapshot import finish
 from tests.support.cli import REPO, free_port, run_cli
@@ -123,6 +124,12 @@ ONE_RANK = textwrap.dedent(
         run.optimizer.step()
         run.optimizer.zero_grad()
 
+    if mode == "fenced":  # an incarnation of an older generation (as a zombie would be) commits
+        with fault_tolerant(build, job_dir=job) as run:
+            for step in run.steps(until=10):
+                step_of(run, step)
+                run.runtime.generation -= 1
+        raise SystemExit("not fenced")
     if mode == "break":
         with fault_tolerant(build, job_dir=job, sharded=False) as run:
             for step in run.steps(until=10):
@@ -143,7 +150,7 @@ ONE_RANK = textwrap.dedent(
 )
 
 
-def one_rank(mode: str, job: Path) -> dict:
+def one_rank(mode: str, job: Path, rc: int = 0) -> subprocess.CompletedProcess:
     env = {
         **os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
@@ -151,20 +158,33 @@ def one_rank(mode: str, job: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", ONE_RANK, mode, str(job)], capture_output=True, text=True, env=env, timeout=60
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == rc, proc.stderr[-3000:]
+    return proc
+
+
+def summary(mode: str, job: Path) -> dict:
+    return json.loads(one_rank(mode, job).stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_step_left_with_break_is_not_committed_and_a_rerun_resumes_after_the_last_commit(tmp_path):
-    first = one_rank("break", tmp_path / "b")
+    first = summary("break", tmp_path / "b")
     assert first == {"start": 1, "last": 2, "gen": 1, "restored": False}
     # the decorator form, sharded (one rank): every step committed and snapshotted, then resumed
     job = tmp_path / "d"
-    assert one_rank("decorate", job) == {"start": 1, "last": 4, "gen": 1, "restored": False}
-    again = one_rank("decorate", job)  # nothing left to run past step 4: resumes at 5, runs none
+    assert summary("decorate", job) == {"start": 1, "last": 4, "gen": 1, "restored": False}
+    again = summary("decorate", job)  # nothing left to run past step 4: resumes at 5, runs none
     assert again == {"start": 5, "last": None, "gen": 2, "restored": True}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_fenced_commit_stops_the_process_with_one_line_and_status_4(tmp_path):
+    proc = one_rank("fenced", tmp_path / "f", rc=EXIT_REFUSED)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("gpuguard: rank 0")]
+    assert len(said) == 1 and "stops: commit of step 1 in generation 0 fenced" in said[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_usage_errors_are_one_line_with_the_usage_exit_code():
