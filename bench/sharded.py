@@ -2,11 +2,11 @@
 
     python bench/sharded.py [--json] [--workers 2] [--rounds 4] [--block 10] [--every 1]
                             [--gpu-ms 100] [--hidden 1024] [--replicated] [--restore-workers N] [--nice 0]
-                            [--runtime [--runtime-only] [--budget B]]
+                            [--runtime [--runtime-only] [--budget B]] [--restore-only]
 
 One torchrun job of `--workers` ranks trains an MLP (16 -> hidden -> hidden -> 16, every Linear and
-the root `fully_shard`ed, AdamW; with --replicated a plain replicated model, DDP-style gradient
-all-reduce). Each step is the real forward/backward/update plus `--gpu-ms` of
+the root `fully_shard`ed, AdamW; with --replicated the same MLP replicated under torch's
+`DistributedDataParallel`). Each step is the real forward/backward/update plus `--gpu-ms` of
 sleep, the stand-in for device time during which a GPU job's CPU is idle (0 makes every step pure
 CPU: the snapshot thread then competes with training for the cores). Three modes run in the same
 processes, interleaved in blocks of `--block` steps for `--rounds` rounds, so drift and load hit
@@ -32,6 +32,9 @@ with its collective sharded snapshot (`runtime-*` rows) at the runtime's default
 adaptive, a snapshot's CPU (the coordinator's staging + writer) at most `--budget` (default
 0.03) of the median step, never more often than every `--every` steps; `--budget 0`: every
 `--every` steps. `--runtime-only` runs only that job.
+`--restore-only`: only the restore figures: a short job of `--workers` ranks saves one sharded
+snapshot (3 steps of training first, so AdamW has state), then `--restore-workers` ranks restore it
+(select, plan, load resharded, check, apply), e.g. 4 -> 3 or 8 -> 6.
 Speed is never asserted in tests; this is the measurement.
 """
 
@@ -57,6 +60,7 @@ MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
 
 
 def build(hidden: int, replicated: bool = False):  # noqa: ANN201 - torch types, imported lazily
+    """The MLP sharded with FSDP2 (every Linear, then the root), or replicated under DDP. Needs the group."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -65,7 +69,9 @@ def build(hidden: int, replicated: bool = False):  # noqa: ANN201 - torch types,
     model = torch.nn.Sequential(
         torch.nn.Linear(16, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 16)
     )
-    if not replicated:
+    if replicated:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
@@ -119,21 +125,38 @@ def restore_worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def train_step(model, opt, step: int, a: argparse.Namespace) -> None:  # noqa: ANN001 - torch types
-    """One step: forward/backward/update (replicated: the gradients all-reduced), then `--gpu-ms` of sleep."""
+def save_worker(a: argparse.Namespace) -> int:
+    """`--restore-only`'s first job: 3 steps of training, one collective sharded snapshot, exit."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
+
+    from gpuguard.recovery import sharded_snapshot as ss
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    model, opt = build(a.hidden, a.replicated)
+    for step in range(3):
+        train_step(model, opt, step, a)
+    state = ss.model_state(model, opt, extra={"step": torch.tensor(3)})
+    group = ss.new_snapshot_group(60.0)
+    info = ss.save_sharded(Path(a.job_dir), 3, state, group=group, generation=0, incarnation="bench")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(
+            json.dumps({"world": dist.get_world_size(), "bytes": info.bytes_written if info else None})
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+def train_step(model, opt, step: int, a: argparse.Namespace) -> None:  # noqa: ANN001 - torch types
+    """One step: forward/backward (FSDP2's reduce-scatter or DDP's all-reduce)/update, then `--gpu-ms` of sleep."""
+    import torch
 
     g = torch.Generator().manual_seed(step)
     x = torch.randn(32, 16, generator=g)
     torch.nn.functional.mse_loss(model(x), x).backward()
-    if a.replicated:  # data parallel without a wrapper: the gradients all-reduced, flattened
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(flat)
-        off = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[off : off + p.numel()].view_as(p)).div_(dist.get_world_size())
-            off += p.numel()
     opt.step()
     opt.zero_grad()
     if a.gpu_ms:
@@ -352,6 +375,9 @@ def main() -> int:
     )
     ap.add_argument("--runtime-only", action="store_true", help="only the runtime job (implies --runtime)")
     ap.add_argument(
+        "--restore-only", action="store_true", help="only the restore: save at --workers, restore at --restore-workers"
+    )
+    ap.add_argument(
         "--budget",
         type=float,
         default=DEFAULT_BUDGET,
@@ -360,6 +386,7 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--restore-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -367,6 +394,8 @@ def main() -> int:
         return worker(a)
     if a.restore_worker:
         return restore_worker(a)
+    if a.save_worker:
+        return save_worker(a)
     if a.runtime_worker:
         return runtime_worker(a)
     tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-sharded-"))
@@ -374,15 +403,22 @@ def main() -> int:
         shape = ("rounds", "block", "every", "gpu-ms", "hidden", "nice")
         kind = ["--replicated"] if a.replicated else []
         doc = rest = None
-        if not a.runtime_only:
+        back = a.restore_workers or max(1, a.workers - 1)
+        if a.restore_only:
+            saved = _torchrun(a, a.workers, ["--save-worker", *kind, f"--hidden={a.hidden}"], tmp)
+            t0 = time.perf_counter()
+            rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
+            rest["job_s"], rest["bytes"] = time.perf_counter() - t0, saved["bytes"]
+        elif not a.runtime_only:
             doc = _torchrun(
                 a, a.workers, ["--worker", *kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in shape)], tmp
             )
-            back = a.restore_workers or max(1, a.workers - 1)
             rest = _torchrun(a, back, ["--restore-worker", *kind, f"--hidden={a.hidden}"], tmp)
         shape_args = [*kind, *(f"--{k}={getattr(a, k.replace('-', '_'))}" for k in (*shape, "budget"))]
         rt_doc = None
-        if a.runtime or a.runtime_only:  # a job dir of its own: a fresh ledger, no snapshots of the runs above
+        if (
+            a.runtime or a.runtime_only
+        ) and not a.restore_only:  # a job dir of its own: a fresh ledger, no snapshots of the runs above
             (tmp / "rt").mkdir()
             rt_doc = _torchrun(a, a.workers, ["--runtime-worker", *shape_args], tmp / "rt")
     except RuntimeError as exc:
@@ -394,7 +430,7 @@ def main() -> int:
     notes: list[str] = [
         f"{a.workers} gloo workers on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
     ]
-    if doc is not None and rest is not None:
+    if doc is not None:
         base = statistics.median(doc["times"]["plain"])
         for mode in MODES:
             med = statistics.median(doc["times"][mode])
@@ -424,19 +460,26 @@ def main() -> int:
             "ratio_vs_plain: median block step time / plain's, same processes, interleaved blocks",
             "bytes_per_snapshot: all members' .distcp files; state_bytes: model + optimizer tensors of all ranks",
         ]
-        rows.append(
-            {
-                "mode": f"restore {rest['from_world']}->{rest['to_world']}",
-                "workers": rest["to_world"],
-                "select_ms": round(rest["select_s"] * 1000, 1),
-                "plan_ms": round(rest["plan_s"] * 1000, 1),
-                "load_ms": round(rest["load_s"] * 1000, 1),
-                "check_ms": round(rest["check_s"] * 1000, 1),
-                "apply_ms": round(rest["apply_s"] * 1000, 1),
-                "digests_equal": rest["digests_equal"],
-                "chunk_reads": rest["chunk_reads"],
-            }
-        )
+    if rest is not None:
+        restore_row = {
+            "mode": f"restore {rest['from_world']}->{rest['to_world']}",
+            "model": "replicated" if a.replicated else "fsdp2",
+            "workers": rest["to_world"],
+            "select_ms": round(rest["select_s"] * 1000, 1),
+            "plan_ms": round(rest["plan_s"] * 1000, 1),
+            "load_ms": round(rest["load_s"] * 1000, 1),
+            "check_ms": round(rest["check_s"] * 1000, 1),
+            "apply_ms": round(rest["apply_s"] * 1000, 1),
+            "restore_ms": round(sum(rest[k] for k in ("select_s", "plan_s", "load_s", "check_s", "apply_s")) * 1000, 1),
+            "digests_equal": rest["digests_equal"],
+            "chunk_reads": rest["chunk_reads"],
+        }
+        # the baseline in the same run: dcp.load alone (resharding, no selection, no checks)
+        restore_row["ratio_vs_dcp_load"] = round(restore_row["restore_ms"] / max(0.1, restore_row["load_ms"]), 3)
+        if "job_s" in rest:  # --restore-only: the restoring torchrun job end to end (start-up, imports, group)
+            restore_row["restore_job_s"] = round(rest["job_s"], 2)
+            restore_row["snapshot_bytes"] = rest["bytes"]
+        rows.append(restore_row)
         notes.append(
             "restore: select = every manifest digest re-hashed and every part read (by every rank), load = dcp.load resharding, "
             "check = loaded vs stored layout-independent digests (collective), apply = set_state_dict"
