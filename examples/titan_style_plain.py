@@ -4,7 +4,7 @@
 
 What a user has before adopting gpuguard: a small decoder-only transformer (token embedding, blocks
 of RMSNorm + causal attention + SwiGLU MLP, output head), `fully_shard` on every block and then on
-the root, AdamW, gradient clipping, and a loop that takes (inputs, labels) from a dataloader-like
+the root, AdamW with a linear warm-up (LambdaLR), gradient clipping, and a loop that takes (inputs, labels) from a dataloader-like
 iterator and steps the optimizer. A killed rank ends the job; a restart starts again at step 1.
 
 The model, the data and the step live here and `titan_style_train` imports them, so the two
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.optim.lr_scheduler import LambdaLR
 
 from gpuguard.examples.demo_train import Faults
 from gpuguard.examples.fsdp_train import POINT, parse_kill
@@ -97,15 +98,22 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def build(a: ModelArgs = ModelArgs()) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model (seeded: the same initial weights at any world size), sharded per block, and AdamW.
-    Needs the default process group (`fully_shard`)."""
+def build(a: ModelArgs = ModelArgs()) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
+    """The model (seeded: the same initial weights at any world size), sharded per block, AdamW and
+    a linear warm-up of the learning rate (torchtitan's). Needs the default process group (`fully_shard`)."""
     torch.manual_seed(0)
     model = Transformer(a)
     for block in model.layers.values():
         fully_shard(block)
     fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    return model, optimizer, LambdaLR(optimizer, warmup)
+
+
+def warmup(step: int, steps: int = 4) -> float:
+    """The learning rate's factor at scheduler step `step`: linear from 1/steps to 1 (a function,
+    not a lambda, so LambdaLR's state_dict holds no closure)."""
+    return min(1.0, (step + 1) / steps)
 
 
 class TokenBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
@@ -126,13 +134,17 @@ class TokenBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         return mine[:, :-1], mine[:, 1:]
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """Forward, next-token cross-entropy, backward, clip (a collective over DTensors), AdamW."""
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, inputs: torch.Tensor, labels: torch.Tensor
+) -> float:
+    """Forward, next-token cross-entropy, backward, clip (a collective over DTensors), AdamW, the
+    scheduler's step."""
     loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten(0, 1))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
     optimizer.step()
     optimizer.zero_grad()
+    scheduler.step()
     return float(loss.detach())
 
 
@@ -160,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     faults = Faults(a.out, int(os.environ["RANK"]), a.kill)
     dist.init_process_group("gloo")
-    model, optimizer = build()
+    model, optimizer, scheduler = build()
     data = TokenBatches(start_step=1)
     for step in range(1, a.steps + 1):
         faults(POINT, step)
         inputs, labels = next(data)
-        train_step(model, optimizer, inputs, labels)
+        train_step(model, optimizer, scheduler, inputs, labels)
     if a.final:
         write_final(model, a.out)
     dist.destroy_process_group()

@@ -5,9 +5,10 @@
 
 `main()` is the plain loop's with the lines adoption changes (README, sharded state, counts them):
 the `with fault_tolerant(build, job_dir=...)` block replaces `init_process_group` and `build()`
-(the runtime forms each generation's group, then builds and restores the model on it), the data
-iterator starts at `run.start_step`, and `run.steps(until=...)` replaces the `range` (it commits
-each finished step; every rank snapshots its shards in the background). A SIGKILLed rank
+(the runtime forms each generation's group, then builds the model, optimizer and lr scheduler on
+it and restores them), the data iterator starts at `run.start_step`, and `run.steps(until=...)`
+replaces the `range` (it commits each finished step; every rank snapshots its shards in the
+background). A SIGKILLed rank
 (`--kill R:S`) makes torchrun restart the group, and the restarted generation resumes from the
 certified sharded snapshot: its final parameters equal the plain loop's fault-free ones, bitwise at
 the same world size (`tests/examples/test_titan_style.py`). DIR is also the gpuguard job directory.
@@ -26,12 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     faults = Faults(a.out, int(os.environ["RANK"]), a.kill)
     with fault_tolerant(build, job_dir=a.out) as run:
-        model, optimizer = run.model, run.optimizer
+        model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
         data = TokenBatches(start_step=run.start_step)
         for step in run.steps(until=a.steps):
             faults(POINT, step)
             inputs, labels = next(data)
-            train_step(model, optimizer, inputs, labels)
+            train_step(model, optimizer, scheduler, inputs, labels)
         if a.final:
             write_final(model, a.out)
     return 0

@@ -14,12 +14,13 @@ the first collective, commit after the optimizer step and never after a failed o
 any `except` so gloo's sockets really close: docs/torchrun-hazards.md). `fault_tolerant` puts them
 in that order around the user's loop:
 
-- enter: `Runtime.from_env` (torchrun's environment), then `activate(build=...)`: the runtime forms
-  this generation's group, `build()` makes the model and optimizer on it (`fully_shard` needs the
-  group), and the certified snapshot is restored into them (resharded by DCP at another world
-  size). A member that cannot verify the certificate prints one line and exits with status 4 (the
-  runtime does it). Passing `model=`/`optimizer=` instead of `build` suits a model that needs no
-  group to be built (a replicated model whose gradients the loop all-reduces itself).
+- enter: `Runtime.from_env` (torchrun's environment), then `activate(build=...)`: the runtime
+  forms this generation's group, `build()` makes the model, the optimizer (and an lr scheduler)
+  on it (`fully_shard` needs the group), and the certified snapshot is restored into them
+  (resharded by DCP at another world size). A member that cannot verify the certificate prints
+  one line and exits with status 4 (the runtime does it). Passing `model=`/`optimizer=`
+  (/`scheduler=`) instead of `build` suits a model that needs no group to be built (a
+  replicated model whose gradients the loop all-reduces itself).
 - each step: `run.steps(until)` yields the step numbers from the certified start and commits a
   step (step record, commit record, the collective sharded snapshot when due) when the loop body
   finished it and asks for the next one. A body that raised or left the loop with `break` does not
@@ -70,22 +71,23 @@ class FaultTolerant:
     """The runtime around one training loop, as a context manager or a decorator (module
     docstring). One use per process.
 
-    `build() -> (model, optimizer)` is called once this generation's group is up; `job_dir`
-    defaults to GPUGUARD_JOB_DIR; `runtime_options` go to `Runtime.from_env`."""
+    `build() -> (model, optimizer[, lr scheduler])` is called once this generation's group is up;
+    `job_dir` defaults to GPUGUARD_JOB_DIR; `runtime_options` go to `Runtime.from_env`."""
 
     def __init__(
         self,
-        build: Callable[[], tuple[Any, Any]] | None = None,
+        build: Callable[[], tuple[Any, ...]] | None = None,
         *,
         model: Any = None,
         optimizer: Any = None,
+        scheduler: Any = None,
         job_dir: str | Path | None = None,
         sharded: bool = True,
         **runtime_options: Any,
     ) -> None:
         if (build is None) == (model is None):
             raise GpuguardError("fault_tolerant() needs either build or model (not both)", exit_code=EXIT_USAGE)
-        self._build, self._model, self._optimizer = build, model, optimizer
+        self._build, self._model, self._optimizer, self._scheduler = build, model, optimizer, scheduler
         self._job_dir, self._sharded, self._options = job_dir, sharded, runtime_options
         self.runtime: Any = None  # the Runtime, once entered (state_hash, collective, counters)
         self.state: Any = None  # the runtime's TrainState (generation, frontier, restored digest)
@@ -104,16 +106,20 @@ class FaultTolerant:
         if self._build is not None:
             self.state = self.runtime.activate(build=self._build) if self._sharded else self._activate_built()
         else:
-            self.state = self.runtime.activate(self._model, self._optimizer)
+            self.state = self.runtime.activate(self._model, self._optimizer, self._scheduler)
         if self.state.model is None:
             self.state.model, self.state.optimizer = self._model, self._optimizer
+        if self.state.scheduler is None:
+            self.state.scheduler = self._scheduler
         return self
 
     def _activate_built(self) -> Any:
         """Replicated mode has no group before activation: build() must not need one."""
         assert self._build is not None
-        self._model, self._optimizer = self._build()
-        return self.runtime.activate(self._model, self._optimizer)
+        built = tuple(self._build())
+        self._model, self._optimizer = built[0], built[1]
+        self._scheduler = built[2] if len(built) > 2 else None
+        return self.runtime.activate(self._model, self._optimizer, self._scheduler)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         from gpuguard.recovery.runtime import FencedError  # noqa: PLC0415 - lazy, as in __enter__
@@ -160,6 +166,11 @@ class FaultTolerant:
     @property
     def optimizer(self) -> Any:
         return self.state.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        """The lr scheduler (build()'s third item, or the one passed in; None without one), restored."""
+        return self.state.scheduler
 
     @property
     def start_step(self) -> int:

@@ -133,6 +133,7 @@ class TrainState:
     phases: dict[str, float] = field(default_factory=dict)
     model: Any = None  # sharded mode with `activate(build=...)`: what build() made, restored
     optimizer: Any = None
+    scheduler: Any = None  # sharded mode: the lr scheduler build() made (the third item), restored
 
 
 @dataclass
@@ -415,13 +416,14 @@ class Runtime:
         scheduler: Any = None,
         extra: Mapping[str, Any] | None = None,
         *,
-        build: Callable[[], tuple[Any, Any]] | None = None,
+        build: Callable[[], tuple[Any, ...]] | None = None,
     ) -> TrainState:
         """Agree on the frontier, verify the certificate, restore, form this generation's group.
 
         Sharded mode: the group forms before the restore (DCP's load is collective), and a model that
         needs the group to be built (`fully_shard`, a device mesh) comes from `build()` -> (model,
-        optimizer), called once the group is up; the restored pair is `TrainState.model/.optimizer`.
+        optimizer[, lr scheduler]), called once the group is up; the restored pair is
+        `TrainState.model/.optimizer` (the scheduler is restored in place).
         A member that cannot verify prints one line and exits with status 4 (refused).
         """
         if build is not None and not self.sharded:
@@ -775,9 +777,11 @@ class Runtime:
         phases["pg_ready"] = time.time()
         restored_from, digest = None, None
         try:
-            if self._build is not None:
-                model, optimizer = self._build()
-                self._objects["model"], self._objects["optimizer"] = model, optimizer
+            if self._build is not None:  # (model, optimizer) or (model, optimizer, lr scheduler)
+                built = tuple(self._build())
+                self._objects["model"], self._objects["optimizer"] = built[0], built[1]
+                if len(built) > 2:  # the scheduler needs the optimizer build() made: snapshotted with it
+                    self._objects["scheduler"] = built[2]
             if cert.frontier.state_manifest_digest:
                 restored_from, digest = self._restore_sharded(cert)
             verdict = "ok"
@@ -791,6 +795,7 @@ class Runtime:
         phases["restored"] = time.time()
         state = TrainState(cert.frontier.step + 1, generation, cert.frontier.step, digest, cert.digest(), restored_from)
         state.model, state.optimizer = self._objects["model"], self._objects["optimizer"]
+        state.scheduler = self._objects["scheduler"]
         return self._started(state, phases)
 
     def _agree_verdicts(self, ns: Any, key: str, verdict: str, generation: int) -> None:
