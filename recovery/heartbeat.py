@@ -17,12 +17,14 @@ and packets go only to the addresses the generation's members published.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import ipaddress
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -110,15 +112,29 @@ def decode(key: bytes, packet: bytes) -> dict[str, object] | None:
     return doc
 
 
-def local_address(toward: str) -> str:
-    """This host's address on the route to `toward` (MASTER_ADDR): the worker's own interface."""
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (SIOCGIFADDR); OSError when it has none."""
+    raw = name.encode()[:15]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", raw))  # SIOCGIFADDR
+    return socket.inet_ntoa(res[20:24])
+
+
+def worker_address(master_addr: str | None, env: dict[str, str] | None = None) -> str:
+    """The address gloo uses: GLOO_SOCKET_IFNAME's (its first interface), else the route to MASTER_ADDR.
+
+    Heartbeats then share gloo's link: a link that fails gloo silences them too. OSError when
+    neither gives an address (the detector stays off: a guessed address could be another host's).
+    """
+    env = dict(os.environ) if env is None else env
+    ifname = env.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if ifname:
+        return interface_address(ifname)
+    toward = master_addr or "127.0.0.1"
     family = socket.AF_INET6 if ":" in toward else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((toward, 9))  # UDP connect sends nothing; it only picks the route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        s.connect((toward, 9))  # UDP connect sends nothing; it only picks the route
+        return str(s.getsockname()[0])
 
 
 def open_socket(address: str) -> socket.socket:

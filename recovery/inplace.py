@@ -165,8 +165,8 @@ class InPlaceRuntime(Runtime):
         self.committed = state.frontier_step
         self._remember(state.frontier_step)
         why = self._start_peer_heartbeat()
-        if why is not None:  # the group just broke: the first step fails and switches
-            self._log(f"peer heartbeat not started: {why}")
+        if why is not None:  # detection falls back to the collective timeout for this generation
+            self._log(f"peer heartbeat off in generation {self.generation}: {why}")
         return state
 
     def commit(self, step: int) -> None:
@@ -231,40 +231,58 @@ class InPlaceRuntime(Runtime):
 
     # ------------------------------------------------------------------ the peer heartbeat (opt-in)
     def _start_peer_heartbeat(self) -> str | None:
-        """Exchange heartbeat addresses over the new group and start watching; None, or why not.
+        """Publish my heartbeat address in the new group's store, read the others', start watching.
 
-        Runs right after a group formed (all members are in it), so the exchange is one small
-        all_gather bounded by the collective timeout; a failure means the group is already broken.
+        Runs right after a group formed, on every member whose GPUGUARD_PEER_HEARTBEAT is set. The
+        exchange goes through the group's store, not a collective, so a member started without the
+        setting cannot be paired with a collective it never makes; a member that publishes no
+        address ("-"), or none within the collective timeout, turns the detector off for the
+        generation, on every member that sees it (None, or why not).
         """
         self._stop_peer_heartbeat()
         self._suspicion = None
         cfg = self.peer_heartbeat_config
         if cfg is None or self.world_size < 2 or self.generation is None:
             return None
-        import torch
         import torch.distributed as dist
 
         ledger = self.ledger()
-        if ledger.key is None:
-            return "no signing key to authenticate heartbeats"
         cert = ledger.get(self.generation)
-        incarnations = {m.rank: m.incarnation.id for m in cert.members}
-        sock = peer_hb.open_socket(peer_hb.local_address(self.master_addr or "127.0.0.1"))
+        sock, why = None, None
+        if ledger.key is None:
+            why = "no signing key to authenticate heartbeats"
+        else:
+            try:
+                sock = peer_hb.open_socket(peer_hb.worker_address(self.master_addr))
+            except OSError as exc:
+                why = f"no heartbeat socket: {exc}"
+        store = dist.PrefixStore(
+            f"gpuguard-peer-heartbeat/g{self.generation}", dist.distributed_c10d._get_default_store()
+        )
         try:
-            addr, port = sock.getsockname()[:2]
-            ip = ipaddress.ip_address(addr)
-            mine = torch.tensor([ip.version, *ip.packed.rjust(16, b"\0"), port], dtype=torch.int64)
-            gathered = [torch.zeros(18, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine)
-        except RuntimeError as exc:
-            sock.close()
-            return f"address exchange failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        peers = {}
-        for rank, t in enumerate(gathered):
-            version, *octets, peer_port = (int(v) for v in t.tolist())
-            raw = bytes(b & 0xFF for b in octets)
-            peer_ip = ipaddress.ip_address(raw[12:] if version == 4 else raw)
-            peers[rank] = peer_hb.Peer(rank, incarnations.get(rank, ""), (str(peer_ip), peer_port))
+            store.set(f"r{self.rank}", "-" if sock is None else "{} {}".format(*sock.getsockname()[:2]))
+            keys = [f"r{r}" for r in range(self.world_size)]
+            store.wait(keys, timedelta(seconds=self.pg_timeout_s))
+            published = {r: bytes(store.get(k))[:128].decode(errors="replace") for r, k in enumerate(keys)}
+        except RuntimeError as exc:  # DistStoreError: a member never published, or the store is gone
+            why = why or f"address exchange failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            published = {}
+        peers, hosts = {}, {m.rank: m.incarnation.host for m in cert.members}
+        incarnations = {m.rank: m.incarnation.id for m in cert.members}
+        for rank, text in published.items():
+            addr, _, port = text.partition(" ")
+            try:
+                ip = ipaddress.ip_address(addr)
+                peers[rank] = peer_hb.Peer(rank, incarnations.get(rank, ""), (str(ip), int(port)))
+            except ValueError:
+                why = why or f"rank {rank} publishes no heartbeat address ({text[:40]!r})"
+                continue
+            if ip.is_loopback and len(set(hosts.values())) > 1:
+                why = why or f"rank {rank} on a multi-host job publishes loopback {ip}: set MASTER_ADDR routable"
+        if why is not None or sock is None:
+            if sock is not None:
+                sock.close()
+            return why
         self._peer_hb = peer_hb.PeerHeartbeat(
             sock,
             key=peer_hb.derive_key(ledger.key),
@@ -547,9 +565,8 @@ class InPlaceRuntime(Runtime):
         if failure is not None:
             return failure
         why = self._start_peer_heartbeat()
-        if why is not None:
-            self._teardown()
-            return f"group of generation {cert.generation}: {why}"
+        if why is not None:  # detection falls back to the collective timeout for this generation
+            self._log(f"peer heartbeat off in generation {cert.generation}: {why}")
         phases["group_ready"] = time.time()
         self._after_join(cert, phases)
         return None

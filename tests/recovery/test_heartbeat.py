@@ -185,3 +185,10 @@ def test_breaking_connections_wakes_a_blocked_reader_and_spares_kept_ports():
     finally:
         for s in [broken, kept, *accepted, *servers]:
             s.close()
+
+
+def test_the_worker_address_is_gloos_interface_or_the_route_to_the_master():
+    assert hb.worker_address(None, {"GLOO_SOCKET_IFNAME": "lo,eth0"}) == "127.0.0.1"
+    assert hb.worker_address("127.0.0.1", {}) == "127.0.0.1"
+    with pytest.raises(OSError):  # never a guess: the detector stays off
+        hb.worker_address("127.0.0.1", {"GLOO_SOCKET_IFNAME": "nosuchif0"})
