@@ -24,7 +24,7 @@ from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
 from gpuguard.testhosts import preflight, up
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # start-up waits up to 150 s on a loaded machine; a run takes ~25 s
 
 HOSTS = ["h1", "h2", "h3"]
 STEPS, MARK = 16, 6
