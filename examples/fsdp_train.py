@@ -26,6 +26,7 @@ RNG from its part of the snapshot, so the restored run draws what an uninterrupt
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -192,4 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # FSDP's modules keep the process group alive past destroy_process_group; freed at interpreter
+    # finalization, gloo can abort the process (SIGABRT after a clean run, seen in CI): free it now
+    gc.collect()
+    raise SystemExit(code)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -257,6 +258,10 @@ class Runtime:
         self._log = log or (lambda msg: print(f"[gpuguard rank {self.rank}] {msg}", file=sys.stderr, flush=True))
         self.incarnation = Incarnation.current()
         self.t_created = time.time()
+        # The training script's model (FSDP2's, through its device mesh) keeps the process group alive
+        # past close(); freed during interpreter finalization, gloo can abort a finished worker
+        # (SIGABRT). At exit, after the script's frames are gone, free it while the interpreter is whole.
+        atexit.register(gc.collect)
         self.job = jobdir.ensure_job(self.job_dir, job_id=os.environ.get(JOB_ID_ENV) or None)
         self.generation: int | None = None
         self.counters = Counters()
