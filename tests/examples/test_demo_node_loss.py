@@ -38,11 +38,17 @@ def test_node_loss_demo_ends_with_a_certified_in_place_generation(cli, tmp_path)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     shown = cli("gpu-generation", "show", "--job-dir", str(job))
     assert shown.returncode == 0 and "in-place" in shown.stdout
-    # the in-place generation's certified frontier snapshot is still there to re-hash (it was pruned: FAIL)
+    # the in-place generation's certified frontier snapshot is still there to re-hash (it was pruned: FAIL).
+    # Whether it binds one is a race the demo does not fix: rank 0 writes the snapshots and is killed,
+    # so the frontier step's snapshot may not have been durable; then the certificate binds none ("").
     deep = cli("gpu-generation", "verify", "--deep", "--job-dir", str(job), "--json", timeout=60)
     assert deep.returncode == 0, deep.stdout[-3000:] + deep.stderr[-3000:]
-    assert json.loads(deep.stdout)["deep"]["manifests"] >= 1
-    assert (job / "snapshots" / f"step-{cert.frontier.step}" / "gpuguard.manifest.json").exists()
+    frontier_manifest = job / "snapshots" / f"step-{cert.frontier.step}" / "gpuguard.manifest.json"
+    if cert.frontier.state_manifest_digest:
+        assert json.loads(deep.stdout)["deep"]["manifests"] >= 1
+        assert frontier_manifest.exists()
+    else:  # bound to the survivors' in-memory state only because no durable snapshot of that step existed
+        assert not frontier_manifest.exists() and cert.extra.get("replicated_state_digest")
 
 
 def test_demo_rejects_an_unknown_scenario(cli, tmp_path):
