@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from gpuguard.recovery.group_sockets import shutdown_tcp, socket_inodes
+
 FANOUT = 2  # each rank is watched by this many successors: one lost watcher does not blind the ring
 MAX_PACKET = 512  # bytes: a datagram is ~150; anything larger is not ours
-MAX_FDS = 65536  # /proc/self/fd entries looked at when breaking connections
 START_GRACE_S = 1.0  # extra silence allowed before the first packet of a peer (start-up skew)
 _MAC_LEN = 32
 _KEY_LABEL = b"gpuguard peer heartbeat v1"
@@ -162,34 +163,9 @@ def break_connections(remote_ip: str, keep_ports: Iterable[int] = ()) -> int:
     shutdown() acts on the socket, not the descriptor: done on a duplicate it makes the owner's
     pending read (gloo's) return end-of-stream at once. Connections to `keep_ports` (etcd) stay.
     """
-    want, keep, count = _plain_ip(remote_ip), set(keep_ports), 0
-    try:
-        fds = os.listdir("/proc/self/fd")[:MAX_FDS]
-    except OSError:
-        return 0
-    for name in fds:
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            dup = os.dup(int(name))
-        except (OSError, ValueError):
-            continue
-        try:
-            s = socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
-            continue
-        try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                peer = s.getpeername()
-                if _plain_ip(peer[0]) == want and peer[1] not in keep:
-                    s.shutdown(socket.SHUT_RDWR)
-                    count += 1
-        except (OSError, ValueError):
-            pass
-        finally:
-            s.close()  # closes the duplicate only
-    return count
+    want, keep = _plain_ip(remote_ip), set(keep_ports)
+    fds = socket_inodes().values()
+    return shutdown_tcp(fds, socket.SHUT_RDWR, lambda peer: _plain_ip(peer[0]) == want and peer[1] not in keep)
 
 
 class PeerHeartbeat:

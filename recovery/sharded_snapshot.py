@@ -27,6 +27,7 @@ Lazy imports (start-up time): torch, only inside the functions that save, load o
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
@@ -325,6 +326,25 @@ def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, list[
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - lazy: torch only where used
 
     tensors: dict[str, list[Any]] = {}
+    for path, value in state_leaves(state):
+        if isinstance(value, DTensor):
+            coord = value.device_mesh.get_coordinate() or []
+            first_replica = all(c == 0 for c, p in zip(coord, value.placements) if not p.is_shard())
+            total = 0
+            if first_replica:
+                for ch in value.__create_chunk_list__():
+                    total += _chunk_sum(value.to_local(), tuple(int(x) for x in ch.offsets), tuple(value.shape))
+            tensors[path] = [str(value.dtype), list(value.shape), total & _M64]
+        elif isinstance(value, torch.Tensor):  # replicated: counted once, by rank 0
+            total = _chunk_sum(value, (0,) * value.dim(), tuple(value.shape)) if rank == 0 else 0
+            tensors[path] = [str(value.dtype), list(value.shape), total]
+    return tensors
+
+
+def state_leaves(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(path, leaf) of a nested state in a fixed order; a path joins the keys and list indexes with
+    dots (`optim.state.0.weight.exp_avg`): the names the state digest and the in-place reshard share."""
+    out: list[tuple[str, Any]] = []
 
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, Mapping):
@@ -333,20 +353,11 @@ def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, list[
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 walk(f"{prefix}.{i}", v)
-        elif isinstance(value, DTensor):
-            coord = value.device_mesh.get_coordinate() or []
-            first_replica = all(c == 0 for c, p in zip(coord, value.placements) if not p.is_shard())
-            total = 0
-            if first_replica:
-                for ch in value.__create_chunk_list__():
-                    total += _chunk_sum(value.to_local(), tuple(int(x) for x in ch.offsets), tuple(value.shape))
-            tensors[prefix] = [str(value.dtype), list(value.shape), total & _M64]
-        elif isinstance(value, torch.Tensor):  # replicated: counted once, by rank 0
-            total = _chunk_sum(value, (0,) * value.dim(), tuple(value.shape)) if rank == 0 else 0
-            tensors[prefix] = [str(value.dtype), list(value.shape), total]
+        else:
+            out.append((prefix, value))
 
     walk("", state)
-    return tensors
+    return out
 
 
 def stored_contributions(directory: Path, rank: int, world: int) -> dict[str, list[Any]]:
@@ -742,6 +753,7 @@ class ShardedSnapshotter:
         while True:
             item = self._q.get()
             if item is None:
+                self.group = None  # a failed group's sockets close once nothing holds it (peers wake)
                 return
             step, state, rng, step_s, submit_s = item
             t0 = time.thread_time()
@@ -780,6 +792,9 @@ class ShardedSnapshotter:
                         self.on_done(step, info, error)
                     except Exception:  # noqa: BLE001,S110 - a reporting hook must not stop the writer
                         pass
+                # the error's traceback holds the save's frames, and with them the group: a failed group
+                # kept alive here keeps its sockets open, and a peer blocked on this rank waits its timeout
+                error = info = None
                 self._idle.set()
 
     def _interval(self, info: ShardedInfo) -> int:
@@ -791,6 +806,18 @@ class ShardedSnapshotter:
     def flush(self, timeout: float) -> bool:
         """Wait for the snapshot in flight (True when none is left)."""
         return self._idle.wait(timeout)
+
+    def abandon(self) -> None:
+        """Stop taking snapshots without waiting: the thread ends after the save in flight (if any)
+        fails or finishes (its group failed; a late publish is fenced by `still_current`)."""
+        try:
+            atexit.unregister(self.flush)  # the runtime's exit flush holds it (and its group) alive
+        except Exception:  # noqa: BLE001,S110 - nothing registered
+            pass
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:  # a save is queued but not started: the thread takes it, then stops
+            threading.Thread(target=self._q.put, args=(None,), daemon=True).start()
 
     def close(self, timeout: float) -> bool:
         done = self.flush(timeout)
