@@ -118,6 +118,13 @@ def _ownership_lines(cert: Any) -> list[str]:
             lines.append(f"               ({reshard['basis']}; checked against the real layout at restore)")
     elif extra.get("reshard_note"):
         lines.append(f"reshard        {extra['reshard_note']}")
+    held = extra.get("sharded_state")
+    if isinstance(held, Mapping):  # an in-place switch with sharded state (docs/formats/inplace.md)
+        lines.append(
+            f"state          in the survivors' memory: {held.get('chunks')} chunks ({held.get('replicated')} held by "
+            f"more than one), digest {str(extra.get('sharded_state_digest'))[:16]}…; lost ranks {list(held.get('lost') or [])}: "
+            "every shard they held has a surviving replica, moved peer to peer to the new world"
+        )
     return lines
 
 

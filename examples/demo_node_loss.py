@@ -95,9 +95,17 @@ def _node_env(job: Path, steps: int) -> dict[str, str]:
     return env
 
 
-def start_agent(log: Path, *, port: int, rdzv_id: str, env: Mapping[str, str]) -> subprocess.Popen:
-    """One of the `AGENTS` torchrun "nodes": one `inplace_train` worker, c10d rendezvous on the store at
-    127.0.0.1:`port`, no restarts, in a session of its own (killed as a group), output to `log`."""
+def start_agent(
+    log: Path,
+    *,
+    port: int,
+    rdzv_id: str,
+    env: Mapping[str, str],
+    nnodes: int = AGENTS,
+    module: str = "gpuguard.examples.inplace_train",
+) -> subprocess.Popen:
+    """One of `nnodes` torchrun "nodes": one `module` worker (`inplace_train`), c10d rendezvous on the
+    store at 127.0.0.1:`port`, no restarts, in a session of its own (killed as a group), output to `log`."""
     with open(log, "wb") as out:
         return subprocess.Popen(
             [
@@ -105,7 +113,7 @@ def start_agent(log: Path, *, port: int, rdzv_id: str, env: Mapping[str, str]) -
                 "-m",
                 "torch.distributed.run",
                 "--nnodes",
-                str(AGENTS),
+                str(nnodes),
                 "--nproc-per-node",
                 "1",
                 "--rdzv-backend",
@@ -119,7 +127,7 @@ def start_agent(log: Path, *, port: int, rdzv_id: str, env: Mapping[str, str]) -
                 "--monitor-interval",
                 "0.1",
                 "-m",
-                "gpuguard.examples.inplace_train",
+                module,
             ],
             env=env,
             stdout=out,

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -99,13 +100,9 @@ def parse_faults(text: str) -> list[tuple[int, int, str, str]]:
     return out
 
 
-def worker_main() -> int:
-
-    job_dir = Path(os.environ[JOB_DIR_ENV])
-    orig = int(os.environ["RANK"])
-    faults = parse_faults(os.environ.get(FAULTS_ENV, ""))
-    steps = int(os.environ.get("INPLACE_STEPS", "30"))
-    sleep = float(os.environ.get("INPLACE_STEP_SLEEP", "0.02"))
+def fault_hook(job_dir: Path, orig: int, faults: list[tuple[int, int, str, str]]) -> Callable[[str, int], None]:
+    """The runtime's fault hook for `INPLACE_FAULTS` (see the module docstring): the fault's record
+    goes to `<job>/faults/` first, then the action."""
 
     def hook(point: str, step: int) -> None:
         for r, s, p, action in faults:
@@ -131,6 +128,32 @@ def worker_main() -> int:
                         pass
                 os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
+    return hook
+
+
+def result_doc(rt: InPlaceRuntime, orig: int, last: int) -> dict[str, Any]:
+    """What every worker of these examples reports at the end (`<job>/results/<orig>.json`)."""
+    return {
+        "orig_rank": orig,
+        "pid": os.getpid(),
+        "rank": rt.rank,
+        "world": rt.world_size,
+        "generation": rt.generation,
+        "last_step": last,
+        "incarnation": rt.incarnation.id,
+        "switches": rt.switches,
+        "step_time_p50_s": _median(rt.step_times),
+        "remember_p50_s": _median(rt.remember_times),
+    }
+
+
+def worker_main() -> int:
+
+    job_dir = Path(os.environ[JOB_DIR_ENV])
+    orig = int(os.environ["RANK"])
+    hook = fault_hook(job_dir, orig, parse_faults(os.environ.get(FAULTS_ENV, "")))
+    steps = int(os.environ.get("INPLACE_STEPS", "30"))
+    sleep = float(os.environ.get("INPLACE_STEP_SLEEP", "0.02"))
     world = int(os.environ["WORLD_SIZE"])
     tp = int(os.environ.get("INPLACE_TP", "1"))  # declares a TP layout (the model is not split): refusal tests
     rt = InPlaceRuntime.from_env(
@@ -166,18 +189,9 @@ def worker_main() -> int:
     out = job_dir / "results"
     out.mkdir(exist_ok=True)
     doc = {
-        "orig_rank": orig,
-        "pid": os.getpid(),
-        "rank": rt.rank,
-        "world": rt.world_size,
-        "generation": rt.generation,
-        "last_step": last,
+        **result_doc(rt, orig, last),
         "params": flat_params(model),
         "digest": rt.replicated_digest(),
-        "incarnation": rt.incarnation.id,
-        "switches": rt.switches,
-        "step_time_p50_s": _median(rt.step_times),
-        "remember_p50_s": _median(rt.remember_times),
     }
     jobdir.atomic_write_json(out / f"{orig}.json", doc)  # a reader never sees it half-written
     rt.close(timeout=10.0)
@@ -204,6 +218,7 @@ class Cluster:
         pg_timeout: float = 5.0,
         grace: float = 1.0,
         extra_env: dict[str, str] | None = None,
+        module: str = "gpuguard.examples.inplace_train",
     ) -> Cluster:
 
         job_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +248,7 @@ class Cluster:
             for r in range(n):
                 with open(logs / f"worker-{r}.log", "wb") as log:
                     cluster.procs[r] = subprocess.Popen(
-                        [sys.executable, "-m", "gpuguard.examples.inplace_train"],
+                        [sys.executable, "-m", module],
                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class Report:
     digests: Mapping[int, str]  # step -> replicated-state digest of each local snapshot
     failure: str
     time: float
+    # sharded state only: step -> chunk key -> [dtype, global shape, local sizes, sum (16 hex digits)]
+    chunks: Mapping[int, Mapping[str, list[Any]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +56,7 @@ class Report:
             "digests": {str(k): v for k, v in sorted(self.digests.items())},
             "failure": self.failure,
             "time": self.time,
+            **({"chunks": {str(k): dict(v) for k, v in sorted(self.chunks.items())}} if self.chunks else {}),
         }
 
     @classmethod
@@ -71,7 +74,35 @@ class Report:
             {int(k): str(v) for k, v in dict(d["digests"]).items()},
             str(d.get("failure", "")),
             float(d["time"]),
+            _chunks(d.get("chunks", {})),
         )
+
+
+def _chunks(raw: Any) -> dict[int, dict[str, list[Any]]]:
+    """A report's `chunks`: every entry [dtype, shape, sizes, sum] checked (ValueError if not)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("chunks is not an object")
+    out: dict[int, dict[str, list[Any]]] = {}
+    for step, keys in raw.items():
+        if not isinstance(keys, Mapping):
+            raise ValueError(f"chunks of step {step} is not an object")
+        entries: dict[str, list[Any]] = {}
+        for key, e in keys.items():
+            ok = (
+                isinstance(e, list)
+                and len(e) == 4
+                and isinstance(e[0], str)
+                and all(isinstance(x, list) and all(type(i) is int and i >= 0 for i in x) for x in e[1:3])
+                and len(e[1]) == len(e[2])
+                and isinstance(e[3], str)
+                and len(e[3]) == 16
+                and all(c in "0123456789abcdef" for c in e[3])
+            )
+            if not ok or "@" not in str(key):
+                raise ValueError(f"chunk {key!r} of step {step} is malformed")
+            entries[str(key)] = [e[0], list(e[1]), list(e[2]), e[3]]
+        out[int(step)] = entries
+    return out
 
 
 def write_report(job_dir: str | os.PathLike[str], report: Report) -> Path:

@@ -31,11 +31,20 @@ If the switch cannot happen in place (a TP/PP group lost a member, the survivors
 state, a member on another host cannot be proved gone) the coordinator records why and every
 survivor exits with status 4: the restart path takes over.
 
+Sharded state (`sharded=True`, `activate(build=...)`; FSDP2 / HSDP): each survivor remembers its own
+chunks at every commit and reports their sums; the certificate binds the digest the survivors'
+chunks make together (`recovery.inplace_reshard`: only when replicas of every lost shard survive,
+as with HSDP; plain FSDP is refused, to the restart path). After the new group forms, `build()`
+makes the model over the new world and the reshard plan is executed from memory, peer to peer;
+the filled state must have the certified digest before the first step (`rt.model`, `rt.optimizer`
+are then the new objects: a `step_fn` must use them).
+
 Lazy imports (start-up time): torch.distributed, only in the methods that run inside a training process (optional `gpuguard[runtime]`).
 """
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import os
 import signal
@@ -49,13 +58,22 @@ from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
-from gpuguard.foundation.errors import EXIT_REFUSED, RefusedError, UnavailableError
+from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError, RefusedError, UnavailableError
 from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
 from gpuguard.generation.job import issuer
+from gpuguard.generation.ownership import (
+    describe_reshard,
+    layout_from_keys,
+    plan_digest,
+    plan_reshard,
+    reshard_problems,
+)
 from gpuguard.recovery import heartbeat as peer_hb
+from gpuguard.recovery import inplace_reshard as ir
+from gpuguard.recovery import sharded_snapshot as ss
 from gpuguard.recovery.activation import frontier_limit
 from gpuguard.recovery.runtime import FencedError, Runtime, TrainState, _Snapshotter
 from gpuguard.recovery.snapshot import clone_state, select_restorable, state_digest
@@ -141,6 +159,8 @@ class InPlaceRuntime(Runtime):
         self.remember_times: list[float] = []  # cost of the in-memory rollback snapshot, per commit
         self._pending_first_commit: dict[str, Any] | None = None
         self._killed: dict[str, str] = {}  # incarnation id -> eviction evidence (this process killed it)
+        self._shards: OrderedDict[int, ir.Remembered] = OrderedDict()  # sharded mode: step -> my chunks
+        self._train_state: TrainState | None = None  # what `run` was given (its objects are dropped at a switch)
 
     # ------------------------------------------------------------------ local state
     def replicated_digest(self, state: dict[str, Any] | None = None) -> str:
@@ -149,6 +169,17 @@ class InPlaceRuntime(Runtime):
         return state_digest({k: state[k] for k in ("model", "optim") if k in state})
 
     def _remember(self, step: int) -> None:
+        if self.sharded:  # my chunks only, copied; their sums are computed when a report needs them
+            opt = self._objects.get("optimizer")
+            if opt is not None and not opt.state:
+                # an optimizer before its first step has no state, and reading it (`get_state_dict`)
+                # would create it by a zero step (AdamW's step count 1: the training would change).
+                # Nothing to remember: a failure before the first commit goes to the restart path.
+                return
+            self._shards[step] = ir.remember(self.sharded_state())
+            while len(self._shards) > self.keep_local:
+                self._shards.popitem(last=False)
+            return
         snap = clone_state(self.state_dict())
         self._local[step] = (snap, self.replicated_digest(snap))
         while len(self._local) > self.keep_local:
@@ -160,8 +191,20 @@ class InPlaceRuntime(Runtime):
         return self.replicated_digest()
 
     # ------------------------------------------------------------------ activation and commits
-    def activate(self, model: Any, optimizer: Any = None, scheduler: Any = None, extra: Any = None) -> TrainState:
-        state = super().activate(model, optimizer, scheduler, extra)
+    def activate(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        extra: Any = None,
+        *,
+        build: Callable[[], tuple[Any, ...]] | None = None,
+    ) -> TrainState:
+        if self.sharded and build is None:  # the switch rebuilds the model over the new world
+            raise GpuguardError(
+                "the in-place switch with sharded state needs activate(build=...)", exit_code=EXIT_USAGE
+            )
+        state = super().activate(model, optimizer, scheduler, extra, build=build)
         self.committed = state.frontier_step
         self._remember(state.frontier_step)
         why = self._start_peer_heartbeat()
@@ -190,6 +233,7 @@ class InPlaceRuntime(Runtime):
         Returns the last committed step. `step_fn(step, rank, world)` must use the default group.
         """
         step = state.start_step
+        self._train_state = state
         try:
             while step <= until:
                 failure = self._try_step(step, step_fn)
@@ -198,6 +242,8 @@ class InPlaceRuntime(Runtime):
                     continue
                 # outside the except scope: the failed group can really be torn down now
                 step = self.switch(failure)
+                state.model, state.optimizer = self.model, self.optimizer  # sharded: rebuilt over the new world
+                state.scheduler = self._objects.get("scheduler")
         finally:
             self._stop_peer_heartbeat()
         return self.committed if self.committed is not None else state.frontier_step
@@ -335,11 +381,40 @@ class InPlaceRuntime(Runtime):
         import torch.distributed as dist
 
         self._stop_peer_heartbeat()
+        if self._sharded is not None:
+            # a save in flight is a collective of the failed group: it fails at the latest at the group's
+            # timeout, and a late publish is fenced (the ledger moved on). Waiting for it here would
+            # delay this survivor's report past the coordinator's grace period: leave it to end alone.
+            self._sharded.abandon()
+            self._sharded = None
+        # wake every peer still blocked on one of this generation's groups, however long something keeps
+        # the group alive (recovery.group_sockets); the abandoned snapshot save fails at once too
+        # wake every peer still blocked on one of this generation's groups, however long something keeps
+        # the group alive (recovery.group_sockets); the abandoned snapshot save fails at once too
+        self._opened.shut()
+        if self.sharded:
+            # the model's device mesh holds the failed group's subgroups: while anything references them
+            # their sockets stay open and a peer blocked on this rank waits for the group timeout.
+            # Drop them (the state is in `_shards`, as plain tensors) so that the destroy below frees them.
+            self._objects.update(model=None, optimizer=None, scheduler=None)
+            if self._train_state is not None:
+                self._train_state.model = self._train_state.optimizer = self._train_state.scheduler = None
+            self.snapshot_group = None
+            gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
+        self.snapshot_group = None
+        if self.sharded:
+            gc.collect()
 
     def _report(self, generation: int, failure: str) -> Report:
+        sums = {s: ir.chunk_sums(mem) for s, mem in self._shards.items()} if self.sharded else {}
+        digests = (
+            {s: ir.digest_of(c) for s, c in sums.items()}
+            if self.sharded
+            else {s: d for s, (_, d) in self._local.items()}
+        )
         rep = Report(
             generation,
             self.rank,
@@ -347,9 +422,10 @@ class InPlaceRuntime(Runtime):
             os.getpid(),
             socket.gethostname(),
             self.committed,
-            {s: d for s, (_, d) in self._local.items()},
+            digests,
             failure,
             time.time(),
+            sums,
         )
         self._require_lease(f"report of generation {generation}")
         if not self.coord.write_report(rep):
@@ -427,7 +503,9 @@ class InPlaceRuntime(Runtime):
                 status=status,
                 killed_before=dict(self._killed),
                 waited_s=time.time() - since,
-                grace_s=self.grace_s,
+                # sharded: a survivor can be blocked in a collective of a subgroup that a departed peer
+                # has not freed yet (its snapshot save, FSDP's all-gather) until the group's timeout
+                grace_s=self.grace_s + (self.pg_timeout_s if self.sharded else 0.0),
                 lease_expired=self.coord.expired(
                     m.incarnation.id for m in parent.members if m.incarnation.host != host
                 ),
@@ -452,11 +530,18 @@ class InPlaceRuntime(Runtime):
         ledger = self.ledger()
         committed = ledger.last_committed_by_all(parent.generation)
         frontier = frontier_limit(parent, committed)
-        agreement = agree_on_state([reports[r] for r in admission.kept], frontier)
+        kept_reports = [reports[r] for r in admission.kept]
+        agreement = (
+            ir.agree_on_sharded_state(kept_reports, frontier)
+            if self.sharded
+            else agree_on_state(kept_reports, frontier)
+        )
         if agreement.digest is None:
-            self._record_refusal(parent.generation, "; ".join(agreement.problems))
+            lost = f"ranks {sorted(eviction.lost)} lost; " if self.sharded else ""
+            self._record_refusal(parent.generation, lost + "; ".join(agreement.problems))
             return False
-        manifest = certified_manifest(select_restorable(self.job_dir, frontier), frontier)
+        select = ss.select_sharded if self.sharded else select_restorable
+        manifest = certified_manifest(select(self.snapshot_root, frontier), frontier)
         phases["frontier"] = time.time()
         plan = plan_switch(
             SwitchFacts(
@@ -470,6 +555,7 @@ class InPlaceRuntime(Runtime):
                 frontier=frontier,
                 manifest=manifest,
                 state_digest=agreement.digest,
+                sharded=self.sharded,
                 operator=operator_requested(operator, reports.values()),
                 phases=dict(phases),
                 since=since,
@@ -489,7 +575,23 @@ class InPlaceRuntime(Runtime):
             key=ledger.key,
             # no new rendezvous round for an in-place switch: its members still run in the round they
             # were started in, and the certificate names it (`gpu-generation show`/`history`)
-            extra={**plan.extra, "rendezvous_round": self.attempt.round if self.attempt else None},
+            extra={
+                **plan.extra,
+                "rendezvous_round": self.attempt.round if self.attempt else None,
+                **(
+                    {
+                        "sharded_state": {
+                            "chunks": agreement.chunks,
+                            "replicated": agreement.replicated,
+                            "lost": sorted(eviction.lost),
+                        }
+                    }
+                    if isinstance(agreement, ir.ShardedAgreement)
+                    else {}
+                ),
+            },
+            # sharded: the new world holds its chunks in another layout (map version +1)
+            ownership_map_version=parent.ownership_map_version + (1 if self.sharded else 0),
         )
         self._require_lease(f"certificate of generation {cert.generation}")
         try:
@@ -530,8 +632,16 @@ class InPlaceRuntime(Runtime):
             self._refuse(f"evicted: generation {cert.generation} does not admit this incarnation")
         self.fault("joining", cert.generation)
         frontier = cert.frontier.step
+        mem = None
+        if self.sharded:  # the state is rebuilt from the survivors' chunks once the group is up
+            mem = self._shards.get(frontier)
+            if mem is None:
+                self._refuse(f"no local sharded state of frontier step {frontier} (have {sorted(self._shards)})")
+            while self._shards and next(reversed(self._shards)) > frontier:
+                self._shards.popitem(last=True)
+            self.committed = frontier
         want = cert.extra.get("replicated_state_digest")
-        if self.committed != frontier or self.replicated_digest() != want:
+        if not self.sharded and (self.committed != frontier or self.replicated_digest() != want):
             if frontier not in self._local:
                 self._refuse(f"no local state of frontier step {frontier} (have {sorted(self._local)})")
             got = self._load_local(frontier)
@@ -564,11 +674,80 @@ class InPlaceRuntime(Runtime):
         failure = self._init_group(cert.generation)
         if failure is not None:
             return failure
+        if mem is not None:
+            failure = self._reshard_in_place(cert, mem, phases)
+            if failure is not None:
+                self._teardown()
+                return failure
         why = self._start_peer_heartbeat()
         if why is not None:  # detection falls back to the collective timeout for this generation
             self._log(f"peer heartbeat off in generation {cert.generation}: {why}")
         phases["group_ready"] = time.time()
         self._after_join(cert, phases)
+        return None
+
+    def _reshard_in_place(self, cert: Any, mem: ir.Remembered, phases: dict[str, float]) -> str | None:
+        """Collective over the new group: build the model over the new world, fill it from the
+        survivors' chunks of the frontier (peer to peer) and check it has the certified digest.
+        None when done; the failure text when the group broke (switch again); a refusal otherwise."""
+        import torch.distributed as dist
+
+        ledger = self.ledger()
+        parent = ledger.get(cert.parent_generation)
+        mine = [m.rank for m in parent.members if m.incarnation.id == self.incarnation.id]
+        try:
+            self.snapshot_group = self._opened.track(lambda: ss.new_snapshot_group(self.pg_timeout_s))
+            assert self._build is not None
+            built = tuple(self._opened.track(self._build))
+            self._objects["model"], self._objects["optimizer"] = built[0], built[1]
+            if len(built) > 2:
+                self._objects["scheduler"] = built[2]
+            live = self.sharded_state()
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, {"old_rank": mine[0], "old": mem.held(), "new": ir.held_by(live)})
+        except RuntimeError as exc:  # a peer gone while the new group builds: switch again
+            return f"building generation {cert.generation} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        survivors = {int(e["old_rank"]): i for i, e in enumerate(every)}
+        held_old = {int(e["old_rank"]): e["old"] for e in every}
+        # a chunk "written" by its lowest surviving holder: the one that sends it (`describe_reshard`)
+        writers: dict[str, int] = {}
+        for r in sorted(held_old):
+            for k in held_old[r]:
+                writers.setdefault(k, r)
+        old = layout_from_keys(parent.ownership_map_version, len(parent.members), held_old, writers)
+        new = layout_from_keys(cert.ownership_map_version, self.world_size, {i: e["new"] for i, e in enumerate(every)})
+        plan = plan_reshard(old, new, survivors=survivors, in_memory=True)
+        problems = reshard_problems(new, plan) + [
+            f"{t.region.fqn}: no survivor holds it" for t in plan if t.source == "checkpoint"
+        ]
+        if problems:
+            self._refuse(f"in-place reshard of generation {cert.generation}: {problems[0]}")
+        try:
+            others, stats = ir.transfer(plan, mem, live, rank=self.rank, timeout_s=self.pg_timeout_s)
+            self._apply_sharded(ir.put_back(live, others))
+            got = ss.state_digest_sharded(self.sharded_state())
+        except RuntimeError as exc:  # gloo: a peer gone during the transfer
+            return f"shard transfer of generation {cert.generation} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        want = cert.extra.get("sharded_state_digest")
+        if got != want:
+            self._refuse(
+                f"the state rebuilt in place has digest {got[:16]}…, generation {cert.generation} certified {str(want)[:16]}…"
+            )
+        phases["resharded"] = time.time()
+        lost = sorted(set(range(len(parent.members))) - set(survivors))
+        self.reshard = {
+            "in_place": True,
+            "plan_digest": plan_digest(plan),
+            "reads": len(plan),
+            "elements_moved": sum(t.region.numel for t in plan if t.source != "local"),
+            "elements": sum(t.region.numel for t in plan),
+            "mine": {"copied": stats.copied, "received": stats.received, "sent": stats.sent},
+            "lines": describe_reshard(old, new, plan, step=cert.frontier.step, survivors=survivors, lost=lost),
+        }
+        self.ownership_map_version = cert.ownership_map_version
+        if self.rank == 0:
+            for line in self.reshard["lines"]:
+                self._log(f"  {line}")
         return None
 
     def _init_group(self, generation: int) -> str | None:
@@ -577,12 +756,14 @@ class InPlaceRuntime(Runtime):
         failure = None
         try:
             store = self.coord.group_store(generation, self.rank, self.pg_timeout_s)
-            dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore("pg", store),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=self.pg_timeout_s),
+            self._opened.track(
+                lambda: dist.init_process_group(
+                    "gloo",
+                    store=dist.PrefixStore("pg", store),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=timedelta(seconds=self.pg_timeout_s),
+                )
             )
         except (RuntimeError, ValueError, UnavailableError) as exc:  # DistStoreError is a RuntimeError
             failure = f"group of generation {generation} did not form: {type(exc).__name__}: {str(exc)[:200]}"
@@ -597,7 +778,9 @@ class InPlaceRuntime(Runtime):
         if self._steplog is not None:
             self._steplog.close()
         self._steplog = StepLog(self.job_dir, self.rank, self.incarnation.id, self.generation)
-        if self.rank == 0 and self._snapshotter is None:
+        if self.sharded:
+            self._start_sharded_writer()
+        elif self.rank == 0 and self._snapshotter is None:
             self._snapshotter = _Snapshotter(self._write_snapshot)
         self._write_incarnation(phases=phases, switch="in-place")
         rec = {
@@ -609,6 +792,7 @@ class InPlaceRuntime(Runtime):
             "reason": cert.reason,
             "phases": dict(phases),
             "certificate_phases": dict(cert.extra.get("phases") or {}),
+            **({"reshard": self.reshard} if self.sharded else {}),
         }
         self.switches.append(rec)
         self._pending_first_commit = rec

@@ -80,6 +80,7 @@ from gpuguard.generation.ownership import (
     same_holding,
 )
 from gpuguard.generation.records import Incarnation
+from gpuguard.recovery import group_sockets
 from gpuguard.recovery import sharded_snapshot as ss
 from gpuguard.recovery.activation import (
     MAX_UNRESTORABLE_SKIPS,
@@ -291,12 +292,8 @@ class Runtime:
         self._frontier_step = -1
         # sharded state (FSDP2 / HSDP / DDP through DCP): every rank writes its shards, collectively
         self.sharded = bool(sharded)
-        if self.sharded and callable(getattr(type(self), "switch", None)):
-            raise GpuguardError(
-                "sharded state with the in-place switch is not supported yet: use the restart path (Runtime)",
-                exit_code=EXIT_USAGE,
-            )
         self.snapshot_group: Any = None
+        self._opened = group_sockets.Opened()  # the sockets this generation's groups opened (in-place teardown)
         self._sharded: Any = None  # the ShardedSnapshotter (every rank), sharded mode only
         # sharded mode: snapshot_every is the shortest interval; the budget (a fraction of step time
         # for the snapshot's CPU, 0: off) stretches it (ShardedSnapshotter.due)
@@ -502,12 +499,14 @@ class Runtime:
 
         assert self.attempt is not None
         pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
-        dist.init_process_group(
-            "gloo",
-            store=pg_store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=self.pg_timeout_s),
+        self._opened.track(
+            lambda: dist.init_process_group(
+                "gloo",
+                store=pg_store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.pg_timeout_s),
+            )
         )
         self.pg = dist.group.WORLD
 
@@ -778,12 +777,12 @@ class Runtime:
         self.generation, self._frontier_step = cert.generation, cert.frontier.step
         self.ownership_map_version = cert.ownership_map_version
         self._init_pg(store)
-        self.snapshot_group = ss.new_snapshot_group(self.pg_timeout_s)
+        self.snapshot_group = self._opened.track(lambda: ss.new_snapshot_group(self.pg_timeout_s))
         phases["pg_ready"] = time.time()
         restored_from, digest = None, None
         try:
             if self._build is not None:  # (model, optimizer) or (model, optimizer, lr scheduler)
-                built = tuple(self._build())
+                built = tuple(self._opened.track(self._build))  # FSDP2 / a device mesh: its groups' sockets
                 self._objects["model"], self._objects["optimizer"] = built[0], built[1]
                 if len(built) > 2:  # the scheduler needs the optimizer build() made: snapshotted with it
                     self._objects["scheduler"] = built[2]
@@ -846,6 +845,16 @@ class Runtime:
                     ss.snapshot_layout(info.path), actual, plan, step=frontier.step
                 )
         return str(info.path), digest
+
+    @property
+    def model(self) -> Any:
+        """The model this generation trains (sharded in-place switch: rebuilt by `build()` over the new world)."""
+        return getattr(self, "_objects", {}).get("model")
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer of `model` (rebuilt with it)."""
+        return getattr(self, "_objects", {}).get("optimizer")
 
     def sharded_state(self) -> dict[str, Any]:
         """Sharded mode: model / optim (`get_state_dict`: DTensors stay sharded) / sched / extra.

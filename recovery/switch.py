@@ -325,6 +325,7 @@ class SwitchFacts:
     since: float  # when this coordinator started deciding (phases count from "detect", else from this)
     coordinator_rank: int
     coordinator_incarnation: str
+    sharded: bool = False  # state_digest is the survivors' chunks together (recovery.inplace_reshard)
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,7 @@ def plan_switch(facts: SwitchFacts) -> SwitchPlan:
         "evicted": {"dead": list(ev.dead), "killed": list(ev.killed)},
         "rank_map": {str(o): n for o, n in new_rank.items()},
         "committed_by_all": facts.committed_by_all,
-        "replicated_state_digest": facts.state_digest,
+        ("sharded_state_digest" if facts.sharded else "replicated_state_digest"): facts.state_digest,
         "coordinator": {"rank": facts.coordinator_rank, "incarnation": facts.coordinator_incarnation},
         "rolled_back": sorted(r for r in kept if (facts.reports[r].committed_step or 0) > facts.frontier),
         "quiescence_by": dict(ev.proof),

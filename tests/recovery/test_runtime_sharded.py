@@ -262,7 +262,7 @@ from gpuguard.recovery.inplace import InPlaceRuntime
 from gpuguard.recovery.runtime import Runtime
 kw = dict(rank=1, world_size=2, local_rank=1, master_addr="127.0.0.1", master_port=1, run_id="x",
           restart_count=0, use_agent_store=True)
-for make in (lambda: InPlaceRuntime(sys.argv[1], sharded=True, **kw),
+for make in (lambda: InPlaceRuntime(sys.argv[1], sharded=True, **kw).activate(object()),
              lambda: Runtime(sys.argv[1], **kw).activate(build=lambda: (None, None))):
     try:
         make()
@@ -273,5 +273,5 @@ for make in (lambda: InPlaceRuntime(sys.argv[1], sharded=True, **kw),
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     first, second = proc.stdout.splitlines()
-    assert first.startswith("64 sharded state with the in-place switch is not supported yet")
+    assert first == "64 the in-place switch with sharded state needs activate(build=...)"
     assert second == "64 activate(build=...) needs sharded=True"

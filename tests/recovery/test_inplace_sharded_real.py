@@ -1,0 +1,178 @@
+"""Real processes switch in place with sharded state (FSDP2 / HSDP on gloo): the shards move from memory.
+
+HSDP 2 x 2 loses rank 3 after its update of step 5, before its commit: the survivors (ranks 0-2, the
+same processes) roll back to step 4 and go on as FSDP2 over 3 ranks, each taking what it now holds
+from its own memory or a surviving replica (rank 3's shards exist on rank 1). The state rebuilt in
+place must be, bitwise, the state generation 1 had after step 4 (the layout-independent digest the
+job logged), and the run must end equal to the one-process reference. Plain FSDP2 over 3 ranks has
+no replica of a lost shard: the switch is refused, saying so, and a relaunch at 2 restores the
+certified snapshot resharded (the restart path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuguard.examples.fsdp_train import reference
+from gpuguard.examples.inplace_train import Cluster
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.recovery.inplace import EXIT_REFUSED
+from tests.support.cli import run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 8
+
+
+def _run(job: Path, n: int, faults: str, shard: int) -> tuple[dict, dict, dict]:
+    with Cluster.launch(
+        job,
+        n,
+        steps=STEPS,
+        faults=faults,
+        step_sleep=0.02,
+        pg_timeout=5.0,
+        grace=3.0,
+        module="gpuguard.examples.inplace_fsdp",
+        extra_env={"INPLACE_SHARD": str(shard), "INPLACE_DIGESTS": "1"},
+    ) as c:
+        codes = c.wait(150)
+        pids = {r: p.pid for r, p in c.procs.items()}
+        logs = {r: c.log(r) for r in c.procs}
+    return codes, pids, logs
+
+
+def _digests(job: Path) -> dict[tuple[int, int], str]:
+    lines = (job / "fsdp-out" / "digests.jsonl").read_text().splitlines()
+    return {(d["generation"], d["step"]): d["digest"] for d in map(json.loads, lines)}
+
+
+def _assert_reference(job: Path) -> None:
+    # the global-mean gradient is the same at any world size; only the reduction order differs
+    final, ref = torch.load(job / "results" / "final.pt", weights_only=True), reference(STEPS)
+    for k, v in ref.items():
+        torch.testing.assert_close(final[k], v, atol=2e-5, rtol=1e-4)
+
+
+def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tmp_path):
+    job = tmp_path / "job"
+    codes, pids, logs = _run(job, 4, "3:5:before_commit:kill", shard=2)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.generation == 2 and cert.extra["switch"] == "in-place" and cert.frontier.step == 4
+    assert sorted(m.incarnation.pid for m in cert.members) == [pids[0], pids[1], pids[2]]  # no restart
+    assert cert.ownership_map_version == 1 and list(cert.extra["rolled_back"]) == [0, 1, 2]
+    # the certified digest is the state generation 1 held after step 4, and the state rebuilt in place
+    digests = _digests(job)
+    assert cert.extra["sharded_state_digest"] == digests[(1, 4)] == digests[(2, 4)]
+    records = [json.loads((job / "coord" / "inplace" / f"switch-g2-r{r}.json").read_text()) for r in range(3)]
+    reshard = records[0]["reshard"]
+    assert reshard["in_place"] and 0 < reshard["elements_moved"] < reshard["elements"]
+    # what moved went peer to peer: every element one rank received another sent, none read from disk
+    assert sum(r["reshard"]["mine"]["received"] for r in records) == sum(r["reshard"]["mine"]["sent"] for r in records)
+    assert sum(r["reshard"]["mine"]["received"] for r in records) == reshard["elements_moved"]
+    assert any("sent from a surviving replica to" in line for line in reshard["lines"])
+    assert not any("read from snapshot" in line for line in reshard["lines"])
+    assert list(cert.extra["sharded_state"]["lost"]) == [3]
+    shown = run_cli("gpu-generation", "show", "--job-dir", str(job))
+    assert shown.returncode == 0 and "in the survivors' memory" in shown.stdout and "lost ranks [3]" in shown.stdout
+    deep = run_cli("gpu-generation", "verify", "--deep", "--job-dir", str(job))
+    assert deep.returncode == 0, deep.stdout + deep.stderr
+    results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
+    assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
+    _assert_reference(job)
+
+
+def test_plain_fsdp_is_refused_in_place_and_restarts_resharded_from_the_snapshot(tmp_path):
+    job = tmp_path / "job"
+    codes, _pids, logs = _run(job, 3, "2:5:before_commit:kill", shard=0)
+    assert codes == {0: EXIT_REFUSED, 1: EXIT_REFUSED, 2: -9}, logs
+    for r in (0, 1):
+        assert "in-place switch refused: ranks [2] lost; no survivor holds" in logs[r]
+        assert "no replica of the lost shards survives" in logs[r] and "Traceback" not in logs[r]
+    assert open_ledger(job).require_active().generation == 1  # nothing certified in place
+    codes, _pids, logs = _run(job, 2, "", shard=0)
+    assert codes == {0: 0, 1: 0}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.extra.get("switch") != "in-place" and cert.frontier.state_manifest_digest
+    frontier = cert.frontier.step
+    assert frontier >= 3  # at most the snapshot in flight at the kill is lost (a snapshot every step)
+    digests = _digests(job)
+    assert digests[(2, frontier)] == digests[(1, frontier)]  # restored bitwise, resharded 3 -> 2
+    _assert_reference(job)
+
+
+def test_hsdp_node_loss_under_torchrun_agents_is_survived_in_place(tmp_path):
+    # 4 torchrun agents x 1 worker (c10d rendezvous on a store no training node hosts); the node of
+    # rank 3 (its agent and its worker) is SIGKILLed mid-step once step 4 is committed. The other
+    # agents restart nothing: their workers rebuild the state over 3 ranks from memory, in place.
+    from datetime import timedelta
+
+    import psutil
+    import torch.distributed as dist
+
+    from gpuguard.examples.demo_node_loss import _node_env, _stop, start_agent
+    from tests.support.cli import free_port
+
+    job = tmp_path / "job"
+    job.mkdir()
+    port = free_port()
+    env = {**_node_env(job, STEPS + 4), "INPLACE_SHARD": "2", "INPLACE_DIGESTS": "1", "INPLACE_STEP_SLEEP": "0.2"}
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    agents = []
+    try:
+        for i in range(4):
+            agents.append(
+                start_agent(
+                    tmp_path / f"agent-{i}.log",
+                    port=port,
+                    rdzv_id="hsdp",
+                    env=env,
+                    nnodes=4,
+                    module="gpuguard.examples.inplace_fsdp",
+                )
+            )
+        logs = lambda: "\n".join((tmp_path / f"agent-{i}.log").read_text(errors="replace")[-2500:] for i in range(4))  # noqa: E731
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                if max((c.step for c in open_ledger(job).commits(1)[0]), default=-1) >= 4:
+                    break
+            except Exception:  # noqa: BLE001 - the ledger is not there yet
+                pass
+            time.sleep(0.05)
+        first = {m.rank: m.incarnation.pid for m in open_ledger(job).get(1).members}
+        victim = next(a for a in agents if first[3] in {c.pid for c in psutil.Process(a.pid).children(recursive=True)})
+        workers = psutil.Process(victim.pid).children(recursive=True)
+        os.kill(victim.pid, signal.SIGKILL)
+        for w in workers:
+            w.kill()
+        results = job / "results"
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not all((results / f"{r}.json").exists() for r in (0, 1, 2)):
+            time.sleep(0.1)
+        assert all((results / f"{r}.json").exists() for r in (0, 1, 2)), logs()
+        cert = open_ledger(job).get(2)
+        assert cert.extra["switch"] == "in-place" and cert.reason == "rank-failure", logs()
+        assert sorted(m.incarnation.pid for m in cert.members) == sorted([first[0], first[1], first[2]])
+        digests = _digests(job)
+        frontier = cert.frontier.step
+        assert digests[(2, frontier)] == cert.extra["sharded_state_digest"]
+        if (1, frontier) in digests:  # logged when rank 3 took part in the next step's digest
+            assert digests[(1, frontier)] == cert.extra["sharded_state_digest"]
+        docs = {r: json.loads((results / f"{r}.json").read_text()) for r in (0, 1, 2)}
+        assert all(d["pid"] == first[r] and d["world"] == 3 and d["last_step"] == STEPS + 4 for r, d in docs.items())
+        final, ref = torch.load(results / "final.pt", weights_only=True), reference(STEPS + 4)
+        for k, v in ref.items():
+            torch.testing.assert_close(final[k], v, atol=2e-5, rtol=1e-4)
+        assert len(list((job / "incarnations").glob("*.json"))) == 4  # no agent started a second worker
+    finally:
+        _stop(agents)
+        del store
