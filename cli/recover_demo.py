@@ -1,17 +1,19 @@
 """`gpu-recover demo`: kill a worker of a real torchrun job mid optimizer step; watch gpuguard bring it back.
 
 `--scenario node-loss`: lose a whole node of a 3-agent torchrun job; the survivors switch in place.
-`--scenario fsdp`: lose a node of a 4-agent FSDP2 job; certified restart at world 3, resharded."""
+`--scenario fsdp`: lose a node of a 4-agent FSDP2 job; certified restart at world 3, resharded.
+`--scenario hsdp`: lose a node of a 4-agent HSDP job; the survivors go on in place, resharded from memory."""
 
 from __future__ import annotations
 
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -37,6 +39,7 @@ class Scenario(str, Enum):
     restart = "restart"
     node_loss = "node-loss"
     fsdp = "fsdp"
+    hsdp = "hsdp"
 
 
 @contextmanager
@@ -112,28 +115,42 @@ def _node_loss(job: Path, steps: int, kill_step: int, timeout: float, as_json: b
     )
 
 
-def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+def _run_sharded(
+    job: Path, as_json: bool, title: str, victim: int, kill_step: int, run: Callable[[Callable[[str], None]], Any]
+) -> tuple[Any, float, Any]:
+    """The sharded demos' frame: the header, one line per milestone, then `show` and `verify --deep`."""
     from gpuguard.examples import demo as d
-    from gpuguard.examples import demo_fsdp as fd
 
     out = console(stderr=as_json)
-    out.print(f"[bold]gpuguard demo[/] (FSDP2, sharded state): {fd.LAUNCHER}; job dir {job}")
-    out.print(
-        f"  the node running rank {fd.VICTIM_RANK} (agent + worker) will be SIGKILLed once step {kill_step} is committed"
-    )
+    out.print(f"[bold]gpuguard demo[/] {title}; job dir {job}")
+    out.print(f"  the node running rank {victim} (agent + worker) will be SIGKILLed once step {kill_step} is committed")
     t0 = time.monotonic()
 
     def on_event(text: str) -> None:
         out.print(f"  {time.monotonic() - t0:6.1f}s  {text}", markup=False, highlight=False, soft_wrap=True)
 
     with _spinner(out, as_json):
-        res = fd.run_fsdp(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event)
+        res = run(on_event)
     if not as_json:
         _, show_text = d.gpu_generation("show", "--job-dir", str(job))
         out.print("\n$ gpu-generation show --job-dir " + str(job), markup=False, soft_wrap=True)
         out.print(show_text.rstrip(), markup=False, highlight=False, soft_wrap=True)
         out.print("\n$ gpu-generation verify --deep --job-dir " + str(job), markup=False, soft_wrap=True)
         out.print(res.verify_deep.rstrip(), markup=False, highlight=False, soft_wrap=True)
+    return out, t0, res
+
+
+def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+    from gpuguard.examples import demo_fsdp as fd
+
+    out, t0, res = _run_sharded(
+        job,
+        as_json,
+        f"(FSDP2, sharded state): {fd.LAUNCHER}",
+        fd.VICTIM_RANK,
+        kill_step,
+        lambda on_event: fd.run_fsdp(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event),
+    )
     return _finish(
         out,
         as_json,
@@ -159,6 +176,51 @@ def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) 
             "final_max_abs_diff": res.final_max_abs_diff,
             "tolerance": {"atol": fd.ATOL, "rtol": fd.RTOL},
             "matches_reference": res.matches_reference,
+            "verify_deep_rc": res.verify_deep_rc,
+            "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
+        },
+    )
+
+
+def _hsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+    from gpuguard.examples import demo_hsdp as hd
+
+    out, t0, res = _run_sharded(
+        job,
+        as_json,
+        f"(HSDP, sharded state, in place): {hd.LAUNCHER}",
+        hd.VICTIM_RANK,
+        kill_step,
+        lambda on_event: hd.run_hsdp(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event),
+    )
+    return _finish(
+        out,
+        as_json,
+        t0,
+        "node loss survived in place: the lost rank's shards taken from its replica, resharded over 3",
+        {
+            "scenario": "hsdp",
+            "launcher": res.launcher,
+            "job_dir": str(job),
+            "recovered": res.recovered,
+            "kill": res.kill,
+            "generations": res.generations,
+            "switch": res.switch,
+            "reason": res.reason,
+            "world_after": res.world_after,
+            "frontier": res.frontier,
+            "steps_redone": res.steps_redone,
+            "resume_s": res.resume_s,
+            "pids_unchanged": res.pids_unchanged,
+            "restored_bitwise": res.restored_bitwise,
+            "compared_with_generation_1": res.compared_with_generation_1,
+            "reshard_lines": res.reshard_lines,
+            "elements_moved": res.elements_moved,
+            "elements": res.elements,
+            "final_max_abs_diff": res.final_max_abs_diff,
+            "tolerance": {"atol": hd.ATOL, "rtol": hd.RTOL},
+            "matches_reference": res.matches_reference,
+            "agents_restarted_nothing": res.agents_restarted_nothing,
             "verify_deep_rc": res.verify_deep_rc,
             "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
         },
@@ -204,7 +266,9 @@ def register(*, app: typer.Typer) -> None:
             help="restart: a worker SIGKILLed, certified restart. node-loss: 3 torchrun agents, one node (agent + "
             "worker) SIGKILLed, the survivors switch generation in place (--workers is ignored; --kill-step: "
             "kill once that step is committed). fsdp: 4 agents train an FSDP2 model with sharded snapshots, one "
-            "node SIGKILLed once --kill-step is committed, certified restart at world 3 resharded, verify --deep.",
+            "node SIGKILLed once --kill-step is committed, certified restart at world 3 resharded, verify --deep. "
+            "hsdp: 4 agents train an HSDP (2x2) model, one node SIGKILLed once --kill-step is committed, the "
+            "survivors switch in place to FSDP2 over 3, the lost shards taken from their replica in memory.",
         ),
     ) -> int:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
@@ -229,6 +293,8 @@ def register(*, app: typer.Typer) -> None:
             return _node_loss(job, steps, kill_step, timeout, as_json)
         if scenario is Scenario.fsdp:
             return _fsdp(job, steps, kill_step, timeout, as_json)
+        if scenario is Scenario.hsdp:
+            return _hsdp(job, steps, kill_step, timeout, as_json)
         out = console(stderr=as_json)
         victim = min(2, workers - 1)
         argv = d.torchrun_argv(

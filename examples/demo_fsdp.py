@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpuguard.examples import demo as d
-from gpuguard.examples.demo_node_loss import _committed, _ledger, _stop, _tree, _wait
+from gpuguard.examples.demo_node_loss import _committed, _ledger, _stop, _wait, lose_node
 from gpuguard.examples.fsdp_train import reference
 from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
@@ -153,12 +152,19 @@ def _check(job: Path, res: FsdpDemoResult, steps: int) -> None:
             if r["generation"] == acts[0]["generation"] and r["step"] == res.frontier
         ]
         res.restored_bitwise = len(before) == 1 and before[0] == last["state_digest"]
-    final = job / "fsdp-out" / "final.pt"
-    if final.exists():
-        got, want = torch.load(final, weights_only=True), reference(steps)
-        if got.keys() == want.keys():
-            res.final_max_abs_diff = max(float((got[k] - want[k]).abs().max()) for k in want)
-            res.matches_reference = all(torch.allclose(got[k], want[k], atol=ATOL, rtol=RTOL) for k in want)
+    res.final_max_abs_diff, res.matches_reference = against_reference(job / "fsdp-out" / "final.pt", steps)
+
+
+def against_reference(final: Path, steps: int) -> tuple[float | None, bool]:
+    """The gathered final parameters (`final.pt`) against `fsdp_train.reference(steps)`: the max
+    absolute difference (None: no file, or other tensors) and whether it is within ATOL/RTOL."""
+    if not final.exists():
+        return None, False
+    got, want = torch.load(final, weights_only=True), reference(steps)
+    if got.keys() != want.keys():
+        return None, False
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    return diff, all(torch.allclose(got[k], want[k], atol=ATOL, rtol=RTOL) for k in want)
 
 
 def run_fsdp(
@@ -180,27 +186,8 @@ def run_fsdp(
             )
         first = {mb.rank: mb.incarnation.pid for mb in _ledger(job).get(1).members}
         on_event(f"generation 1 certified at world {len(first)}; step {_committed(job)} committed")
-        victim = next(
-            (i for i, a in enumerate(agents) if first.get(VICTIM_RANK) in {c.pid for c in _tree(a.pid)}), None
-        )
-        if victim is None:
-            raise UnavailableError(f"no agent runs rank {VICTIM_RANK}: logs in {job}/agent-*.log")
-        workers = _tree(agents[victim].pid)
-        kill_time, after = time.time(), _committed(job)
-        os.killpg(agents[victim].pid, signal.SIGKILL)  # the node: its agent and its worker, at once
-        for w in workers:
-            try:
-                w.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        res.kill = {
-            "node": victim,
-            "rank": VICTIM_RANK,
-            "agent_pid": agents[victim].pid,
-            "worker_pids": [w.pid for w in workers],
-            "after_step": after,
-            "time": kill_time,
-        }
+        res.kill = lose_node(job, agents, first, VICTIM_RANK)
+        victim, kill_time, after = res.kill["node"], res.kill["time"], res.kill["after_step"]
         on_event(f"node {victim} lost (agent + rank {VICTIM_RANK} SIGKILLed) during step {after + 1}")
         if _wait(lambda: len(_ledger(job).generations()) >= 3, deadline):
             cert = _ledger(job).get(2)

@@ -144,6 +144,32 @@ def _tree(pid: int) -> list[Any]:
         return []
 
 
+def lose_node(job: Path, agents: list[subprocess.Popen], first: Mapping[int, int], rank: int) -> dict[str, Any]:
+    """SIGKILL the "node" running `rank` (pid `first[rank]`): its agent's process group and its
+    workers, at once. The kill record the demos print: node, ranks lost, pids, last committed step, time."""
+    victim = next((i for i, a in enumerate(agents) if first.get(rank) in {c.pid for c in _tree(a.pid)}), None)
+    if victim is None:
+        raise UnavailableError(f"no agent runs rank {rank} (pid {first.get(rank)}): logs in {job}/agent-*.log")
+    workers = _tree(agents[victim].pid)
+    kill_time = time.time()
+    os.killpg(agents[victim].pid, signal.SIGKILL)
+    for w in workers:
+        try:
+            w.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    after = _committed(job)  # read after the kill: no commit of the lost rank can come later
+    return {
+        "node": victim,
+        "rank": rank,
+        "ranks": sorted(r for r, pid in first.items() if pid in {w.pid for w in workers}),
+        "agent_pid": agents[victim].pid,
+        "worker_pids": [w.pid for w in workers],
+        "after_step": after,
+        "time": kill_time,
+    }
+
+
 def _stop(agents: list[subprocess.Popen]) -> None:
     """Kill what we started: every agent's workers (by pid), then the agent's process group."""
     for a in agents:
@@ -201,29 +227,13 @@ def run_node_loss(
             f"generation 1 certified: ranks {sorted(first)} (pids {', '.join(str(first[r]) for r in sorted(first))}); "
             f"step {_committed(job)} committed"
         )
-        victim = next((i for i, a in enumerate(agents) if first[0] in {c.pid for c in _tree(a.pid)}), None)
-        if victim is None:
-            raise UnavailableError(f"no agent runs rank 0 (pid {first[0]}): logs in {job}/agent-*.log")
-        workers = _tree(agents[victim].pid)
-        kill_time = time.time()
-        os.kill(agents[victim].pid, signal.SIGKILL)  # the node: its agent and its worker, at once
-        for w in workers:
-            try:
-                w.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        lost = sorted(r for r, pid in first.items() if pid in {w.pid for w in workers})
-        res.kill = {
-            "node": victim,
-            "agent_pid": agents[victim].pid,
-            "worker_pids": [w.pid for w in workers],
-            "ranks": lost,
-            "after_step": _committed(job),
-            "time": kill_time,
-        }
+        res.kill = lose_node(job, agents, first, 0)
+        victim = res.kill["node"]
+        workers_pids = res.kill["worker_pids"]
+        lost = res.kill["ranks"]
         on_event(
             f"node {victim} lost: SIGKILL its agent (pid {agents[victim].pid}) and its worker "
-            f"(pid {', '.join(str(w.pid) for w in workers)}, rank {', '.join(map(str, lost))}) "
+            f"(pid {', '.join(str(p) for p in workers_pids)}, rank {', '.join(map(str, lost))}) "
             f"after step {res.kill['after_step']}"
         )
         survivors = sorted(set(first) - set(lost))
@@ -232,7 +242,7 @@ def run_node_loss(
             res.switch, res.reason, res.frontier = cert.extra.get("switch"), cert.reason, cert.frontier.step
             on_event(
                 f"generation 2 certified ({res.switch}, reason {res.reason}, frontier step {res.frontier}) "
-                f"{cert.activation_time - kill_time:.2f} s after the kill; members pids "
+                f"{cert.activation_time - res.kill['time']:.2f} s after the kill; members pids "
                 f"{', '.join(str(m.incarnation.pid) for m in cert.members)}"
             )
         results = job / "results"
@@ -269,7 +279,7 @@ def run_node_loss(
         res.generations = _ledger(job).generations()
         if res.switch is not None:
             t = _first_commit_time(job, 2)
-            res.resume_s = t - kill_time if t is not None else None
+            res.resume_s = t - res.kill["time"] if t is not None else None
     finally:
         _stop(agents)
         del store
