@@ -20,6 +20,7 @@ LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each incarnation's etcd lease (
 SNAPSHOT_ROOT_ENV = (
     "GPUGUARD_SNAPSHOT_ROOT"  # snapshots/ and checkpoints/ (shared storage across hosts); default the job dir
 )
+BACKEND_ENV = "GPUGUARD_BACKEND"  # the world group's backend: gloo (default), nccl, or "cpu:gloo,cuda:nccl"
 SHARDED_ENV = "GPUGUARD_SHARDED"  # 1: sharded (FSDP2/HSDP/DDP) state, collective snapshots on every rank
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
 RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a runbook step's environment: no recursion

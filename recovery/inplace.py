@@ -758,7 +758,7 @@ class InPlaceRuntime(Runtime):
             store = self.coord.group_store(generation, self.rank, self.pg_timeout_s)
             self._opened.track(
                 lambda: dist.init_process_group(
-                    "gloo",
+                    self.backend,
                     store=dist.PrefixStore("pg", store),
                     rank=self.rank,
                     world_size=self.world_size,

@@ -53,6 +53,7 @@ from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import (
+    BACKEND_ENV,
     CHECKPOINT_EVERY_ENV,
     JOB_DIR_ENV,
     JOB_ID_ENV,
@@ -63,7 +64,14 @@ from gpuguard.foundation.env import (
     SNAPSHOT_EVERY_ENV,
     SNAPSHOT_ROOT_ENV,
 )
-from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.errors import (
+    EXIT_REFUSED,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    GpuguardError,
+    RefusedError,
+    UnavailableError,
+)
 from gpuguard.foundation.identity import same_process
 from gpuguard.foundation.steplog import StepLog
 from gpuguard.generation.certificate import check_stored, issue
@@ -240,6 +248,7 @@ class Runtime:
         snapshot_root: str | Path | None = None,
         sharded: bool = False,
         snapshot_budget: float = ss.DEFAULT_BUDGET,
+        backend: str = "gloo",
     ):
 
         self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
@@ -292,6 +301,8 @@ class Runtime:
         self._frontier_step = -1
         # sharded state (FSDP2 / HSDP / DDP through DCP): every rank writes its shards, collectively
         self.sharded = bool(sharded)
+        self.backend = parse_backend(backend)  # the world group's; snapshots keep their own gloo group
+        _require_backends(self.backend)
         self.snapshot_group: Any = None
         self._opened = group_sockets.Opened()  # the sockets this generation's groups opened (in-place teardown)
         self._sharded: Any = None  # the ShardedSnapshotter (every rank), sharded mode only
@@ -324,6 +335,7 @@ class Runtime:
         options.setdefault("pg_timeout_s", float(env.get(PG_TIMEOUT_ENV, "60")))
         options.setdefault("ledger_url", env.get(LEDGER_ENV) or None)
         options.setdefault("sharded", env.get(SHARDED_ENV, "0") == "1")
+        options.setdefault("backend", env.get(BACKEND_ENV) or "gloo")
         return cls(
             job_dir,
             rank=rank,
@@ -501,7 +513,7 @@ class Runtime:
         pg_store = dist.PrefixStore(f"gpuguard/{self.job.job_id}/g{self.generation}/a{self.attempt.token}/pg", store)
         self._opened.track(
             lambda: dist.init_process_group(
-                "gloo",
+                self.backend,
                 store=pg_store,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -1135,6 +1147,45 @@ class Runtime:
 
     def _wait_json(self, ns: Any, key: str) -> dict[str, Any]:
         return json.loads(self._wait_raw(ns, key))
+
+
+BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
+DEVICES = ("cpu", "cuda", "xpu")
+
+
+def parse_backend(text: str) -> str:
+    """The world group's backend as torch takes it: one name (`gloo`, `nccl`, ...) or device:name
+    pairs (`cpu:gloo,cuda:nccl`: CPU tensors over gloo, CUDA ones over NCCL); a usage error otherwise."""
+    value = text.strip()
+    if value in BACKENDS:
+        return value
+    pairs = [p.strip() for p in value.split(",")] if value else []
+    devices = []
+    for pair in pairs:
+        device, _, name = pair.partition(":")
+        if device not in DEVICES or name not in BACKENDS:
+            break
+        devices.append(device)
+    else:
+        if pairs and len(set(devices)) == len(devices):
+            return ",".join(pairs)
+    raise GpuguardError(
+        f"backend {text!r}: want one of {', '.join(BACKENDS)}, or device:backend pairs such as cpu:gloo,cuda:nccl",
+        exit_code=EXIT_USAGE,
+    )
+
+
+def _require_backends(backend: str) -> None:
+    """Every backend `backend` names is in this torch build (a CPU wheel has no NCCL): one clear
+    error (exit 69) before any group forms, not a traceback from init_process_group."""
+    import torch.distributed as dist
+
+    names = [p.partition(":")[2] or p for p in backend.split(",")]
+    missing = [n for n in names if not dist.is_backend_available(n)]
+    if missing:
+        raise GpuguardError(
+            f"backend {backend!r}: {', '.join(missing)} is not built into this torch", exit_code=EXIT_UNAVAILABLE
+        )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEPS = 8
 
 
-def _run(job: Path, n: int, faults: str, shard: int) -> tuple[dict, dict, dict]:
+def _run(job: Path, n: int, faults: str, shard: int, backend: str = "gloo") -> tuple[dict, dict, dict]:
     with Cluster.launch(
         job,
         n,
@@ -39,7 +39,7 @@ def _run(job: Path, n: int, faults: str, shard: int) -> tuple[dict, dict, dict]:
         pg_timeout=5.0,
         grace=3.0,
         module="gpuguard.examples.inplace_fsdp",
-        extra_env={"INPLACE_SHARD": str(shard), "INPLACE_DIGESTS": "1"},
+        extra_env={"INPLACE_SHARD": str(shard), "INPLACE_DIGESTS": "1", "GPUGUARD_BACKEND": backend},
     ) as c:
         codes = c.wait(150)
         pids = {r: p.pid for r, p in c.procs.items()}
@@ -90,13 +90,14 @@ def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tm
 
 def test_plain_fsdp_is_refused_in_place_and_restarts_resharded_from_the_snapshot(tmp_path):
     job = tmp_path / "job"
-    codes, _pids, logs = _run(job, 3, "2:5:before_commit:kill", shard=0)
+    # the world group in torch's device:backend form (a GPU job: cpu:gloo,cuda:nccl; this torch has no NCCL)
+    codes, _pids, logs = _run(job, 3, "2:5:before_commit:kill", shard=0, backend="cpu:gloo")
     assert codes == {0: EXIT_REFUSED, 1: EXIT_REFUSED, 2: -9}, logs
     for r in (0, 1):
         assert "in-place switch refused: ranks [2] lost; no survivor holds" in logs[r]
         assert "no replica of the lost shards survives" in logs[r] and "Traceback" not in logs[r]
     assert open_ledger(job).require_active().generation == 1  # nothing certified in place
-    codes, _pids, logs = _run(job, 2, "", shard=0)
+    codes, _pids, logs = _run(job, 2, "", shard=0, backend="cpu:gloo")
     assert codes == {0: 0, 1: 0}, logs
     cert = open_ledger(job).require_active()
     assert cert.extra.get("switch") != "in-place" and cert.frontier.state_manifest_digest

@@ -275,3 +275,39 @@ for make in (lambda: InPlaceRuntime(sys.argv[1], sharded=True, **kw).activate(ob
     first, second = proc.stdout.splitlines()
     assert first == "64 the in-place switch with sharded state needs activate(build=...)"
     assert second == "64 activate(build=...) needs sharded=True"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("gloo", "gloo"), ("nccl", "nccl"), (" cpu:gloo,cuda:nccl ", "cpu:gloo,cuda:nccl"), ("cuda:nccl", "cuda:nccl")],
+)
+def test_the_world_group_backend_is_what_torch_takes(text, want):
+    from gpuguard.recovery.runtime import parse_backend
+
+    assert parse_backend(text) == want
+
+
+@pytest.mark.parametrize(
+    "text", ["", "tcp", "cpu:gloo,cpu:nccl", "gpu:nccl", "cpu:", "cpu:gloo;cuda:nccl", "gloo,nccl"]
+)
+def test_a_backend_torch_would_not_take_is_a_usage_error(text):
+    from gpuguard.foundation.errors import EXIT_USAGE, GpuguardError
+    from gpuguard.recovery.runtime import parse_backend
+
+    with pytest.raises(GpuguardError) as err:
+        parse_backend(text)
+    assert err.value.exit_code == EXIT_USAGE and "cpu:gloo,cuda:nccl" in str(err.value)
+
+
+def test_a_backend_missing_from_this_torch_is_one_clear_error_before_any_group(tmp_path):
+    import torch.distributed as dist
+
+    from gpuguard.foundation.errors import EXIT_UNAVAILABLE, GpuguardError
+    from gpuguard.recovery.runtime import Runtime
+
+    if dist.is_backend_available("nccl"):  # a CUDA build: the check has nothing to refuse here
+        pytest.skip("this torch has NCCL")
+    kw = dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=1, run_id="x")
+    with pytest.raises(GpuguardError) as err:
+        Runtime(tmp_path, restart_count=0, use_agent_store=False, backend="cpu:gloo,cuda:nccl", **kw)
+    assert err.value.exit_code == EXIT_UNAVAILABLE and "nccl is not built into this torch" in str(err.value)
