@@ -177,7 +177,7 @@ class InPlaceRuntime(Runtime):
                 # Nothing to remember: a failure before the first commit goes to the restart path.
                 return
             self._shards[step] = ir.remember(self.sharded_state())
-            while len(self._shards) > self.keep_local:
+            while len(self._shards) > 2:  # the frontier is the newest commit or the one before: two suffice
                 self._shards.popitem(last=False)
             return
         snap = clone_state(self.state_dict())

@@ -60,7 +60,7 @@ def tensor_chunks(path: str, value: Any) -> list[tuple[str, Any, tuple[int, ...]
 
 
 def remember(state: Mapping[str, Any]) -> Remembered:
-    """A detached copy of this rank's part of a sharded state (`Runtime.sharded_state()`)."""
+    """A detached copy, in host memory, of this rank's part of a sharded state (`Runtime.sharded_state()`)."""
     import torch  # noqa: PLC0415 - lazy: torch only where used
 
     chunks: dict[str, Any] = {}
@@ -69,7 +69,8 @@ def remember(state: Mapping[str, Any]) -> Remembered:
     for path, value in ss.state_leaves(state):
         if isinstance(value, torch.Tensor):
             for key, local, shape in tensor_chunks(path, value):
-                chunks[key] = local.detach().clone()
+                # host memory: a device copy per kept step would cost accelerator memory the job needs
+                chunks[key] = local.detach().to("cpu", copy=True)
                 shapes[key] = shape
         else:
             others[path] = copy.deepcopy(value)
@@ -180,7 +181,8 @@ def transfer(
                 dest.copy_(_box(src, _offsets(t.old_key), t.region.offsets, t.region.sizes))
                 copied += n
             else:
-                buf = torch.empty(tuple(t.region.sizes), dtype=local.dtype, device=local.device)
+                # received in host memory, like the sender's copy (one backend: cpu:gloo in a GPU job)
+                buf = torch.empty(tuple(t.region.sizes), dtype=local.dtype, device="cpu")
                 ops.append(dist.P2POp(dist.irecv, buf, t.from_rank, group, tag))
                 pending.append((buf, dest))
                 received += n
