@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpuguard.examples import demo as d
-from gpuguard.examples.demo_node_loss import _committed, _ledger, _stop, _wait, lose_node
+from gpuguard.examples.demo_node_loss import NodeDemoResult, _committed, _ledger, _stop, _wait, lose_node
 from gpuguard.examples.fsdp_train import reference
 from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
@@ -53,23 +53,16 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 @dataclass
-class FsdpDemoResult:
-    job_dir: Path
+class FsdpDemoResult(NodeDemoResult):
     launcher: str = LAUNCHER
-    kill: dict[str, Any] | None = None
-    generations: list[int] = field(default_factory=list)
     first_world: int | None = None
     world_after: int | None = None
-    reason: str | None = None
-    frontier: int | None = None
     steps_lost: int | None = None
-    resume_s: float | None = None
     restored_bitwise: bool = False
     reshard_lines: list[str] = field(default_factory=list)
     plan_held: bool = False
     rng: str | None = None
     final_max_abs_diff: float | None = None
-    matches_reference: bool = False
     agents_ok: bool = False
     verify_deep_rc: int | None = None
     verify_deep: str = ""

@@ -23,13 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from gpuguard.examples import demo as d
 from gpuguard.examples.demo_fsdp import ATOL, RTOL, against_reference
-from gpuguard.examples.demo_node_loss import _committed, _ledger, _node_env, _stop, _wait, lose_node, start_agent
+from gpuguard.examples.demo_node_loss import (
+    NodeDemoResult,
+    _committed,
+    _ledger,
+    _node_env,
+    _stop,
+    _wait,
+    lose_node,
+    start_agent,
+)
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import UnavailableError
 
@@ -40,17 +48,11 @@ LAUNCHER = (
 
 
 @dataclass
-class HsdpDemoResult:
-    job_dir: Path
+class HsdpDemoResult(NodeDemoResult):
     launcher: str = LAUNCHER
-    kill: dict[str, Any] | None = None
-    generations: list[int] = field(default_factory=list)
     switch: str | None = None
-    reason: str | None = None
     world_after: int | None = None
-    frontier: int | None = None
     steps_redone: int | None = None
-    resume_s: float | None = None
     pids_unchanged: bool = False
     restored_bitwise: bool = False
     compared_with_generation_1: bool = False
@@ -58,7 +60,6 @@ class HsdpDemoResult:
     elements_moved: int | None = None
     elements: int | None = None
     final_max_abs_diff: float | None = None
-    matches_reference: bool = False
     agents_restarted_nothing: bool = False
     verify_deep_rc: int | None = None
     verify_deep: str = ""

@@ -42,18 +42,24 @@ LAUNCHER = f"torchrun: {AGENTS} agents (--nnodes={AGENTS}, 1 gloo worker each), 
 
 
 @dataclass
-class NodeLossResult:
+class NodeDemoResult:
+    """What every lost-node demo reports (node-loss, fsdp, hsdp add their own checks)."""
+
     job_dir: Path
     launcher: str = LAUNCHER
-    kill: dict[str, Any] | None = None
+    kill: dict[str, Any] | None = None  # `lose_node`'s record
     generations: list[int] = field(default_factory=list)
-    switch: str | None = None
     reason: str | None = None
     frontier: int | None = None
     resume_s: float | None = None
+    matches_reference: bool = False
+
+
+@dataclass
+class NodeLossResult(NodeDemoResult):
+    switch: str | None = None
     survivors: list[dict[str, Any]] = field(default_factory=list)
     pids_unchanged: bool = False
-    matches_reference: bool = False
     agents_restarted_nothing: bool = False
 
     @property

@@ -13,27 +13,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.cli import run_cli
-from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
+from tests.support.node import sample_sweep_argv
 
 OUTPUTS = {"prometheus": "gpudoctor.prom", "json": "doc.json"}
 
 
 def _sweep(tmp_path: Path, name: str, path: Path):
-    r = run_cli(
-        "gpu-doctor",
-        "sweep",
-        "--kernel-log",
-        str(SAMPLE_LOG),
-        "--nvml-snapshot",
-        str(SAMPLE_NVML),
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--json",
-        "--output",
-        name,
-        "--output-option",
-        f"{name}.path={path}",
-    )
+    r = run_cli(*sample_sweep_argv(tmp_path / "state", name, options=(f"{name}.path={path}",)))
     assert r.returncode == 2, r.stderr  # the sample node's verdict (drain), whatever the output did
     assert "Traceback" not in r.stderr
     result = {o["name"]: o for o in json.loads(r.stdout)["outputs"]}[name]

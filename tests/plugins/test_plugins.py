@@ -9,7 +9,7 @@ import pytest
 
 from gpuguard.plugins import registry  # noqa: E402
 from tests.support.cli import run_cli
-from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
+from tests.support.node import sample_sweep_argv
 
 BUILTIN_OUTPUTS = {"json", "prometheus", "npd", "webhook"}
 
@@ -84,28 +84,10 @@ def test_plugins_command_lists_third_party_and_reports_the_broken_one(third_part
 def test_sweep_runs_good_plugins_and_survives_bad_ones(third_party):
     env, tmp_path = third_party
     out = tmp_path / "tp.json"
-    r = run_cli(
-        "gpu-doctor",
-        "sweep",
-        "--kernel-log",
-        str(SAMPLE_LOG),
-        "--nvml-snapshot",
-        str(SAMPLE_NVML),
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--json",
-        "--output",
-        "tp-raises",
-        "--output",
-        "tp-broken",
-        "--output",
-        "tp-missing",
-        "--output",
-        "tp-file",
-        "--output-option",
-        f"tp-file.path={out}",
-        env=env,
+    argv = sample_sweep_argv(
+        tmp_path / "state", "tp-raises", "tp-broken", "tp-missing", "tp-file", options=(f"tp-file.path={out}",)
     )
+    r = run_cli(*argv, env=env)
     assert r.returncode == 2, r.stderr  # the node's verdict (drain), whatever the plugins did
     results = {o["name"]: o for o in json.loads(r.stdout)["outputs"]}
     assert results["tp-file"]["status"] == "ok" and json.loads(out.read_text()) == {"verdict": "drain", "gpus": 4}

@@ -64,3 +64,15 @@ def fake_env(snapshot_path: Path) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "GPUGUARD_FAKE_NVML": str(snapshot_path),
     }
+
+
+def sample_sweep_argv(state_dir: Path, *outputs: str, options: tuple[str, ...] = ()) -> list[str]:
+    """`gpu-doctor sweep` over the sample kernel log and NVML snapshot, as JSON, with these outputs
+    (`--output NAME` each) and `--output-option` values."""
+    argv = ["gpu-doctor", "sweep", "--kernel-log", str(SAMPLE_LOG), "--nvml-snapshot", str(SAMPLE_NVML)]
+    argv += ["--state-dir", str(state_dir), "--json"]
+    for name in outputs:
+        argv += ["--output", name]
+    for opt in options:
+        argv += ["--output-option", opt]
+    return argv
