@@ -54,11 +54,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
-from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError, RefusedError, UnavailableError
+from gpuguard.foundation.errors import (
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    DataError,
+    GpuguardError,
+    RefusedError,
+    UnavailableError,
+)
 from gpuguard.foundation.identity import process_status
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
 from gpuguard.foundation.steplog import StepLog
@@ -389,8 +396,6 @@ class InPlaceRuntime(Runtime):
             self._sharded = None
         # wake every peer still blocked on one of this generation's groups, however long something keeps
         # the group alive (recovery.group_sockets); the abandoned snapshot save fails at once too
-        # wake every peer still blocked on one of this generation's groups, however long something keeps
-        # the group alive (recovery.group_sockets); the abandoned snapshot save fails at once too
         self._opened.shut()
         if self.sharded:
             # the model's device mesh holds the failed group's subgroups: while anything references them
@@ -470,7 +475,7 @@ class InPlaceRuntime(Runtime):
             f"in-place switch from generation {generation}: no decision within {self.switch_timeout_s:.0f} s"
         )
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str) -> NoReturn:
         print(
             f"gpuguard: rank {self.rank} (incarnation {self.incarnation.id[:12]}) stops: {why}",
             file=sys.stderr,
@@ -714,8 +719,13 @@ class InPlaceRuntime(Runtime):
         for r in sorted(held_old):
             for k in held_old[r]:
                 writers.setdefault(k, r)
-        old = layout_from_keys(parent.ownership_map_version, len(parent.members), held_old, writers)
-        new = layout_from_keys(cert.ownership_map_version, self.world_size, {i: e["new"] for i, e in enumerate(every)})
+        try:  # every rank computes the same layouts and plan from the same gathered facts
+            old = layout_from_keys(parent.ownership_map_version, len(parent.members), held_old, writers)
+            new = layout_from_keys(
+                cert.ownership_map_version, self.world_size, {i: e["new"] for i, e in enumerate(every)}
+            )
+        except ValueError as exc:  # two survivors disagree on a chunk's geometry
+            self._refuse(f"in-place reshard of generation {cert.generation}: {exc}")
         plan = plan_reshard(old, new, survivors=survivors, in_memory=True)
         problems = reshard_problems(new, plan) + [
             f"{t.region.fqn}: no survivor holds it" for t in plan if t.source == "checkpoint"
@@ -728,6 +738,8 @@ class InPlaceRuntime(Runtime):
             got = ss.state_digest_sharded(self.sharded_state())
         except RuntimeError as exc:  # gloo: a peer gone during the transfer
             return f"shard transfer of generation {cert.generation} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        except DataError as exc:  # the rebuilt model has no place for a region (another model): not in place
+            self._refuse(f"in-place reshard of generation {cert.generation}: {exc}")
         want = cert.extra.get("sharded_state_digest")
         if got != want:
             self._refuse(

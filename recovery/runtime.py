@@ -911,6 +911,8 @@ class Runtime:
         """The writer thread, after each collective save (every rank): counters; rank 0 prunes."""
         if self._sharded is not None:
             self.counters.snapshot_cpu_s = self._sharded.cpu_s
+            if self._sharded.broken is not None and isinstance(error, RuntimeError):
+                self._log(f"sharded snapshots off for generation {self.generation}: their group failed")
         why = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
         shown = info.snapshot(self.generation) if info is not None else None
         self._snapshot_outcome(step, shown, why, publisher=self.rank == 0)

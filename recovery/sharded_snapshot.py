@@ -514,7 +514,12 @@ def save_sharded(
             box[0] = name
         except OSError as exc:  # said to every member: nobody waits for a save that never starts
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(box, src=_src(group), group=group)
+    try:
+        dist.broadcast_object_list(box, src=_src(group), group=group)
+    except BaseException:  # a member gone before the save began: the staging directory is nobody's
+        if rank == 0 and isinstance(box[0], str):
+            shutil.rmtree(parent / box[0], ignore_errors=True)
+        raise
     if not isinstance(box[0], str):
         raise DataError(f"sharded snapshot of step {step}: no staging directory: {box[0][1]}")
     tmp = parent / box[0]
@@ -667,6 +672,10 @@ class ShardedSnapshotter:
     value (Linux, per thread; 0 leaves it), so that on a busy host it takes the CPU the training
     threads leave (off by default: on the 2-core bench host, 0, 10 and 19 were within the noise).
 
+    A save that fails in a collective (a RuntimeError: a peer gone, a timeout) leaves the group
+    unusable, members possibly at different collectives of it: the writer takes no snapshot after
+    it (`broken`; later submits are counted in `skipped`). The next generation has a new writer.
+
     The interval (`due(step)`): every `every` steps with `cpu_budget` 0; with a budget (a fraction
     of step time; the runtime's default is 0.03) it adapts: after each snapshot the next one is due
     `interval` steps later, interval = max(`every`, ceil(cost / (cpu_budget x step time))), where
@@ -706,6 +715,8 @@ class ShardedSnapshotter:
         self.written = 0
         self.errors = 0
         self.unpublished = 0
+        self.skipped = 0  # submits not saved: the group failed before (`broken`)
+        self.broken: str | None = None  # why this writer's group is unusable (a failed collective)
         self.cpu_s = 0.0
         self.wait_s = 0.0  # time the training thread waited for the previous snapshot
         self.last: ShardedInfo | None = None
@@ -738,6 +749,9 @@ class ShardedSnapshotter:
                 f"the sharded snapshot before step {step} is still being written after {self.max_wait:.0f} s"
             )
         self.wait_s += time.monotonic() - t0
+        if self.broken is not None:  # the group failed: another collective on it could desynchronise
+            self.skipped += 1
+            return
         c0 = time.thread_time()
         staged = stage(state() if callable(state) else state)  # before the writer is busy: a failed copy leaves it idle
         self._next_due = step + self.interval  # the previous snapshot's interval: the same on every member
@@ -784,6 +798,11 @@ class ShardedSnapshotter:
             except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
                 self.errors += 1
                 error = exc
+                if isinstance(exc, RuntimeError):  # gloo: a peer gone or timed out; the group is unusable
+                    # members may now stand at different collectives of it: a next save could hand one
+                    # member another's message (gloo aborts the process: "Received data size doesn't
+                    # match", seen when survivors of an in-place switch saved once more)
+                    self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             finally:
                 del state
                 self.cpu_s += time.thread_time() - t0

@@ -515,3 +515,38 @@ def test_without_a_budget_the_due_steps_are_every_kth(tmp_path):
         assert [s for s in range(1, 10) if fixed.due(s)] == [3, 6, 9]
     finally:
         assert fixed.close(5)
+
+
+BROKEN_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from pathlib import Path
+from gpuguard.recovery import sharded_snapshot as ss
+job, rank = Path(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", store=dist.FileStore(str(job / "store"), 2), rank=rank, world_size=2)
+state = {"model": {"w": torch.arange(6.0)}}
+sn = ss.ShardedSnapshotter(job, generation=1, incarnation=f"i{rank}", group=ss.new_snapshot_group(10))
+sn.submit(1, state)
+sn.flush(30)
+if rank == 1:  # the peer is lost after one good snapshot
+    os._exit(0)
+sn.submit(2, state)  # its collective fails: the group is unusable from now on
+sn.flush(30)
+sn.submit(3, state)  # not attempted: a member at another collective of a failed group could desync
+sn.flush(30)
+print("written", sn.written, "errors", sn.errors, "skipped", sn.skipped, "broken", sn.broken is not None, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_writer_whose_group_failed_takes_no_more_snapshots(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BROKEN_SCRIPT, str(tmp_path), str(r)], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=90)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert out[0].strip() == "written 1 errors 1 skipped 1 broken True"
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["step-1"]
