@@ -38,7 +38,7 @@ with other parameters or an invalid chain; `zombie_writes_fenced`: commit record
 refused (stale generation); `steps_lost`: committed steps redone after recovery (mean).
 `--stores N` adds rows `group-store`: N formations of a 2-host gloo group (store, init_process_group,
 one all_reduce) through a TCPStore served by rank 0 (what each in-place generation uses) and
-through `recovery.etcd_store.EtcdStore`. Needs root (real namespaces).
+through `recovery.rendezvous.etcd_store.EtcdStore`. Needs root (real namespaces).
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ STORE_PROBE = (  # one rank of a 2-host gloo group formed REPEAT times through t
     "        store = dist.TCPStore(addr, 29600 + i, is_master=rank == 0, wait_for_workers=False,\n"
     "                              timeout=timedelta(seconds=30))\n"
     "    else:\n"
-    "        from gpuguard.recovery.etcd_store import EtcdStore\n"
+    "        from gpuguard.recovery.rendezvous.etcd_store import EtcdStore\n"
     "        store = EtcdStore.connect(etcd, f'probe-{sys.argv[6]}-{i}', store_timeout=30.0)\n"
     "    dist.init_process_group('gloo', store=dist.PrefixStore('pg', store), rank=rank, world_size=2,\n"
     "                            timeout=timedelta(seconds=30))\n"

@@ -138,7 +138,7 @@ def _round(backend: str, endpoint: str, n: int, conf: dict[str, str], timeout: f
 
 
 def _count_keys(endpoint: str, prefix: str) -> int:
-    from gpuguard.recovery.etcd_store import EtcdConnection, parse_endpoints
+    from gpuguard.recovery.rendezvous.etcd_store import EtcdConnection, parse_endpoints
 
     conn = EtcdConnection(parse_endpoints(endpoint), timeout=5)
     return int(conn.range(prefix.encode(), "bench count", prefix=True, count_only=True).get("count", 0))
@@ -218,7 +218,7 @@ def main() -> None:
 
         from torch.distributed import TCPStore
 
-        from gpuguard.recovery.etcd_store import EtcdStore
+        from gpuguard.recovery.rendezvous.etcd_store import EtcdStore
 
         ees = EtcdStore.connect(endpoint, f"bench-ops-{uuid.uuid4().hex[:8]}", key_prefix=PREFIX, lease_ttl=30)
         tcp = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))

@@ -4,7 +4,7 @@
 
 One real c10d TCPStore (torch's server) holds a rendezvous state written by torch's own pickler,
 exactly as an agent writes it. Each method runs in a fresh interpreter (what an operator command or
-a cron probe pays): `gpuguard` = `recovery.rendezvous.read` (raw socket + restricted unpickler);
+a cron probe pays): `gpuguard` = `recovery.rendezvous.state.read` (raw socket + restricted unpickler);
 `torch` = `TCPStore(is_master=False).get` + `pickle.loads` (the baseline a user would write).
 Also the in-process read latency of the torch-free client.
 """
@@ -27,7 +27,7 @@ from _common import emit  # noqa: E402
 RUN_ID = "bench"
 
 GPUGUARD = (
-    "from gpuguard.recovery.rendezvous import Endpoint, read; import sys; "
+    "from gpuguard.recovery.rendezvous.state import Endpoint, read; import sys; "
     "st = read(Endpoint('127.0.0.1', int(sys.argv[1]), 'bench')); assert st.round == 3"
 )
 TORCH = (
@@ -88,8 +88,8 @@ def main() -> None:
     for row in rows:
         row["ratio_vs_torch"] = round(row["process_wall_p50_s"] / walls["torch"], 4)
 
-    from gpuguard.recovery.rendezvous import read_state
-    from gpuguard.recovery.tcpstore import StoreClient
+    from gpuguard.recovery.rendezvous.state import read_state
+    from gpuguard.recovery.rendezvous.tcpstore import StoreClient
 
     with StoreClient("127.0.0.1", port, 5.0) as client:
         lat = []

@@ -13,7 +13,7 @@ processes, interleaved in blocks of `--block` steps for `--rounds` rounds, so dr
 them alike:
 
 * `plain`: FSDP2 training, no snapshots (the baseline of the ratios);
-* `sharded`: `recovery.sharded_snapshot.ShardedSnapshotter.submit` every `--every` steps (stage a
+* `sharded`: `recovery.snapshots.sharded.ShardedSnapshotter.submit` every `--every` steps (stage a
   copy, then the collective DCP save, each rank's part, the coordinator's manifest and rename, in
   the background thread over its own gloo group). A submit waits for the previous snapshot, so a
   writer slower than the interval shows in the step times; the wait for the block's last snapshot
@@ -54,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.recovery.sharded_snapshot import DEFAULT_BUDGET  # noqa: E402 - no torch at import
+from gpuguard.recovery.snapshots.sharded import DEFAULT_BUDGET  # noqa: E402 - no torch at import
 
 MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
 
@@ -88,7 +88,7 @@ def restore_worker(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from gpuguard.generation.ownership import plan_reshard
-    from gpuguard.recovery import sharded_snapshot as ss
+    from gpuguard.recovery.snapshots import sharded as ss
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     model, opt = build(a.hidden, a.replicated)
@@ -137,7 +137,7 @@ def save_worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gpuguard.recovery import sharded_snapshot as ss
+    from gpuguard.recovery.snapshots import sharded as ss
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     model, opt = build(a.hidden, a.replicated)
@@ -176,7 +176,7 @@ def runtime_worker(a: argparse.Namespace) -> int:
     without its sharded snapshot every `--every` steps, against the bare loop, interleaved blocks."""
     import torch.distributed as dist
 
-    from gpuguard.recovery.runtime import Runtime
+    from gpuguard.recovery.runtime.runtime import Runtime
 
     rt = Runtime.from_env(a.job_dir, sharded=True, snapshot_every=a.every, snapshot_budget=a.budget, checkpoint_every=0)
     state = rt.activate(build=lambda: build(a.hidden, a.replicated))
@@ -231,8 +231,8 @@ def worker(a: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from gpuguard.recovery import sharded_snapshot as ss
-    from gpuguard.recovery.snapshot import prune
+    from gpuguard.recovery.snapshots import sharded as ss
+    from gpuguard.recovery.snapshots.store import prune
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()

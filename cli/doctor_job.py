@@ -39,7 +39,7 @@ def assess(
     `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
     from gpuguard.diagnostics.jobstats import distribution
     from gpuguard.diagnostics.vote import load_config, to_json, vote
-    from gpuguard.recovery.job_observation import observe_job_generations
+    from gpuguard.doctor.job_observation import observe_job_generations
 
     path = Path(job_dir)
     if not path.is_dir():

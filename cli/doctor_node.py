@@ -1,8 +1,8 @@
 """`gpu-doctor diagnose node`, `gpu-doctor sweep` and `gpu-doctor plugins`.
 
 Thin shell: collectors read (NVML, kernel log, processes), `diagnostics.node_verdict` judges, the
-output plugins deliver; the sweep's state, retention and lock are `recovery.sweep`'s, the Slurm drain
-is `recovery.actions.drain_node`. Heavy modules (rich, prometheus_client, requests, psutil) are imported
+output plugins deliver; the sweep's state, retention and lock are `doctor.sweep`'s, the Slurm drain
+is `recovery.operator.actions.drain_node`. Heavy modules (rich, prometheus_client, requests, psutil) are imported
 only by the paths that need them, so `diagnose node --json` stays a fraction of a second and never
 imports torch.
 
@@ -571,7 +571,7 @@ def sweep_cmd(
         raise UsageError("--webhook-retries must be between 0 and 10")
     output_options = _parse_options(output_option)
     from gpuguard.diagnostics import node_thresholds
-    from gpuguard.recovery.sweep import SweepLock, default_state_dir
+    from gpuguard.doctor.sweep import SweepLock, default_state_dir
 
     thresholds = node_thresholds.load(config)
     options = SweepOptions(
@@ -600,7 +600,7 @@ def sweep_cmd(
 
 def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
     """One sweep, under the state directory's lock: read, retain, judge, save, deliver, drain, render."""
-    from gpuguard.recovery import sweep
+    from gpuguard.doctor import sweep
 
     state_file = options.state_dir / sweep.STATE_FILE
     state, notes = sweep.load_state(state_file)
@@ -641,7 +641,7 @@ def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
         if r.status != "ok":
             _warn(f"output {r.name} failed: {r.message}")
     if (options.drain or options.run_drain) and verdict.verdict == "drain":
-        from gpuguard.recovery.actions import drain_command, drain_command_line, drain_node
+        from gpuguard.recovery.operator.actions import drain_command, drain_command_line, drain_node
 
         node = options.node or socket.gethostname().split(".")[0]
         cmd = drain_command(node, verdict.summary)

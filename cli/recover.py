@@ -1,8 +1,8 @@
 """`gpu-recover`: drive recovery against a running torchrun job.
 
-Each command is a thin wrapper over `gpuguard.recovery.actions` (confirmation, audit log and the
+Each command is a thin wrapper over `gpuguard.recovery.operator.actions` (confirmation, audit log and the
 `gpuguard.action/1` document are shared with the runbooks); `status` (registered by
-`recover_status`) renders `gpuguard.recovery.status`. Every command checks first that the job dir is
+`recover_status`) renders `gpuguard.recovery.operator.status`. Every command checks first that the job dir is
 a gpuguard job (66 otherwise). No torch import here: only `demo` (registered by `recover_demo`) and
 the in-job runtime import torch.
 """
@@ -61,7 +61,7 @@ def _emit(result: Any, as_json: bool) -> int:
 
 
 def _act(name: str, kwargs: dict[str, Any], job_dir: Path | None, dry_run: bool, yes: bool, as_json: bool) -> int:
-    from gpuguard.recovery import actions
+    from gpuguard.recovery.operator import actions
 
     if job_dir is not None:
         require_job(job_dir)  # a typo'd dir: 66 at once, no wait, nothing written there
@@ -142,7 +142,7 @@ def rendezvous_cmd(
     only: the decoded state and the generation bound to each recent round.
     """
     if state:
-        from gpuguard.recovery import actions
+        from gpuguard.recovery.operator import actions
 
         if job_dir is not None:
             require_job(job_dir)
@@ -225,7 +225,7 @@ def verify_cmd(
 @runbook_app.command("list")
 def runbook_list(as_json: bool = _JSON) -> int:
     """The built-in runbooks, with what each is for."""
-    from gpuguard.recovery import runbooks
+    from gpuguard.recovery.operator import runbooks
 
     books = [runbooks.load(n) for n in runbooks.builtin_names()]
     if as_json:
@@ -288,7 +288,7 @@ def runbook_show(
     as_json: bool = typer.Option(False, "--json", help="Print the raw runbook (gpuguard.runbooks/1)."),
 ) -> int:
     """Validate and print a runbook: its steps, their conditions and arguments (--json: the raw form)."""
-    from gpuguard.recovery import runbooks
+    from gpuguard.recovery.operator import runbooks
 
     book = runbooks.load(name)
     if as_json:
@@ -329,7 +329,7 @@ def runbook_run(
     as_json: bool = _JSON,
 ) -> int:
     """Run a runbook step by step; resumes an interrupted run from the audit log."""
-    from gpuguard.recovery import runbooks
+    from gpuguard.recovery.operator import runbooks
 
     book = runbooks.load(name)
     require_job(job_dir)  # an empty or typo'd dir is not a job that was recovered

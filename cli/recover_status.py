@@ -1,6 +1,6 @@
 """`gpu-recover status --job-dir DIR [--json] [--follow [--interval S]]`: the page on-call reads first.
 
-`recovery.status` gathers (every probe with a deadline) and decides ("safe to resume" is its pure
+`recovery.operator.status` gathers (every probe with a deadline) and decides ("safe to resume" is its pure
 `decide`); this module only renders. Exit code by state: 0 healthy, 1 warning, 2 critical, 3 unknown.
 With --follow the page is refreshed every --interval seconds until Ctrl-C, and the exit code is the
 last page's.
@@ -86,7 +86,7 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def _page(job_dir: Path, ledger: str | None, probe_timeout: float) -> dict[str, Any]:
-    from gpuguard.recovery import status
+    from gpuguard.recovery.operator import status
 
     facts = status.gather(job_dir, ledger_url=ledger, probe_timeout_s=probe_timeout)
     return status.to_json(facts, status.decide(facts))

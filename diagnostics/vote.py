@@ -262,7 +262,7 @@ def vote(
     ranks that matter at an instant, with the statistics of all ranks).
 
     `superseded`: (generation, observation) of ranks whose newest incarnation belongs to an earlier generation
-    than `observations` (`recovery.job_observation.observe_job_generations`). They are judged among
+    than `observations` (`doctor.job_observation.observe_job_generations`). They are judged among
     themselves, per generation (gone, and collateral of which rank), and reported apart."""
     if superseded:
         return replace(vote(observations, cfg, previous, cohort, interval_s), superseded=_superseded(superseded, cfg))

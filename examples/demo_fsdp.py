@@ -82,7 +82,7 @@ class FsdpDemoResult(NodeDemoResult):
 def _env(job: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
     # torch 2.13's shared rendezvous store: a round after round 0 waits for a MASTER_ADDR only
-    # round 0 writes (tests/recovery/test_recovery_real_multinode.py)
+    # round 0 writes (tests/recovery/runtime/test_recovery_real_multinode.py)
     env.update({PG_TIMEOUT_ENV: "10", "PYTHONWARNINGS": "ignore", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

@@ -3,7 +3,7 @@
 Three real `torchrun` agents (`--nnodes=3`, one gloo worker each, c10d rendezvous) run
 `gpuguard.examples.inplace_train` on this host as three "nodes". The rendezvous TCPStore lives in
 this process, a host that runs no training: with the agent-hosted default, losing the node that
-hosts it makes every surviving agent kill its workers (see tests/recovery/test_inplace_torchrun.py). Once
+hosts it makes every surviving agent kill its workers (see tests/recovery/runtime/test_inplace_torchrun.py). Once
 the job has committed `kill_step` steps, the node whose worker is rank 0 (the first coordinator
 and the snapshot writer) is lost: its agent and its worker are SIGKILLed at once. The surviving
 agents restart nothing; their workers certify the next generation in place (`switch: in-place`)

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
-from gpuguard.recovery.runtime import Runtime
-from gpuguard.recovery.snapshot import state_digest
+from gpuguard.recovery.runtime.runtime import Runtime
+from gpuguard.recovery.snapshots.store import state_digest
 
 POINTS = ("before-allreduce", "after-allreduce", "mid-update", "snapshot")
 

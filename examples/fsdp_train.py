@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from gpuguard.examples.demo_train import Faults
-from gpuguard.recovery.runtime import Runtime
+from gpuguard.recovery.runtime.runtime import Runtime
 
 GLOBAL_BATCH = 24
 POINT = "step-start"

@@ -35,8 +35,8 @@ from gpuguard.examples.fsdp_train import mlp, train_step
 from gpuguard.examples.inplace_train import FAULTS_ENV, fault_hook, parse_faults, result_doc
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
-from gpuguard.recovery import sharded_snapshot as ss
-from gpuguard.recovery.inplace import InPlaceRuntime
+from gpuguard.recovery.runtime.inplace import InPlaceRuntime
+from gpuguard.recovery.snapshots import sharded as ss
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

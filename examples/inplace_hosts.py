@@ -6,7 +6,7 @@ harness layers stay independent. It initialises the ledger on the first host, gi
 (private) job directory the job's identity and signing key, as a deployment would hand out a
 secret, and starts `examples.inplace_train` on each host with RANK / WORLD_SIZE / MASTER_ADDR as the
 single-host launcher does. The first (restart-path) activation uses a TCPStore served by rank 0;
-every in-place switch after it coordinates through etcd only (`recovery.coord_etcd`).
+every in-place switch after it coordinates through etcd only (`recovery.runtime.coordination_etcd`).
 """
 
 from __future__ import annotations

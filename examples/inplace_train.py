@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
-from gpuguard.recovery.inplace import InPlaceRuntime
-from gpuguard.recovery.switch import Layout
+from gpuguard.recovery.runtime.inplace import InPlaceRuntime
+from gpuguard.recovery.runtime.switch import Layout
 
 GLOBAL_BATCH = 12
 DIM = 4

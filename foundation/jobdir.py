@@ -13,11 +13,11 @@ Layout (docs/formats/job-dir.md)::
     <job-dir>/ledger/                         the directory ledger (generation/ledger_dir.py)
     <job-dir>/ranks/                          per-rank step records (foundation/steplog.py)
     <job-dir>/incarnations/<id>.json          one per worker process (this module)
-    <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshot.py)
+    <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshots/store.py)
     <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
     <job-dir>/coord/                          activation and in-place files (recovery/, foundation/inplace_files.py)
     <job-dir>/traces/<rank>.<incarnation>.json collective traces
-    <job-dir>/audit.log                       operator actions, JSON lines (recovery/audit.py)
+    <job-dir>/audit.log                       operator actions, JSON lines (recovery/operator/audit.py)
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from torch import nn
 
 from gpuguard.foundation import jobdir
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.recovery.runtime import Runtime
+from gpuguard.recovery.runtime.runtime import Runtime
 from gpuguard.transitions import model as m
 
 POINTS = ("before-allreduce", "mid-optimizer-write", "before-commit")

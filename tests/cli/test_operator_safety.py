@@ -18,7 +18,7 @@ import pytest
 
 from gpuguard.generation.job import init_job, open_job_ledger
 from gpuguard.generation.records import Incarnation, Member
-from gpuguard.recovery.actions import drain_command, drain_command_line
+from gpuguard.recovery.operator.actions import drain_command, drain_command_line
 from tests.support.cli import BIN, run_cli
 from tests.support.generation import child
 from tests.support.processes import reap, record, spawn

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuguard.doctor import sweep
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError, NoInputError, PermissionDeniedError
 from gpuguard.generation import keys
-from gpuguard.recovery import sweep
 from tests.support.cli import run_cli
 from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
 

@@ -13,7 +13,7 @@ from tests.support.cli import run_cli
 def test_restore_says_what_the_pin_changes(tmp_path) -> None:
     import torch
 
-    from gpuguard.recovery.snapshot import save_snapshot
+    from gpuguard.recovery.snapshots.store import save_snapshot
 
     ensure_job(tmp_path)
     for step in (3, 6):

@@ -224,8 +224,8 @@ def test_overlapping_sweeps_are_serialised(node):
     )
 )
 def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
-    from gpuguard.recovery.sweep import event_from_record as _event_from_record
-    from gpuguard.recovery.sweep import load_state as _load_state
+    from gpuguard.doctor.sweep import event_from_record as _event_from_record
+    from gpuguard.doctor.sweep import load_state as _load_state
 
     path = tmp_path_factory.mktemp("st") / "sweep-state.json"
     path.write_bytes(raw)
@@ -239,7 +239,7 @@ def test_state_loader_never_raises_on_garbage(tmp_path_factory, raw):
 
 
 def test_history_is_bounded_per_gpu_and_code():
-    from gpuguard.recovery.sweep import PER_CODE_HISTORY, cap_history
+    from gpuguard.doctor.sweep import PER_CODE_HISTORY, cap_history
 
     storm = [{"kind": "xid", "line": i, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 13}} for i in range(500)]
     rare = [{"kind": "xid", "line": 1000, "fields": {"pci_bus_id": "0000:10:00.0", "xid": 79}}]
@@ -252,7 +252,7 @@ def test_the_printed_drain_command_is_shell_quoted(tmp_path):
     """The reason has spaces and comes from log text: pasted into a shell it must stay one argument."""
     import shlex
 
-    from gpuguard.recovery.actions import drain_command, drain_command_line
+    from gpuguard.recovery.operator.actions import drain_command, drain_command_line
 
     line = drain_command_line("node-7", "Xid 79 on GPU 3; $(reboot)")
     assert shlex.split(line) == drain_command("node-7", "Xid 79 on GPU 3; $(reboot)")

@@ -25,7 +25,7 @@ import torch
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import EXIT_REFUSED
 from gpuguard.generation.ledger_open import open_ledger
-from tests.recovery.test_sharded_snapshot import finish
+from tests.recovery.snapshots.test_sharded_snapshot import finish
 from tests.support.cli import REPO, free_port, run_cli
 
 STEPS, KILL_STEP, WORLD = 8, 5, 2

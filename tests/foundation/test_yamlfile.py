@@ -20,7 +20,7 @@ from gpuguard.collectors.log_steps import LogStepSpec
 from gpuguard.diagnostics import node_thresholds
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError
 from gpuguard.foundation.yamlfile import load_yaml, parse_yaml, read_capped
-from gpuguard.recovery import runbooks
+from gpuguard.recovery.operator import runbooks
 from tests.support.cli import run_cli
 from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
 

@@ -8,7 +8,7 @@ import tomllib
 
 from tests.support.cli import REPO
 
-DATA_ONLY = {"foundation/data", "collectors/data", "diagnostics/data", "recovery/runbooks"}
+DATA_ONLY = {"foundation/data", "collectors/data", "diagnostics/data", "recovery/operator/runbooks"}
 NOT_SHIPPED = {"tests", "bench", "docs", "build", "dist"}
 
 

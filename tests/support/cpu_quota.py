@@ -2,7 +2,7 @@
 
 A rank under a CPU quota behaves like a throttled GPU or a contended host: its fixed work per step
 (`demo_train --burn-work`) takes longer, it keeps making progress, its peers wait for it. One place for
-the rule (tests/recovery/test_stragglers_real.py and bench/stragglers.py both use it):
+the rule (tests/doctor/test_stragglers_real.py and bench/stragglers.py both use it):
 
 * v1 (`/sys/fs/cgroup/cpu/<name>/cpu.cfs_quota_us`) or v2 (`/sys/fs/cgroup/<name>/cpu.max`), whichever
   the machine has writable; period 100 ms, quota `pct` % of it (at least the kernel's 1 ms);

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
-from gpuguard.recovery.snapshot import SnapshotInfo
+from gpuguard.recovery.snapshots.store import SnapshotInfo
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation.ownership import describe_reshard, plan_reshard, reshard_problems
-from gpuguard.recovery import sharded_snapshot as ss
+from gpuguard.recovery.snapshots import sharded as ss
 
 GLOBAL_BATCH = 24
 

@@ -1,0 +1,395 @@
+"""`gpu-recover status`: the one page on-call reads first, gathered and decided.
+
+`gather` reads the job (each probe in its own thread with a deadline, so one hung read, an
+unreachable etcd or a slow process table never hangs the whole page): the active generation and
+its certificate digest, each member's liveness now (`foundation.identity`; a member on another
+host is "unknown: on another host"), the dead-versus-slow vote (`doctor.job_observation` +
+`diagnostics.vote`), the torchrun hazards (`collectors.torchrun` + `diagnostics.torchrun_hazards`),
+fenced commits and refused activations from the ledger, the last audit entries and the incarnations
+evicted by in-place switches (the certificates' `extra`).
+
+`decide` is pure (facts in, decision out, no I/O): the page's state (healthy / warning / critical /
+unknown, exit 0 / 1 / 2 / 3) and the one line "safe to resume: yes/no, because …". Resuming is safe
+only when the certificate chain checks out to the active generation, nothing past it is stored
+unverified, and every member of the active generation is proved gone: a member on another host,
+one this user cannot read, or a probe that timed out is never a proof of quiescence.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpuguard.collectors.torchrun import gather as gather_torchrun
+from gpuguard.diagnostics.torchrun_hazards import CRITICAL, WARNING, assess_facts
+from gpuguard.diagnostics.vote import load_config, vote
+from gpuguard.doctor.job_observation import observe_job
+from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_UNKNOWN, EXIT_WARNING, GpuguardError
+from gpuguard.foundation.identity import ALIVE_STATES, GONE_STATES, process_status
+from gpuguard.generation.job import open_job_ledger
+from gpuguard.recovery.operator import audit
+
+SCHEMA = "gpuguard.status/1"
+AUDIT_TAIL = 5
+HEALTHY, WARN, CRIT, UNKNOWN = "healthy", "warning", "critical", "unknown"
+_LEVEL = {HEALTHY: 0, WARN: 1, UNKNOWN: 2, CRIT: 3}
+EXIT_BY_STATE = {HEALTHY: EXIT_OK, WARN: EXIT_WARNING, CRIT: EXIT_CRITICAL, UNKNOWN: EXIT_UNKNOWN}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MemberLiveness:
+    rank: int
+    incarnation: str
+    host: str
+    pid: int
+    state: str  # alive | gone | unknown
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "host": self.host,
+            "pid": self.pid,
+            "state": self.state,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class StatusFacts:
+    """Everything the page shows; a part that could not be read carries its problem instead."""
+
+    job_dir: str
+    time: float
+    ledger_url: str | None = None
+    generation: int | None = None
+    digest: str | None = None
+    frontier_step: int | None = None
+    ledger_problem: str | None = None  # no valid certificate, unreadable, unreachable, timed out
+    unverified_after_active: tuple[int, ...] = ()
+    members: tuple[MemberLiveness, ...] = ()
+    members_problem: str | None = None
+    vote: Mapping[str, Any] | None = None  # verdict, reason, counts, culprits
+    vote_problem: str | None = None
+    hazards: tuple[Mapping[str, Any], ...] = ()
+    live_workers: int | None = None
+    hazards_problem: str | None = None
+    fenced_commits: int | None = None
+    refusals: int | None = None
+    audit_tail: tuple[Mapping[str, Any], ...] = ()
+    audit_problem: str | None = None
+    evicted: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: str  # healthy | warning | critical | unknown
+    safe_to_resume: bool
+    because: str
+    reasons: tuple[str, ...] = field(default_factory=tuple)  # why the state is not healthy
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_BY_STATE[self.state]
+
+    def line(self) -> str:
+        return f"safe to resume: {'yes' if self.safe_to_resume else 'no'}, because {self.because}"
+
+
+# --- the decision (pure) -----------------------------------------------------------------------
+
+
+def decide(facts: StatusFacts) -> Decision:
+    """The page's state and "safe to resume"; a pure function of the facts."""
+    reasons: list[tuple[str, str]] = []  # (state, why)
+    alive = [m for m in facts.members if m.state == "alive"]
+    gone = [m for m in facts.members if m.state == "gone"]
+    unsure = [m for m in facts.members if m.state not in ("alive", "gone")]
+    gen = facts.generation
+
+    if facts.unverified_after_active:
+        reasons.append((CRIT, f"generation(s) {list(facts.unverified_after_active)} are stored but do not verify"))
+    if facts.ledger_problem:
+        reasons.append((UNKNOWN, f"ledger: {facts.ledger_problem}"))
+    if facts.members_problem:
+        reasons.append((UNKNOWN, f"members: {facts.members_problem}"))
+    if gone and alive:
+        reasons.append((CRIT, f"{len(gone)} member(s) of generation {gen} gone while {len(alive)} alive"))
+    elif gone and not alive and not unsure:
+        reasons.append((CRIT, f"every member of generation {gen} is gone: the job is down"))
+    elif unsure and not alive and not gone:
+        reasons.append((UNKNOWN, f"no member of generation {gen} can be checked from here"))
+    verdict = (facts.vote or {}).get("verdict")
+    if verdict in ("dead", "hung"):
+        reasons.append((CRIT, f"vote: {verdict}: {(facts.vote or {}).get('reason', '')}".rstrip(": ")))
+    elif verdict == "slow":
+        reasons.append((WARN, f"vote: slow: {(facts.vote or {}).get('reason', '')}".rstrip(": ")))
+    if facts.vote_problem and facts.vote is None and "timed out" in facts.vote_problem:
+        reasons.append((UNKNOWN, f"vote: {facts.vote_problem}"))
+    for h in facts.hazards:
+        if h.get("severity") == CRITICAL:
+            reasons.append((CRIT, f"torchrun: {h.get('kind')}: {h.get('message')}"))
+        elif h.get("severity") == WARNING:
+            reasons.append((WARN, f"torchrun: {h.get('kind')}: {h.get('message')}"))
+    if facts.hazards_problem:
+        reasons.append((UNKNOWN, f"torchrun: {facts.hazards_problem}"))
+
+    state = max((s for s, _ in reasons), key=_LEVEL.__getitem__, default=HEALTHY)
+    safe, because = _safe_to_resume(facts, alive, unsure)
+    return Decision(state, safe, because, tuple(why for _, why in reasons))
+
+
+def _safe_to_resume(
+    facts: StatusFacts, alive: Sequence[MemberLiveness], unsure: Sequence[MemberLiveness]
+) -> tuple[bool, str]:
+    gen = facts.generation
+    if facts.unverified_after_active:
+        return False, (
+            f"generation(s) {list(facts.unverified_after_active)} are stored but do not verify: "
+            "the newest generation is unknown (run `gpu-generation verify`)"
+        )
+    if gen is None:
+        return False, f"there is no verified active generation ({facts.ledger_problem or 'no certificate'})"
+    if facts.members_problem:
+        return False, f"the members' liveness is unknown ({facts.members_problem})"
+    if alive:
+        ranks = ", ".join(str(m.rank) for m in alive[:8]) + (" …" if len(alive) > 8 else "")
+        return False, (
+            f"{len(alive)} member(s) of generation {gen} are still alive (rank {ranks}): the job is running; "
+            "a second copy would split it (stop it first: `gpu-recover abort --include-active`)"
+        )
+    if unsure:
+        first = unsure[0]
+        return False, (
+            f"{len(unsure)} member(s) of generation {gen} cannot be proved gone (rank {first.rank}: "
+            f"{first.detail}): quiescence is not proved"
+        )
+    orphans = [h for h in facts.hazards if h.get("kind") == "orphaned-workers"]
+    if orphans:
+        return False, f"torchrun: {orphans[0].get('message')}"
+    if facts.hazards_problem:
+        return False, f"the job's workers on this host could not be checked ({facts.hazards_problem})"
+    if not facts.members:
+        return True, f"generation {gen} has no members (nothing has run yet)"
+    step = f"; resume from step {facts.frontier_step}" if facts.frontier_step is not None else ""
+    return True, f"every member of generation {gen} is gone and the certificate chain checks out{step}"
+
+
+# --- gathering (I/O, each probe with a deadline) -----------------------------------------------
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _bounded(fn: Callable[[], T], timeout_s: float) -> Callable[[], T]:
+    """Start `fn` in a daemon thread now; the returned getter waits at most until the deadline."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    deadline = time.monotonic() + timeout_s
+    thread.start()
+
+    def get() -> T:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise _Timeout(f"timed out after {timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]  # type: ignore[no-any-return]
+
+    return get
+
+
+def _problem(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, (GpuguardError, _Timeout)) else f"{type(exc).__name__}: {exc}"
+
+
+def _here() -> set[str]:
+    return {socket.gethostname(), os.uname().nodename}
+
+
+def liveness(member: Any, here: set[str]) -> MemberLiveness:
+    """One member of the certificate, probed by (pid, start time) if it ran on this host."""
+    inc = member.incarnation
+    if inc.host not in here:
+        state, detail = "unknown", f"on another host ({inc.host})"
+    else:
+        found = process_status(inc.pid, inc.start_time)
+        if found in ALIVE_STATES:
+            state, detail = "alive", found
+        elif found in GONE_STATES:
+            detail = "pid now belongs to a newer process" if found == "reused" else found
+            state = "gone"
+        else:
+            state, detail = "unknown", "no access to the process (run as root or as the job's user)"
+    return MemberLiveness(member.rank, inc.id, inc.host, inc.pid, state, detail)
+
+
+def _read_ledger(job_dir: Path, url: str | None, timeout_s: float) -> dict[str, Any]:
+    with open_job_ledger(job_dir, url, timeout=timeout_s) as led:
+        cert = led.active()
+        out: dict[str, Any] = {"url": led.url, "cert": cert}
+        if cert is None:
+            out["problem"] = "no valid genesis certificate"
+            return out
+        out["beyond"] = tuple(sorted(n for n in led.generations() if n > cert.generation))
+        out["fenced"] = led.fenced_count()
+        out["refusals"] = len(led.refusals())
+        evicted = []
+        for c in led.history():
+            ev = (c.extra or {}).get("evicted")
+            if isinstance(ev, Mapping) and any(ev.get(k) for k in ("dead", "killed")):
+                evicted.append(
+                    {
+                        "generation": c.generation,
+                        "dead": list(ev.get("dead") or ()),
+                        "killed": list(ev.get("killed") or ()),
+                    }
+                )
+        out["evicted"] = tuple(evicted)
+        return out
+
+
+def _read_vote(job_dir: Path) -> dict[str, Any] | None:
+    records, observations = observe_job(job_dir)
+    if not observations:
+        return None
+    job = vote(observations, load_config(None))
+    return {
+        "verdict": job.verdict,
+        "reason": job.reason,
+        "counts": dict(job.counts),
+        "culprits": list(job.culprits),
+        "ranks": len(observations),
+    }
+
+
+def _read_hazards(job_dir: Path) -> tuple[tuple[Mapping[str, Any], ...], int]:
+    assessment = assess_facts(gather_torchrun(job_dir), now=time.time())
+    return tuple(h.to_json() for h in assessment.hazards), assessment.live_workers
+
+
+def _read_audit(job_dir: Path) -> tuple[Mapping[str, Any], ...]:
+    tail = audit.read(job_dir).records[-AUDIT_TAIL:]
+    out = []
+    for r in tail:
+        d = r.detail
+        summary = d.get("summary") or d.get("why") or d.get("error") or ""
+        out.append(
+            {
+                "time": r.time,
+                "user": r.user,
+                "host": r.host,
+                "action": r.action,
+                "outcome": r.outcome,
+                "exit_code": r.exit_code,
+                "dry_run": r.dry_run,
+                "run_id": r.run_id,
+                "summary": str(summary)[:200],
+            }
+        )
+    return tuple(out)
+
+
+def gather(
+    job_dir: str | os.PathLike[str], *, ledger_url: str | None = None, probe_timeout_s: float = 5.0
+) -> StatusFacts:
+    """Read everything the page shows; every probe runs in parallel and is bounded by `probe_timeout_s`."""
+    path = Path(job_dir)
+    now = time.time()
+    ledger = _bounded(lambda: _read_ledger(path, ledger_url, probe_timeout_s), probe_timeout_s)
+    votes = _bounded(lambda: _read_vote(path), probe_timeout_s)
+    hazards = _bounded(lambda: _read_hazards(path), probe_timeout_s)
+    tail = _bounded(lambda: _read_audit(path), probe_timeout_s)
+    facts: dict[str, Any] = {"job_dir": str(path), "time": now}
+    try:
+        led = ledger()
+        facts["ledger_url"] = led["url"]
+        cert = led["cert"]
+        if cert is None:
+            facts["ledger_problem"] = led["problem"]
+        else:
+            facts.update(
+                generation=cert.generation,
+                digest=cert.digest(),
+                frontier_step=cert.frontier.step,
+                unverified_after_active=led["beyond"],
+                fenced_commits=led["fenced"],
+                refusals=led["refusals"],
+                evicted=led["evicted"],
+            )
+            here = _here()
+            members = _bounded(lambda: tuple(liveness(m, here) for m in cert.members), probe_timeout_s)
+            try:
+                facts["members"] = members()
+            except Exception as exc:  # noqa: BLE001 - the page shows what failed
+                facts["members_problem"] = _problem(exc)
+    except Exception as exc:  # noqa: BLE001
+        facts["ledger_problem"] = _problem(exc)
+    try:
+        facts["vote"] = votes()
+        if facts["vote"] is None:
+            facts["vote_problem"] = "no step records under ranks/"
+    except Exception as exc:  # noqa: BLE001
+        facts["vote_problem"] = _problem(exc)
+    try:
+        facts["hazards"], facts["live_workers"] = hazards()
+    except Exception as exc:  # noqa: BLE001
+        facts["hazards_problem"] = _problem(exc)
+    try:
+        facts["audit_tail"] = tail()
+    except Exception as exc:  # noqa: BLE001
+        facts["audit_problem"] = _problem(exc)
+    return StatusFacts(**facts)
+
+
+def to_json(facts: StatusFacts, decision: Decision) -> dict[str, Any]:
+    """The `gpuguard.status/1` document."""
+    return {
+        "schema": SCHEMA,
+        "job_dir": facts.job_dir,
+        "time": facts.time,
+        "state": decision.state,
+        "exit_code": decision.exit_code,
+        "safe_to_resume": decision.safe_to_resume,
+        "because": decision.because,
+        "reasons": list(decision.reasons),
+        "ledger": {
+            "url": facts.ledger_url,
+            "active_generation": facts.generation,
+            "certificate_digest": facts.digest,
+            "frontier_step": facts.frontier_step,
+            "unverified_after_active": list(facts.unverified_after_active),
+            "fenced_commits": facts.fenced_commits,
+            "refusals": facts.refusals,
+            "problem": facts.ledger_problem,
+        },
+        "members": [m.to_json() for m in facts.members],
+        "members_problem": facts.members_problem,
+        "vote": dict(facts.vote) if facts.vote is not None else None,
+        "vote_problem": facts.vote_problem,
+        "torchrun": {
+            "hazards": [dict(h) for h in facts.hazards],
+            "live_workers": facts.live_workers,
+            "problem": facts.hazards_problem,
+        },
+        "audit_tail": [dict(a) for a in facts.audit_tail],
+        "audit_problem": facts.audit_problem,
+        "evicted": [dict(e) for e in facts.evicted],
+    }

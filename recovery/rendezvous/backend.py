@@ -1,0 +1,377 @@
+"""torchrun's `gpuguard` rendezvous backend: torch's dynamic rendezvous with its state on etcd v3.
+
+    torchrun --rdzv-backend=gpuguard --rdzv-endpoint=HOST:PORT[,HOST:PORT...] --rdzv-id=JOB \\
+             --rdzv-conf=key_prefix=/gpuguard/rdzv,read_timeout=10,lease_ttl=600 ...
+
+Why: with torch's `c10d` backend the rendezvous state lives in a TCPStore hosted by one agent, so
+losing that host stops every other agent; torch's `etcd-v2` backend needs etcd's v2 API (gone in
+etcd 3.6) and puts every run's store under one prefix. Here etcd is the only stateful part.
+
+Registered in the `torchrun.handlers` entry-point group (pyproject.toml). torch 2.13 loads that
+group with `entry_point.load()()` and registers the *result* as the handler creator, so
+`create_handler` answers both calls: with no argument it returns itself, with `RendezvousParameters`
+it returns the handler.
+
+The backend (`EtcdRendezvousBackend`) keeps `base64(pickle(state))` (the format of torch's `c10d`
+backend, which `recovery.rendezvous.state` can read) under `<prefix>/<run id>/state`; the fencing token is
+the key's etcd `mod_revision` and `set_state` is one transaction that compares it. The agents'
+store is `etcd_store.EtcdStore` under `<prefix>/<run id>/store/`. Two more keys of the run are not
+the agents': `rounds/<R>` (the generation activated in round R, written by the runtime's
+coordinator) and `trigger` (the lease of `gpu-recover rendezvous`), both through the torch-free
+`recovery.rendezvous.etcd_keys`.
+
+The workers' store: torch 2.13 by default has the rank-0 agent host a TCPStore for the workers
+(`TORCH_DISABLE_SHARE_RDZV_TCP_STORE` unset), which dies with that agent, and the other agents keep
+pointing their workers at it in later rounds (their bootstrap info is cached). This handler never
+shares: `use_agent_store` is False and torch's opt-out is set while it rendezvous (only then:
+other handlers and child processes never see it), so in every round the rank-0 agent picks
+a free port, publishes MASTER_ADDR/MASTER_PORT through the etcd store, and global rank 0 (a worker
+on that host) hosts the workers' TCPStore; it lives exactly as long as that round's workers, and
+the next round publishes a new one. Workers keep plain `init_process_group()` (a store on etcd
+would force every training script to import gpuguard; `EtcdStore.connect` is there for one that
+wants it).
+
+Keys expire: every key of a run is attached to one etcd lease (`etcd_store.RunLease`) that every
+live agent refreshes, so the keys go `lease_ttl` seconds after the last agent stopped. When the
+last member of the closed rendezvous shuts down, it revokes the lease and leaves only the closed
+state, on a lease of `closed_ttl` seconds (an agent arriving late sees "closed" instead of starting
+a fresh run under the same id).
+
+`--rdzv-conf` keys (besides torch's own: join_timeout, last_call_timeout, close_timeout,
+heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt):
+  key_prefix     etcd key prefix (default /gpuguard/rdzv); the run id is %-quoted below it
+  read_timeout   seconds for each etcd request, connect included (default 10): an unreachable etcd
+                 fails the agent with RendezvousConnectionError within read_timeout per endpoint
+  store_timeout  seconds a store get/wait blocks before DistStoreError (default 60)
+  lease_ttl      seconds the run's keys outlive the last live agent (default 600, >= 3 x
+                 keep_alive_interval: live agents refresh the lease on their heartbeats)
+  closed_ttl     seconds the closed state stays after a clean end (default 60; 0 removes it too)
+  protocol       http or https (default http)
+  ca_cert, ssl_cert, ssl_cert_key   TLS files (https): the CA bundle, the client certificate and key
+etcd user/password auth is not supported: etcd3gw has no auth call (use TLS client certificates).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+from urllib.parse import quote
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+)
+
+from gpuguard.recovery.rendezvous.etcd_store import (
+    KV,
+    EtcdConnection,
+    EtcdRequestError,
+    EtcdStore,
+    EtcdUnavailableError,
+    RunLease,
+    b64,
+    parse_endpoints,
+    prefix_end,
+    put_op,
+    range_kvs,
+    range_op,
+    run_prefix,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "gpuguard"
+NO_SHARE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+DEFAULTS: dict[str, Any] = {
+    "key_prefix": "/gpuguard/rdzv",
+    "read_timeout": 10.0,
+    "store_timeout": 60.0,
+    "lease_ttl": 600,
+    "closed_ttl": 60,
+    "protocol": "http",
+}
+PRUNE_SPAN = 8  # rounds pruned at most per completed round (contiguous rounds need one each)
+KEEP_BINDINGS = 64  # newest `rounds/<R>` bindings kept (what `gpu-recover rendezvous --state` shows)
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """torch's `RendezvousBackend` on etcd v3: compare-and-set on the state key's mod_revision."""
+
+    def __init__(self, conn: EtcdConnection, run_id: str, key_prefix: str, lease: RunLease | None = None) -> None:
+        self.conn = conn
+        self.run_id = run_id
+        self.base = run_prefix(key_prefix, run_id)
+        self.key = self.base + b"state"
+        self.lease = lease if lease is not None else RunLease(conn, self.base + b"lease", DEFAULTS["lease_ttl"])
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (EtcdUnavailableError, EtcdRequestError) as exc:
+            raise RendezvousConnectionError(f"rendezvous {self.run_id!r} ({what}): {exc}") from exc
+
+    def _decode(self, kv: KV) -> tuple[bytes, Token]:
+        try:
+            state = base64.b64decode(kv.value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RendezvousStateError(
+                f"the rendezvous state of {self.run_id!r} at {kv.key.decode(errors='replace')} is corrupt (not base64)"
+            ) from exc
+        if not state:
+            raise RendezvousStateError(f"the rendezvous state of {self.run_id!r} is empty")
+        return state, kv.mod_revision
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        kvs = range_kvs(self._guard("get_state", self.conn.range, self.key, "rendezvous get_state"))
+        return self._decode(kvs[0]) if kvs else None
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is None:
+            compare = {"key": b64(self.key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
+            compare = {"key": b64(self.key), "result": "EQUAL", "target": "MOD", "mod_revision": token}
+        else:  # not a token of ours: it cannot match
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        value = base64.b64encode(state)
+
+        def go(lease: int) -> dict[str, Any]:
+            return self.conn.txn(
+                "rendezvous set_state", [compare], [put_op(self.key, value, lease)], [range_op(self.key)]
+            )
+
+        got = self._guard("set_state", self.lease.attached, go)
+        if got.get("succeeded"):
+            return state, int(got["header"]["revision"]), True
+        kvs = range_kvs(got["responses"][0]) if got.get("responses") else []
+        return None if not kvs else (*self._decode(kvs[0]), False)
+
+    def prune_rounds(self, current: int) -> int:
+        """Delete what the rounds before `current - 1` left in etcd: their agents' store keys
+        (`store/torch.rendezvous.<run>.<r>/...`, 2 + 2 x agents per round) and, past the newest
+        KEEP_BINDINGS, their `rounds/<r>` bindings. Without it a long elastic run grows by every
+        round it ever had. Bounded: at most PRUNE_SPAN rounds per call (each completed round prunes
+        its predecessors, so the span only matters after a gap). Returns the keys deleted."""
+        deleted = 0
+        for r in range(max(0, current - 1 - PRUNE_SPAN), current - 1):
+            prefix = self.base + f"store/torch.rendezvous.{self.run_id}.{r}/".encode()
+            deleted += self._delete_range(prefix, prefix_end(prefix))
+        for r in range(max(0, current - KEEP_BINDINGS - PRUNE_SPAN), max(0, current - KEEP_BINDINGS)):
+            key = self.base + f"rounds/{r}".encode()
+            deleted += self._delete_range(key, None)
+        return deleted
+
+    def _delete_range(self, key: bytes, range_end: bytes | None) -> int:
+        body = {"key": b64(key), **({"range_end": b64(range_end)} if range_end is not None else {})}
+        got = self._guard("prune", self.conn.call, "kv/deleterange", body, "rendezvous prune")
+        return int(got.get("deleted", 0))
+
+    def depart(self, node: str, members: set[str], closed_ttl: int) -> bool:
+        """Record that `node` has shut down; the last of `members` to do so removes the run's keys.
+
+        The closed state is kept on a short lease of its own (`closed_ttl`), then the run lease is
+        revoked: the store keys, the departures and the lease key go with it. True when it cleaned.
+        """
+        marks = self.base + b"departed/"
+        self._guard(
+            "depart",
+            self.lease.attached,
+            lambda lease: self.conn.txn(
+                "rendezvous depart", [], [put_op(marks + quote(node, safe="").encode(), b"1", lease)]
+            ),
+        )
+        got = self._guard("depart", self.conn.call, "kv/range", _keys_only(marks), "rendezvous departures")
+        gone = {base64.b64decode(i["key"])[len(marks) :].decode() for i in got.get("kvs", [])}
+        if not {quote(m, safe="") for m in members} <= gone:
+            return False
+        kvs = range_kvs(self._guard("depart", self.conn.range, self.key, "rendezvous state"))
+        if kvs and closed_ttl > 0:
+            short = self._guard("depart", self.conn.grant, closed_ttl, "closed-state lease")
+            self._guard(
+                "depart",
+                self.conn.txn,
+                "rendezvous keep closed state",
+                [{"key": b64(self.key), "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0].mod_revision}],
+                [put_op(self.key, kvs[0].value, short)],
+            )
+        self._guard("depart", self.lease.revoke)
+        return True
+
+
+def _keys_only(prefix: bytes) -> dict[str, Any]:
+    return {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "keys_only": True}
+
+
+_share_lock = threading.Lock()
+_share_depth = 0
+_share_prior: str | None = None
+
+
+@contextmanager
+def _no_shared_store() -> Iterator[None]:
+    """torch's documented opt-out, set only while our handlers rendezvous (refcounted, then restored).
+
+    torch 2.13 reads it inside `next_rendezvous`; set for the whole process it would leak into
+    other handlers and into every child process (a test suite's other torchrun jobs).
+    """
+    global _share_depth, _share_prior
+    with _share_lock:
+        if _share_depth == 0:
+            _share_prior = os.environ.get(NO_SHARE_ENV)
+            os.environ[NO_SHARE_ENV] = "1"
+        _share_depth += 1
+    try:
+        yield
+    finally:
+        with _share_lock:
+            _share_depth -= 1
+            if _share_depth == 0:
+                if _share_prior is None:
+                    os.environ.pop(NO_SHARE_ENV, None)
+                else:
+                    os.environ[NO_SHARE_ENV] = _share_prior
+
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic handler that never hosts a store for the workers and cleans etcd at the end."""
+
+    _gpuguard_backend: EtcdRendezvousBackend
+    _gpuguard_closed_ttl: int = 60
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # the workers' store is hosted by their global rank 0, never by an agent
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with _no_shared_store():
+            info = super().next_rendezvous()
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        if info.rank == 0 and state is not None:  # one agent per round prunes what all have moved past
+            try:
+                self._gpuguard_backend.prune_rounds(int(state.round))
+            except RendezvousError as exc:  # best effort: the run lease still removes them at the end
+                log.warning("rendezvous %s: could not prune old rounds: %s", self.get_run_id(), exc)
+        return info
+
+    def shutdown(self) -> bool:
+        ok = super().shutdown()
+        if ok:
+            try:
+                self._gpuguard_depart()
+            except RendezvousError as exc:  # best effort: the lease expires the keys anyway
+                log.warning("rendezvous %s: leaving the keys to expire: %s", self.get_run_id(), exc)
+        return ok
+
+    def _gpuguard_depart(self) -> bool:
+        state = getattr(getattr(self, "_state_holder", None), "state", None)
+        node = getattr(self, "_this_node", None)
+        if state is None or node is None or not getattr(state, "closed", False):
+            return False
+        members = {repr(n) for n in state.participants}
+        members |= {repr(n) for n in getattr(state, "wait_list", ())}
+        members |= {repr(n) for n in getattr(state, "redundancy_list", ())}
+        members.add(repr(node))
+        return self._gpuguard_backend.depart(repr(node), members, self._gpuguard_closed_ttl)
+
+
+def _conf_float(params: RendezvousParameters, key: str) -> float:
+    raw = params.get(key, DEFAULTS[key])
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: a number of seconds is needed") from None
+    if value <= 0:
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be positive")
+    return value
+
+
+def _conf_int(params: RendezvousParameters, key: str, default: int, minimum: int) -> int:
+    raw = params.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: an integer is needed") from None
+    if value < minimum:
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: must be at least {minimum}")
+    return value
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
+    """The backend and the agents' store for `params`, like torch's own `create_backend` functions.
+
+    Reaches etcd once (the run lease) so that a wrong endpoint fails here, within read_timeout.
+    """
+    protocol = str(params.get("protocol", DEFAULTS["protocol"])).strip().lower()
+    keep_alive = _conf_int(params, "keep_alive_interval", 5, 1)
+    lease_ttl = _conf_int(params, "lease_ttl", DEFAULTS["lease_ttl"], 1)
+    if lease_ttl < 3 * keep_alive:
+        raise ValueError(f"--rdzv-conf lease_ttl={lease_ttl} must be at least 3 x keep_alive_interval ({keep_alive})")
+    conn = EtcdConnection(
+        parse_endpoints(params.endpoint or "localhost:2379"),
+        timeout=_conf_float(params, "read_timeout"),
+        protocol=protocol,
+        ca_cert=params.get("ca_cert"),
+        cert=params.get("ssl_cert"),
+        cert_key=params.get("ssl_cert_key"),
+    )
+    prefix = str(params.get("key_prefix", DEFAULTS["key_prefix"]))
+    base = run_prefix(prefix, params.run_id)
+    lease = RunLease(conn, base + b"lease", lease_ttl)
+    backend = EtcdRendezvousBackend(conn, params.run_id, prefix, lease)
+    store = EtcdStore(
+        conn, base + b"store/", lease=lease, timeout=timedelta(seconds=_conf_float(params, "store_timeout"))
+    )
+    backend._guard("connect", lease.id)
+    return backend, store
+
+
+def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    value = params.get_as_int(f"{key}_timeout")
+    return None if value is None else timedelta(seconds=value)
+
+
+def create_handler(params: RendezvousParameters | None = None) -> Any:
+    """torchrun's entry point: with no argument, the creator (itself); with parameters, the handler."""
+    if params is None:
+        return create_handler
+    backend, store = create_backend(params)
+    handler = EtcdRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        RendezvousTimeout(
+            _timeout(params, "join"),
+            _timeout(params, "last_call"),
+            _timeout(params, "close"),
+            _timeout(params, "heartbeat"),
+        ),
+        keep_alive_interval=_conf_int(params, "keep_alive_interval", 5, 1),
+        keep_alive_max_attempt=_conf_int(params, "keep_alive_max_attempt", 3, 1),
+    )
+    handler._gpuguard_backend = backend
+    handler._gpuguard_closed_ttl = _conf_int(params, "closed_ttl", DEFAULTS["closed_ttl"], 0)
+    return handler

@@ -1,0 +1,108 @@
+"""Real processes switch in place with sharded state (FSDP2 / HSDP on gloo): the shards move from memory.
+
+HSDP 2 x 2 loses rank 3 after its update of step 5, before its commit: the survivors (ranks 0-2, the
+same processes) roll back to step 4 and go on as FSDP2 over 3 ranks, each taking what it now holds
+from its own memory or a surviving replica (rank 3's shards exist on rank 1). The state rebuilt in
+place must be, bitwise, the state generation 1 had after step 4 (the layout-independent digest the
+job logged), and the run must end equal to the one-process reference. Plain FSDP2 over 3 ranks has
+no replica of a lost shard: the switch is refused, saying so, and a relaunch at 2 restores the
+certified snapshot resharded (the restart path). The same under real torchrun agents losing a node:
+tests/examples/test_demo_hsdp.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuguard.examples.fsdp_train import reference
+from gpuguard.examples.inplace_train import Cluster
+from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.recovery.runtime.inplace import EXIT_REFUSED
+from tests.support.cli import run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 8
+
+
+def _run(job: Path, n: int, faults: str, shard: int, backend: str = "gloo") -> tuple[dict, dict, dict]:
+    with Cluster.launch(
+        job,
+        n,
+        steps=STEPS,
+        faults=faults,
+        step_sleep=0.02,
+        pg_timeout=5.0,
+        grace=3.0,
+        module="gpuguard.examples.inplace_fsdp",
+        extra_env={"INPLACE_SHARD": str(shard), "INPLACE_DIGESTS": "1", "GPUGUARD_BACKEND": backend},
+    ) as c:
+        codes = c.wait(150)
+        pids = {r: p.pid for r, p in c.procs.items()}
+        logs = {r: c.log(r) for r in c.procs}
+    return codes, pids, logs
+
+
+def _digests(job: Path) -> dict[tuple[int, int], str]:
+    lines = (job / "fsdp-out" / "digests.jsonl").read_text().splitlines()
+    return {(d["generation"], d["step"]): d["digest"] for d in map(json.loads, lines)}
+
+
+def _assert_reference(job: Path) -> None:
+    # the global-mean gradient is the same at any world size; only the reduction order differs
+    final, ref = torch.load(job / "results" / "final.pt", weights_only=True), reference(STEPS)
+    for k, v in ref.items():
+        torch.testing.assert_close(final[k], v, atol=2e-5, rtol=1e-4)
+
+
+def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tmp_path):
+    job = tmp_path / "job"
+    codes, pids, logs = _run(job, 4, "3:5:before_commit:kill", shard=2)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.generation == 2 and cert.extra["switch"] == "in-place" and cert.frontier.step == 4
+    assert sorted(m.incarnation.pid for m in cert.members) == [pids[0], pids[1], pids[2]]  # no restart
+    assert cert.ownership_map_version == 1 and list(cert.extra["rolled_back"]) == [0, 1, 2]
+    # the certified digest is the state generation 1 held after step 4, and the state rebuilt in place
+    digests = _digests(job)
+    assert cert.extra["sharded_state_digest"] == digests[(1, 4)] == digests[(2, 4)]
+    records = [json.loads((job / "coord" / "inplace" / f"switch-g2-r{r}.json").read_text()) for r in range(3)]
+    reshard = records[0]["reshard"]
+    assert reshard["in_place"] and 0 < reshard["elements_moved"] < reshard["elements"]
+    # what moved went peer to peer: every element one rank received another sent, none read from disk
+    assert sum(r["reshard"]["mine"]["received"] for r in records) == sum(r["reshard"]["mine"]["sent"] for r in records)
+    assert sum(r["reshard"]["mine"]["received"] for r in records) == reshard["elements_moved"]
+    assert any("sent from a surviving replica to" in line for line in reshard["lines"])
+    assert not any("read from snapshot" in line for line in reshard["lines"])
+    assert list(cert.extra["sharded_state"]["lost"]) == [3]
+    shown = run_cli("gpu-generation", "show", "--job-dir", str(job))
+    assert shown.returncode == 0 and "in the survivors' memory" in shown.stdout and "lost ranks [3]" in shown.stdout
+    deep = run_cli("gpu-generation", "verify", "--deep", "--job-dir", str(job))
+    assert deep.returncode == 0, deep.stdout + deep.stderr
+    results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
+    assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
+    _assert_reference(job)
+
+
+def test_plain_fsdp_is_refused_in_place_and_restarts_resharded_from_the_snapshot(tmp_path):
+    job = tmp_path / "job"
+    # the world group in torch's device:backend form (a GPU job: cpu:gloo,cuda:nccl; this torch has no NCCL)
+    codes, _pids, logs = _run(job, 3, "2:5:before_commit:kill", shard=0, backend="cpu:gloo")
+    assert codes == {0: EXIT_REFUSED, 1: EXIT_REFUSED, 2: -9}, logs
+    for r in (0, 1):
+        assert "in-place switch refused: ranks [2] lost; no survivor holds" in logs[r]
+        assert "no replica of the lost shards survives" in logs[r] and "Traceback" not in logs[r]
+    assert open_ledger(job).require_active().generation == 1  # nothing certified in place
+    codes, _pids, logs = _run(job, 2, "", shard=0, backend="cpu:gloo")
+    assert codes == {0: 0, 1: 0}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.extra.get("switch") != "in-place" and cert.frontier.state_manifest_digest
+    frontier = cert.frontier.step
+    assert frontier >= 3  # at most the snapshot in flight at the kill is lost (a snapshot every step)
+    digests = _digests(job)
+    assert digests[(2, frontier)] == digests[(1, frontier)]  # restored bitwise, resharded 3 -> 2
+    _assert_reference(job)
