@@ -60,7 +60,7 @@ def _state(job) -> dict:
 
 def test_read_live_state_without_torch(job):
     code = (
-        "import sys, json; from pathlib import Path; from gpuguard.recovery import rendezvous as R; "
+        "import sys, json; from pathlib import Path; from gpuguard.recovery.rendezvous import state as R; "
         f"ep = R.find_endpoint(job_dir=Path({str(job.job_dir)!r})); st = R.read(ep); "
         "print(json.dumps({'torch': 'torch' in sys.modules, 'round': st.round, 'run_id': ep.run_id, "
         "'port': ep.port, 'n': len(st.participants), 'complete': st.complete}))"
