@@ -54,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
-from gpuguard.recovery.snapshots.sharded import DEFAULT_BUDGET  # noqa: E402 - no torch at import
+from gpuguard.recovery.snapshots.sharded_writer import DEFAULT_BUDGET  # noqa: E402 - no torch at import
 
 MODES = ("plain", "sharded", "sharded-memdigest", "dcp-sync")
 
@@ -88,25 +88,26 @@ def restore_worker(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from gpuguard.generation.ownership import plan_reshard
+    from gpuguard.recovery.snapshots import digests, parts
     from gpuguard.recovery.snapshots import sharded as ss
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     model, opt = build(a.hidden, a.replicated)
     t0 = time.perf_counter()
-    sel = ss.select_sharded(a.job_dir)
+    sel = parts.select_sharded(a.job_dir)
     t1s = time.perf_counter()
     dist.barrier()  # the ranks' skew (select, start-up) apart from the plan's own collective
     t1 = time.perf_counter()
     assert sel.chosen is not None, sel.rejected
     live = ss.model_state(model, opt, extra={"step": torch.tensor(-1)})  # DCP initialises AdamW's state
     tp = time.perf_counter()
-    old = ss.snapshot_layout(sel.chosen.path)
+    old = parts.snapshot_layout(sel.chosen.path)
     new = ss.current_layout(live, old.version + 1)  # collective: every rank's chunk list
     plan = plan_reshard(old, new)
     t2 = time.perf_counter()
     loaded = ss.load_sharded(sel.chosen, live, check=False)
     t3 = time.perf_counter()
-    same = ss.state_digest_sharded(loaded) == ss.stored_digest_sharded(sel.chosen.path)
+    same = digests.state_digest_sharded(loaded) == digests.stored_digest_sharded(sel.chosen.path)
     t4 = time.perf_counter()
     ss.apply_model_state(model, opt, loaded)
     dist.barrier()
@@ -232,16 +233,17 @@ def worker(a: argparse.Namespace) -> int:
     import torch.distributed.checkpoint as dcp
 
     from gpuguard.recovery.snapshots import sharded as ss
+    from gpuguard.recovery.snapshots import sharded_writer, store
     from gpuguard.recovery.snapshots.store import prune
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(a.hidden, a.replicated)
     job = Path(a.job_dir)
-    snapper = ss.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12], nice=a.nice)
+    snapper = sharded_writer.ShardedSnapshotter(job, generation=0, incarnation=uuid.uuid4().hex[:12], nice=a.nice)
     snappers = {
         "sharded": snapper,
-        "sharded-memdigest": ss.ShardedSnapshotter(
+        "sharded-memdigest": sharded_writer.ShardedSnapshotter(
             job, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=True, nice=a.nice
         ),
     }
@@ -274,7 +276,7 @@ def worker(a: argparse.Namespace) -> int:
                         submit_s.append(time.perf_counter() - t1)
                         snaps += 1
                 elif mode == "dcp-sync" and i % a.every == 0:
-                    ss.quiet_dcp(
+                    store.quiet_dcp(
                         lambda: dcp.save(ss.model_state(model, opt), checkpoint_id=str(sync_dir / f"step-{step}"))
                     )
             times[mode].append((time.perf_counter() - t0) / a.block)

@@ -36,7 +36,6 @@ from gpuguard.examples.inplace_train import FAULTS_ENV, fault_hook, parse_faults
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.runtime.inplace import InPlaceRuntime
-from gpuguard.recovery.snapshots import sharded as ss
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -84,7 +83,7 @@ def worker_main() -> int:
     def step_fn(step: int, rank: int, world: int) -> None:
         rt.fault("before_allreduce", step)
         if digests and rt.optimizer.state:  # (a fresh optimizer's state would be created by reading it)
-            d = ss.state_digest_sharded(rt.sharded_state())  # collective: the state after step - 1
+            d = digests.state_digest_sharded(rt.sharded_state())  # collective: the state after step - 1
             if rank == 0:
                 _append(
                     out / "digests.jsonl", {"generation": rt.generation, "world": world, "step": step - 1, "digest": d}

@@ -104,3 +104,16 @@ def from_os_error(exc: OSError, what: str) -> GpuguardError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return GpuguardError(f"{what}: no space left", exit_code=EXIT_CANTCREAT)
     return GpuguardError(f"{what}: {reason}", exit_code=EXIT_IOERR)
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """`Type: message` on one line, the one way a caught exception is shortened for a log or a record.
+
+    A message that carries a whole traceback (DCP's CheckpointException does) is summed up by its
+    last line, which says what went wrong; any other message by its first (gloo's, for one, puts the
+    cause first and the C++ frames after it)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    line = lines[-1] if "Traceback (most recent call last)" in str(exc) else lines[0]
+    return f"{type(exc).__name__}: {line[:limit]}"

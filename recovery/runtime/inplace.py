@@ -100,6 +100,7 @@ from gpuguard.recovery.runtime.switch import (
     operator_requested,
     plan_switch,
 )
+from gpuguard.recovery.snapshots import digests, parts
 from gpuguard.recovery.snapshots import sharded as ss
 from gpuguard.recovery.snapshots.store import clone_state, select_restorable, state_digest
 
@@ -545,7 +546,7 @@ class InPlaceRuntime(Runtime):
             lost = f"ranks {sorted(eviction.lost)} lost; " if self.sharded else ""
             self._record_refusal(parent.generation, lost + "; ".join(agreement.problems))
             return False
-        select = ss.select_sharded if self.sharded else select_restorable
+        select = parts.select_sharded if self.sharded else select_restorable
         manifest = certified_manifest(select(self.snapshot_root, frontier), frontier)
         phases["frontier"] = time.time()
         plan = plan_switch(
@@ -735,7 +736,7 @@ class InPlaceRuntime(Runtime):
         try:
             others, stats = ir.transfer(plan, mem, live, rank=self.rank, timeout_s=self.pg_timeout_s)
             self._apply_sharded(ir.put_back(live, others))
-            got = ss.state_digest_sharded(self.sharded_state())
+            got = digests.state_digest_sharded(self.sharded_state())
         except RuntimeError as exc:  # gloo: a peer gone during the transfer
             return f"shard transfer of generation {cert.generation} failed: {type(exc).__name__}: {str(exc)[:200]}"
         except DataError as exc:  # the rebuilt model has no place for a region (another model): not in place

@@ -22,7 +22,7 @@ from typing import Any
 
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation.ownership import ChunkRead
-from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots import digests
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def remember(state: Mapping[str, Any]) -> Remembered:
     chunks: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     others: dict[str, Any] = {}
-    for path, value in ss.state_leaves(state):
+    for path, value in digests.state_leaves(state):
         if isinstance(value, torch.Tensor):
             for key, local, shape in tensor_chunks(path, value):
                 # host memory: a device copy per kept step would cost accelerator memory the job needs
@@ -83,7 +83,7 @@ def chunk_sums(mem: Remembered) -> dict[str, list[Any]]:
     for key, t in sorted(mem.chunks.items()):
         offsets = tuple(int(x) for x in key.rpartition("@")[2].split(",") if x != "")
         shape = mem.shapes[key]
-        out[key] = [str(t.dtype), list(shape), list(t.shape), format(ss._chunk_sum(t, offsets, shape), "016x")]
+        out[key] = [str(t.dtype), list(shape), list(t.shape), format(digests.chunk_sum(t, offsets, shape), "016x")]
     return out
 
 
@@ -94,8 +94,8 @@ def digest_of(chunks: Mapping[str, Sequence[Any]]) -> str:
     for key, (dtype, shape, _sizes, total) in sorted(chunks.items()):
         path = key.rpartition("@")[0]
         have = per_path.setdefault(path, [dtype, list(shape), 0])
-        have[2] = (have[2] + int(str(total), 16)) & ss._M64
-    return ss.combine_contributions([per_path])
+        have[2] = (have[2] + int(str(total), 16)) & digests.M64
+    return digests.combine_contributions([per_path])
 
 
 def held_by(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -103,7 +103,7 @@ def held_by(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     import torch  # noqa: PLC0415 - lazy: torch only where used
 
     out: dict[str, tuple[int, ...]] = {}
-    for path, value in ss.state_leaves(state):
+    for path, value in digests.state_leaves(state):
         if isinstance(value, torch.Tensor):
             for key, local, _shape in tensor_chunks(path, value):
                 out[key] = tuple(int(s) for s in local.shape)
@@ -148,7 +148,7 @@ def transfer(
     import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
 
     targets: dict[str, Any] = {}
-    for path, value in ss.state_leaves(state):
+    for path, value in digests.state_leaves(state):
         if isinstance(value, torch.Tensor):
             for key, local, _shape in tensor_chunks(path, value):
                 targets[key] = local

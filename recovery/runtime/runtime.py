@@ -103,6 +103,7 @@ from gpuguard.recovery.runtime.activation import (
 from gpuguard.recovery.runtime.attempt import Attempt, current_attempt, record_round
 from gpuguard.recovery.runtime.coordination import open_coordination
 from gpuguard.recovery.runtime.lease import DEFAULT_TTL_S, Heartbeat, LeaseTiming
+from gpuguard.recovery.snapshots import digests, parts, sharded_writer
 from gpuguard.recovery.snapshots import sharded as ss
 from gpuguard.recovery.snapshots.store import (
     Selection,
@@ -247,7 +248,7 @@ class Runtime:
         lease_ttl_s: float | None = None,
         snapshot_root: str | Path | None = None,
         sharded: bool = False,
-        snapshot_budget: float = ss.DEFAULT_BUDGET,
+        snapshot_budget: float = sharded_writer.DEFAULT_BUDGET,
         backend: str = "gloo",
     ):
 
@@ -626,7 +627,7 @@ class Runtime:
             def check(info: SnapshotInfo) -> str | None:
                 problem = branch_problem(info.generation, info.step, frontiers, parent.generation)
                 if problem is None and self.sharded:  # every member's part present and unaltered
-                    problem = ss.parts_problem(info)
+                    problem = parts.parts_problem(info)
                 return problem
 
             selection = self._restorable(restore_bound(parent, committed, pin), check)
@@ -828,7 +829,7 @@ class Runtime:
         checked against the stored chunks; with a reshard plan in the certificate, check that the
         plan it certified (predicted) is the one this world's real layout needs."""
         frontier = cert.frontier
-        selection = ss.select_sharded(
+        selection = parts.select_sharded(
             self.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
         )
         info = self._certified(selection, frontier.step)
@@ -840,21 +841,21 @@ class Runtime:
                 _mark_unrestorable(self.snapshot_root, info, f"{type(exc).__name__}: {_first_line(exc)}")
             raise
         self._apply_sharded(loaded)
-        _, self.rng_restore = ss.restore_rng(info.path, self.rank, self.world_size)  # after build()'s seeding
+        _, self.rng_restore = parts.restore_rng(info.path, self.rank, self.world_size)  # after build()'s seeding
         if self.rank == 0:
             self._log(self.rng_restore)
         certified = cert.extra.get("reshard")
         if isinstance(certified, Mapping):
             actual = ss.current_layout(live, cert.ownership_map_version, self.snapshot_group)
-            plan = plan_reshard(ss.snapshot_layout(info.path), actual)
+            plan = plan_reshard(parts.snapshot_layout(info.path), actual)
             held = plan_digest(plan) == certified.get("plan_digest")
             self.reshard = {"certified_plan_held": held, "plan_digest": plan_digest(plan)}
             if not held and self.rank == 0:
                 self._log("the certified reshard plan was a prediction that did not hold; what was read:")
-                for line in describe_reshard(ss.snapshot_layout(info.path), actual, plan, step=frontier.step):
+                for line in describe_reshard(parts.snapshot_layout(info.path), actual, plan, step=frontier.step):
                     self._log(f"  {line}")
                 self.reshard["lines"] = describe_reshard(
-                    ss.snapshot_layout(info.path), actual, plan, step=frontier.step
+                    parts.snapshot_layout(info.path), actual, plan, step=frontier.step
                 )
         return str(info.path), digest
 
@@ -891,7 +892,7 @@ class Runtime:
 
     def _start_sharded_writer(self) -> None:
         hook = self.fault_hook
-        self._sharded = ss.ShardedSnapshotter(
+        self._sharded = sharded_writer.ShardedSnapshotter(
             self.snapshot_root,
             generation=int(self.generation or 0),
             incarnation=self.incarnation.id,
@@ -947,9 +948,9 @@ class Runtime:
             or chosen.manifest_digest != frontier.state_manifest_digest
         ):
             return parent.ownership_map_version, {}
-        old = ss.snapshot_layout(chosen.path)
+        old = parts.snapshot_layout(chosen.path)
         extra: dict[str, Any] = {"ownership_map": ownership_record(old.ownership())}
-        extra["rng"] = ss.rng_restore_plan(chosen.path, self.world_size)[1]
+        extra["rng"] = parts.rng_restore_plan(chosen.path, self.world_size)[1]
         new = predict_layout(old, self.world_size, old.version)
         if new is None:
             extra["reshard"] = None
@@ -1010,7 +1011,7 @@ class Runtime:
         Sharded mode: a collective over the default group, the layout-independent digest of the
         whole (sharded) state, equal at any world size."""
         if self.sharded:
-            return ss.state_digest_sharded(self.sharded_state())
+            return digests.state_digest_sharded(self.sharded_state())
         return state_digest(self.state_dict())
 
     # ------------------------------------------------------------------ the loop
@@ -1068,7 +1069,7 @@ class Runtime:
             self._sharded.every = max(1, self.snapshot_every)
             if self.snapshot_every and self._sharded.due(step):
                 step_s = statistics.median(self._commit_gaps) if self._commit_gaps else 0.0
-                self._sharded.submit(step, self.sharded_state, rng=ss.rng_state(), step_s=step_s)
+                self._sharded.submit(step, self.sharded_state, rng=parts.rng_state(), step_s=step_s)
         elif self._snapshotter is not None and due:
             self._snapshotter.submit(step, clone_state(self.state_dict()))
 

@@ -32,7 +32,7 @@ from gpuguard.generation.ownership import (
     reshard_problems,
     reshard_record,
 )
-from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots import parts
 from tests.recovery.snapshots.test_sharded_snapshot import finish
 from tests.support.cli import free_port, run_cli
 
@@ -97,7 +97,7 @@ def job(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def resharded(job) -> Path:
     # the newest snapshot loses a member's part: the coordinator must pass over it, saying why
-    (job / "snapshots" / f"step-{STEPS}" / ss.part_name(1)).unlink()
+    (job / "snapshots" / f"step-{STEPS}" / parts.part_name(1)).unlink()
     launch(job, 2, MORE_STEPS)
     return job
 
@@ -187,9 +187,9 @@ def test_a_relaunch_at_world_size_2_restores_the_3_rank_state_resharded(resharde
     deep = run_cli("gpu-generation", "verify", "--deep", "--job-dir", str(job))
     assert deep.returncode == 0, deep.stdout + deep.stderr
     # the 2-rank generation writes 2-part snapshots stamped with the new ownership map version
-    newest = ss.select_sharded(job).chosen
+    newest = parts.select_sharded(job).chosen
     assert newest is not None and newest.step == MORE_STEPS
-    layout = ss.snapshot_layout(newest.path)
+    layout = parts.snapshot_layout(newest.path)
     assert (layout.world_size, layout.version) == (2, 1)
 
 
@@ -208,7 +208,7 @@ def test_the_runtime_default_interval_adapts_to_the_snapshot_cost_the_same_on_ev
     # [2, 3, 10]); by the last ones the interval has grown
     assert len(kept) >= 2 and kept[0] >= 1 and kept[-1] - kept[-2] >= 2, kept
     for step in kept:  # every one complete: all three parts, the manifest's objects
-        chosen = ss.select_sharded(tmp_path, step).chosen
+        chosen = parts.select_sharded(tmp_path, step).chosen
         assert chosen is not None and chosen.step == step
 
 

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation import manifest as m
 from gpuguard.generation.ownership import plan_reshard, reshard_problems
+from gpuguard.recovery.snapshots import digests, parts, sharded_writer
 from gpuguard.recovery.snapshots import sharded as ss
 from tests.support.cli import JOBS, free_port
 from tests.support.processes import kill_trees
@@ -146,20 +147,20 @@ def test_every_member_writes_its_own_shards_and_one_manifest_covers_them(referen
     assert sorted(p.name for p in d.glob("gpuguard.part-*")) == [f"gpuguard.part-{r}.json" for r in range(3)]
     assert [p for p in d.iterdir() if p.is_dir()] == []  # one flat directory, as replicated snapshots
     manifest = m.load_manifest(d)
-    assert manifest.extra["layout"] == ss.LAYOUT and manifest.extra["world_size"] == 3
+    assert manifest.extra["layout"] == parts.LAYOUT and manifest.extra["world_size"] == 3
     assert {e.owner_rank for e in manifest.entries} == {0, 1, 2}
     assert m.verify_manifest(manifest, d) == []
     for r in range(3):  # each part is the writer's own objects, and the manifest names its digest
-        part = ss.read_part(d, r)
+        part = parts.read_part(d, r)
         assert {e.spec.file for e in part.entries} == {f"__{r}_0.distcp"}
         assert manifest.extra["parts"][str(r)] == part.digest
     state = json.loads((d / "state.json").read_text())
-    assert state["layout"] == ss.LAYOUT and state["world_size"] == 3 and state["step"] == 10
+    assert state["layout"] == parts.LAYOUT and state["world_size"] == 3 and state["step"] == 10
     assert len(state["state_digest"]) == 64  # --memory-digest: the in-memory state's digest
-    sel = ss.select_sharded(reference)
+    sel = parts.select_sharded(reference)
     assert sel.chosen is not None and sel.chosen.step == 10 and sel.rejected == ()
     assert sel.chosen.manifest_digest == manifest.digest
-    layout = ss.snapshot_layout(d)  # FSDP2: every model/optimizer tensor chunk held by exactly one rank
+    layout = parts.snapshot_layout(d)  # FSDP2: every model/optimizer tensor chunk held by exactly one rank
     sharded = [k for k in layout.chunks if ".weight@" in k or ".bias@" in k]
     assert sharded and all(len(layout.holders[k]) == 1 for k in sharded)
     assert layout.tensors_of(2) and layout.ownership().world_size == 3
@@ -214,7 +215,7 @@ def test_a_killed_member_then_a_smaller_world_resumes_from_the_sharded_snapshot(
     published = _published(job)
     assert published and max(s for s, _ in published) <= killed_at + 1
     for _, d in published:  # whatever was published is complete: every part, every digest
-        info = ss.select_sharded(job, int(d.name.split("-")[1]))
+        info = parts.select_sharded(job, int(d.name.split("-")[1]))
         assert info.chosen is not None and info.chosen.path == d, info.rejected
     newest = max(s for s, _ in published)
     assert newest <= REF_STEPS - 2, "the reference run is too short for this kill point"
@@ -246,7 +247,7 @@ def test_a_restore_whose_state_differs_from_the_recorded_one_is_refused_in_one_l
 def test_a_replicated_model_snapshots_and_restores_at_a_larger_world_the_same_way(tmp_path):
     ref = tmp_path / "ref"
     run(ref, 2, "--replicated", "--steps", "6", "--snapshot-every", "2", "--dump", "all")
-    layout = ss.snapshot_layout(ref / "snapshots" / "step-4")
+    layout = parts.snapshot_layout(ref / "snapshots" / "step-4")
     model_keys = [k for k in layout.chunks if k.startswith("model.")]
     assert model_keys and all(layout.holders[k] == (0, 1) for k in model_keys)  # replicas, each stored once
     assert len({layout.writers[k] for k in model_keys}) == 2  # DCP spreads the replicas' writes
@@ -258,7 +259,7 @@ def test_a_replicated_model_snapshots_and_restores_at_a_larger_world_the_same_wa
 def test_hsdp_replicas_are_in_the_layout_and_a_restore_into_plain_fsdp_is_bitwise(tmp_path):
     ref = tmp_path / "ref"
     run(ref, 4, "--hsdp", "--steps", "4", "--snapshot-every", "2", "--dump", "all", "--memory-digest")
-    layout = ss.snapshot_layout(ref / "snapshots" / "step-2")
+    layout = parts.snapshot_layout(ref / "snapshots" / "step-2")
     model_keys = [k for k in layout.chunks if k.startswith("model.")]
     # a (2, 2) mesh: shard i is held by rank i of each replica group (ranks i and i + 2), stored once
     assert model_keys and all(layout.holders[k] in ((0, 2), (1, 3)) for k in model_keys)
@@ -283,7 +284,7 @@ def test_hsdp_replicas_are_in_the_layout_and_a_restore_into_plain_fsdp_is_bitwis
 
 
 def _reasons(job: Path) -> tuple[int | None, list[str]]:
-    sel = ss.select_sharded(job)
+    sel = parts.select_sharded(job)
     return (sel.chosen.step if sel.chosen else None), [f"{r.step}: {r.reason}" for r in sel.rejected]
 
 
@@ -352,21 +353,24 @@ def test_a_resume_with_nothing_restorable_says_why_in_one_line_per_snapshot(refe
 
 def test_the_state_digest_does_not_depend_on_the_chunking():
     t = torch.randn(10, 3)
-    whole = ss._chunk_sum(t, (0, 0), (10, 3))
-    split = sum(ss._chunk_sum(t[a:b], (a, 0), (10, 3)) for a, b in ((0, 4), (4, 7), (7, 10))) & ((1 << 64) - 1)
+    whole = digests.chunk_sum(t, (0, 0), (10, 3))
+    split = sum(digests.chunk_sum(t[a:b], (a, 0), (10, 3)) for a, b in ((0, 4), (4, 7), (7, 10))) & ((1 << 64) - 1)
     assert whole == split
     u = t.clone()
     u[5, 1] = torch.nextafter(u[5, 1], torch.tensor(10.0))  # one ulp of one element
-    assert ss._chunk_sum(u, (0, 0), (10, 3)) != whole
+    assert digests.chunk_sum(u, (0, 0), (10, 3)) != whole
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same values at other indices
-    assert ss._chunk_sum(swapped, (0, 0), (10, 3)) != whole
+    assert digests.chunk_sum(swapped, (0, 0), (10, 3)) != whole
 
 
 FENCE_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from pathlib import Path
 from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots import digests
+from gpuguard.recovery.snapshots import parts
+from gpuguard.recovery.snapshots import sharded_writer
 job = Path(sys.argv[1])
 dist.init_process_group("gloo", store=dist.FileStore(str(job / "store"), 1), rank=0, world_size=1)
 state = {"model": {"w": torch.arange(6.0)}}
@@ -381,7 +385,7 @@ except Exception as exc:
 info = ss.save_sharded(job, 3, state, group=g, generation=3, incarnation="i")
 print("published:", info.step, info.world_size, info.path.name)
 seen = []
-sn = ss.ShardedSnapshotter(
+sn = sharded_writer.ShardedSnapshotter(
     job, generation=3, incarnation="i", group=g, ownership_map_version=lambda: 5,
     before_publish=lambda s, p: seen.append((s, p.name.startswith(".tmp-step-4-"))),
     on_done=lambda s, i, e: seen.append((s, i.step if i else None, e)),
@@ -428,10 +432,10 @@ def test_a_sharded_snapshot_is_promoted_to_a_durable_checkpoint_like_a_replicate
     from gpuguard.recovery.snapshots.store import copy_to_checkpoint
 
     job = copy_job(reference, tmp_path, (8,))
-    chosen = ss.select_sharded(job).chosen
+    chosen = parts.select_sharded(job).chosen
     durable = copy_to_checkpoint(job, chosen)
     (job / "snapshots" / "step-8" / "gpuguard.part-0.json").unlink()  # the snapshot is now broken...
-    sel = ss.select_sharded(job)
+    sel = parts.select_sharded(job)
     assert sel.chosen is not None and sel.chosen.kind == "checkpoints" and sel.chosen.path == durable.path
     assert sel.chosen.manifest_digest == chosen.manifest_digest  # ...the checkpoint is the same state
 
@@ -439,8 +443,8 @@ def test_a_sharded_snapshot_is_promoted_to_a_durable_checkpoint_like_a_replicate
 # ------------------------------------------------------------------ per-rank RNG state in the parts (pure)
 
 
-def _part(rng: dict | None) -> ss.Part:
-    return ss.Part(4, 1, 0, 1, "inc", (), {"w@0": (2,)}, rng)
+def _part(rng: dict | None) -> parts.Part:
+    return parts.Part(4, 1, 0, 1, "inc", (), {"w@0": (2,)}, rng)
 
 
 @settings(max_examples=40, deadline=None)
@@ -448,31 +452,31 @@ def _part(rng: dict | None) -> ss.Part:
 def test_a_parts_rng_state_reads_back_under_its_digest_and_an_altered_one_is_refused(tmp_path_factory, raw, cuda):
     d = tmp_path_factory.mktemp("part")
     rng = {"torch": raw.hex()} | ({"cuda": cuda.hex()} if cuda is not None else {})
-    ss.write_part(_part(rng), d)
-    back = ss.read_part(d, 0)
+    parts.write_part(_part(rng), d)
+    back = parts.read_part(d, 0)
     assert back.rng == rng and back.digest == _part(rng).digest != _part(None).digest
-    doc = json.loads((d / ss.part_name(0)).read_text())
+    doc = json.loads((d / parts.part_name(0)).read_text())
     doc["rng"]["torch"] = (raw + b"\x01").hex()
-    (d / ss.part_name(0)).write_text(json.dumps(doc))
+    (d / parts.part_name(0)).write_text(json.dumps(doc))
     with pytest.raises(DataError, match="part digest does not match its entries: tampered"):
-        ss.read_part(d, 0)
+        parts.read_part(d, 0)
 
 
 @pytest.mark.parametrize("bad", [{"torch": "xyz1"}, {"torch": "abc"}, {"numpy": "00"}, {"torch": 5}, ["00"]])
 def test_a_part_with_an_unreadable_rng_field_is_refused_in_one_line(tmp_path, bad):
-    ss.write_part(_part({"torch": "00"}), tmp_path)
-    doc = json.loads((tmp_path / ss.part_name(0)).read_text())
+    parts.write_part(_part({"torch": "00"}), tmp_path)
+    doc = json.loads((tmp_path / parts.part_name(0)).read_text())
     doc["rng"] = bad
-    (tmp_path / ss.part_name(0)).write_text(json.dumps(doc))
+    (tmp_path / parts.part_name(0)).write_text(json.dumps(doc))
     with pytest.raises(DataError, match="unreadable part .rng is not a map of RNG names to hex strings"):
-        ss.read_part(tmp_path, 0)
+        parts.read_part(tmp_path, 0)
 
 
 def test_the_rng_state_round_trips_through_its_hex_form():
-    saved = ss.rng_state()
+    saved = parts.rng_state()
     first = torch.rand(8)
     torch.rand(100)
-    ss.set_rng_state(saved)
+    parts.set_rng_state(saved)
     assert torch.equal(torch.rand(8), first)
 
 
@@ -493,7 +497,7 @@ def _info(cost_s: float, step_s: float) -> ss.ShardedInfo:
 def test_the_interval_keeps_the_snapshot_cpu_within_the_budget_and_never_below_every(
     tmp_path_factory, every, budget, cost_ms, step_ms
 ):
-    snap = ss.ShardedSnapshotter(
+    snap = sharded_writer.ShardedSnapshotter(
         tmp_path_factory.mktemp("s"), generation=0, incarnation="x", group=object(), every=every, cpu_budget=budget
     )
     try:
@@ -510,7 +514,7 @@ def test_the_interval_keeps_the_snapshot_cpu_within_the_budget_and_never_below_e
 
 
 def test_without_a_budget_the_due_steps_are_every_kth(tmp_path):
-    fixed = ss.ShardedSnapshotter(tmp_path, generation=0, incarnation="x", group=object(), every=3)
+    fixed = sharded_writer.ShardedSnapshotter(tmp_path, generation=0, incarnation="x", group=object(), every=3)
     try:
         assert [s for s in range(1, 10) if fixed.due(s)] == [3, 6, 9]
     finally:
@@ -521,10 +525,13 @@ BROKEN_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from pathlib import Path
 from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots import digests
+from gpuguard.recovery.snapshots import parts
+from gpuguard.recovery.snapshots import sharded_writer
 job, rank = Path(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", store=dist.FileStore(str(job / "store"), 2), rank=rank, world_size=2)
 state = {"model": {"w": torch.arange(6.0)}}
-sn = ss.ShardedSnapshotter(job, generation=1, incarnation=f"i{rank}", group=ss.new_snapshot_group(10))
+sn = sharded_writer.ShardedSnapshotter(job, generation=1, incarnation=f"i{rank}", group=ss.new_snapshot_group(10))
 sn.submit(1, state)
 sn.flush(30)
 if rank == 1:  # the peer is lost after one good snapshot

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation.manifest import ManifestEntry, ObjectSpec
-from gpuguard.recovery.snapshots.sharded import Part, part_name, read_part, write_part
+from gpuguard.recovery.snapshots.parts import Part, part_name, read_part, write_part
 
 
 def part(rank: int = 1, n: int = 3) -> Part:

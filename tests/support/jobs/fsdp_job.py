@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation.ownership import describe_reshard, plan_reshard, reshard_problems
+from gpuguard.recovery.snapshots import parts, sharded_writer
 from gpuguard.recovery.snapshots import sharded as ss
 
 GLOBAL_BATCH = 24
@@ -107,13 +108,13 @@ def main() -> int:
     model, opt = build(a.replicated, a.hsdp)
     start = 0
     if a.resume:
-        sel = ss.select_sharded(a.job_dir)
+        sel = parts.select_sharded(a.job_dir)
         if sel.chosen is None:
             if rank == 0:
                 print("no restorable sharded snapshot:", [r.reason for r in sel.rejected], flush=True)
             return 3
         live = ss.model_state(model, opt, extra={"step": torch.tensor(-1)})
-        old = ss.snapshot_layout(sel.chosen.path)
+        old = parts.snapshot_layout(sel.chosen.path)
         new = ss.current_layout(live, old.version + 1)
         try:
             loaded = ss.load_sharded(sel.chosen, live)  # reshards; checks the layout-free state digests
@@ -140,7 +141,7 @@ def main() -> int:
             dump(model, opt, a.job_dir / "dump" / "restored.pt", start - 1)
     snapper = None
     if a.snapshot_every:
-        snapper = ss.ShardedSnapshotter(
+        snapper = sharded_writer.ShardedSnapshotter(
             a.job_dir, generation=0, incarnation=uuid.uuid4().hex[:12], memory_digest=a.memory_digest
         )
     for step in range(start, a.steps):
