@@ -14,6 +14,10 @@ job dir (or through etcd, with an etcd ledger: `HostJob` starts one worker per t
 the file, for a harness that faults the whole host), points
 `before_allreduce | before_update | before_commit` (step = the step), `reported | coordinate`
 (step = the generation being left) and `joining` (step = the generation being joined); the time of each fault is written to `<job>/faults/`.
+`INPLACE_DEVICE=cuda` trains on this rank's GPU (with `GPUGUARD_BACKEND=cpu:gloo,cuda:nccl` the gradient
+all-reduce runs on NCCL; ranks beyond the GPUs share them: `gpuguard.examples.devices`), and
+`INPLACE_PAD_MB=N` adds an N MB buffer to the model's state (no part of the training): what each
+commit copies to host memory for the rollback, so `remember_p50_s` in the results is that copy's cost.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from gpuguard.examples.devices import rank_device
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.recovery.runtime.inplace import InPlaceRuntime
@@ -60,16 +65,21 @@ def shard(rank: int, world: int) -> tuple[int, int]:
     return rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world
 
 
-def make_model() -> tuple[Any, Any]:
+def make_model(device: Any = None, pad_mb: float = 0.0) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(DIM, 1, dtype=torch.float64)
+    model = torch.nn.Linear(DIM, 1, dtype=torch.float64)  # built on the CPU: the same weights anywhere
+    if device is not None:
+        model.to(device)
+    if pad_mb > 0:  # state the rollback snapshot must copy, untouched by training
+        model.register_buffer("pad", torch.zeros(int(pad_mb * 2**20) // 8, dtype=torch.float64, device=device))
     return model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
 
 
 def local_grads(model: Any, opt: Any, step: int, rank: int, world: int) -> None:
     x, y = batch(step)
     lo, hi = shard(rank, world)
+    x, y = x.to(model.weight.device), y.to(model.weight.device)
     opt.zero_grad()
     ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum().backward()
 
@@ -156,6 +166,8 @@ def worker_main() -> int:
     sleep = float(os.environ.get("INPLACE_STEP_SLEEP", "0.02"))
     world = int(os.environ["WORLD_SIZE"])
     tp = int(os.environ.get("INPLACE_TP", "1"))  # declares a TP layout (the model is not split): refusal tests
+    # before any group forms: NCCL reads its host id at its first communicator
+    device = rank_device(os.environ.get("INPLACE_DEVICE", "cpu"), orig, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     rt = InPlaceRuntime.from_env(
         job_dir,
         fault_hook=hook,
@@ -164,7 +176,7 @@ def worker_main() -> int:
         grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")),
         checkpoint_every=0,
     )
-    model, opt = make_model()
+    model, opt = make_model(device, float(os.environ.get("INPLACE_PAD_MB", "0")))
     state = rt.activate(model, opt)
 
     def step_fn(step: int, rank: int, world: int) -> None:
