@@ -156,12 +156,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(script: Path, *args: str) -> list[str]:
-    return [
-        *(PY, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0"),
-        *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1"),
-        *(str(script), *args),
-    ]
+def pair(script: Path, *args: str, timeout: float, log: Path, env: dict[str, str]) -> int | None:
+    """Two ranks of `script` on this host with torchrun's environment (rank 0 serves the store), not
+    under torchrun: its agent would cost one more `import torch` per launch. As torchrun does, the
+    first rank to fail stops the other. Returns the first nonzero exit status, 0, or None at the timeout."""
+    base = {
+        **env,
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    end = time.monotonic() + max(1.0, timeout)
+    failed: int | None = None  # the exit status of the rank that failed first, by itself
+    with open(log, "ab") as out:
+        try:
+            for r in (0, 1):
+                env_r = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+                procs.append(
+                    subprocess.Popen(
+                        [PY, str(script), *args],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env_r,
+                        cwd=REPO,
+                        start_new_session=True,
+                    )
+                )
+            while time.monotonic() < end:
+                codes = [p.poll() for p in procs]  # every rank polled, each time
+                failed = next((c for c in codes if c not in (None, 0)), None)
+                if failed is not None or None not in codes:
+                    break
+                time.sleep(0.1)
+        finally:
+            running = [p for p in procs if p.poll() is None]
+            for p in running:
+                os.killpg(p.pid, signal.SIGKILL)  # the session started above: that rank and its children
+                p.wait(timeout=10)
+    if failed is None and running:
+        return None
+    return failed if failed is not None else next((p.returncode for p in procs if p.returncode != 0), 0)
 
 
 def cli(module: str, *args: str) -> list[str]:
@@ -240,8 +276,11 @@ def check_contract(ck: Check) -> dict[str, Any]:
     limit = ck.limit(LIMITS["nccl_contract"])
     args = ("--out", str(d), "--backend", backend, "--timeout", "3" if ck.dry else "10")
     env = ck.env(**FR_ON, **fr_paths(prefix))
-    rc = run(
-        torchrun(JOBS / "fr_skip_job.py", *args, "--dump-wait", f"{min(60.0, limit / 2):.0f}"),
+    rc = pair(
+        JOBS / "fr_skip_job.py",
+        *args,
+        "--dump-wait",
+        f"{min(60.0, limit / 2):.0f}",
         timeout=limit,
         log=d / "job.log",
         env=env,
@@ -318,7 +357,7 @@ def check_inplace(ck: Check) -> dict[str, Any]:
         faults=faults,
         step_sleep=0.01,
         pg_timeout=5.0 if ck.dry else 10.0,
-        grace=2.0,
+        grace=3.0,
         extra_env=env,
     ) as c:
         codes = c.wait(max(1.0, limit - 15))
@@ -378,18 +417,9 @@ def check_rng(ck: Check) -> dict[str, Any]:
     common = ("--steps", "4", "--device", ck.device, "--rng-check", "--max-seconds", "150")
     env = ck.env(**fr_paths(d / "fr" / "rank_"), **({} if ck.dry else {"NCCL_DEBUG": "WARN"}))
     half = ck.limit(LIMITS["sharded_rng"]) / 2
-    saved = run(
-        torchrun(JOBS / "fsdp_job.py", str(job), *common, "--snapshot-every", "2"),
-        timeout=half,
-        log=d / "save.log",
-        env=env,
-    )
-    restored = run(
-        torchrun(JOBS / "fsdp_job.py", str(job), *common, "--resume"),
-        timeout=ck.limit(half),
-        log=d / "restore.log",
-        env=env,
-    )
+    job_py = JOBS / "fsdp_job.py"
+    saved = pair(job_py, str(job), *common, "--snapshot-every", "3", timeout=half, log=d / "save.log", env=env)
+    restored = pair(job_py, str(job), *common, "--resume", timeout=ck.limit(half), log=d / "restore.log", env=env)
     checks = [read_json(job / "rng" / f"check-rank-{r}.json") for r in (0, 1)]
     row: dict[str, Any] = {
         "device": ck.device,

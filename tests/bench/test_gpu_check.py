@@ -24,7 +24,7 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 def test_cpu_rehearsal_passes_every_row_and_says_what_it_did_not_prove(tmp_path):
     out = tmp_path / "check"
-    r = _run("--dry-run-cpu", "--json", "--out", str(out), timeout=280)
+    r = _run("--dry-run-cpu", "--json", "--out", str(out), "--budget", "240", timeout=280)
     doc = json.loads(r.stdout)
     rows = {row["check"]: row for row in doc["results"]}
     assert list(rows) == STEPS
