@@ -41,6 +41,7 @@ from gpuguard.foundation.errors import DataError
 from gpuguard.generation.ownership import describe_reshard, plan_reshard, reshard_problems
 from gpuguard.recovery.snapshots import parts, sharded_writer
 from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots.store import SnapshotInfo
 
 GLOBAL_BATCH = 24
 
@@ -107,7 +108,7 @@ def _rng_now() -> dict[str, object]:
     """This rank's RNG states: as snapshots keep them (`rng_state`) and the raw torch bytes, hex."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     return {
-        "rng": ss.rng_state(),
+        "rng": parts.rng_state(),
         "cpu_raw": torch.get_rng_state().numpy().tobytes().hex(),
         "cuda_raw": b"".join(t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()).hex() if cuda else None,
     }
@@ -129,11 +130,11 @@ def save_rng(job_dir: Path, step: int, rank: int) -> dict[str, str]:
     return now["rng"]  # type: ignore[return-value]
 
 
-def check_rng(job_dir: Path, chosen: ss.SnapshotInfo, rank: int, world: int) -> None:
+def check_rng(job_dir: Path, chosen: SnapshotInfo, rank: int, world: int) -> None:
     """Restore this rank's RNG from the snapshot's part and compare the bytes with the saved ones."""
     saved = json.loads((job_dir / "rng" / f"saved-{chosen.step}-rank-{rank}.json").read_text())
     before = _rng_now()
-    restored, why = ss.restore_rng(chosen.path, rank, world)
+    restored, why = parts.restore_rng(chosen.path, rank, world)
     after = _rng_now()
     cuda = saved["cuda_raw"] is not None
     doc = {
