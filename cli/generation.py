@@ -350,7 +350,10 @@ def _deep_check(
     findings: list[Finding] = []
     notes: list[str] = []
     manifests: dict[str, tuple[Path, Any]] = {}
-    roots = [job_dir] + ([snapshot_root] if snapshot_root and snapshot_root.resolve() != job_dir.resolve() else [])
+    from gpuguard.foundation.jobdir import snapshot_root as root_of
+
+    root = root_of(job_dir, snapshot_root)
+    roots = [job_dir] + ([root] if root.resolve() != job_dir.resolve() else [])
     for path in sorted({p for root in roots for p in find_manifests(root)}):
         try:
             m = load_manifest(path)
@@ -413,8 +416,7 @@ def verify_cmd(
     snapshot_root: Path | None = typer.Option(
         None,
         "--snapshot-root",
-        envvar=SNAPSHOT_ROOT_ENV,
-        help="With --deep: where the job's snapshots/ and checkpoints/ live (shared storage), besides the job dir.",
+        help=f"With --deep: where the job's snapshots/ and checkpoints/ live (shared storage), besides the job dir (default: ${SNAPSHOT_ROOT_ENV}).",
     ),
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,

@@ -191,8 +191,7 @@ def restore_cmd(
     snapshot_root: Path | None = typer.Option(
         None,
         "--snapshot-root",
-        envvar=SNAPSHOT_ROOT_ENV,
-        help="Where snapshots/ and checkpoints/ live when not in the job dir (shared storage; default: the job dir).",
+        help=f"Where snapshots/ and checkpoints/ live when not in the job dir (shared storage; default: ${SNAPSHOT_ROOT_ENV}, else the job dir).",
     ),
     dry_run: bool = _DRY,
     yes: bool = _YES,

@@ -18,6 +18,8 @@ Lazy imports (start-up time): psutil, only when a process is probed.
 from __future__ import annotations
 
 import os
+import signal
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     import psutil
 
 START_TIME_TOLERANCE_S = 0.05
+_HAS_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 # Against a wall-clock time (`time.time()`), not another create time: `/proc/stat`'s boot time has
 # whole-second resolution, so a create time can read up to a second late; two seconds of slack.
 WALL_CLOCK_SLACK_S = 2.0
@@ -112,6 +115,75 @@ def pid_alive(pid: int) -> bool:
         return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False
+
+
+# -- signalling exactly one process -------------------------------------------------------------------
+SignalOutcome = Literal["sent", "gone", "denied"]
+
+
+def send_signal_checked(pid: int, start_time: float, sig: int) -> SignalOutcome:
+    """Send `sig` to the process (pid, start time) and to no other: "sent", "gone" (it is not there, or
+    the pid is another process's now: nothing was signalled) or "denied" (no permission).
+
+    The identity is checked right before the signal, and the signal goes through a handle on that
+    process, never through a bare pid: a pidfd (Linux >= 5.3: `pidfd_open` pins the process, so the
+    kernel delivers to it or to nobody, even if the pid is reused in between) or, without one,
+    psutil's `send_signal`, which re-checks the create time itself.
+    """
+    if _HAS_PIDFD:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            fd = -1  # no pidfd here (a seccomp filter, an old kernel): psutil below
+        if fd >= 0:
+            try:
+                # the pidfd names whatever had the pid when it was opened; that process is ours only if
+                # the pid's create time, read after the open, is the recorded one
+                status = process_status(pid, start_time)
+                if status not in ALIVE_STATES:
+                    return "gone" if status in GONE_STATES else "denied"
+                signal.pidfd_send_signal(fd, sig)
+                return "sent"
+            except ProcessLookupError:
+                return "gone"
+            except PermissionError:
+                return "denied"
+            finally:
+                os.close(fd)
+    import psutil
+
+    proc = matching_process(pid, start_time)
+    if proc is None:
+        return "denied" if process_status(pid, start_time) == "unknown" else "gone"
+    try:
+        proc.send_signal(sig)  # psutil re-checks the create time: never a reused pid
+    except psutil.NoSuchProcess:
+        return "gone"
+    except psutil.AccessDenied:
+        return "denied"
+    return "sent"
+
+
+def wait_gone(pid: int, start_time: float, timeout: float) -> bool:
+    """Poll until the process (pid, start time) is gone or a zombie (its parent may reap it later)."""
+    end = time.monotonic() + max(0.0, timeout)
+    while process_status(pid, start_time) not in GONE_STATES:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def kill_confirmed(pid: int, start_time: float, timeout: float = 5.0) -> bool:
+    """SIGKILL exactly the process (pid, start time) and wait until it is gone (a stopped process dies
+    on SIGKILL too): True once it is gone (or was already), False if it could not be signalled or
+    outlived `timeout`. Every kill in gpuguard goes through here or `send_signal_checked`."""
+    outcome = send_signal_checked(pid, start_time, signal.SIGKILL)
+    if outcome == "denied":
+        return False
+    return outcome == "gone" or wait_gone(pid, start_time, timeout)
 
 
 # -- is it the job's? (before any signal) ------------------------------------------------------------

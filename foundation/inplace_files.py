@@ -23,9 +23,7 @@ REPORT_SCHEMA = "gpuguard.inplace-report/1"
 ABORT_FILE = "abort.json"
 
 
-def inplace_dir(job_dir: str | os.PathLike[str]) -> Path:
-    """Where the in-place switch coordinates (a directory every member can read)."""
-    return jobdir.coord_dir(job_dir) / "inplace"
+inplace_dir = jobdir.inplace_dir  # where the in-place switch coordinates (a directory every member can read)
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,33 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation.env import SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, PermissionDeniedError, from_os_error
 from gpuguard.foundation.yamlfile import read_capped  # the one capped reader of regular files
 
+# ---------------------------------------------------------------- names
+# Every file name of the job dir and of the snapshot root, once (docs/formats/job-dir.md lists each
+# with its writer and reader). A module that writes or reads one of them asks for its path here.
+
 JOB_JSON = "job.json"
+LEDGER_DIR = "ledger"
+LEDGER_URL_FILE = "ledger.url"  # the ledger URL `gpu-generation init --ledger` recorded
+KEY_FILE = "generation.key"
+RANKS_DIR = "ranks"
+INCARNATIONS_DIR = "incarnations"
+SNAPSHOTS_DIR = "snapshots"
+CHECKPOINTS_DIR = "checkpoints"
+COORD_DIR = "coord"
+INPLACE_DIR = "inplace"  # under coord/
+TRACES_DIR = "traces"
+AUDIT_LOG = "audit.log"
+RESTORE_PIN = "restore.json"  # the state `gpu-recover restore` pinned for the next activation
+STATE_FILE = "state.json"  # in every snapshot / checkpoint step directory
+
 JOB_SCHEMA = "gpuguard.job-dir/1"
 INCARNATION_SCHEMA = "gpuguard.incarnation/1"
+RESTORE_SCHEMA = "gpuguard.restore/1"
+STATE_SCHEMA = "gpuguard.snapshot-state/1"
 _STEP_DIR = re.compile(r"^step-(\d{1,15})$")
 
 
@@ -52,16 +73,25 @@ def job_json_path(job_dir: str | os.PathLike[str]) -> Path:
 
 
 def ledger_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "ledger"
+    return Path(job_dir) / LEDGER_DIR
+
+
+def ledger_url_path(job_dir: str | os.PathLike[str]) -> Path:
+    return Path(job_dir) / LEDGER_URL_FILE
+
+
+def key_path(job_dir: str | os.PathLike[str]) -> Path:
+    """The 0600 signing key (generation/keys.py reads and writes it)."""
+    return Path(job_dir) / KEY_FILE
 
 
 def ranks_dir(job_dir: str | os.PathLike[str]) -> Path:
     """Where the per-rank step logs live (docs/formats/step-log.md)."""
-    return Path(job_dir) / "ranks"
+    return Path(job_dir) / RANKS_DIR
 
 
 def incarnations_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "incarnations"
+    return Path(job_dir) / INCARNATIONS_DIR
 
 
 def incarnation_path(job_dir: str | os.PathLike[str], incarnation_id: str) -> Path:
@@ -69,24 +99,39 @@ def incarnation_path(job_dir: str | os.PathLike[str], incarnation_id: str) -> Pa
     return incarnations_dir(job_dir) / f"{incarnation_id}.json"
 
 
-def snapshots_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "snapshots"
+def snapshot_root(job_dir: str | os.PathLike[str], override: str | os.PathLike[str] | None = None) -> Path:
+    """Where `snapshots/` and `checkpoints/` live: `override`, else $GPUGUARD_SNAPSHOT_ROOT, else the
+    job dir. The one rule: the runtime that writes them and every command that reads them agree.
+    Not resolved (a caller that must follow a link once does so itself)."""
+    chosen = override if override is not None and str(override) else os.environ.get(SNAPSHOT_ROOT_ENV) or job_dir
+    return Path(chosen)
 
 
-def snapshot_dir(job_dir: str | os.PathLike[str], step: int) -> Path:
-    return snapshots_dir(job_dir) / step_dir_name(step)
+def snapshots_dir(root: str | os.PathLike[str]) -> Path:
+    """`snapshots/` under the snapshot root (`snapshot_root`)."""
+    return Path(root) / SNAPSHOTS_DIR
 
 
-def checkpoints_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "checkpoints"
+def snapshot_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return snapshots_dir(root) / step_dir_name(step)
 
 
-def checkpoint_dir(job_dir: str | os.PathLike[str], step: int) -> Path:
-    return checkpoints_dir(job_dir) / step_dir_name(step)
+def checkpoints_dir(root: str | os.PathLike[str]) -> Path:
+    """`checkpoints/` under the snapshot root (`snapshot_root`)."""
+    return Path(root) / CHECKPOINTS_DIR
+
+
+def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return checkpoints_dir(root) / step_dir_name(step)
+
+
+def state_record_path(step_dir: str | os.PathLike[str]) -> Path:
+    """A snapshot's `state.json` (`write_snapshot_state` / `read_snapshot_state`)."""
+    return Path(step_dir) / STATE_FILE
 
 
 def coord_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "coord"
+    return Path(job_dir) / COORD_DIR
 
 
 def activation_path(job_dir: str | os.PathLike[str], generation: int) -> Path:
@@ -94,12 +139,37 @@ def activation_path(job_dir: str | os.PathLike[str], generation: int) -> Path:
     return coord_dir(job_dir) / f"activation-g{int(generation)}.json"
 
 
+def inplace_dir(job_dir: str | os.PathLike[str]) -> Path:
+    """Where the in-place switch coordinates (docs/formats/inplace.md; foundation/inplace_files.py)."""
+    return coord_dir(job_dir) / INPLACE_DIR
+
+
+def switch_record_path(job_dir: str | os.PathLike[str], generation: int, rank: int) -> Path:
+    """What a member of generation G records of the in-place switch that made it (`switch-g<G>-r<R>.json`)."""
+    return inplace_dir(job_dir) / f"switch-g{int(generation)}-r{int(rank)}.json"
+
+
+def restore_pin_path(job_dir: str | os.PathLike[str]) -> Path:
+    return Path(job_dir) / RESTORE_PIN
+
+
+def restore_used_path(job_dir: str | os.PathLike[str], generation: int) -> Path:
+    """Where the pin goes once generation G honoured it (`coord/restore-used-g<G>.json`)."""
+    return coord_dir(job_dir) / f"restore-used-g{int(generation)}.json"
+
+
+def unrestorable_path(root: str | os.PathLike[str], manifest_digest: str | None) -> Path:
+    """The mark of a state some member failed to load, under the snapshot root's `coord/` (it
+    describes a state, so every host that can see the state sees the mark)."""
+    return coord_dir(root) / f"unrestorable-{str(manifest_digest)[:32]}.json"
+
+
 def traces_dir(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "traces"
+    return Path(job_dir) / TRACES_DIR
 
 
 def audit_log_path(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / "audit.log"
+    return Path(job_dir) / AUDIT_LOG
 
 
 def step_dir_name(step: int) -> str:
@@ -228,7 +298,7 @@ class JobInfo:
             raise DataError(f"job.json: {exc}") from exc
 
 
-JOB_MARKERS = (JOB_JSON, "ledger", "ledger.url", "generation.key")  # what makes a directory a job's
+JOB_MARKERS = (JOB_JSON, LEDGER_DIR, LEDGER_URL_FILE, KEY_FILE)  # what makes a directory a job's
 
 
 def require_job_dir(job_dir: str | os.PathLike[str]) -> Path:
@@ -431,3 +501,184 @@ def iter_incarnations(job_dir: str | os.PathLike[str]) -> Iterator[IncarnationRe
 def read_incarnations(job_dir: str | os.PathLike[str]) -> list[IncarnationRecord]:
     """The well-formed incarnation records (see `iter_incarnations` for the malformed ones)."""
     return [r for r in iter_incarnations(job_dir) if isinstance(r, IncarnationRecord)]
+
+
+# ---------------------------------------------------------------- restore.json
+
+
+@dataclass(frozen=True)
+class RestorePin:
+    """`restore.json` (`gpuguard.restore/1`): the state `gpu-recover restore` chose. The next
+    activation starts from `step` at most (its only field the runtime acts on); the rest says which
+    copy was verified, for the operator and the audit log."""
+
+    step: int
+    path: str = ""
+    kind: str = ""
+    generation: int | None = None
+    manifest_digest: str | None = None
+    state_digest: str | None = None
+    pinned_at: float = 0.0
+
+    def choice(self) -> dict[str, Any]:
+        """What names the state (everything but `pinned_at`): two pins with equal choices are one pin."""
+        doc = self.to_dict()
+        doc.pop("pinned_at")
+        return doc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": RESTORE_SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> RestorePin:
+        step = doc.get("step")
+        if type(step) is not int or step < 0:
+            raise DataError(f"{RESTORE_PIN}: step must be an integer >= 0, got {str(step)[:40]!r}")
+        gen = doc.get("generation")
+        try:
+            return cls(
+                step=step,
+                path=str(doc.get("path", "")),
+                kind=str(doc.get("kind", "")),
+                generation=None if gen is None else int(gen),
+                manifest_digest=_opt_str(doc.get("manifest_digest")),
+                state_digest=_opt_str(doc.get("state_digest")),
+                pinned_at=float(doc.get("pinned_at", 0.0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{RESTORE_PIN}: {exc}") from None
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def read_restore_pin(job_dir: str | os.PathLike[str]) -> RestorePin | None:
+    """The pin, or None when there is none; DataError (65) when the file is not one."""
+    try:
+        return RestorePin.from_dict(read_json(restore_pin_path(job_dir)))
+    except NoInputError:
+        return None
+
+
+def write_restore_pin(job_dir: str | os.PathLike[str], pin: RestorePin) -> Path:
+    path = restore_pin_path(job_dir)
+    atomic_write_json(path, pin.to_dict())
+    return path
+
+
+def consume_restore_pin(job_dir: str | os.PathLike[str], generation: int) -> Path:
+    """The pin is used once: moved to `coord/restore-used-g<G>.json` when generation G honoured it,
+    so later generations are bounded by their commits again."""
+    used = restore_used_path(job_dir, generation)
+    used.parent.mkdir(parents=True, exist_ok=True)
+    refuse_linked_dir(used.parent)
+    os.replace(restore_pin_path(job_dir), used)
+    fsync_dir(used.parent)
+    return used
+
+
+# ---------------------------------------------------------------- state.json
+
+
+@dataclass(frozen=True)
+class SnapshotState:
+    """`state.json` (`gpuguard.snapshot-state/1`) of a snapshot or checkpoint step directory: which
+    step and generation, and the digest of the state as it was in memory. One record for both
+    writers (replicated `recovery.snapshots.store.save_snapshot`, sharded `recovery.snapshots.sharded`):
+    the sharded one adds `layout` and `world_size`."""
+
+    step: int
+    generation: int | None
+    state_digest: str | None
+    owner: str = ""
+    time: float = 0.0
+    keys: tuple[str, ...] = ()
+    layout: str | None = None  # "gpuguard.sharded/1" for a sharded snapshot; absent for a replicated one
+    world_size: int | None = None  # sharded only: the number of parts
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "schema": STATE_SCHEMA,
+            "step": self.step,
+            "generation": self.generation,
+            "state_digest": self.state_digest,
+            "owner": self.owner,
+            "time": self.time,
+            "keys": sorted(self.keys),
+        }
+        if self.layout is not None:
+            doc["layout"] = self.layout
+        if self.world_size is not None:
+            doc["world_size"] = self.world_size
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> SnapshotState:
+        if doc.get("schema") != STATE_SCHEMA or type(doc.get("step")) is not int:
+            raise DataError(f"not a {STATE_SCHEMA} record")
+        gen, world, keys = doc.get("generation"), doc.get("world_size"), doc.get("keys", [])
+        if (gen is not None and type(gen) is not int) or (world is not None and type(world) is not int):
+            raise DataError(f"{STATE_FILE}: generation and world_size must be integers")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise DataError(f"{STATE_FILE}: keys must be a list of strings")
+        try:
+            return cls(
+                step=doc["step"],
+                generation=gen,
+                state_digest=_opt_str(doc.get("state_digest")),
+                owner=str(doc.get("owner", "")),
+                time=float(doc.get("time", 0.0)),
+                keys=tuple(keys),
+                layout=_opt_str(doc.get("layout")),
+                world_size=world,
+            )
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{STATE_FILE}: {exc}") from None
+
+
+def write_snapshot_state(step_dir: str | os.PathLike[str], state: SnapshotState) -> Path:
+    """`state.json` into a (staging) step directory, atomically."""
+    path = state_record_path(step_dir)
+    atomic_write_json(path, state.to_dict())
+    return path
+
+
+def read_snapshot_state(step_dir: str | os.PathLike[str]) -> SnapshotState:
+    """A step directory's `state.json`: NoInputError if missing, DataError if not a record."""
+    path = state_record_path(step_dir)
+    try:
+        return SnapshotState.from_dict(read_json(path))
+    except DataError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise DataError(f"{path}: {exc}") from None
+
+
+# ---------------------------------------------------------------- unrestorable marks
+
+
+def mark_unrestorable(
+    root: str | os.PathLike[str], *, step: int, path: str | os.PathLike[str], manifest_digest: str | None, reason: str
+) -> bool:
+    """Remember (under the snapshot root) that this exact state could not be loaded, so the next
+    activation falls back to an older one instead of failing the same way forever. Best effort:
+    False when the mark could not be written (the activation that failed says so itself)."""
+    try:
+        atomic_write_json(
+            unrestorable_path(root, manifest_digest),
+            {
+                "step": step,
+                "path": str(path),
+                "manifest_digest": manifest_digest,
+                "reason": reason[:500],
+                "time": time.time(),
+            },
+        )
+    except (OSError, GpuguardError):
+        return False
+    return True
+
+
+def is_unrestorable(root: str | os.PathLike[str], manifest_digest: str | None) -> bool:
+    return os.path.lexists(unrestorable_path(root, manifest_digest))

@@ -10,13 +10,12 @@ from pathlib import Path
 
 from gpuguard.foundation.env import LEDGER_ENV
 from gpuguard.foundation.errors import EXIT_CANTCREAT, GpuguardError, from_os_error
+from gpuguard.foundation.jobdir import LEDGER_URL_FILE, ledger_url_path
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
 from gpuguard.generation.ledger import Ledger
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.records import Certificate, Frontier
-
-LEDGER_URL_FILE = "ledger.url"
 
 
 def ledger_url(job_dir: str | Path, url: str | None = None) -> str | None:
@@ -27,11 +26,11 @@ def ledger_url(job_dir: str | Path, url: str | None = None) -> str | None:
     if os.environ.get(LEDGER_ENV):
         return os.environ[LEDGER_ENV]
     try:
-        recorded = (Path(job_dir) / LEDGER_URL_FILE).read_text().strip()
+        recorded = ledger_url_path(job_dir).read_text().strip()
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise from_os_error(exc, str(Path(job_dir) / LEDGER_URL_FILE)) from None
+        raise from_os_error(exc, str(ledger_url_path(job_dir))) from None
     return recorded or None
 
 

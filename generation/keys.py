@@ -15,7 +15,6 @@ import hmac
 import os
 import secrets
 import stat
-from pathlib import Path
 
 from gpuguard.foundation.errors import (
     EXIT_CANTCREAT,
@@ -25,14 +24,10 @@ from gpuguard.foundation.errors import (
     PermissionDeniedError,
     from_os_error,
 )
-from gpuguard.foundation.jobdir import check_root_safe_dir
+from gpuguard.foundation.jobdir import KEY_FILE, check_root_safe_dir, key_path
 
-KEY_FILE = "generation.key"
+__all__ = ["KEY_BYTES", "KEY_FILE", "create_key", "key_path", "load_key", "sign", "signature_ok"]
 KEY_BYTES = 32
-
-
-def key_path(job_dir: str | os.PathLike[str]) -> Path:
-    return Path(job_dir) / KEY_FILE
 
 
 def create_key(job_dir: str | os.PathLike[str]) -> bytes:

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from gpuguard.collectors.torchrun import gather
 from gpuguard.diagnostics.torchrun_hazards import assess_facts
 from gpuguard.foundation import jobdir
@@ -39,7 +37,13 @@ from gpuguard.foundation.errors import (
     UnavailableError,
     UsageError,
 )
-from gpuguard.foundation.identity import ALIVE_STATES, JobProcessClaim, check_job_process, process_status
+from gpuguard.foundation.identity import (
+    ALIVE_STATES,
+    JobProcessClaim,
+    check_job_process,
+    process_status,
+    send_signal_checked,
+)
 from gpuguard.foundation.jobdir import iter_incarnations
 from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.job import ledger_url, open_job_ledger
@@ -85,7 +89,7 @@ def diagnose(job_dir: Path | None, *, init_timeout_s: float = 60.0) -> ActionRes
     generation = _active_generation(job_dir) if job_dir is not None else None
     snapshots = 0
     if job_dir is not None:
-        snapshots = len(list_snapshots(job_dir))
+        snapshots = len(list_snapshots(jobdir.snapshot_root(job_dir)))
     verdict = assessment.verdict
     details = {
         "verdict": verdict,
@@ -256,12 +260,12 @@ def abort(
             dry_run=True,
         )
     t0 = time.monotonic()
-    for _, proc in targets:
-        _signal(proc, signal.SIGTERM)
+    for rec, _ in targets:
+        _signal(rec, signal.SIGTERM)
     alive = _wait_gone(targets, grace_s)
     killed = {rec.pid for rec, _ in alive}
-    for _, proc in alive:
-        _signal(proc, signal.SIGKILL)
+    for rec, _ in alive:
+        _signal(rec, signal.SIGKILL)
     still = _wait_gone(alive, 5.0)
     for rec, _ in targets:
         how = "SIGKILL" if rec.pid in killed else "SIGTERM"
@@ -384,13 +388,10 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
-def _signal(proc: Any, sig: int) -> None:
-    try:
-        proc.send_signal(sig)  # psutil re-checks the create time: never a reused pid
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.AccessDenied:
-        raise PermissionDeniedError(f"pid {proc.pid}: not allowed to send signal {sig}") from None
+def _signal(rec: Any, sig: int) -> None:
+    """`sig` to exactly the recorded process (`identity.send_signal_checked`: never a reused pid)."""
+    if send_signal_checked(rec.pid, rec.start_time, sig) == "denied":
+        raise PermissionDeniedError(f"pid {rec.pid}: not allowed to send signal {sig}")
 
 
 # --- rendezvous --------------------------------------------------------------------------------
@@ -448,8 +449,6 @@ def read_rendezvous(
 
 # --- restore -----------------------------------------------------------------------------------
 
-RESTORE_PIN = "restore.json"
-
 
 def restore(
     job_dir: Path,
@@ -463,8 +462,8 @@ def restore(
 
     Corrupt or incomplete candidates are rejected with the reason and the next older one is tried,
     at most `max_tries` times. The choice is written to `<job-dir>/restore.json` for the runtime.
-    `snapshot_root`: where the job keeps snapshots/ and checkpoints/ when they are not in the job
-    dir (shared storage across hosts, the runtime's GPUGUARD_SNAPSHOT_ROOT).
+    `snapshot_root`: where the job keeps snapshots/ and checkpoints/ (`jobdir.snapshot_root`: this,
+    else $GPUGUARD_SNAPSHOT_ROOT, else the job dir).
     """
 
     if not job_dir.is_dir():
@@ -473,7 +472,7 @@ def restore(
         raise UsageError("--max-tries must be at least 1")
     frontier, source = _frontier(job_dir)
     bound = step if frontier is None else (frontier if step is None else min(step, frontier))
-    root = snapshot_root if snapshot_root is not None else job_dir
+    root = jobdir.snapshot_root(job_dir, snapshot_root)
     if not root.is_dir():
         raise NoInputError(f"{root}: no such snapshot root")
     selection = snapshot.select_restorable(root, bound, max_tries=max_tries)
@@ -496,21 +495,19 @@ def restore(
             dry_run=dry_run,
         )
     chosen = selection.chosen
-    pin = {
-        "schema": "gpuguard.restore/1",
-        "step": chosen.step,
-        "path": str(chosen.path),
-        "kind": chosen.kind,
-        "generation": chosen.generation,
-        "manifest_digest": chosen.manifest_digest,
-        "state_digest": chosen.state_digest,
-    }
-    path = job_dir / RESTORE_PIN
-    current = None
+    pin = jobdir.RestorePin(
+        chosen.step,
+        str(chosen.path),
+        chosen.kind,
+        chosen.generation,
+        chosen.manifest_digest,
+        chosen.state_digest,
+        pinned_at=time.time(),
+    )
     try:
-        current = jobdir.read_json(path)
+        current = jobdir.read_restore_pin(job_dir)
     except GpuguardError:
-        pass
+        current = None
     summary = f"step {chosen.step} ({chosen.kind}, manifest {str(chosen.manifest_digest)[:12]})"
     # what the pin changes, in words: the next activation's bound (`activation.restore_bound`)
     change = f"the next generation starts from step {chosen.step}"
@@ -522,11 +519,11 @@ def restore(
         change += " (the frontier limit itself: the pin fixes which copy)"
     details["effect"] = change + " (used by the next activation only; a pin never moves the frontier forward)"
     summary = f"{summary}: {details['effect']}"
-    if current is not None and {k: current.get(k) for k in pin} == pin:
+    if current is not None and current.choice() == pin.choice():
         return ActionResult("restore", "noop", EXIT_OK, f"already pinned: {summary}", details, dry_run=dry_run)
     if dry_run:
         return ActionResult("restore", "dry-run", EXIT_OK, f"would pin {summary}", details, dry_run=True)
-    jobdir.atomic_write_json(path, {**pin, "pinned_at": time.time()})
+    jobdir.write_restore_pin(job_dir, pin)
     return ActionResult("restore", "done", EXIT_OK, f"pinned {summary}", details)
 
 

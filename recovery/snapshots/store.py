@@ -29,9 +29,8 @@ from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation import manifest as m
 
-STATE_FILE = "state.json"
-STATE_SCHEMA = "gpuguard.snapshot-state/1"
-KINDS = ("snapshots", "checkpoints")
+STATE_FILE, STATE_SCHEMA = jobdir.STATE_FILE, jobdir.STATE_SCHEMA  # the record is foundation.jobdir.SnapshotState
+KINDS = (jobdir.SNAPSHOTS_DIR, jobdir.CHECKPOINTS_DIR)
 
 
 # ---------------------------------------------------------------- manifest adapter
@@ -110,25 +109,24 @@ class Selection:
 
 
 def read_state_record(directory: Path) -> dict[str, Any]:
-    doc = jobdir.read_json(directory / STATE_FILE)
-    if doc.get("schema") != STATE_SCHEMA or not isinstance(doc.get("step"), int):
-        raise DataError(f"{directory / STATE_FILE}: not a {STATE_SCHEMA} record")
-    return doc
+    """`state.json` as a plain dict. Kept for `recovery.snapshots.sharded` until it reads
+    `jobdir.read_snapshot_state` (the record) itself; new code reads the record."""
+    return jobdir.read_snapshot_state(directory).to_dict()
 
 
-def list_snapshots(job_dir: str | Path, kinds: tuple[str, ...] = KINDS) -> list[SnapshotInfo]:
-    """Every `step-<S>` directory of the job (snapshots and durable checkpoints), newest first.
+def list_snapshots(snapshot_root: str | Path, kinds: tuple[str, ...] = KINDS) -> list[SnapshotInfo]:
+    """Every `step-<S>` directory under the snapshot root (snapshots and durable checkpoints), newest first.
 
     Nothing is verified here (cheap listing); `select_restorable` verifies.
     """
     found: list[SnapshotInfo] = []
     for kind in kinds:
-        parent = Path(job_dir) / kind
+        parent = Path(snapshot_root) / kind
         for step, path in jobdir.step_dirs(parent):
             gen = digest = None
             try:
-                rec = read_state_record(path)
-                gen, digest = rec.get("generation"), rec.get("state_digest")
+                rec = jobdir.read_snapshot_state(path)
+                gen, digest = rec.generation, rec.state_digest
             except (DataError, NoInputError):
                 pass
             found.append(SnapshotInfo(step, path, kind, gen, digest))
@@ -137,7 +135,7 @@ def list_snapshots(job_dir: str | Path, kinds: tuple[str, ...] = KINDS) -> list[
 
 
 def select_restorable(
-    job_dir: str | Path,
+    snapshot_root: str | Path,
     at_or_before_step: int | None = None,
     *,
     expected_manifest_digest: str | None = None,
@@ -155,7 +153,7 @@ def select_restorable(
     """
     rejected: list[Rejection] = []
     tries = 0
-    for info in list_snapshots(job_dir):
+    for info in list_snapshots(snapshot_root):
         if at_or_before_step is not None and info.step > at_or_before_step:
             rejected.append(Rejection(info.step, info.path, f"after the frontier (step {at_or_before_step})"))
             continue
@@ -181,18 +179,16 @@ def select_restorable(
 
 def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
     try:
-        rec = read_state_record(info.path)
+        rec = jobdir.read_snapshot_state(info.path)
     except (DataError, NoInputError) as exc:
         return f"state record: {exc}", info
-    if rec["step"] != info.step:
-        return f"state record says step {rec['step']}, directory says {info.step}", info
+    if rec.step != info.step:
+        return f"state record says step {rec.step}, directory says {info.step}", info
     manifest, problems = read_and_verify_manifest(info.path)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return f"corrupt: {problems[0]}{more}", info
-    return None, SnapshotInfo(
-        info.step, info.path, info.kind, rec.get("generation"), rec.get("state_digest"), manifest.digest
-    )
+    return None, SnapshotInfo(info.step, info.path, info.kind, rec.generation, rec.state_digest, manifest.digest)
 
 
 # ---------------------------------------------------------------- torch side
@@ -251,13 +247,13 @@ def clone_state(state: Mapping[str, Any], *, to_cpu: bool = True) -> dict[str, A
 
 
 def save_snapshot(
-    job_dir: str | Path,
+    snapshot_root: str | Path,
     step: int,
     state: Mapping[str, Any],
     *,
     generation: int,
     owner: str,
-    kind: str = "snapshots",
+    kind: str = jobdir.SNAPSHOTS_DIR,
     digest: str | None = None,
     still_current: Callable[[], bool] | None = None,
     before_publish: Callable[[Path], None] | None = None,
@@ -271,24 +267,15 @@ def save_snapshot(
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}")
-    parent = Path(job_dir) / kind
+    parent = Path(snapshot_root) / kind
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"
     final = parent / jobdir.step_dir_name(step)
     try:
         digest = digest or state_digest(state)
         quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=True))
-        jobdir.atomic_write_json(
-            tmp / STATE_FILE,
-            {
-                "schema": STATE_SCHEMA,
-                "step": step,
-                "generation": generation,
-                "state_digest": digest,
-                "owner": owner,
-                "time": time.time(),
-                "keys": sorted(state.keys()),
-            },
+        jobdir.write_snapshot_state(
+            tmp, jobdir.SnapshotState(step, generation, digest, owner, time.time(), tuple(sorted(state.keys())))
         )
         manifest_digest = build_and_write_manifest(tmp, step=step, generation=generation, owner=owner)
         if before_publish is not None:
@@ -324,12 +311,14 @@ def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, 
     return state
 
 
-def prune(job_dir: str | Path, keep: int, kind: str = "snapshots", protect: frozenset[int] = frozenset()) -> list[int]:
+def prune(
+    snapshot_root: str | Path, keep: int, kind: str = jobdir.SNAPSHOTS_DIR, protect: frozenset[int] = frozenset()
+) -> list[int]:
     """Delete all but the newest `keep` step dirs of `kind` (and stale temp dirs); the removed steps.
 
     `protect`: steps never deleted (the active generation's certified frontier, so that
     `gpu-generation verify --deep` can always check it)."""
-    parent = Path(job_dir) / kind
+    parent = Path(snapshot_root) / kind
     steps = jobdir.step_dirs(parent)
     removed = []
     for step, path in steps[:-keep] if keep > 0 else steps:
@@ -347,19 +336,19 @@ def prune(job_dir: str | Path, keep: int, kind: str = "snapshots", protect: froz
     return removed
 
 
-def copy_to_checkpoint(job_dir: str | Path, info: SnapshotInfo) -> SnapshotInfo:
+def copy_to_checkpoint(snapshot_root: str | Path, info: SnapshotInfo) -> SnapshotInfo:
     """Promote a verified snapshot to a durable checkpoint (same shape, `checkpoints/step-<S>/`)."""
-    parent = jobdir.checkpoints_dir(job_dir)
+    parent = jobdir.checkpoints_dir(snapshot_root)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".tmp-step-{info.step}-{uuid.uuid4().hex[:8]}"
     shutil.copytree(info.path, tmp)
     for name in os.listdir(tmp):
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
-    publish_dir(tmp, jobdir.checkpoint_dir(job_dir, info.step))
+    publish_dir(tmp, jobdir.checkpoint_dir(snapshot_root, info.step))
     return SnapshotInfo(
         info.step,
-        jobdir.checkpoint_dir(job_dir, info.step),
+        jobdir.checkpoint_dir(snapshot_root, info.step),
         "checkpoints",
         info.generation,
         info.state_digest,
