@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from gpuguard.foundation.env import INCARNATION_ID_ENV, JOB_ID_ENV
+from gpuguard.foundation.env import INCARNATION_ID_ENV, JOB_DIR_ENV, JOB_ID_ENV
 
 if TYPE_CHECKING:
     import psutil
@@ -188,28 +188,31 @@ def kill_confirmed(pid: int, start_time: float, timeout: float = 5.0) -> bool:
 
 # -- is it the job's? (before any signal) ------------------------------------------------------------
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker's environment at spawn
-# INCARNATION_ID_ENV: a launcher that names each worker's incarnation exports it (nothing in gpuguard sets
-# it yet); when the process's environment has it, it must be the recorded incarnation's id
+DEFAULT_RUN_IDS = frozenset({"", "none"})  # torchrun's default run id (no --rdzv-id): names no job
 
 JobVerdict = Literal["job", "gone", "not-the-job", "unknown"]
 
 
 @dataclass(frozen=True)
 class JobProcessClaim:
-    """What a record says about a worker process: the identity a live process must prove."""
+    """What is known about a worker process before it may be signalled. Only `pid` and `start_time`
+    come from the record; every other fact a live process must confirm comes from the system or the
+    job dir, never from what a record says alone (a forged record chooses its own claims)."""
 
     pid: int
     start_time: float
-    uid: int | None = None  # the real uid it ran as (records written before this field: None)
-    run_id: str | None = None  # TORCHELASTIC_RUN_ID of the job (None: not checked)
-    agent_pid: int | None = None  # its torchrun agent (None: not checked)
-    job_id: str | None = None  # the gpuguard job id (job.json); checked against GPUGUARD_JOB_ID when it is set
-    incarnation_id: str | None = None  # the recorded incarnation; checked against GPUGUARD_INCARNATION_ID when set
+    owner_uid: int | None = None  # who owns the record file (the kernel set it): the process must run as them
+    uid: int | None = None  # the uid the record says (a second check; None in records before it existed)
+    run_id: str | None = None  # the record's TORCHELASTIC_RUN_ID: confirmed only by the process's own environment
+    agent_pid: int | None = None  # its parent when it started (the torchrun agent): while alive, still its parent
+    job_id: str | None = None  # job.json's job id (the job dir's, not the record's)
+    job_dir: str | None = None  # the job dir itself, against the process's GPUGUARD_JOB_DIR
+    incarnation_id: str | None = None  # the recorded incarnation, against GPUGUARD_INCARNATION_ID
 
 
 @dataclass(frozen=True)
 class JobProcessCheck:
-    """The answer: `job` only when every recorded fact matches; the reason names the first mismatch."""
+    """The answer: `job` only when the live process proves it; the reason names the proof or the mismatch."""
 
     verdict: JobVerdict
     reason: str
@@ -222,16 +225,23 @@ def _shown(value: str, limit: int = 80) -> str:
 
 
 def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
-    """Prove (or refuse) that the live process at `claim.pid` is the job's recorded worker.
+    """Prove (or refuse) that the live process at `claim.pid` is the job's worker, from facts the
+    system holds: its start time, its uid, its own environment (`/proc/<pid>/environ`, as the kernel
+    keeps it from exec) and its parent chain.
 
-    Checked in order: pid + start time (a reused pid is `gone`), uid, the torchrun run id in the
-    process's own environment (as the kernel holds it from exec: a forged record naming an unrelated
-    process fails here), the gpuguard job id and the incarnation id in that environment (each only when
-    the claim carries it and the environment has it: a job launched without them proves nothing by their
-    absence, but another job's id is proof it is not this one's), and the parent agent (a process
-    re-parented away from a live agent is not the job's; one whose agent is gone is an orphan of the job
-    and still its own). Anything that cannot be read is `unknown`, which callers treat as "not
-    signalled, not proved gone".
+    1. pid + start time: a reused pid or a dead process is `gone`.
+    2. uid: it runs as the owner of the record file (and as the record's uid, when it has one).
+    3. no contradiction in its environment: another job's GPUGUARD_JOB_ID, GPUGUARD_JOB_DIR or
+       GPUGUARD_INCARNATION_ID, or another TORCHELASTIC_RUN_ID than the record's.
+    4. a positive proof in its environment: this job's GPUGUARD_JOB_ID or GPUGUARD_JOB_DIR, the
+       record's GPUGUARD_INCARNATION_ID, or the record's torchrun run id when that is a real one
+       (torchrun's default `none`, what an unset variable reads as, names no job). Without one it is
+       `not-the-job`: a record pointing at an unrelated process proves nothing.
+    5. the parent: while the recorded agent (the worker's parent at start) is alive it must still be
+       the parent (a process re-parented away from a live agent is not the job's; an orphan whose
+       agent is gone is still the job's).
+
+    Anything that cannot be read is `unknown`, which callers treat as "not signalled, not proved gone".
     """
     import psutil
 
@@ -244,39 +254,70 @@ def check_job_process(claim: JobProcessClaim) -> JobProcessCheck:
         proc = psutil.Process(claim.pid)
         if not matches(claim.start_time, proc.create_time()):
             return JobProcessCheck("gone", "pid now belongs to a newer process")
-        if claim.uid is not None and proc.uids().real != claim.uid:
-            return JobProcessCheck("not-the-job", f"runs as uid {proc.uids().real}, the record says {claim.uid}")
-        checked = ["pid", "start time", *(["uid"] if claim.uid is not None else [])]
-        env = proc.environ() if (claim.run_id, claim.job_id, claim.incarnation_id) != (None, None, None) else {}
-        if claim.run_id is not None:
-            # torchrun's own default run id is the literal "none"; a worker started without torchrun
-            # records that too, so an unset variable reads as "none" (the agent check still applies)
+        real_uid = proc.uids().real
+        for want, whose in ((claim.owner_uid, "its record's file is owned by"), (claim.uid, "the record says")):
+            if want is not None and real_uid != want:
+                return JobProcessCheck("not-the-job", f"runs as uid {real_uid}, {whose} {want}")
+        env = proc.environ()
+        mismatch, proofs = _environment_facts(claim, env, proc)
+        if mismatch is not None:
+            return JobProcessCheck("not-the-job", mismatch)
+        if not proofs:
             found = env.get(RUN_ID_ENV)
-            if (found if found is not None else "none") != claim.run_id:
-                shown = f"{found!r}" if found is not None else "unset"
-                return JobProcessCheck("not-the-job", f"its {RUN_ID_ENV} is {shown}, the job's is {claim.run_id!r}")
-            checked.append("run id")
-        for name, claimed, what in (
-            (JOB_ID_ENV, claim.job_id, "job id"),
-            (INCARNATION_ID_ENV, claim.incarnation_id, "incarnation id"),
-        ):
-            found = env.get(name)
-            if claimed is None or found is None:
-                continue
-            if found != claimed:
+            shown = "unset" if found is None else f"{_shown(found)} (torchrun's default, which names no job)"
+            return JobProcessCheck(
+                "not-the-job",
+                f"its {RUN_ID_ENV} is {shown} and its environment names neither this job ({JOB_ID_ENV}, "
+                f"{JOB_DIR_ENV}) nor its incarnation ({INCARNATION_ID_ENV}): nothing proves it the job's",
+            )
+        if claim.agent_pid is not None and pid_alive(claim.agent_pid):
+            if proc.ppid() != claim.agent_pid:
                 return JobProcessCheck(
-                    "not-the-job", f"its {name} is {_shown(found)}, the record's {what} is {_shown(claimed)}"
+                    "not-the-job", f"its parent is pid {proc.ppid()}, not the job's live agent {claim.agent_pid}"
                 )
-            checked.append(what)
-        if claim.agent_pid is not None:
-            parent = proc.ppid()
-            if parent != claim.agent_pid and pid_alive(claim.agent_pid):
-                return JobProcessCheck(
-                    "not-the-job", f"its parent is pid {parent}, not the job's live agent {claim.agent_pid}"
-                )
-            checked.append("agent")
+            proofs.append("agent")
+        checked = ["pid", "start time", "uid", *proofs]
         return JobProcessCheck("job", f"{', '.join(checked[:-1])} and {checked[-1]} match", proc)
     except psutil.NoSuchProcess:
         return JobProcessCheck("gone", "exited while being checked")
     except psutil.AccessDenied:
         return JobProcessCheck("unknown", "cannot read its uid or environment (run as root or as the job's user)")
+
+
+def _environment_facts(claim: JobProcessClaim, env: dict[str, str], proc: Any) -> tuple[str | None, list[str]]:
+    """(the first contradiction, or None; the proofs found) in the process's own environment."""
+    proofs: list[str] = []
+    found_run = env.get(RUN_ID_ENV)
+    if claim.run_id is not None and found_run is not None:
+        if found_run != claim.run_id:
+            return f"its {RUN_ID_ENV} is {_shown(found_run)}, the job's is {_shown(claim.run_id)}", []
+        if found_run not in DEFAULT_RUN_IDS:
+            proofs.append("run id")
+    for name, claimed, what in (
+        (JOB_ID_ENV, claim.job_id, "job id"),
+        (INCARNATION_ID_ENV, claim.incarnation_id, "incarnation id"),
+    ):
+        found = env.get(name)
+        if claimed is None or found is None:
+            continue
+        if found != claimed:
+            return f"its {name} is {_shown(found)}, the record's {what} is {_shown(claimed)}", []
+        proofs.append(what)
+    found_dir = env.get(JOB_DIR_ENV)
+    if claim.job_dir is not None and found_dir:
+        where = _resolved(found_dir, proc)
+        if where is not None and where != os.path.realpath(claim.job_dir):
+            return f"its {JOB_DIR_ENV} is {_shown(found_dir)}, not this job dir", []
+        if where is not None:
+            proofs.append("job dir")
+    return None, proofs
+
+
+def _resolved(path: str, proc: Any) -> str | None:
+    """`path` as the process sees it (a relative one from its working directory), links followed."""
+    if not os.path.isabs(path):
+        try:
+            path = os.path.join(proc.cwd(), path)
+        except Exception:  # noqa: BLE001 - an unreadable cwd: the variable proves nothing either way
+            return None
+    return os.path.realpath(path)

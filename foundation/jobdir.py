@@ -164,6 +164,11 @@ def unrestorable_path(root: str | os.PathLike[str], manifest_digest: str | None)
     return coord_dir(root) / f"unrestorable-{str(manifest_digest)[:32]}.json"
 
 
+def quiescence_path(job_dir: str | os.PathLike[str], time_ns: int) -> Path:
+    """`gpu-recover abort`'s evidence of which incarnations this host saw gone (`coord/quiescence-abort-<ns>.json`)."""
+    return coord_dir(job_dir) / f"quiescence-abort-{int(time_ns)}.json"
+
+
 def traces_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / TRACES_DIR
 
@@ -464,7 +469,15 @@ def write_incarnation(job_dir: str | os.PathLike[str], record: IncarnationRecord
 
 
 def iter_incarnations(job_dir: str | os.PathLike[str]) -> Iterator[IncarnationRecord | DataError]:
-    """Every incarnation record, oldest file first; an unreadable one is yielded as its DataError.
+    """Every incarnation record, oldest file first; an unreadable one is yielded as its DataError
+    (`iter_incarnation_files` adds who owns each file)."""
+    for item in iter_incarnation_files(job_dir):
+        yield item if isinstance(item, DataError) else item[0]
+
+
+def iter_incarnation_files(job_dir: str | os.PathLike[str]) -> Iterator[tuple[IncarnationRecord, int] | DataError]:
+    """Every incarnation record with the uid that owns its file (the kernel's fact, not the record's:
+    the worker that wrote it ran as that user), oldest file first; an unreadable one as its DataError.
 
     Records come and go while we scan (workers start, temp files are renamed into place): an entry
     that vanishes between the listing and its read is skipped, one that cannot be read (a link, a
@@ -491,11 +504,17 @@ def iter_incarnations(job_dir: str | os.PathLike[str]) -> Iterator[IncarnationRe
     for _, name in sorted(dated):
         path = folder / name
         try:
-            yield IncarnationRecord.from_dict(read_json(path))
-        except NoInputError:
+            record = IncarnationRecord.from_dict(read_json(path))
+            owner = os.lstat(path).st_uid
+        except (NoInputError, FileNotFoundError):
             continue  # removed between listing and reading
         except GpuguardError as exc:
             yield DataError(f"{path}: {exc}")
+            continue
+        except OSError as exc:
+            yield DataError(f"{path}: cannot stat: {exc.strerror or exc}")
+            continue
+        yield record, owner
 
 
 def read_incarnations(job_dir: str | os.PathLike[str]) -> list[IncarnationRecord]:

@@ -1,0 +1,87 @@
+"""The Slurm drain of `gpu-doctor sweep --run-drain`: `scontrol update ... State=DRAIN`, never through a
+shell, and never over a reason someone else set."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from typing import Any
+
+from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, EXIT_TEMPFAIL
+from gpuguard.recovery.operator.result import ActionResult
+
+DRAIN_PREFIX = "gpu-doctor:"  # every Reason= gpu-doctor sets starts with this: a drain it may own
+_REASON_RE = re.compile(r"\bReason=(.*?)(?: \w+=|$)")
+
+
+def drain_command(node: str, summary: str) -> list[str]:
+    """`scontrol update NodeName=<node> State=DRAIN Reason=gpu-doctor: <summary>` as an argv."""
+    reason = f"{DRAIN_PREFIX} {summary}"[:200].replace("\n", " ")
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+
+
+def drain_command_line(node: str, summary: str) -> str:
+    """`drain_command` as a line to print and paste: quoted with `shlex.join` (the reason has spaces,
+    and a summary from a log may hold `;`, `$(...)` or quotes)."""
+    return shlex.join(drain_command(node, summary))
+
+
+def foreign_reason(show_output: str) -> str | None:
+    """The Reason= in `scontrol show node <node> -o` output when someone other than gpu-doctor set it.
+
+    None when there is no reason (`(null)` or empty) or it is gpu-doctor's own: then a drain may be set.
+    """
+    match = _REASON_RE.search(show_output or "")
+    if match and match.group(1) not in ("(null)", "") and not match.group(1).startswith(DRAIN_PREFIX):
+        return match.group(1)
+    return None
+
+
+def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> ActionResult:
+    """Drain `node` in Slurm with `drain_command`, never through a shell.
+
+    A node that already carries a reason someone else set (an admin's drain, a maintenance) is left
+    alone: outcome `refused`. The summary is the one line the sweep reports: `drained`, `not run: ...`
+    or `failed: ...`.
+    """
+    command = drain_command(node, summary)
+    details: dict[str, Any] = {"node": node, "command": command}
+
+    def result(outcome: str, code: int, text: str) -> ActionResult:
+        return ActionResult("drain", outcome, code, text, details)
+
+    exe = shutil.which(command[0])
+    if exe is None:
+        return result("failed", EXIT_CRITICAL, "not run: scontrol is not installed")
+    try:
+        show = subprocess.run(
+            [exe, "show", "node", node, "-o"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs = foreign_reason(show.stdout or "")
+        if theirs is not None:
+            return result(
+                "refused", EXIT_REFUSED, f"not run: node already has a reason set by someone else ({theirs[:60]})"
+            )
+        proc = subprocess.run(
+            [exe, *command[1:]],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return result("timeout", EXIT_TEMPFAIL, f"failed: scontrol timed out after {timeout_s:g} s")
+    except OSError as exc:
+        return result("failed", EXIT_CRITICAL, f"failed: {exc}")
+    if proc.returncode == 0:
+        return result("done", EXIT_OK, "drained")
+    err = (proc.stderr or "").strip().splitlines()
+    return result("failed", EXIT_CRITICAL, f"failed: exit {proc.returncode} {err[0] if err else ''}".strip())
