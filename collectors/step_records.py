@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpuguard.foundation.boundedread import open_regular
+from gpuguard.foundation.errors import GpuguardError, NoInputError
 from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import RankSeries
 from gpuguard.foundation.steplog import MAX_STEPS, SUFFIX, decode_lines, parse_segment_name
@@ -55,6 +57,7 @@ def _complete_lines(data: bytes) -> list[str]:
 
 
 BYTES_PER_STEP = 4 * 64  # ~4 records of ~50 bytes per step: how much tail to read for `max_steps`
+HEADER_BYTES = 64 * 1024  # a header line is a few hundred bytes; one longer than this is not one
 
 
 def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], list[str], str]:
@@ -72,23 +75,23 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
         if left <= 0:
             break
         try:
-            with open(root / name, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                first = fh.readline()
+            # bounded: no link (a step log linked to /dev/zero), no FIFO (it would block the open),
+            # and never more than the header line and the tail budget, however large the file
+            with open_regular(root / name, what="a step log", follow_links=False) as (fd, st):
+                size = st.st_size
                 if size > left:
-                    fh.seek(size - left)
-                    data = fh.read()
+                    first = _first_line(fd)
+                    data = os.pread(fd, left, size - left)
                     cut = data.find(b"\n")
                     data = data[cut + 1 :] if cut >= 0 else b""
                 else:
-                    fh.seek(0)
-                    data = fh.read()
+                    data = os.pread(fd, size, 0)
                     first = b""  # the whole segment, header included
-        except FileNotFoundError:  # rotated away while we listed
+        except NoInputError:  # rotated away while we listed
             continue
-        except OSError as e:  # a directory, no permission, an I/O error: not rotation
+        except (GpuguardError, OSError) as e:  # a link, a FIFO, a directory, no permission: not rotation
             if not files and not error:
-                error = f"{name}: {e.strerror or e}"
+                error = f"{name}: {_reason(e)}"
             continue
         left -= size
         chunks.append(_complete_lines(data))
@@ -99,6 +102,20 @@ def _tail_lines(root: Path, names: list[str], budget: int) -> tuple[list[str], l
     for chunk in reversed(chunks):
         lines.extend(chunk)
     return lines, list(reversed(files)), error
+
+
+def _first_line(fd: int) -> bytes:
+    """The header line (with its newline), or b"" when the first HEADER_BYTES hold none."""
+    head = os.pread(fd, HEADER_BYTES, 0)
+    end = head.find(b"\n")
+    return head[: end + 1] if end >= 0 else b""
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a step log could not be read, without the path (the caller names the file)."""
+    if isinstance(exc, OSError):
+        return str(exc.strerror or exc)
+    return str(exc).split(": ", 1)[-1]
 
 
 def _mtime(root: Path, names: list[str]) -> float:

@@ -8,7 +8,6 @@ files: a report that cannot be read is a survivor that did not report.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -124,8 +123,8 @@ def read_reports(job_dir: str | os.PathLike[str], generation: int) -> dict[int, 
         if not name.startswith("report-"):
             continue
         try:
-            rep = Report.from_dict(json.loads((d / name).read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
+            rep = Report.from_dict(jobdir.read_json(d / name))  # bounded: a FIFO or link is a report not made
+        except (GpuguardError, ValueError, KeyError, TypeError):
             continue
         out[rep.rank] = rep
     return out

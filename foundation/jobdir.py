@@ -6,18 +6,8 @@ the layout can change in one place. Small JSON records are written atomically (t
 fsync + rename) because a worker may be SIGKILLed mid-write and a reader must never see half a
 record. Standard library only: `gpu-doctor` imports this and must stay torch-free.
 
-Layout (docs/formats/job-dir.md)::
-
-    <job-dir>/job.json                        job id (written by the runtime's first start: `ensure_job`)
-    <job-dir>/generation.key                  the 0600 signing key (generation/keys.py)
-    <job-dir>/ledger/                         the directory ledger (generation/ledger_dir.py)
-    <job-dir>/ranks/                          per-rank step records (foundation/steplog.py)
-    <job-dir>/incarnations/<id>.json          one per worker process (this module)
-    <job-dir>/snapshots/step-<S>/             DCP snapshot + state.json + gpuguard.manifest.json (recovery/snapshots/store.py)
-    <job-dir>/checkpoints/step-<S>/           durable checkpoints, same shape
-    <job-dir>/coord/                          activation and in-place files (recovery/, foundation/inplace_files.py)
-    <job-dir>/traces/<rank>.<incarnation>.json collective traces
-    <job-dir>/audit.log                       operator actions, JSON lines (recovery/operator/audit.py)
+Every file of the job dir and the snapshot root is named once below ("names"); its format, writer
+and reader are listed in docs/formats/job-dir.md. Reads go through `foundation.boundedread`.
 """
 
 from __future__ import annotations
@@ -35,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation import boundedread
 from gpuguard.foundation.env import SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, PermissionDeniedError, from_os_error
-from gpuguard.foundation.yamlfile import read_capped  # the one capped reader of regular files
 
 # ---------------------------------------------------------------- names
 # Every file name of the job dir and of the snapshot root, once (docs/formats/job-dir.md lists each
@@ -261,21 +251,28 @@ def atomic_write_json(path: str | Path, doc: Mapping[str, Any], mode: int = 0o64
     atomic_write_bytes(path, (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode(), mode)
 
 
-MAX_RECORD_BYTES = 16 << 20  # job-dir records are a few KiB; a larger file is not one of ours
+MAX_RECORD_BYTES = boundedread.RECORD_BYTES  # job-dir records are a few KiB; a larger file is not one of ours
+
+
+def read_record(
+    path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES
+) -> tuple[dict[str, Any], os.stat_result]:
+    """A JSON object from `path` and the `fstat` of the file it was read from (its owner): every
+    bound of `foundation.boundedread` (no link, no FIFO, at most `max_bytes`, 64 levels deep).
+    NoInputError if missing, DataError if malformed or not a regular file."""
+    raw, st = boundedread.read_regular(path, max_bytes=max_bytes, what="a record", follow_links=False)
+    try:
+        doc = boundedread.parse_json(raw)
+    except ValueError as exc:
+        raise DataError(f"{path}: malformed JSON ({str(exc)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return doc, st
 
 
 def read_json(path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES) -> dict[str, Any]:
-    """A JSON object from `path`: NoInputError if missing, DataError if malformed, a link, not a
-    regular file (a FIFO would block) or larger than `max_bytes`."""
-    path = Path(path)
-    raw = read_capped(path, max_bytes=max_bytes, what="a record", follow_links=False)
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: malformed JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return doc
+    """A JSON object from `path` (`read_record` without the stat)."""
+    return read_record(path, max_bytes)[0]
 
 
 # ---------------------------------------------------------------- job.json
@@ -504,17 +501,14 @@ def iter_incarnation_files(job_dir: str | os.PathLike[str]) -> Iterator[tuple[In
     for _, name in sorted(dated):
         path = folder / name
         try:
-            record = IncarnationRecord.from_dict(read_json(path))
-            owner = os.lstat(path).st_uid
-        except (NoInputError, FileNotFoundError):
+            doc, st = read_record(path)
+            record = IncarnationRecord.from_dict(doc)
+        except NoInputError:
             continue  # removed between listing and reading
         except GpuguardError as exc:
             yield DataError(f"{path}: {exc}")
             continue
-        except OSError as exc:
-            yield DataError(f"{path}: cannot stat: {exc.strerror or exc}")
-            continue
-        yield record, owner
+        yield record, st.st_uid  # the owner of the very file that was read
 
 
 def read_incarnations(job_dir: str | os.PathLike[str]) -> list[IncarnationRecord]:

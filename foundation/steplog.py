@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from gpuguard.foundation.boundedread import parse_json
 from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import (
@@ -302,7 +303,7 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
         kind = line[0]
         try:
             if kind == "H":
-                h = json.loads(line[2:])
+                h = parse_json(line[2:])  # depth-bounded: a hostile header is one bad line
                 if not isinstance(h, dict):
                     raise ValueError("header is not an object")
                 if not header:

@@ -16,28 +16,18 @@ Lazy imports (start-up time): yaml, only when a file is read.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import stat
-from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import DataError, GpuguardError, from_os_error
+from gpuguard.foundation.boundedread import read_bytes, size_text
+from gpuguard.foundation.errors import DataError, GpuguardError
 from gpuguard.foundation.unpickle import Unbounded, check_bounded
 
 DEFAULT_MAX_BYTES = 1 << 20
 """1 MiB: the largest config or runbook gpuguard ships is under 8 KiB."""
 MAX_NODES = 1_000_000
 """Nodes of the unfolded document (aliases expanded): a 1 MiB file without aliases has fewer."""
-
-
-def _size(limit: int) -> str:
-    if limit % (1 << 20) == 0:
-        return f"{limit >> 20} MiB"
-    if limit % (1 << 10) == 0:
-        return f"{limit >> 10} KiB"
-    return f"{limit:,} bytes"
 
 
 def read_capped(
@@ -48,36 +38,9 @@ def read_capped(
     error: type[GpuguardError] = DataError,
     follow_links: bool = True,
 ) -> bytes:
-    """At most `max_bytes` bytes of a regular file; a FIFO, device or directory is refused at once
-    (opened with O_NONBLOCK, so a FIFO without a writer never blocks the open either); with
-    `follow_links=False` (job-dir records) a symbolic link is refused too. The one capped reader."""
-    p = Path(path)
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else os.O_NOFOLLOW)
-    try:
-        fd = os.open(p, flags)
-    except IsADirectoryError:
-        raise error(f"{p}: is a directory, not {what}") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and not follow_links:
-            raise error(f"{p}: is a symbolic link: refusing to follow it") from None
-        raise from_os_error(exc, str(p)) from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise error(f"{p}: is a directory, not {what}")
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: not a regular file (a FIFO, socket or device is never read as {what})")
-        if st.st_size > max_bytes:
-            raise error(f"{p}: {st.st_size:,} bytes, more than the {_size(max_bytes)} {what} may have")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(max_bytes + 1)  # the file may grow after the fstat
-    except OSError as exc:
-        raise from_os_error(exc, str(p)) from None
-    finally:
-        os.close(fd)
-    if len(raw) > max_bytes:
-        raise error(f"{p}: more than the {_size(max_bytes)} {what} may have")
-    return raw
+    """At most `max_bytes` bytes of a regular file: `foundation.boundedread.read_bytes`, the one
+    bounded reader (a FIFO, device or directory refused at once; with `follow_links=False` a link)."""
+    return read_bytes(path, max_bytes=max_bytes, what=what, error=error, follow_links=follow_links)
 
 
 def load_yaml(
@@ -113,7 +76,7 @@ def parse_yaml(
     import yaml  # noqa: PLC0415 - lazy: start-up time of gpu-doctor from cron
 
     if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
-        raise error(f"{source}: more than the {_size(max_bytes)} {what} may have")
+        raise error(f"{source}: more than the {size_text(max_bytes)} {what} may have")
     try:
         doc = yaml.load(text, Loader=_loader(finite))  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:

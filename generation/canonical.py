@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from gpuguard.foundation.boundedread import json_depth_problem
+
 _PLAIN = (str, int, bool, type(None))
 
 
@@ -68,6 +70,11 @@ def parse_canonical(data: bytes) -> Any:
     Raises ValueError when the bytes are not JSON or not in canonical form (a flipped byte that
     still parses, e.g. a changed escape or added space, is caught here, not silently accepted).
     """
+    problem = json_depth_problem(
+        data
+    )  # before the parser: a 10,000-deep record is a ValueError, never a RecursionError
+    if problem is not None:
+        raise ValueError(f"not valid JSON: {problem}")
     try:
         text = data.decode("utf-8")
         value = json.loads(text, parse_constant=_refuse_constant)

@@ -8,8 +8,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuguard.foundation.boundedread import URL_BYTES, read_bytes
 from gpuguard.foundation.env import LEDGER_ENV
-from gpuguard.foundation.errors import EXIT_CANTCREAT, GpuguardError, from_os_error
+from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError, from_os_error
 from gpuguard.foundation.jobdir import LEDGER_URL_FILE, ledger_url_path
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
@@ -25,12 +26,17 @@ def ledger_url(job_dir: str | Path, url: str | None = None) -> str | None:
         return url
     if os.environ.get(LEDGER_ENV):
         return os.environ[LEDGER_ENV]
+    path = ledger_url_path(job_dir)
     try:
-        recorded = ledger_url_path(job_dir).read_text().strip()
-    except FileNotFoundError:
+        raw = read_bytes(path, max_bytes=URL_BYTES, what="a ledger URL", follow_links=False)
+    except NoInputError:
         return None
-    except OSError as exc:
-        raise from_os_error(exc, str(ledger_url_path(job_dir))) from None
+    try:
+        recorded = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text") from None
+    if "\n" in recorded or "\x00" in recorded:
+        raise DataError(f"{path}: more than one line")
     return recorded or None
 
 

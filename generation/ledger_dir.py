@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import from_os_error
+from gpuguard.foundation.boundedread import CERTIFICATE_BYTES, LEDGER_LOG_BYTES, read_bytes, read_lines
+from gpuguard.foundation.errors import NoInputError, from_os_error
 from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
 from gpuguard.generation.records import Certificate
 
@@ -74,13 +75,13 @@ class DirectoryLedger(Ledger):
             raise from_os_error(exc, str(self.root)) from None
 
     def _read(self, generation: int) -> bytes | None:
+        """The stored certificate (bounded: a FIFO, a link or an oversize file is one DataError)."""
         try:
-            with open(self.gen_path(generation), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
+            return read_bytes(
+                self.gen_path(generation), max_bytes=CERTIFICATE_BYTES, what="a certificate", follow_links=False
+            )
+        except NoInputError:
             return None
-        except OSError as exc:
-            raise from_os_error(exc, str(self.gen_path(generation))) from None
 
     def _generations(self) -> list[int]:
         try:
@@ -142,13 +143,12 @@ class DirectoryLedger(Ledger):
             raise from_os_error(exc, str(path)) from None
 
     def _read_log(self, log: str) -> bytes:
+        """The log's complete lines, streamed and bounded (`boundedread.read_lines`: an overlong line
+        is one garbled record, a FIFO or link one DataError); b"" when it does not exist."""
         try:
-            with open(self._log_path(log), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
+            return read_lines(self._log_path(log), max_bytes=LEDGER_LOG_BYTES, what="a ledger log")
+        except NoInputError:
             return b""
-        except OSError as exc:
-            raise from_os_error(exc, str(self._log_path(log))) from None
 
     def stray_temp_files(self) -> list[str]:
         """Temp files left by a writer that crashed before linking (harmless; reported by verify)."""

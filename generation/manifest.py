@@ -25,6 +25,7 @@ from typing import Any
 
 import blake3
 
+from gpuguard.foundation.boundedread import MANIFEST_BYTES, open_regular, read_bytes
 from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
 from gpuguard.generation.canonical import canonical_bytes, normalize, parse_canonical
 from gpuguard.generation.dcp_metadata import load_metadata, load_scalar
@@ -33,6 +34,7 @@ from gpuguard.generation.merkle import leaf, merkle_root
 MANIFEST_SCHEMA = "gpuguard.manifest/1"
 MANIFEST_FILE = "gpuguard.manifest.json"
 _BIG = 1 << 20  # above this, hash with BLAKE3's threads
+POPULATE_MAX_BYTES = 256 << 20  # data files up to this are mapped in one pass (MAP_POPULATE)
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 Progress = Callable[[int], None]
@@ -246,7 +248,12 @@ def _incarnation_id(owner: Any) -> str:
 
 
 class _Files:
-    """Open data files once, mmapped; byte ranges are hashed straight from the page cache."""
+    """Open data files once, mmapped; byte ranges are hashed straight from the page cache.
+
+    Each file goes through `foundation.boundedread.open_regular` (no link, and a FIFO, device or
+    directory refused before anything blocks: one FIFO `.distcp` used to hang every restart). A file
+    up to `POPULATE_MAX_BYTES` is mapped in one kernel pass; a larger one is mapped lazily, so only
+    the byte ranges the manifest names are ever touched (a planted 1 GB file costs its ranges only)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -259,17 +266,11 @@ class _Files:
             if Path(file).is_absolute() or ".." in Path(file).parts:
                 raise DataError(f"{file}: storage path escapes the checkpoint directory")
             try:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
+                with open_regular(path, what="checkpoint data", follow_links=False) as (fd, st):
                     # MAP_POPULATE: map the (page-cached) file in one kernel pass, not one fault per page
-                    m = (
-                        mmap.mmap(
-                            f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
-                        )
-                        if size
-                        else b""
-                    )
-            except FileNotFoundError:
+                    populate = getattr(mmap, "MAP_POPULATE", 0) if st.st_size <= POPULATE_MAX_BYTES else 0
+                    m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) if st.st_size else b""
+            except NoInputError:
                 raise NoInputError(f"{path}: storage file missing") from None
             except OSError as exc:
                 raise from_os_error(exc, str(path)) from None
@@ -367,16 +368,15 @@ def write_manifest(manifest: Manifest, checkpoint_dir: str | Path) -> Path:
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    """Read a manifest file; a truncated or altered one is a DataError naming the file."""
+    """Read a manifest file (bounded: `foundation.boundedread`, at most `MANIFEST_BYTES`, no link, no
+    FIFO); a truncated or altered one is a DataError naming the file."""
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_FILE
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        data = read_bytes(path, max_bytes=MANIFEST_BYTES, what="a manifest", follow_links=False)
+    except NoInputError:
         raise NoInputError(f"{path}: no manifest") from None
-    except OSError as exc:
-        raise from_os_error(exc, str(path)) from None
     try:
         doc = parse_canonical(data.rstrip(b"\n"))
         if not isinstance(doc, dict) or doc.get("schema") != MANIFEST_SCHEMA:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import from_os_error
+from gpuguard.foundation.boundedread import AUDIT_LOG_BYTES, parse_json, read_lines
+from gpuguard.foundation.errors import NoInputError, from_os_error
 from gpuguard.foundation.jobdir import audit_log_path, refuse_linked_dir
 
 SCHEMA = "gpuguard.audit/1"
@@ -148,17 +149,14 @@ class AuditLog:
 
 def read(job_dir: str | Path) -> AuditLog:
     """Every well-formed record, oldest first; a missing log is an empty one."""
-    path = audit_log_path(job_dir)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    try:  # bounded: no link, no FIFO, at most AUDIT_LOG_BYTES, an overlong line one skipped line
+        data = read_lines(audit_log_path(job_dir), max_bytes=AUDIT_LOG_BYTES, what="an audit log")
+    except NoInputError:
         return AuditLog(())
-    except OSError as exc:
-        raise from_os_error(exc, str(path)) from exc
     records, skipped = [], 0
     for line in _lines(data):
         try:
-            doc = json.loads(line)
+            doc = parse_json(line)
             if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
                 raise ValueError("not an audit record")
             records.append(AuditRecord.from_dict(doc))

@@ -19,7 +19,7 @@ def test_a_directory_for_a_step_log_is_unknown_with_the_reason(cli, tmp_path: Pa
     by = {x["rank"]: x for x in doc["ranks"]}
     assert sorted(by) == [0, 1, 2], doc  # rank 2 used to vanish from the report
     assert by[2]["verdict"] == "unknown" and by[2]["reason"].startswith("step log unreadable: "), by[2]
-    assert "Is a directory" in by[2]["reason"] and "\n" not in by[2]["reason"]
+    assert "is a directory" in by[2]["reason"] and "\n" not in by[2]["reason"]
     assert doc["verdict"] == "unknown" and r.returncode == 3, doc  # not healthy: one rank is not known
     human = cli("gpu-doctor", "diagnose", "job", "--job-dir", str(tmp_path))
     assert human.returncode == 3 and "rank 2: unknown" in human.stdout and "step log unreadable" in human.stdout
