@@ -336,14 +336,31 @@ def _real_job_dir(value: Path | None) -> Path | None:
 
 
 # C0 and C1 control characters except tab and newline (ESC starts terminal escape sequences: a log
-# line or a dump field must never move the cursor, retitle the window or hide the text after it)
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# line or a dump field must never move the cursor, retitle the window or hide the text after it), and
+# the invisible characters that reorder or break what a person reads without being controls: the
+# bidirectional marks, embeddings, overrides and isolates (U+202E shows "gnp.exe" as "exe.png"), the
+# line and paragraph separators, the byte-order mark
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]")
+_NEWLINE = re.compile("\n")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def safe_text(value: object) -> str:
-    """`value` as text with every control character but tab and newline escaped (`\\x1b`), for human output."""
+    """`value` as text with every control and invisible reordering character but tab and newline
+    escaped (`\\x1b`, `\\u202e`), for human output. The one escape: every human output goes through
+    it (or `safe_line`)."""
     text = value if isinstance(value, str) else str(value)
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _CONTROL.sub(_escaped, text)
+
+
+def safe_line(value: object) -> str:
+    """`safe_text` for one line of output: a newline is escaped too (`\\x0a`), so a job-provided string
+    (a job id, a host, a reason) can never start a line of its own and forge one."""
+    return _NEWLINE.sub(_escaped, safe_text(value))
 
 
 def require_job(job_dir: Path | None) -> Path:

@@ -60,7 +60,7 @@ def run_contract(
     import sys
 
     from gpuguard.cli._app import console, emit_json, stdout_is_terminal
-    from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_all
+    from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_all, unknown_version_notes
     from gpuguard.diagnostics.contract import Interner, check, report_to_json
 
     files, notes = discover(paths)
@@ -83,6 +83,7 @@ def run_contract(
     warns = [f"refused {exc}; that rank's part of the contract is unknown" for exc in refused]
     if skipped:
         warns.append(f"{skipped} point-to-point entr(ies) without a readable peer were not compared")
+    warns += unknown_version_notes(traces)  # a dump format newer or older than the reader knows
     if any(not s.states_reliable for t in traces for s in t.streams):
         warns.append(
             "gloo records completion late (after wait() returns, and on failure too): completion states "

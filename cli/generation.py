@@ -22,7 +22,7 @@ from gpuguard.cli._app import (
     job_dir_option,
     make_app,
     require_job,
-    safe_text,
+    safe_line,
     stdout_is_terminal,
 )
 from gpuguard.foundation.env import LEDGER_ENV, SNAPSHOT_ROOT_ENV
@@ -56,8 +56,8 @@ def _when(t: float) -> str:
 
 
 def _emit_text(title: str, lines: list[str]) -> None:
-    """A rich panel on a terminal, plain lines when piped; control characters from records escaped."""
-    title, lines = safe_text(title), [safe_text(line) for line in lines]
+    """A rich panel on a terminal, plain lines when piped; control characters and newlines from records escaped."""
+    title, lines = safe_line(title), [safe_line(line) for line in lines]
     if stdout_is_terminal():
         from rich.panel import Panel
         from rich.text import Text
@@ -209,8 +209,10 @@ def init_cmd(
         )
     else:
         typer.echo(
-            f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
-            f"generation 0 {g.digest()[:16]}"
+            safe_line(
+                f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
+                f"generation 0 {g.digest()[:16]}"
+            )
         )
     return EXIT_OK
 
@@ -313,7 +315,7 @@ def history_cmd(
             }
         )
         return EXIT_CRITICAL if beyond else EXIT_OK
-    typer.echo(f"ledger {led.url}: active generation {chain[-1].generation}")
+    typer.echo(safe_line(f"ledger {led.url}: active generation {chain[-1].generation}"))
     typer.echo(
         f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'round':>5}  {'members':>7}  {'step':>8}  "
         "quiescence  digest"
@@ -324,7 +326,7 @@ def history_cmd(
         rnd = _rendezvous_round(c.extra)
         shown_round = "-" if rnd is None else str(rnd)
         typer.echo(
-            safe_text(
+            safe_line(
                 f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
                 f"{shown_round:>5}  {len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
             )
@@ -422,11 +424,16 @@ def verify_cmd(
     as_json: bool = JSON_OPTION,
 ) -> int:
     """Signatures, the hash chain, the rules; with --deep the frontier state's files too. Exit 2 on failure."""
+    from gpuguard.foundation.errors import NoInputError
+    from gpuguard.foundation.jobdir import snapshot_root as root_of
     from gpuguard.generation.job import open_job_ledger
     from gpuguard.generation.keys import load_key
     from gpuguard.generation.verify import verify_ledger
 
     key = load_key(require_job(job_dir))
+    root = root_of(job_dir, snapshot_root)
+    if deep and not root.is_dir():  # a typo'd root would verify nothing and still say "verified"
+        raise NoInputError(f"{root}: no such snapshot root (--snapshot-root or ${SNAPSHOT_ROOT_ENV})")
     led = open_job_ledger(job_dir, ledger, timeout=timeout)
     report = verify_ledger(led, key, generation=generation)
     deep_stats = None
@@ -452,9 +459,9 @@ def verify_cmd(
         )
     else:
         for f in report.findings:
-            typer.echo(safe_text(f"FAIL {f}"))
+            typer.echo(safe_line(f"FAIL {f}"))
         for note in report.notes:
-            typer.echo(safe_text(f"note: {note}"))
+            typer.echo(safe_line(f"note: {note}"))
         what = f"generation {generation}" if generation is not None else f"{len(report.checked)} generation(s)"
         extra = (
             (
@@ -464,7 +471,7 @@ def verify_cmd(
             if deep_stats
             else ""
         )
-        typer.echo(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}")
+        typer.echo(safe_line(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}"))
     return EXIT_OK if report.ok else EXIT_CRITICAL
 
 
@@ -492,18 +499,18 @@ def explain_cmd(
         emit_json({"schema": EXPLAIN_SCHEMA, "ledger": led.url, "refusals": [r.to_dict() for r in refusals]})
         return EXIT_OK
     if not refusals:
-        typer.echo(f"no refused activation recorded in {led.url}")
+        typer.echo(safe_line(f"no refused activation recorded in {led.url}"))
         return EXIT_OK
     for r in refusals:
         typer.echo(
-            safe_text(
+            safe_line(
                 f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
                 f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:"
             )
         )
         for v in r.violations:
             who = f" rank {v.member}:" if v.member is not None else ""
-            typer.echo(safe_text(f"  rule {v.rule}:{who} {v.message}"))
+            typer.echo(safe_line(f"  rule {v.rule}:{who} {v.message}"))
     return EXIT_OK
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from gpuguard.cli._app import console, emit_json, job_dir_option, require_job, safe_text, stdout_is_terminal
+from gpuguard.cli._app import console, emit_json, job_dir_option, require_job, safe_line, stdout_is_terminal
 
 
 def _when(t: float) -> str:
@@ -69,6 +69,13 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
         )
     for e in doc["evicted"]:
         lines.append(f"evicted        generation {e['generation']}: dead {e['dead']}, killed {e['killed']}")
+    inc = doc.get("incarnations") or {}
+    if inc.get("unreadable") or inc.get("problem"):
+        lines.append(
+            f"incarnations   {len(inc.get('unreadable') or [])} record(s) unreadable"
+            + (f" ({inc['problem']})" if inc.get("problem") else "")
+        )
+        lines += [f"  {why}" for why in (inc.get("unreadable") or [])[:8]]
     tail = doc["audit_tail"]
     lines.append(
         f"audit          last {len(tail)} entr{'y' if len(tail) == 1 else 'ies'}"
@@ -82,7 +89,7 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
             f"(exit {a['exit_code']}){summary}"
         )
     lines.append(f"safe to resume: {'yes' if doc['safe_to_resume'] else 'no'}, because {doc['because']}")
-    return [safe_text(line) for line in lines]
+    return [safe_line(line) for line in lines]
 
 
 def _page(job_dir: Path, ledger: str | None, probe_timeout: float) -> dict[str, Any]:

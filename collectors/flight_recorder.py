@@ -54,6 +54,31 @@ def restricted_loads(data: bytes) -> Any:
     return unpickle.restricted_loads(data, what="a Flight Recorder dump")
 
 
+# Flight Recorder dump format versions this reader was written and tested against (`version` in the
+# dump): a version outside them may have moved or renamed fields, so it is read but reported.
+KNOWN_FR_VERSIONS = ((2, 0), (2, 10))
+
+
+def unknown_version_notes(traces: Iterable[RankTrace]) -> list[str]:
+    """One warning per rank whose Flight Recorder dump has a format version outside
+    `KNOWN_FR_VERSIONS` (or none that reads as MAJOR.MINOR): such a dump is read as the newest known
+    one, and the result is only as good as that guess. gpuguard's own traces carry their schema."""
+    low, high = KNOWN_FR_VERSIONS
+    notes = []
+    for t in traces:
+        if t.format not in (FORMAT_FR_PICKLE, FORMAT_FR_JSON):
+            continue
+        major, _, minor = str(t.version).partition(".")
+        known = major.isdigit() and minor.isdigit() and low <= (int(major), int(minor)) <= high
+        if not known:
+            shown = repr(str(t.version)[:20])
+            notes.append(
+                f"rank {t.rank}: Flight Recorder format version {shown} is outside the known "
+                f"{low[0]}.{low[1]}-{high[0]}.{high[1]}: read as {high[0]}.{high[1]}, the comparison may be wrong"
+            )
+    return notes
+
+
 @dataclass(frozen=True)
 class Loaded:
     """One input file, loaded.

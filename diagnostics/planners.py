@@ -15,6 +15,18 @@ from gpuguard.diagnostics.voters import ring_allreduce_s, tree_allreduce_s
 from gpuguard.foundation.errors import UsageError
 
 SCHEMA = "gpuguard.plan/1"
+# The inputs' bounds: the largest training jobs are ~10^5 GPUs. A layout lists its groups rank by rank,
+# so an unbounded --tp (e.g. 99999999999999999999) would try to build them all (23 GB before the OOM
+# killer); and a count past float range would overflow the arithmetic. Past a bound: a usage error (64).
+MAX_RANKS = 1_000_000  # world size of a layout, --ranks of a collective, --gpus of a checkpoint plan
+MAX_BATCH = 10**15  # --global-batch
+MAX_SECONDS = 10**9  # --cost, --async-blocking: ~30 years
+
+
+def _bounded(value: float, upper: float, what: str) -> None:
+    """A usage error (64) naming the option when `value` is past its bound (`MAX_*` above)."""
+    if not value <= upper:  # also catches NaN
+        raise UsageError(f"{what} must be at most {upper:,}, got {str(value)[:40]}")
 
 
 # -- checkpoint interval -------------------------------------------------------------------------------
@@ -50,6 +62,7 @@ def failure_rate_per_hour(
         raise UsageError("give --failures-per-hour, or --mtbf-hours with --gpus")
     if mtbf_hours <= 0 or gpus <= 0:
         raise UsageError("--mtbf-hours and --gpus must be > 0")
+    _bounded(gpus, MAX_RANKS, "--gpus")
     return gpus / mtbf_hours
 
 
@@ -62,6 +75,7 @@ def checkpoint_plan(cost_s: float, failures_per_hour: float, async_blocking_s: f
     """
     if cost_s <= 0:
         raise UsageError("--cost must be > 0 seconds")
+    _bounded(cost_s, MAX_SECONDS, "--cost")
     lam = failures_per_hour / 3600.0
     b = cost_s if async_blocking_s is None else float(async_blocking_s)
     if b < 0 or b > cost_s:
@@ -132,7 +146,12 @@ def layout_plan(tp: int, pp: int, dp: int, failed_rank: int, global_batch: int |
     """Which groups rank R is in; what a hot spare restores; what shrinking costs (a whole DP replica)."""
     if min(tp, pp, dp) < 1:
         raise UsageError("--tp, --pp and --dp must be ≥ 1")
+    for value, what in ((tp, "--tp"), (pp, "--pp"), (dp, "--dp")):
+        _bounded(value, MAX_RANKS, what)
     world = tp * pp * dp
+    _bounded(world, MAX_RANKS, f"--tp × --pp × --dp ({tp}×{pp}×{dp})")
+    if global_batch is not None:
+        _bounded(global_batch, MAX_BATCH, "--global-batch")
     if not 0 <= failed_rank < world:
         raise UsageError(f"--failed-rank must be in [0, {world - 1}] for {tp}×{pp}×{dp} = {world} ranks")
     t = failed_rank % tp
@@ -230,6 +249,7 @@ def collective_plan(ranks: int, nbytes: float, bandwidth_bytes_s: float, latency
     """Ring: 2(N−1)/N · S/BW + 2(N−1)·α; tree: 2·S/BW + 2⌈log2 N⌉·α. Ring is bandwidth-optimal, tree latency-optimal."""
     if ranks < 1 or nbytes < 0 or bandwidth_bytes_s <= 0 or latency_s < 0:
         raise UsageError("need --ranks ≥ 1, --bytes ≥ 0, --bandwidth > 0, --latency ≥ 0")
+    _bounded(ranks, MAX_RANKS, "--ranks")
     ring = ring_allreduce_s(nbytes, ranks, bandwidth_bytes_s, latency_s)
     tree = tree_allreduce_s(nbytes, ranks, bandwidth_bytes_s, latency_s)
     bw_term = 2 * (ranks - 1) / ranks * nbytes / bandwidth_bytes_s if ranks > 1 else 0.0

@@ -191,7 +191,14 @@ def _row(
 
 
 def _who(rec: IncarnationRecord) -> str:
-    return f"rank {rec.rank} incarnation {rec.incarnation_id} pid {rec.pid}"
+    return f"rank {rec.rank} incarnation {escape_newlines(rec.incarnation_id)} pid {rec.pid}"
+
+
+def escape_newlines(text: object) -> str:
+    """A record's string inside a line of the plan (and of the confirmation prompt, which is several
+    lines): its newlines escaped, so a host or file name can never start a line of its own. The CLI
+    escapes every other control character (`cli._app.safe_text`)."""
+    return str(text).replace("\n", "\\x0a")
 
 
 def plan_abort(facts: AbortFacts) -> AbortPlan:
@@ -220,14 +227,14 @@ def plan_abort(facts: AbortFacts) -> AbortPlan:
     for found in facts.records:
         rec = found.record
         if rec is None:
-            unverified.append(f"unreadable incarnation record, not verified: {found.problem}")
+            unverified.append(f"unreadable incarnation record, not verified: {escape_newlines(found.problem)}")
             rows.append(_row(None, "unreadable", str(found.problem), active))
             continue
         if req.generation is not None and rec.generation is not None and rec.generation > req.generation:
             continue
         if req.ranks and rec.rank not in req.ranks:
             continue
-        who = f"{_who(rec)} on {rec.host or '?'}"
+        who = f"{_who(rec)} on {escape_newlines(rec.host or '?')}"
         if not req.include_active and is_active(rec.generation, active):
             left_alone.append(
                 f"{who}: generation {rec.generation} is the ACTIVE generation: left alone (--include-active to abort it)"
@@ -246,7 +253,12 @@ def plan_abort(facts: AbortFacts) -> AbortPlan:
         considered.append(rec)
         check = found.check
         if not found.here or check is None:
-            unsure(rec, f"{_who(rec)} on {rec.host}: not on this host, not verified", "unverified", "not on this host")
+            unsure(
+                rec,
+                f"{_who(rec)} on {escape_newlines(rec.host)}: not on this host, not verified",
+                "unverified",
+                "not on this host",
+            )
         elif check.verdict == "job":
             targets.append(rec)
         elif check.verdict == "gone":
@@ -417,7 +429,7 @@ def describe_abort(plan: ActionResult) -> str:
     for t in targets:
         gen = "-" if t["generation"] is None else str(t["generation"])
         mark = "  (ACTIVE generation)" if t["active"] else ""
-        lines.append(f"  host {t['host']}  pid {t['pid']}  rank {t['rank']}  generation {gen}{mark}")
+        lines.append(f"  host {escape_newlines(t['host'])}  pid {t['pid']}  rank {t['rank']}  generation {gen}{mark}")
     for line in (*(plan.details.get("left_alone") or ()), *(plan.details.get("unverified") or ())):
         lines.append(f"  not signalled: {line}")
     lines.append("Proceed?")

@@ -161,45 +161,34 @@ def run_action(
     """Ask (or require --yes) for a mutating action, run it, append the audit record.
 
     `confirm` is None when no terminal is attached: then a mutating action without --yes is refused
-    (exit 4) and nothing is changed. Dry runs change nothing, the audit log included.
+    (exit 4) and nothing is changed. What is recorded: every mutating action that is not a dry run,
+    and every step of a runbook run (`run_id`: its results are the run's record, for resumption).
+    A read-only action on its own (`verify`, `diagnose`) writes nothing, the audit log included. The
+    audit log is checked writable before anything is done: an action never acts, then fails to say so.
     """
 
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}
+    audited = job_dir is not None and not dry_run and (name in MUTATING or run_id is not None) and job_dir.is_dir()
+
+    def record(outcome: str, code: int, detail: Mapping[str, Any]) -> None:
+        if audited and job_dir is not None:
+            audit.append(
+                job_dir, audit.new_record(name, outcome, code, args=args, run_id=run_id, step=step, detail=detail)
+            )
+
+    if audited and job_dir is not None:
+        audit.check_writable(job_dir)
     if name in MUTATING and not dry_run and not yes:
         if confirm is None or not confirm(_describe(name, fn, kwargs)):
             why = "not confirmed" if confirm is not None else "no terminal to confirm on: pass --yes (or --dry-run)"
-            if job_dir is not None and job_dir.is_dir():
-                audit.append(
-                    job_dir,
-                    audit.new_record(
-                        name, "refused", EXIT_REFUSED, args=args, run_id=run_id, step=step, detail={"why": why}
-                    ),
-                )
+            record("refused", EXIT_REFUSED, {"why": why})
             raise RefusedError(f"{name} refused: {why}")
     try:
         result = fn(**kwargs, dry_run=dry_run) if name in MUTATING else fn(**kwargs)
     except GpuguardError as exc:
-        if job_dir is not None and job_dir.is_dir() and not dry_run:
-            audit.append(
-                job_dir,
-                audit.new_record(
-                    name, "error", exc.exit_code, args=args, run_id=run_id, step=step, detail={"error": str(exc)}
-                ),
-            )
+        record("error", exc.exit_code, {"error": str(exc)})
         raise
-    if job_dir is not None and job_dir.is_dir() and not dry_run:
-        audit.append(
-            job_dir,
-            audit.new_record(
-                name,
-                result.outcome,
-                result.exit_code,
-                args=args,
-                run_id=run_id,
-                step=step,
-                detail={"summary": result.summary, **result.details},
-            ),
-        )
+    record(result.outcome, result.exit_code, {"summary": result.summary, **result.details})
     return result
 
 

@@ -9,18 +9,21 @@ which readers skip and count. Runbook resumption reads the same log.
 
 from __future__ import annotations
 
+import errno
 import getpass
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.boundedread import AUDIT_LOG_BYTES, parse_json, read_lines
-from gpuguard.foundation.errors import NoInputError, from_os_error
+from gpuguard.foundation.errors import EXIT_CANTCREAT, GpuguardError, NoInputError, from_os_error
 from gpuguard.foundation.jobdir import audit_log_path, refuse_linked_dir
 
 SCHEMA = "gpuguard.audit/1"
@@ -123,22 +126,49 @@ def encode(record: AuditRecord) -> bytes:
 
 def append(job_dir: str | Path, record: AuditRecord) -> None:
     """Append one record with one write (O_APPEND); fsync so it survives a crash right after."""
-    path = audit_log_path(job_dir)
     data = encode(record)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        refuse_linked_dir(path.parent)
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with _opened(job_dir) as (fd, path):
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data  # a crash left a torn last line: never glue a record onto it
             os.write(fd, data)
             os.fsync(fd)
-        finally:
-            os.close(fd)
+        except OSError as exc:
+            raise from_os_error(exc, str(path)) from exc
+
+
+def check_writable(job_dir: str | Path) -> None:
+    """Raise now (73) if `append` could not write the record: a mutating action checks this before it
+    changes anything, so it never acts and then fails to say so (a linked audit.log used to let
+    `restore --yes` pin first, then exit 74). Creates the log if it is missing; writes nothing."""
+    with _opened(job_dir):
+        pass
+
+
+@contextmanager
+def _opened(job_dir: str | Path) -> Iterator[tuple[int, Path]]:
+    """The audit log opened for appending: never through a link (the file or its folder), never a
+    FIFO or device (a write could block for ever or go anywhere)."""
+    path = audit_log_path(job_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_linked_dir(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise GpuguardError(
+                f"{path}: is a symbolic link: refusing to write the audit record through it", exit_code=EXIT_CANTCREAT
+            ) from None
         raise from_os_error(exc, str(path)) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise GpuguardError(
+                f"{path}: not a regular file: refusing to write the audit record into it", exit_code=EXIT_CANTCREAT
+            )
+        yield fd, path
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

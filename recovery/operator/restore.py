@@ -17,6 +17,9 @@ from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.recovery.operator.result import ActionResult
 from gpuguard.recovery.snapshots import store as snapshot
+from gpuguard.recovery.snapshots.parts import LAYOUT as SHARDED
+from gpuguard.recovery.snapshots.parts import parts_problem
+from gpuguard.recovery.snapshots.store import SnapshotInfo
 
 
 def restore(
@@ -44,7 +47,7 @@ def restore(
     root = jobdir.snapshot_root(job_dir, snapshot_root)
     if not root.is_dir():
         raise NoInputError(f"{root}: no such snapshot root")
-    selection = snapshot.select_restorable(root, bound, max_tries=max_tries)
+    selection = snapshot.select_restorable(root, bound, max_tries=max_tries, check=runtime_check)
     details: dict[str, Any] = {
         "frontier": frontier,
         "frontier_source": source,
@@ -107,3 +110,11 @@ def _frontier(job_dir: Path) -> tuple[int | None, str]:
             return None, "none (no active certificate)"
         committed = ledger.last_committed_by_all(cert.generation) if cert.members else None
     return frontier_limit(cert, committed), f"generation {cert.generation} (committed by all: {committed})"
+
+
+def runtime_check(info: SnapshotInfo) -> str | None:
+    """What the runtime checks beyond the manifest before it loads a state: a sharded snapshot's
+    every part present, unaltered and together the manifest (`snapshots.parts.parts_problem`). Without it,
+    restore pinned a snapshot with a missing or swapped part, the runtime refused it and resumed a
+    step earlier than the pin said."""
+    return parts_problem(info) if info.layout == SHARDED else None

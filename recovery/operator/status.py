@@ -30,8 +30,9 @@ from gpuguard.collectors.torchrun import gather as gather_torchrun
 from gpuguard.diagnostics.torchrun_hazards import CRITICAL, WARNING, assess_facts
 from gpuguard.diagnostics.vote import load_config, vote
 from gpuguard.doctor.job_observation import observe_job
-from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_UNKNOWN, EXIT_WARNING, GpuguardError
+from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_UNKNOWN, EXIT_WARNING, DataError, GpuguardError
 from gpuguard.foundation.identity import ALIVE_STATES, GONE_STATES, process_status
+from gpuguard.foundation.jobdir import iter_incarnations
 from gpuguard.generation.job import open_job_ledger
 from gpuguard.recovery.operator import audit
 
@@ -88,6 +89,8 @@ class StatusFacts:
     audit_tail: tuple[Mapping[str, Any], ...] = ()
     audit_problem: str | None = None
     evicted: tuple[Mapping[str, Any], ...] = ()
+    unreadable_incarnations: tuple[str, ...] = ()  # why each unreadable incarnation record could not be read
+    incarnations_problem: str | None = None  # the records could not be scanned at all (timed out)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,17 @@ def decide(facts: StatusFacts) -> Decision:
             reasons.append((WARN, f"torchrun: {h.get('kind')}: {h.get('message')}"))
     if facts.hazards_problem:
         reasons.append((UNKNOWN, f"torchrun: {facts.hazards_problem}"))
+    if facts.unreadable_incarnations:
+        n = len(facts.unreadable_incarnations)
+        reasons.append(
+            (
+                WARN,
+                f"{n} incarnation record(s) unreadable (abort cannot verify those workers): "
+                f"{facts.unreadable_incarnations[0]}",
+            )
+        )
+    if facts.incarnations_problem:
+        reasons.append((UNKNOWN, f"incarnation records: {facts.incarnations_problem}"))
 
     state = max((s for s, _ in reasons), key=_LEVEL.__getitem__, default=HEALTHY)
     safe, because = _safe_to_resume(facts, alive, unsure)
@@ -285,6 +299,11 @@ def _read_hazards(job_dir: Path) -> tuple[tuple[Mapping[str, Any], ...], int]:
     return tuple(h.to_json() for h in assessment.hazards), assessment.live_workers
 
 
+def _read_incarnations(job_dir: Path) -> tuple[str, ...]:
+    """Why each unreadable incarnation record could not be read (a link, a FIFO, garbage, no permission)."""
+    return tuple(str(r) for r in iter_incarnations(job_dir) if isinstance(r, DataError))
+
+
 def _read_audit(job_dir: Path) -> tuple[Mapping[str, Any], ...]:
     tail = audit.read(job_dir).records[-AUDIT_TAIL:]
     out = []
@@ -317,6 +336,7 @@ def gather(
     votes = _bounded(lambda: _read_vote(path), probe_timeout_s)
     hazards = _bounded(lambda: _read_hazards(path), probe_timeout_s)
     tail = _bounded(lambda: _read_audit(path), probe_timeout_s)
+    records = _bounded(lambda: _read_incarnations(path), probe_timeout_s)
     facts: dict[str, Any] = {"job_dir": str(path), "time": now}
     try:
         led = ledger()
@@ -356,6 +376,10 @@ def gather(
         facts["audit_tail"] = tail()
     except Exception as exc:  # noqa: BLE001
         facts["audit_problem"] = _problem(exc)
+    try:
+        facts["unreadable_incarnations"] = records()
+    except Exception as exc:  # noqa: BLE001
+        facts["incarnations_problem"] = _problem(exc)
     return StatusFacts(**facts)
 
 
@@ -392,4 +416,8 @@ def to_json(facts: StatusFacts, decision: Decision) -> dict[str, Any]:
         "audit_tail": [dict(a) for a in facts.audit_tail],
         "audit_problem": facts.audit_problem,
         "evicted": [dict(e) for e in facts.evicted],
+        "incarnations": {
+            "unreadable": list(facts.unreadable_incarnations),
+            "problem": facts.incarnations_problem,
+        },
     }

@@ -70,6 +70,7 @@ class SnapshotInfo:
     generation: int | None = None
     state_digest: str | None = None
     manifest_digest: str | None = None
+    layout: str | None = None  # the verified manifest's `extra.layout` ("gpuguard.sharded/1"; None: replicated)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class SnapshotInfo:
             "generation": self.generation,
             "state_digest": self.state_digest,
             "manifest_digest": self.manifest_digest,
+            "layout": self.layout,
         }
 
 
@@ -188,7 +190,16 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return f"corrupt: {problems[0]}{more}", info
-    return None, SnapshotInfo(info.step, info.path, info.kind, rec.generation, rec.state_digest, manifest.digest)
+    layout = dict(manifest.extra).get("layout")
+    return None, SnapshotInfo(
+        info.step,
+        info.path,
+        info.kind,
+        rec.generation,
+        rec.state_digest,
+        manifest.digest,
+        layout if isinstance(layout, str) else None,
+    )
 
 
 # ---------------------------------------------------------------- torch side
