@@ -83,7 +83,7 @@ def worker_main() -> int:
     def step_fn(step: int, rank: int, world: int) -> None:
         rt.fault("before_allreduce", step)
         if digests and rt.optimizer.state:  # (a fresh optimizer's state would be created by reading it)
-            d = digests.state_digest_sharded(rt.sharded_state())  # collective: the state after step - 1
+            d = rt.state_hash()  # collective: the state after step - 1
             if rank == 0:
                 _append(
                     out / "digests.jsonl", {"generation": rt.generation, "world": world, "step": step - 1, "digest": d}

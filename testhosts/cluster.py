@@ -307,10 +307,12 @@ class Cluster:
         return self.states[self.host(host).name]
 
     def env(self, host: str | Host) -> dict[str, str]:
-        """Environment hints for a process on `host`: gloo's link, MASTER_ADDR in the range, no proxy."""
+        """Environment hints for a process on `host`: gloo's link, MASTER_ADDR in the range, no proxy, and
+        our PYTHONPATH (a checkout run without an install imports the same gpuguard on every host)."""
         h = self.host(host)
         no_proxy = ",".join(["127.0.0.1", "localhost", *(x.address for x in self.hosts), *(x.name for x in self.hosts)])
         return {
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
             "GLOO_SOCKET_IFNAME": h.ifname,
             "TP_SOCKET_IFNAME": h.ifname,
             "MASTER_ADDR": self.host_for_role("rendezvous").address,

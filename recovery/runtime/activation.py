@@ -1,6 +1,6 @@
 """Activation decisions, pure: which frontier, which reason, is the old generation quiet.
 
-The runtime's coordinator (`Runtime._coordinate`) gathers the facts (the parent certificate, the
+The restart coordinator (`recovery.runtime.restart`) gathers the facts (the parent certificate, the
 ledger's commit record, the operator's restore pin, the verified snapshots on disk, what every
 member saw of the old incarnations on its host) and these functions turn them into the inputs of
 the next certificate (`plan_activation`). No I/O here, so every rule has a fast unit test.

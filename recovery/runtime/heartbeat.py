@@ -34,6 +34,10 @@ from gpuguard.recovery.runtime.group_sockets import shutdown_tcp, socket_inodes
 
 FANOUT = 2  # each rank is watched by this many successors: one lost watcher does not blind the ring
 MAX_PACKET = 512  # bytes: a datagram is ~150; anything larger is not ours
+MAX_BATCH = 512  # packets drained per loop turn: the beats and the check never wait behind a flood
+RECV_BUFFER = 1 << 20  # asked of the kernel (it may give less): room for the peers' packets during a burst
+# Linux: ancillary data with the count of datagrams the kernel dropped on this socket (a full buffer)
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 START_GRACE_S = 1.0  # extra silence allowed before the first packet of a peer (start-up skew)
 _MAC_LEN = 32
 _KEY_LABEL = b"gpuguard peer heartbeat v1"
@@ -139,7 +143,8 @@ def worker_address(master_addr: str | None, env: dict[str, str] | None = None) -
 
 
 def open_socket(address: str) -> socket.socket:
-    """A UDP socket bound on `address`, an ephemeral port."""
+    """A UDP socket bound on `address`, an ephemeral port, with a large receive buffer and (Linux) the
+    kernel's drop counter on every datagram (`SO_RXQ_OVFL`): a receiver can tell it was deaf."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
@@ -147,7 +152,17 @@ def open_socket(address: str) -> socket.socket:
     except OSError:
         sock.close()
         raise
+    for option, value in ((socket.SO_RCVBUF, RECV_BUFFER), (SO_RXQ_OVFL, 1)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, value)
+        except OSError:
+            pass  # not this kernel: the batch limit alone then marks a receiver that falls behind
     return sock
+
+
+def _source(address: tuple[str, int] | tuple[str, int, int, int]) -> tuple[str, int]:
+    """(plain IP, port) of a socket address, IPv4-mapped IPv6 as IPv4: one form to compare."""
+    return _plain_ip(str(address[0])), int(address[1])
 
 
 def _plain_ip(addr: str) -> str:
@@ -194,7 +209,12 @@ class PeerHeartbeat:
         self.watch = {r: peers[r].incarnation_id for r in watch if r in peers}
         self.last_seen: dict[int, float] = {}
         self.last_seq: dict[int, int] = {}
+        # where the watched peers send from: anything else is dropped before any hashing (a flood is cheap)
+        self.sources = {_source(peers[r].address) for r in self.watch}
         self.rejected = 0
+        self.dropped = 0  # datagrams from addresses no watched peer sends from
+        self.kernel_drops = 0  # datagrams the kernel dropped on this socket (its buffer was full)
+        self.deaf_at: float | None = None  # the last moment this receiver could not hear everything
         self.suspected: tuple[int, float] | None = None
         self._started = clock()
         self._stop = threading.Event()
@@ -233,12 +253,35 @@ class PeerHeartbeat:
                 pass  # a link down: the peers notice the silence, which is the point
 
     def _receive(self, wait_s: float) -> None:
-        try:
-            self.sock.settimeout(wait_s)
-            packet, _ = self.sock.recvfrom(MAX_PACKET + 1)
-        except (TimeoutError, OSError):
-            return
-        self.accept(packet, self.clock())
+        """Wait up to `wait_s` for a datagram, then drain what is queued, at most MAX_BATCH: a flood
+        costs a bounded amount of work per turn, and the beats and the check still run on time. A
+        turn that could not drain the queue, or in which the kernel dropped datagrams, makes this
+        receiver deaf for that moment: a silence then is no evidence against a peer."""
+        self.sock.settimeout(wait_s)
+        for n in range(MAX_BATCH):
+            try:
+                packet, anc, _flags, addr = self.sock.recvmsg(MAX_PACKET + 1, socket.CMSG_SPACE(4))
+            except (TimeoutError, BlockingIOError, InterruptedError):
+                return  # the queue is empty: everything sent to us was heard
+            except OSError:
+                return
+            if n == 0:
+                self.sock.settimeout(0.0)
+            now = self.clock()
+            self._count_kernel_drops(anc, now)
+            if _source(addr) not in self.sources:
+                self.dropped += 1
+                continue
+            self.accept(packet, now)
+        self.deaf_at = self.clock()  # more was queued than one turn takes: behind
+
+    def _count_kernel_drops(self, anc: list[tuple[int, int, bytes]], now: float) -> None:
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
+                total = struct.unpack("=I", data[:4])[0]
+                if total != self.kernel_drops:
+                    self.kernel_drops = total
+                    self.deaf_at = now
 
     def accept(self, packet: bytes, now: float) -> bool:
         """Count a packet from a watched peer of this generation and incarnation, with a fresh sequence."""
@@ -261,6 +304,8 @@ class PeerHeartbeat:
             seen = self.last_seen.get(rank)
             silent = now - (seen if seen is not None else self._started)
             allowed = limit if seen is not None else limit + START_GRACE_S
+            if self.deaf_at is not None:  # silence counts only from the last moment this receiver heard all
+                silent = min(silent, now - self.deaf_at)
             if silent > allowed:
                 self.suspected = (rank, silent)
                 self.on_suspect(rank, silent)

@@ -89,7 +89,7 @@ def chunk_sums(mem: Remembered) -> dict[str, list[Any]]:
 
 def digest_of(chunks: Mapping[str, Sequence[Any]]) -> str:
     """The layout-independent state digest of a set of distinct chunks (`chunk_sums` entries, any
-    holders): equal to `sharded_snapshot.state_digest_sharded` of the state they make up."""
+    holders): equal to `recovery.snapshots.digests.state_digest_sharded` of the state they make up."""
     per_path: dict[str, list[Any]] = {}
     for key, (dtype, shape, _sizes, total) in sorted(chunks.items()):
         path = key.rpartition("@")[0]

@@ -128,7 +128,7 @@ ONE_RANK = textwrap.dedent(
         with fault_tolerant(build, job_dir=job) as run:
             for step in run.steps(until=10):
                 step_of(run, step)
-                run.runtime.generation -= 1
+                run.runtime.context.generation -= 1
         raise SystemExit("not fenced")
     if mode == "break":
         with fault_tolerant(build, job_dir=job, sharded=False) as run:

@@ -192,3 +192,53 @@ def test_the_worker_address_is_gloos_interface_or_the_route_to_the_master():
     assert hb.worker_address("127.0.0.1", {}) == "127.0.0.1"
     with pytest.raises(OSError):  # never a guess: the detector stays off
         hb.worker_address("127.0.0.1", {"GLOO_SOCKET_IFNAME": "nosuchif0"})
+
+
+def _flood(target: tuple[str, int], seconds: float, forged: bytes) -> int:
+    """Junk and forged heartbeats at `target` from loopback, as fast as one socket sends, for `seconds`."""
+    end, sent = time.monotonic() + seconds, 0
+    junk = bytes(range(200))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        while time.monotonic() < end:
+            for packet in (junk, forged) * 64:
+                try:
+                    s.sendto(packet, target)
+                except OSError:
+                    pass
+            sent += 128
+    return sent
+
+
+def test_a_loopback_flood_at_a_heartbeat_port_makes_no_one_suspect_a_live_peer():
+    """Issue 28, finding 7: 2-3 s of small junk packets at a worker's port made it suspect a live peer
+    in 3 of 5 runs (the junk starved the receiver; the kernel dropped the peers' beats). Now junk from
+    addresses no watched peer sends from is dropped before any hashing, a turn drains at most
+    MAX_BATCH datagrams, and a silence while the receiver could not hear everything is no evidence."""
+    cfg = hb.HeartbeatConfig(0.1, 5)
+    forged = hb.encode(hb.derive_key(b"x" * 32), "job", 1, 1, "inc-1", 10**9)
+    for _ in range(2):
+        with Ring(3, cfg) as ring:
+            time.sleep(0.3)
+            threads = [
+                threading.Thread(target=_flood, args=(ring.socks[0].getsockname(), 3.0, forged)) for _ in range(2)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            time.sleep(0.2)
+            assert all(not s for s in ring.suspects.values()), ring.suspects
+            assert ring.dets[0].dropped > 0  # the flood reached the socket and was dropped cheaply
+            assert ring.dets[0].last_seen.keys() == ring.dets[0].watch.keys()
+
+
+def test_a_silent_peer_is_still_suspected_once_a_flood_is_over():
+    """Deafness defers a verdict, it does not cancel it: after the flood a dead peer is named in k intervals."""
+    cfg = hb.HeartbeatConfig(0.05, 5)
+    forged = hb.encode(hb.derive_key(b"x" * 32), "job", 1, 1, "inc-1", 10**9)
+    with Ring(3, cfg) as ring:
+        time.sleep(0.3)
+        ring.dets[2].stop()  # rank 0 watches ranks 2 and 1
+        _flood(ring.socks[0].getsockname(), 1.0, forged)
+        assert _until(lambda: ring.suspects[0], cfg.suspect_after_s + 2.0), ring.suspects
+        assert ring.suspects[0][0][0] == 2

@@ -11,26 +11,28 @@ import time
 import psutil
 
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
-from gpuguard.recovery.runtime.inplace import _kill_and_confirm, _process_state
 from gpuguard.recovery.runtime.switch import Report
+from gpuguard.recovery.runtime.switch_coordinator import kill_confirmed, member_liveness
 
 
 def test_a_stopped_process_is_seen_stopped_then_killed_and_confirmed_gone():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         start = psutil.Process(proc.pid).create_time()
-        assert _process_state(proc.pid, start) == "running"
-        assert _process_state(proc.pid, start + 5.0) == "gone"  # same pid, another start time: not this process
+        assert member_liveness(proc.pid, start) == "running"
+        assert member_liveness(proc.pid, start + 5.0) == "gone"  # same pid, another start time: not this process
         proc.send_signal(signal.SIGSTOP)
         for _ in range(200):
-            if _process_state(proc.pid, start) == "stopped":
+            if member_liveness(proc.pid, start) == "stopped":
                 break
             time.sleep(0.01)
-        assert _process_state(proc.pid, start) == "stopped"
-        assert _kill_and_confirm(proc.pid, start)
+        assert member_liveness(proc.pid, start) == "stopped"
+        assert kill_confirmed(proc.pid, start + 5.0)  # another start time: another process, never signalled
+        assert member_liveness(proc.pid, start) == "stopped"
+        assert kill_confirmed(proc.pid, start)
         proc.wait(timeout=10)
         assert proc.returncode == -signal.SIGKILL
-        assert _process_state(proc.pid, start) == "gone"
+        assert member_liveness(proc.pid, start) == "gone"
     finally:
         if proc.poll() is None:
             proc.kill()

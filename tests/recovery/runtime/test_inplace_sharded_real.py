@@ -21,7 +21,7 @@ import torch
 from gpuguard.examples.fsdp_train import reference
 from gpuguard.examples.inplace_train import Cluster
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.recovery.runtime.inplace import EXIT_REFUSED
+from gpuguard.foundation.errors import EXIT_REFUSED
 from tests.support.cli import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -176,6 +176,7 @@ def test_a_stale_incarnation_cannot_commit_or_publish_a_snapshot(killed_job):
     code = r"""
 import json, sys, torch
 from gpuguard.recovery.runtime.runtime import Runtime, FencedError
+from gpuguard.recovery.runtime.writers import ReplicatedWriter
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.examples.demo_train import build
 job = sys.argv[1]
@@ -183,17 +184,16 @@ rt = Runtime(job, rank=1, world_size=4, local_rank=1, master_addr="127.0.0.1", m
              restart_count=0, use_agent_store=True)
 ledger = open_ledger(job)
 old = ledger.get(ledger.require_active().generation - 1)
-rt.generation = old.generation
-rt.incarnation = old.ranks[1]
-model, opt = build()
-rt._objects = {"model": model, "optimizer": opt, "scheduler": None, "extra": {}}
+rt.context.generation = old.generation  # a zombie of the older generation
+rt.context.incarnation = old.ranks[1]
+rt.objects.model, rt.objects.optimizer = build()
 before = ledger.fenced_count()
 try:
     rt.commit(3)
     print("COMMITTED")
 except FencedError as exc:
     print("FENCED", exc)
-rt._write_snapshot(99, rt.state_dict())
+ReplicatedWriter(rt.context, rt.outcomes).write(99, rt.state_dict())
 print(json.dumps({"fenced_commits": rt.counters.fenced_commits, "fenced_snapshots": rt.counters.fenced_snapshots,
                   "ledger_fenced": ledger.fenced_count() - before}))
 """

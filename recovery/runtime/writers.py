@@ -1,0 +1,131 @@
+"""The replicated snapshot writer, and what every snapshot's outcome does (counters, checkpoints, pruning).
+
+Replicated state is the same on every rank, so rank 0 alone writes it, in a background thread:
+training never waits for the disk, and back-pressure keeps every due step's snapshot (the RPO) as
+long as the writer keeps up. Sharded state is written by every rank together
+(`recovery.snapshots.sharded_writer.ShardedSnapshotter`); both report each snapshot to one
+`SnapshotOutcomes`, which counts it and, on the publishing rank, copies a due checkpoint and
+prunes old snapshots (never the generation's certified frontier).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.snapshots.store import SnapshotInfo, copy_to_checkpoint, prune, save_snapshot
+
+
+class SnapshotOutcomes:
+    """What happens after each snapshot, written or not (the writer threads call it)."""
+
+    def __init__(self, ctx: Context, *, checkpoint_every: int, keep_snapshots: int) -> None:
+        self.ctx, self.checkpoint_every, self.keep = ctx, max(0, checkpoint_every), max(1, keep_snapshots)
+
+    def __call__(self, step: int, info: SnapshotInfo | None, error: str | None, publisher: bool = True) -> None:
+        """Count one snapshot (an error; fenced: no info; or written); the publisher (the replicated
+        writer; rank 0 of a sharded save) copies a due checkpoint and prunes."""
+        counters = self.ctx.counters
+        if error is not None:
+            counters.snapshot_errors += 1
+            self.ctx.log(f"snapshot of step {step} failed: {error}")
+            return
+        if info is None:
+            counters.fenced_snapshots += 1
+            self.ctx.log(f"snapshot of step {step} dropped: generation {self.ctx.generation} is no longer active")
+            return
+        counters.snapshots += 1
+        if publisher:
+            if self.checkpoint_every and step % self.checkpoint_every == 0:
+                copy_to_checkpoint(self.ctx.snapshot_root, info)
+            prune(self.ctx.snapshot_root, self.keep, protect=frozenset({self.ctx.frontier_step}))
+
+
+class ReplicatedWriter:
+    """One background writer of replicated snapshots; the newest request replaces a pending one only
+    after `max_wait` (training never waits longer)."""
+
+    def __init__(self, ctx: Context, outcomes: SnapshotOutcomes) -> None:
+        self.ctx, self.outcomes = ctx, outcomes
+        self.skipped = 0
+        self._cv = threading.Condition()
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gpuguard-snapshot", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, state: dict[str, Any], max_wait: float = 30.0) -> None:
+        """Queue `state` (a detached copy); if one is still pending, wait for the writer first
+        (back-pressure keeps every committed step's snapshot: the RPO). After `max_wait` the pending
+        one is replaced."""
+        end = time.monotonic() + max_wait
+        with self._cv:
+            while self._pending is not None and time.monotonic() < end:
+                self._cv.wait(end - time.monotonic())
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = (step, state)
+            self._cv.notify_all()
+
+    def write(self, step: int, state: dict[str, Any]) -> None:
+        """Write one snapshot now, on this thread (the writer thread calls it; so can a test)."""
+        t0 = time.thread_time()
+        hook = self.ctx.fault_hook
+        try:
+            info = save_snapshot(
+                self.ctx.snapshot_root,
+                step,
+                state,
+                generation=int(self.ctx.generation or 0),  # read when it writes: a switch may have moved on
+                owner=f"rank{self.ctx.rank}/{self.ctx.incarnation.id}",
+                still_current=self.ctx.still_current,
+                before_publish=(lambda _p: hook("snapshot", step)) if hook else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
+            self.outcomes(step, None, f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            self.ctx.counters.snapshot_cpu_s += time.thread_time() - t0
+        self.outcomes(step, info, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._stop:
+                    self._cv.wait()
+                if self._pending is None and self._stop:
+                    return
+                step, state = self._pending  # type: ignore[misc]
+                self._pending = None
+                self._busy = True
+                self._cv.notify_all()
+            try:
+                self.write(step, state)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until nothing is pending or being written; False on timeout."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._pending is not None or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float) -> bool:
+        ok = self.flush(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        return ok
+
+    def abandon(self) -> None:
+        """Keep writing what is queued (a replicated snapshot needs no group): nothing to give up."""
