@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
 from gpuguard.examples.inplace_train import Cluster, reference  # noqa: E402
-from gpuguard.foundation.inplace_files import inplace_dir  # noqa: E402
+from gpuguard.foundation.inplace_files import read_switch_records  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 
 WORKERS = 4
@@ -84,7 +84,7 @@ def measure_launch(job: Path, faults: list[tuple[int, int, str]], spec: str, ste
             continue
         kill_t = json.loads(fault_file.read_text())["time"]
         cert = history[gen]
-        recs = [json.loads(p.read_text()) for p in inplace_dir(job).glob(f"switch-g{gen}-r*.json")]
+        recs = list(read_switch_records(job, gen).values())
         if cert.extra.get("switch") != "in-place" or len(recs) != len(cert.members):
             continue
         first = max(r["phases"]["first_commit"] for r in recs)

@@ -35,7 +35,9 @@ from _common import emit  # noqa: E402
 from gpuguard.examples.demo_train import kill_marker  # noqa: E402
 from gpuguard.examples.fsdp_train import POINT  # noqa: E402
 from gpuguard.examples.inplace_train import Cluster  # noqa: E402
-from gpuguard.foundation.inplace_files import inplace_dir  # noqa: E402
+from gpuguard.foundation.inplace_files import (
+    read_switch_records,  # noqa: E402
+)
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 
 KILL_STEP = 5
@@ -91,7 +93,7 @@ def in_place_trial(job: Path, steps: int, sleep: float, timeout: float) -> dict:
     kill_t = json.loads((job / "faults" / f"3-before_commit-{KILL_STEP}.json").read_text())["time"]
     led = open_ledger(job)
     cert = led.active()
-    recs = [json.loads(p.read_text()) for p in inplace_dir(job).glob("switch-g2-r*.json")]
+    recs = list(read_switch_records(job, 2).values())
     if cert is None or cert.generation != 2 or cert.extra.get("switch") != "in-place" or len(recs) != 3:
         return row
     by_all = led.last_committed_by_all(1)

@@ -22,7 +22,9 @@ from typing import Any
 
 from gpuguard.examples.hostjob import HostJobBase
 from gpuguard.examples.inplace_train import FAULTS_ENV
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, JOB_ID_ENV, LEASE_TTL_ENV, LEDGER_ENV, PG_TIMEOUT_ENV
+from gpuguard.foundation.errors import GpuguardError
 
 MASTER_PORT = 29500
 
@@ -113,12 +115,11 @@ class HostJob(HostJobBase):
             return None
 
     def switch_records(self, host: str) -> list[dict[str, Any]]:
-        d = self.outside(host) / "coord" / "inplace"
         out = []
-        for p in sorted(d.glob("switch-g*-r*.json")) if d.exists() else []:
+        for p in jobdir.switch_record_paths(self.outside(host)):
             try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
+                out.append(jobdir.read_json(p))
+            except GpuguardError:
                 continue
         return out
 

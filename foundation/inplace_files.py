@@ -152,15 +152,10 @@ def abort_requested(job_dir: str | os.PathLike[str], generation: int) -> bool:
 SWITCH_SCHEMA = "gpuguard.inplace-switch/1"
 
 
-def switch_record_path(job_dir: str | os.PathLike[str], generation: int, rank: int) -> Path:
-    """`switch-g<G>-r<R>.json`: what an in-place switch into generation G cost member R (a record of
-    this host's job dir, never coordination: nobody waits for it)."""
-    return inplace_dir(job_dir) / f"switch-g{int(generation)}-r{int(rank)}.json"
-
-
 def write_switch_record(job_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
-    """Written by each member at its first commit in the new generation (`gpuguard.inplace-switch/1`)."""
-    path = switch_record_path(job_dir, int(record["generation"]), int(record["rank"]))
+    """Written by each member at its first commit in the new generation (`gpuguard.inplace-switch/1`):
+    a record of this host's job dir, never coordination (nobody waits for it)."""
+    path = jobdir.switch_record_path(job_dir, int(record["generation"]), int(record["rank"]))
     jobdir.atomic_write_json(path, {**record, "schema": SWITCH_SCHEMA})
     return path
 
@@ -168,7 +163,7 @@ def write_switch_record(job_dir: str | os.PathLike[str], record: Mapping[str, An
 def read_switch_records(job_dir: str | os.PathLike[str], generation: int) -> dict[int, dict[str, Any]]:
     """rank -> switch record of `generation`; unreadable or foreign files are skipped."""
     out: dict[int, dict[str, Any]] = {}
-    for path in sorted(inplace_dir(job_dir).glob(f"switch-g{int(generation)}-r*.json")):
+    for path in jobdir.switch_record_paths(job_dir, generation):
         try:
             doc = jobdir.read_json(path)
         except GpuguardError:

@@ -139,6 +139,12 @@ def switch_record_path(job_dir: str | os.PathLike[str], generation: int, rank: i
     return inplace_dir(job_dir) / f"switch-g{int(generation)}-r{int(rank)}.json"
 
 
+def switch_record_paths(job_dir: str | os.PathLike[str], generation: int | None = None) -> list[Path]:
+    """Every member's switch record of generation G (None: of every generation), by name."""
+    which = "*" if generation is None else str(int(generation))
+    return sorted(inplace_dir(job_dir).glob(f"switch-g{which}-r*.json"))
+
+
 def restore_pin_path(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / RESTORE_PIN
 

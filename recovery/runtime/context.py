@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpuguard.foundation import jobdir
-from gpuguard.foundation.env import JOB_ID_ENV, LEASE_TTL_ENV, SNAPSHOT_ROOT_ENV
+from gpuguard.foundation.env import JOB_ID_ENV, LEASE_TTL_ENV
 from gpuguard.foundation.errors import EXIT_USAGE, GpuguardError
 from gpuguard.generation.keys import key_path
 from gpuguard.generation.ledger_open import open_ledger
@@ -94,8 +94,7 @@ class Context:
     ) -> None:
         self.job_dir = Path(os.path.realpath(job_dir))  # followed once; nothing inside it is
         # where snapshots and checkpoints live: the job dir on one host, shared storage across hosts
-        root = snapshot_root or os.environ.get(SNAPSHOT_ROOT_ENV) or job_dir
-        self.snapshot_root = Path(os.path.realpath(root))
+        self.snapshot_root = Path(os.path.realpath(jobdir.snapshot_root(job_dir, snapshot_root)))
         self.launch = launch
         self.rank, self.world_size = launch.rank, launch.world_size
         self.ledger_url = ledger_url

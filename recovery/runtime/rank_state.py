@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import one_line
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.records import Certificate
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.refusals import ActivationRefused
-from gpuguard.recovery.runtime.restore_marks import mark_unrestorable
 from gpuguard.recovery.runtime.switch import Eviction, StateAgreement, agree_on_state
 from gpuguard.recovery.runtime.writers import ReplicatedWriter, SnapshotOutcomes
 from gpuguard.recovery.snapshots.store import (
@@ -100,7 +100,13 @@ class RankState(ABC):
             digest = self.load(ctx, info, cert)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                mark_unrestorable(ctx.snapshot_root, info, one_line(exc))
+                jobdir.mark_unrestorable(
+                    ctx.snapshot_root,
+                    step=info.step,
+                    path=info.path,
+                    manifest_digest=info.manifest_digest,
+                    reason=one_line(exc),
+                )
             raise
         return str(info.path), digest
 

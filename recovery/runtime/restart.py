@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import GpuguardError
 from gpuguard.foundation.identity import same_process
 from gpuguard.generation.certificate import issue
@@ -35,7 +36,6 @@ from gpuguard.recovery.runtime.attempt import record_round
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.rank_state import RankState
 from gpuguard.recovery.runtime.refusals import ActivationRefused
-from gpuguard.recovery.runtime.restore_marks import consume_restore_pin, is_unrestorable, read_restore_pin
 from gpuguard.recovery.snapshots.store import Selection, SnapshotInfo
 
 Wait = Callable[[Any, str], dict[str, Any]]
@@ -96,7 +96,7 @@ class RestartCoordinator:
         expired = self._await_leases(parent, hellos)
         phases["leases"] = time.time()
         committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
-        pin = read_restore_pin(ctx.job_dir)  # `gpu-recover restore` chose a state: never past it
+        pin = _restore_pin(ctx)  # `gpu-recover restore` chose a state: never past it
         frontiers = {c.generation: c.frontier.step for c in ledger.history()}
 
         def check(info: SnapshotInfo) -> str | None:
@@ -136,7 +136,7 @@ class RestartCoordinator:
         )
         ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
         if plan.consume_pin:  # used once: the next generation is bounded by its commits again
-            consume_restore_pin(ctx.job_dir, cert.generation)
+            jobdir.consume_restore_pin(ctx.job_dir, cert.generation)
         for line in plan.log_rejected:
             ctx.log(f"rejected {line}")
         return cert
@@ -179,8 +179,18 @@ class RestartCoordinator:
         selection = self.state.select(root, bound, check=check)
         for _ in range(MAX_UNRESTORABLE_SKIPS):
             chosen = selection.chosen
-            if chosen is None or not is_unrestorable(root, chosen.manifest_digest):
+            if chosen is None or not jobdir.is_unrestorable(root, chosen.manifest_digest):
                 break
             self.ctx.log(f"skipping step {chosen.step}: a member failed to load it before")
             selection = skip_unrestorable(selection, self.state.select(root, chosen.step - 1, check=check))
         return selection
+
+
+def _restore_pin(ctx: Context) -> int | None:
+    """The step `gpu-recover restore` pinned, if any; a malformed pin is ignored, and said."""
+    try:
+        pin = jobdir.read_restore_pin(ctx.job_dir)
+    except GpuguardError as exc:
+        ctx.log(f"ignoring {jobdir.restore_pin_path(ctx.job_dir)}: {exc}")
+        return None
+    return None if pin is None else pin.step

@@ -163,6 +163,7 @@ class Runtime:
         )
         self.backend = parse_backend(backend)  # the world group's; snapshots keep their own gloo group
         _require_backends(self.backend)
+        nccl_fails_fast(self.backend)
         launch = Launch(rank, world_size, local_rank, master_addr, master_port, run_id, restart_count, use_agent_store)
         self.context = Context(
             job_dir,
@@ -658,6 +659,20 @@ def parse_backend(text: str) -> str:
         f"backend {text!r}: want one of {', '.join(BACKENDS)}, or device:backend pairs such as cpu:gloo,cuda:nccl",
         exit_code=EXIT_USAGE,
     )
+
+
+# Without these, a collective whose peer died never raises on NCCL: the watchdog aborts the
+# communicator later, and the runtime's recovery never runs (the device check's finding). Set only
+# where the user has not: blocking waits raise on the group's timeout; the watchdog does not tear
+# the process down first (the runtime decides what happens next).
+NCCL_FAIL_FAST = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def nccl_fails_fast(backend: str) -> None:
+    """With NCCL in the world group, make a failed collective raise in the training thread (env, unless set)."""
+    if "nccl" in backend:
+        for name, value in NCCL_FAIL_FAST.items():
+            os.environ.setdefault(name, value)
 
 
 def _require_backends(backend: str) -> None:

@@ -16,10 +16,8 @@ import socket
 import time
 from typing import Any, NoReturn
 
-import psutil
-
 from gpuguard.foundation.errors import RefusedError
-from gpuguard.foundation.identity import matching_process, process_status
+from gpuguard.foundation.identity import kill_confirmed, process_status
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.job import issuer
@@ -172,23 +170,3 @@ class SwitchCoordinator:
 def member_liveness(pid: int, start_time: float) -> Liveness:
     """'gone', 'stopped' (SIGSTOP / traced) or 'running' for this exact process (pid + start time)."""
     return liveness(process_status(pid, start_time))
-
-
-def kill_confirmed(pid: int, start_time: float, timeout: float = 5.0) -> bool:
-    """SIGKILL this exact process (pid and start time) and wait until it is gone; a stopped process
-    dies on SIGKILL too. psutil re-checks the create time as it signals: never a reused pid."""
-    proc = matching_process(pid, start_time)
-    if proc is None:
-        return True
-    try:
-        proc.kill()
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:  # a zombie (its parent has not reaped it yet) counts as gone
-        if matching_process(pid, start_time) is None:
-            return True
-        time.sleep(0.005)
-    return False

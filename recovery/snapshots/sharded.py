@@ -40,13 +40,10 @@ from gpuguard.recovery.snapshots.digests import (
 )
 from gpuguard.recovery.snapshots.parts import LAYOUT, Part, coverage_problems, read_part, write_part
 from gpuguard.recovery.snapshots.store import (
-    STATE_FILE,
-    STATE_SCHEMA,
     SnapshotInfo,
     clone_state,
     publish_dir,
     quiet_dcp,
-    read_state_record,
 )
 
 
@@ -275,19 +272,18 @@ def _complete(
         ownership_map_version,
         {"layout": LAYOUT, "world_size": world, "parts": {str(p.rank): p.digest for p in parts}},
     )
-    jobdir.atomic_write_json(
-        tmp / STATE_FILE,
-        {
-            "schema": STATE_SCHEMA,
-            "step": step,
-            "generation": generation,
-            "state_digest": digest,
-            "owner": f"rank0/{incarnation}",
-            "time": time.time(),
-            "keys": sorted({e.spec.fqn.split(".")[0] for e in entries}),
-            "layout": LAYOUT,
-            "world_size": world,
-        },
+    jobdir.write_snapshot_state(
+        tmp,
+        jobdir.SnapshotState(
+            step=step,
+            generation=generation,
+            state_digest=digest,
+            owner=f"rank0/{incarnation}",
+            time=time.time(),
+            keys=tuple(sorted({e.spec.fqn.split(".")[0] for e in entries})),
+            layout=LAYOUT,
+            world_size=world,
+        ),
     )
     m.write_manifest(manifest, tmp)
     written = sum(f.stat().st_size for f in tmp.iterdir() if f.name.endswith(".distcp"))
@@ -338,7 +334,7 @@ def load_sharded_checked(
             raise DataError(
                 f"{info.path}: the loaded state (digest {got[:16]}…) is not the stored one ({stored[:16]}…)"
             )
-        recorded = info.state_digest or read_state_record(info.path).get("state_digest")
+        recorded = info.state_digest or jobdir.read_snapshot_state(info.path).state_digest
         if recorded is not None and recorded != stored:
             raise DataError(
                 f"{info.path}: the stored state (digest {stored[:16]}…) is not the one in memory at save ({str(recorded)[:16]}…)"

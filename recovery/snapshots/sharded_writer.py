@@ -189,7 +189,9 @@ class ShardedSnapshotter:
         """The steps until the next snapshot, from the coordinator's figures (the same on every member)."""
         if self.cpu_budget <= 0 or info.step_s <= 0:
             return self.every if self.cpu_budget <= 0 else self.interval
-        return max(self.every, math.ceil(info.cost_s / (self.cpu_budget * info.step_s)))
+        # the smallest k with cost / (k x step) <= budget; the tolerance keeps an exact ratio (20.000000000000004
+        # in floating point) from costing one more step than it needs (found by hypothesis)
+        return max(self.every, math.ceil(info.cost_s / (self.cpu_budget * info.step_s) - 1e-9))
 
     def flush(self, timeout: float) -> bool:
         """Wait for the snapshot in flight (True when none is left)."""

@@ -29,7 +29,6 @@ from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation import manifest as m
 
-STATE_FILE, STATE_SCHEMA = jobdir.STATE_FILE, jobdir.STATE_SCHEMA  # the record is foundation.jobdir.SnapshotState
 KINDS = (jobdir.SNAPSHOTS_DIR, jobdir.CHECKPOINTS_DIR)
 
 
@@ -108,12 +107,6 @@ class Selection:
             "limit": self.limit,
             "rejected": [r.to_dict() for r in self.rejected],
         }
-
-
-def read_state_record(directory: Path) -> dict[str, Any]:
-    """`state.json` as a plain dict. Kept for `recovery.snapshots.sharded` until it reads
-    `jobdir.read_snapshot_state` (the record) itself; new code reads the record."""
-    return jobdir.read_snapshot_state(directory).to_dict()
 
 
 def list_snapshots(snapshot_root: str | Path, kinds: tuple[str, ...] = KINDS) -> list[SnapshotInfo]:
@@ -251,7 +244,8 @@ def clone_state(state: Mapping[str, Any], *, to_cpu: bool = True) -> dict[str, A
         if isinstance(value, tuple):
             return tuple(walk(v) for v in value)
         if isinstance(value, torch.Tensor):
-            return value.detach().cpu().clone() if to_cpu else value.detach().clone()
+            # one copy: to the host (a CUDA tensor is not copied twice), or where it is
+            return value.detach().to("cpu", copy=True) if to_cpu else value.detach().clone()
         return value
 
     return walk(state)

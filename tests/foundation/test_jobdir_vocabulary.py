@@ -120,8 +120,6 @@ def test_the_job_dir_file_names_are_written_once():
     product = [p for layer in layers for p in (REPO / layer).rglob("*.py")]
     for needle in [re.escape(f'"{n}"') for n in names] + patterns:
         where = sorted(str(p.relative_to(REPO)) for p in product if re.search(needle, p.read_text()))
-        # the lead wires recovery/runtime/ over (issue 22): until then it may still hold its own copy
-        where = [w for w in where if not w.startswith("recovery/runtime/")]
         assert where == ["foundation/jobdir.py"], f"{needle} written in {where}"
 
 

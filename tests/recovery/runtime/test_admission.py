@@ -67,8 +67,7 @@ def _calls(path: Path, name: str) -> list[int]:
     return [
         n.lineno
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call)
-        and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
+        if isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
     ]
 
 
@@ -77,9 +76,7 @@ def test_the_runtime_verifies_certificates_in_one_place_only():
     module of the runtime checks a stored certificate by itself (a second copy is how one path
     once lost the key check)."""
     runtime = REPO / "recovery" / "runtime"
-    elsewhere = {
-        p.name: _calls(p, "check_stored") for p in runtime.glob("*.py") if p.name != "admission.py"
-    }
+    elsewhere = {p.name: _calls(p, "check_stored") for p in runtime.glob("*.py") if p.name != "admission.py"}
     assert {k: v for k, v in elsewhere.items() if v} == {}
     assert _calls(runtime / "runtime.py", "admitted_certificate")
     assert _calls(runtime / "inplace.py", "admitted_certificate")

@@ -10,9 +10,10 @@ import time
 
 import psutil
 
+from gpuguard.foundation.identity import kill_confirmed
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort
 from gpuguard.recovery.runtime.switch import Report
-from gpuguard.recovery.runtime.switch_coordinator import kill_confirmed, member_liveness
+from gpuguard.recovery.runtime.switch_coordinator import member_liveness
 
 
 def test_a_stopped_process_is_seen_stopped_then_killed_and_confirmed_gone():

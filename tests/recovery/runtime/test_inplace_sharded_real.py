@@ -20,8 +20,9 @@ import torch
 
 from gpuguard.examples.fsdp_train import reference
 from gpuguard.examples.inplace_train import Cluster
-from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.foundation.errors import EXIT_REFUSED
+from gpuguard.foundation.inplace_files import read_switch_records
+from gpuguard.generation.ledger_open import open_ledger
 from tests.support.cli import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -70,7 +71,7 @@ def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tm
     # the certified digest is the state generation 1 held after step 4, and the state rebuilt in place
     digests = _digests(job)
     assert cert.extra["sharded_state_digest"] == digests[(1, 4)] == digests[(2, 4)]
-    records = [json.loads((job / "coord" / "inplace" / f"switch-g2-r{r}.json").read_text()) for r in range(3)]
+    records = [read_switch_records(job, 2)[r] for r in range(3)]
     reshard = records[0]["reshard"]
     assert reshard["in_place"] and 0 < reshard["elements_moved"] < reshard["elements"]
     # what moved went peer to peer: every element one rank received another sent, none read from disk

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError
@@ -488,6 +488,7 @@ def _info(cost_s: float, step_s: float) -> ss.ShardedInfo:
 
 
 @settings(max_examples=60, deadline=None)
+@example(every=1, budget=0.03, cost_ms=3, step_ms=5)  # 0.003 / (0.03 x 0.005) is 20.000000000000004 in floats
 @given(
     every=st.integers(1, 5),
     budget=st.sampled_from([0.0, 0.01, 0.03, 0.1]),
