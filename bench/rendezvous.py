@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -138,10 +139,10 @@ def _round(backend: str, endpoint: str, n: int, conf: dict[str, str], timeout: f
 
 
 def _count_keys(endpoint: str, prefix: str) -> int:
-    from gpuguard.recovery.rendezvous.etcd_store import EtcdConnection, parse_endpoints
+    from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
 
-    conn = EtcdConnection(parse_endpoints(endpoint), timeout=5)
-    return int(conn.range(prefix.encode(), "bench count", prefix=True, count_only=True).get("count", 0))
+    with EtcdClient(parse_endpoints(endpoint), timeout=5) as conn:
+        return int(conn.range(prefix, "bench count", prefix=True, count_only=True).get("count", 0))
 
 
 def _latencies(store: Any, ops: int) -> dict[str, tuple[float, float]]:
@@ -185,7 +186,12 @@ def main() -> None:
     notes = [f"{os.cpu_count()} CPUs; agents are forked processes that only rendezvous; one machine, loopback"]
     try:
         small = {"last_call_timeout": "1", "join_timeout": str(int(args.timeout)), "read_timeout": "10"}
+        secret = os.path.join(tmp, "rdzv.secret")  # the rendezvous secret the backend signs its state with
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_hex(32).encode() + b"\n")
+        os.close(fd)
         gg_conf = {**small, "key_prefix": PREFIX, "closed_ttl": str(CLOSED_TTL), "store_timeout": "120"}
+        gg_conf["secret_file"] = secret
         ctx = mp.get_context("fork")
         gg_runs: list[str] = []
         for n in [int(x) for x in args.agents.split(",") if x]:

@@ -26,6 +26,9 @@ import psutil
 from gpuguard.foundation.errors import UnavailableError
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.verify import verify_ledger
+from gpuguard.recovery.rendezvous.signed_state import create_secret_file
+
+RDZV_SECRET_FILE = "rendezvous.secret"  # the demo on etcd: the secret its agents sign the state with
 
 
 @dataclass
@@ -63,10 +66,15 @@ def torchrun_argv(
 
     `etcd_endpoint` (HOST:PORT[,...]): the rendezvous on gpuguard's etcd v3 backend instead of c10d
     on `port`, started through the `torchrun` console script (under `-m`, torch's dynamic
-    rendezvous spends seconds in `inspect.stack()` on every state change: docs/rendezvous-etcd.md)."""
+    rendezvous spends seconds in `inspect.stack()` on every state change: docs/rendezvous-etcd.md),
+    with a rendezvous secret created in the job dir (`RDZV_SECRET_FILE`) that signs its state."""
     if etcd_endpoint:
         launcher = [str(Path(sys.executable).with_name("torchrun"))]
         rdzv = ["--rdzv-backend=gpuguard", f"--rdzv-endpoint={etcd_endpoint}", "--local-addr=127.0.0.1"]
+        secret = job_dir / RDZV_SECRET_FILE  # the agents start before the runtime creates generation.key
+        if not secret.exists():
+            create_secret_file(secret)
+        rdzv.append(f"--rdzv-conf=secret_file={secret}")
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run"]
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]

@@ -24,3 +24,6 @@ BACKEND_ENV = "GPUGUARD_BACKEND"  # the world group's backend: gloo (default), n
 SHARDED_ENV = "GPUGUARD_SHARDED"  # 1: sharded (FSDP2/HSDP/DDP) state, collective snapshots on every rank
 DEBUG_ENV = "GPUGUARD_DEBUG"  # 1: show the traceback of an internal error
 RUNBOOK_DEPTH_ENV = "GPUGUARD_RUNBOOK_DEPTH"  # set to N+1 in a runbook step's environment: no recursion
+ETCD_CACERT_ENV = "GPUGUARD_ETCD_CACERT"  # etcd TLS: the CA bundle that verifies the members (docs/formats/ledger.md)
+ETCD_CERT_ENV = "GPUGUARD_ETCD_CERT"  # etcd TLS: our client certificate (etcd --client-cert-auth)
+ETCD_KEY_ENV = "GPUGUARD_ETCD_KEY"  # etcd TLS: the client certificate's key

@@ -8,6 +8,7 @@ Not for the pure judges (diagnostics import foundation.unpickle, never this: clo
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import deque
@@ -175,26 +176,68 @@ def _stop(w: _Worker, *, kill: bool = True) -> None:
 def restricted_loads_within(
     data: bytes, resolve: Callable[[str, str], Any] | None = None, *, what: str = "this pickle"
 ) -> Any:
-    """`unpickle.restricted_loads` in a forked worker killed at `unpickle.load_deadline(len(data))`.
+    """`unpickle.restricted_loads` in a forked child killed at `unpickle.load_deadline(len(data))`.
 
     For an untrusted pickle read one at a time (DCP metadata, rendezvous state): the load's own
     refusals and errors are raised here as they are (`unpickle.Refused`, `pickle.UnpicklingError`,
     ...); a load that does not finish in time (a dict key built from shared references, hashed
     without end inside the C load) is `unpickle.Refused` too. The loaded object comes back through
-    a pipe, so it must pickle (the admitted classes do)."""
+    a pipe, so it must pickle (the admitted classes do).
 
-    def load(_i: int) -> tuple[bool, Any]:
-        try:
-            return True, restricted_loads(data, resolve, what=what)
-        except Exception as exc:  # noqa: BLE001 - raised again in the parent
-            return False, exc
+    A bare `os.fork`, not `multiprocessing`: a daemonic process (a forked rendezvous agent) may not
+    start multiprocessing children, and a torch-sized process forks in 10-30 ms, which the
+    multiprocessing machinery would add to. The parent waits in `select`, so a Ctrl-C ends the
+    wait at once (the child is killed in the `finally`)."""
+    import pickle  # noqa: PLC0415 - start-up time: only readers of untrusted pickles fork
+    import select  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
 
     deadline = load_deadline(len(data))
-    for done in map_with_deadlines(load, [deadline], jobs=1):
-        if isinstance(done.value, Overdue):
-            raise Refused(f"{what}: loading it {done.value.reason} (a shared-reference dict key or set member?)")
-        ok, value = done.value
-        if not ok:
-            raise value
-        return value
-    raise AssertionError("unreachable: one item gives one result")  # pragma: no cover
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns on fork with threads: the child only loads and exits
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: load, send (ok, value), exit without running any of the parent's cleanup
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.close(r)
+            try:
+                out: tuple[bool, Any] = (True, restricted_loads(data, resolve, what=what))
+            except Exception as exc:  # noqa: BLE001 - raised again in the parent
+                out = (False, exc)
+            try:
+                payload = pickle.dumps(out)
+            except Exception as exc:  # noqa: BLE001 - a result or error that does not pickle
+                payload = pickle.dumps((False, RuntimeError(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")))
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(w, view) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks: list[bytes] = []
+    end = time.monotonic() + deadline
+    try:
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                raise Refused(
+                    f"{what}: loading it took more than {deadline:.1f} s (a shared-reference dict key or set member?)"
+                )
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    if not chunks:
+        raise Refused(f"{what}: its reader process died")
+    ok, value = pickle.loads(b"".join(chunks))  # written by our own child from admitted objects only
+    if not ok:
+        raise value
+    return value

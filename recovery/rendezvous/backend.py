@@ -12,8 +12,8 @@ group with `entry_point.load()()` and registers the *result* as the handler crea
 `create_handler` answers both calls: with no argument it returns itself, with `RendezvousParameters`
 it returns the handler.
 
-The backend (`EtcdRendezvousBackend`) keeps `base64(pickle(state))` (the format of torch's `c10d`
-backend, which `recovery.rendezvous.state` can read) under `<prefix>/<run id>/state`; the fencing token is
+The backend (`EtcdRendezvousBackend`) keeps torch's pickled state, sealed (`signed_state`: a MAC
+under the job's rendezvous secret, then `base64(pickle)`), under `<prefix>/<run id>/state`; the fencing token is
 the key's etcd `mod_revision` and `set_state` is one transaction that compares it. The agents'
 store is `etcd_store.EtcdStore` under `<prefix>/<run id>/store/`. Two more keys of the run are not
 the agents': `rounds/<R>` (the generation activated in round R, written by the runtime's
@@ -48,16 +48,24 @@ heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt):
   closed_ttl     seconds the closed state stays after a clean end (default 60; 0 removes it too)
   protocol       http or https (default http)
   ca_cert, ssl_cert, ssl_cert_key   TLS files (https): the CA bundle, the client certificate and key
-etcd user/password auth is not supported: etcd3gw has no auth call (use TLS client certificates).
+  secret_file    the rendezvous secret (`signed_state`; default: $GPUGUARD_JOB_DIR/generation.key).
+                 Required: without a secret the backend refuses to start (one line).
+
+The state is signed (`signed_state`): `get_state` refuses a value that is not sealed with the
+job's rendezvous secret before torch unpickles anything, and loads a sealed one with the restricted
+unpickler in a forked worker under a deadline first (a planted pickle or a shared-reference DAG
+never reaches torch's `pickle.loads`). A refusal is one log line and `RendezvousStateError`.
+Every etcd call has a total deadline of read_timeout (all members together) and goes to the next
+member only when it provably never reached one (`foundation.etcd`).
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -79,21 +87,29 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
-from gpuguard.recovery.rendezvous.etcd_store import (
+from gpuguard.foundation.errors import GpuguardError
+from gpuguard.foundation.etcd import (
     KV,
-    EtcdConnection,
-    EtcdRequestError,
-    EtcdStore,
-    EtcdUnavailableError,
-    RunLease,
-    b64,
+    EtcdRequestFailed,
+    EtcdUnavailable,
+    compare,
     parse_endpoints,
     prefix_end,
     put_op,
     range_kvs,
     range_op,
-    run_prefix,
 )
+from gpuguard.recovery.rendezvous.etcd_keys import RunLease, run_prefix, tls_from_conf
+from gpuguard.recovery.rendezvous.etcd_store import EtcdConnection, EtcdStore
+from gpuguard.recovery.rendezvous.signed_state import (
+    SECRET_FILE_CONF,
+    ForeignState,
+    mac_of,
+    require_secret,
+    seal,
+    unseal_state,
+)
+from gpuguard.recovery.rendezvous.state import load_state
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +128,21 @@ KEEP_BINDINGS = 64  # newest `rounds/<R>` bindings kept (what `gpu-recover rende
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
-    """torch's `RendezvousBackend` on etcd v3: compare-and-set on the state key's mod_revision."""
+    """torch's `RendezvousBackend` on etcd v3: compare-and-set on the state key's mod_revision,
+    every state sealed with the job's rendezvous secret (`seal_key`, from `signed_state`)."""
 
-    def __init__(self, conn: EtcdConnection, run_id: str, key_prefix: str, lease: RunLease | None = None) -> None:
+    VALIDATED_KEPT = 16  # MACs of states already validated (the agents re-read the same state often)
+
+    def __init__(
+        self, conn: EtcdConnection, run_id: str, key_prefix: str, lease: RunLease | None = None, *, seal_key: bytes
+    ) -> None:
         self.conn = conn
         self.run_id = run_id
         self.base = run_prefix(key_prefix, run_id)
         self.key = self.base + b"state"
         self.lease = lease if lease is not None else RunLease(conn, self.base + b"lease", DEFAULTS["lease_ttl"])
+        self.seal_key = seal_key
+        self._validated: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def name(self) -> str:
@@ -128,18 +151,33 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _guard(self, what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except (EtcdUnavailableError, EtcdRequestError) as exc:
+        except (EtcdUnavailable, EtcdRequestFailed) as exc:
             raise RendezvousConnectionError(f"rendezvous {self.run_id!r} ({what}): {exc}") from exc
 
+    def _refuse(self, why: str) -> RendezvousStateError:
+        msg = f"gpuguard rendezvous {self.run_id!r}: refused the state at {self.key.decode(errors='replace')}: {why}"
+        log.error("%s", msg)
+        return RendezvousStateError(msg)
+
+    def _remember(self, mac: bytes) -> None:
+        self._validated[mac] = None
+        while len(self._validated) > self.VALIDATED_KEPT:
+            self._validated.popitem(last=False)
+
     def _decode(self, kv: KV) -> tuple[bytes, Token]:
+        """The pickle torch may load: sealed with our secret, and loaded once by the restricted
+        unpickler under a deadline (in a forked worker) unless this very state was already."""
         try:
-            state = base64.b64decode(kv.value, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise RendezvousStateError(
-                f"the rendezvous state of {self.run_id!r} at {kv.key.decode(errors='replace')} is corrupt (not base64)"
-            ) from exc
-        if not state:
-            raise RendezvousStateError(f"the rendezvous state of {self.run_id!r} is empty")
+            state = unseal_state(self.seal_key, self.key, kv.value)
+        except ForeignState as exc:
+            raise self._refuse(f"{exc} (never unpickled)") from None
+        mac = mac_of(kv.value)
+        if mac not in self._validated:
+            try:
+                load_state(state)
+            except GpuguardError as exc:
+                raise self._refuse(str(exc)) from None
+            self._remember(mac)
         return state, kv.mod_revision
 
     def get_state(self) -> tuple[bytes, Token] | None:
@@ -148,21 +186,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is None:
-            compare = {"key": b64(self.key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+            cmp = compare(self.key, "CREATE", 0)
         elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
-            compare = {"key": b64(self.key), "result": "EQUAL", "target": "MOD", "mod_revision": token}
+            cmp = compare(self.key, "MOD", token)
         else:  # not a token of ours: it cannot match
             current = self.get_state()
             return None if current is None else (*current, False)
-        value = base64.b64encode(state)
+        value = seal(self.seal_key, self.key, base64.b64encode(state))
 
         def go(lease: int) -> dict[str, Any]:
-            return self.conn.txn(
-                "rendezvous set_state", [compare], [put_op(self.key, value, lease)], [range_op(self.key)]
-            )
+            return self.conn.txn("rendezvous set_state", [cmp], [put_op(self.key, value, lease)], [range_op(self.key)])
 
         got = self._guard("set_state", self.lease.attached, go)
         if got.get("succeeded"):
+            self._remember(mac_of(value))  # torch's own state: nothing to validate
             return state, int(got["header"]["revision"]), True
         kvs = range_kvs(got["responses"][0]) if got.get("responses") else []
         return None if not kvs else (*self._decode(kvs[0]), False)
@@ -183,9 +220,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return deleted
 
     def _delete_range(self, key: bytes, range_end: bytes | None) -> int:
-        body = {"key": b64(key), **({"range_end": b64(range_end)} if range_end is not None else {})}
-        got = self._guard("prune", self.conn.call, "kv/deleterange", body, "rendezvous prune")
-        return int(got.get("deleted", 0))
+        return int(self._guard("prune", lambda: self.conn.delete(key, "rendezvous prune", range_end=range_end)))
 
     def depart(self, node: str, members: set[str], closed_ttl: int) -> bool:
         """Record that `node` has shut down; the last of `members` to do so removes the run's keys.
@@ -201,8 +236,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 "rendezvous depart", [], [put_op(marks + quote(node, safe="").encode(), b"1", lease)]
             ),
         )
-        got = self._guard("depart", self.conn.call, "kv/range", _keys_only(marks), "rendezvous departures")
-        gone = {base64.b64decode(i["key"])[len(marks) :].decode() for i in got.get("kvs", [])}
+        got = self._guard(
+            "depart", lambda: self.conn.range(marks, "rendezvous departures", prefix=True, keys_only=True)
+        )
+        gone = {kv.key[len(marks) :].decode(errors="replace") for kv in range_kvs(got)}
         if not {quote(m, safe="") for m in members} <= gone:
             return False
         kvs = range_kvs(self._guard("depart", self.conn.range, self.key, "rendezvous state"))
@@ -212,15 +249,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 "depart",
                 self.conn.txn,
                 "rendezvous keep closed state",
-                [{"key": b64(self.key), "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0].mod_revision}],
+                [compare(self.key, "MOD", kvs[0].mod_revision)],
                 [put_op(self.key, kvs[0].value, short)],
             )
         self._guard("depart", self.lease.revoke)
         return True
-
-
-def _keys_only(prefix: bytes) -> dict[str, Any]:
-    return {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "keys_only": True}
 
 
 _share_lock = threading.Lock()
@@ -322,23 +355,24 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
 
     Reaches etcd once (the run lease) so that a wrong endpoint fails here, within read_timeout.
     """
-    protocol = str(params.get("protocol", DEFAULTS["protocol"])).strip().lower()
     keep_alive = _conf_int(params, "keep_alive_interval", 5, 1)
     lease_ttl = _conf_int(params, "lease_ttl", DEFAULTS["lease_ttl"], 1)
     if lease_ttl < 3 * keep_alive:
         raise ValueError(f"--rdzv-conf lease_ttl={lease_ttl} must be at least 3 x keep_alive_interval ({keep_alive})")
+    try:
+        seal_key = require_secret(params.get(SECRET_FILE_CONF))
+    except GpuguardError as exc:
+        log.error("gpuguard rendezvous: %s", exc)  # the one line that says why the agent did not start
+        raise ValueError(str(exc)) from None
     conn = EtcdConnection(
         parse_endpoints(params.endpoint or "localhost:2379"),
         timeout=_conf_float(params, "read_timeout"),
-        protocol=protocol,
-        ca_cert=params.get("ca_cert"),
-        cert=params.get("ssl_cert"),
-        cert_key=params.get("ssl_cert_key"),
+        tls=tls_from_conf(params.config),
     )
     prefix = str(params.get("key_prefix", DEFAULTS["key_prefix"]))
     base = run_prefix(prefix, params.run_id)
     lease = RunLease(conn, base + b"lease", lease_ttl)
-    backend = EtcdRendezvousBackend(conn, params.run_id, prefix, lease)
+    backend = EtcdRendezvousBackend(conn, params.run_id, prefix, lease, seal_key=seal_key)
     store = EtcdStore(
         conn, base + b"store/", lease=lease, timeout=timedelta(seconds=_conf_float(params, "store_timeout"))
     )

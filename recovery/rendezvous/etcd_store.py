@@ -6,10 +6,9 @@ keeps in the rendezvous store: the workers' MASTER_ADDR/MASTER_PORT, the rank as
 exit barrier. Any process can open one with `EtcdStore.connect` (a worker that wants the agents'
 store, a tool).
 
-Transport: `etcd_v3` (torch-free, shared with `gpu-recover rendezvous`), whose names this module
-re-exports; its connection here raises torch's error types. `wait` and the blocking `get` watch the
-first missing key with a streaming request whose socket timeout is the time left, so they return by
-their deadline and never hang.
+Transport: the project's one etcd client (`foundation.etcd`), whose errors are here also torch's
+(`EtcdConnection`). `wait` and the blocking `get` watch the first missing key with a streaming
+request bounded by the time left, so they return by their deadline and never hang.
 
 Keys: `<prefix>/<run id, %-quoted>/store/<key>`. Every key is attached to the run's lease
 (`RunLease`): it expires when no process of the run has refreshed the lease for its TTL, and the
@@ -23,7 +22,6 @@ etcd raises `EtcdUnavailableError` (a `DistNetworkError`) within the request tim
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -32,42 +30,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gpuguard.recovery.rendezvous import etcd_v3
-from gpuguard.recovery.rendezvous.etcd_v3 import (
-    API_PATH,
+from gpuguard.foundation.etcd import (
     KV,
     MAX_TXN_OPS,
-    Endpoint,
+    EtcdClient,
+    EtcdOutcomeUnknown,
     EtcdRequestFailed,
     EtcdUnavailable,
-    RunLease,
-    b64,
+    TlsFiles,
+    compare,
     parse_endpoints,
-    prefix_end,
     put_op,
     range_kvs,
     range_op,
-    run_prefix,
 )
-
-__all__ = [
-    "API_PATH",
-    "KV",
-    "MAX_TXN_OPS",
-    "Endpoint",
-    "EtcdConnection",
-    "EtcdRequestError",
-    "EtcdStore",
-    "EtcdUnavailableError",
-    "RunLease",
-    "b64",
-    "parse_endpoints",
-    "prefix_end",
-    "put_op",
-    "range_kvs",
-    "range_op",
-    "run_prefix",
-]
+from gpuguard.recovery.rendezvous.etcd_keys import RunLease, run_prefix
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +57,24 @@ class EtcdUnavailableError(dist.DistNetworkError, EtcdUnavailable):
         self.exit_code = EtcdUnavailable.exit_code
 
 
+class EtcdOutcomeUnknownError(EtcdUnavailableError, EtcdOutcomeUnknown):
+    """A write reached etcd and its answer was lost: it may or may not have been applied."""
+
+
 class EtcdRequestError(dist.DistError, EtcdRequestFailed):
     """etcd answered with an error (a malformed request, a lease that no longer exists)."""
 
-    def __init__(self, message: str, *, lease_missing: bool = False) -> None:
+    def __init__(self, message: str, *, lease_missing: bool = False, exit_code: int | None = None) -> None:
         dist.DistError.__init__(self, message)
-        self.exit_code = EtcdRequestFailed.exit_code
+        self.exit_code = EtcdRequestFailed.exit_code if exit_code is None else exit_code
         self.lease_missing = lease_missing
 
 
-class EtcdConnection(etcd_v3.EtcdConnection):
-    """`etcd_v3.EtcdConnection` whose errors are also torch's `DistNetworkError` / `DistError`."""
+class EtcdConnection(EtcdClient):
+    """`foundation.etcd.EtcdClient` whose errors are also torch's `DistNetworkError` / `DistError`."""
 
     unavailable_error = EtcdUnavailableError
+    unknown_error = EtcdOutcomeUnknownError
     request_error = EtcdRequestError
 
 
@@ -129,9 +111,10 @@ class EtcdStore(dist.Store):
         read_timeout: float = 10.0,
         store_timeout: float = 60.0,
         lease_ttl: int = 600,
+        tls: TlsFiles | None = None,
     ) -> EtcdStore:
         """The store of run `run_id` at `endpoint` ("host:port[,host:port...]"): what the agents use."""
-        conn = EtcdConnection(parse_endpoints(endpoint), timeout=read_timeout)
+        conn = EtcdConnection(parse_endpoints(endpoint), timeout=read_timeout, tls=tls)
         base = run_prefix(key_prefix, run_id)
         return cls(
             conn,
@@ -239,12 +222,12 @@ class EtcdStore(dist.Store):
         cur = kvs[0] if kvs else None
         while True:
             if cur is None:
-                compare = {"key": b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+                cmp = compare(k, "CREATE", 0)
                 new = amount
             else:
-                compare = {"key": b64(k), "result": "EQUAL", "target": "MOD", "mod_revision": cur.mod_revision}
+                cmp = compare(k, "MOD", cur.mod_revision)
                 new = _int(cur.value) + amount
-            ok, cur = self._cas(k, compare, b"%d" % new, "store add")
+            ok, cur = self._cas(k, cmp, b"%d" % new, "store add")
             if ok:
                 return new
             if time.monotonic() > deadline:
@@ -254,21 +237,14 @@ class EtcdStore(dist.Store):
         k, exp, want = self._key(key), _bytes(expected), _bytes(desired)
         _, deadline = self._deadline(None)
         while True:
-            ok, cur = self._cas(
-                k, {"key": b64(k), "result": "EQUAL", "target": "VALUE", "value": b64(exp)}, want, "store compare_set"
-            )
+            ok, cur = self._cas(k, compare(k, "VALUE", exp), want, "store compare_set")
             if ok:
                 return want
             if cur is not None:
                 return cur.value
             if exp:
                 return exp  # c10d: a missing key with a non-empty expectation is left alone
-            ok, cur = self._cas(
-                k,
-                {"key": b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0},
-                want,
-                "store compare_set",
-            )
+            ok, cur = self._cas(k, compare(k, "CREATE", 0), want, "store compare_set")
             if ok:
                 return want
             if time.monotonic() > deadline:
@@ -282,12 +258,8 @@ class EtcdStore(dist.Store):
 
     def keys(self) -> list[bytes]:
         """Every key of this store (without the prefix): for tools and tests."""
-        got = self.conn.call(
-            "kv/range",
-            {"key": b64(self.prefix), "range_end": b64(prefix_end(self.prefix)), "keys_only": True},
-            "store keys",
-        )
-        return [base64.b64decode(i["key"])[len(self.prefix) :] for i in got.get("kvs", [])]
+        got = self.conn.range(self.prefix, "store keys", prefix=True, keys_only=True)
+        return [kv.key[len(self.prefix) :] for kv in range_kvs(got)]
 
 
 def _int(value: bytes) -> int:

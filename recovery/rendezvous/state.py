@@ -6,9 +6,11 @@ a millisecond, and the only safe lever to make a healthy agent re-rendezvous is 
 entry must vanish with the round change, else every new round sees it again: a restart storm. We
 inject a participant agent's own descriptor, which that agent removes itself when it joins.
 
-The state is `base64(pickle(_RendezvousState))` under `torch.rendezvous.<run_id>`. It is decoded with
-a restricted unpickler that maps torch's two classes to local stubs and refuses everything else, and
-written back by a pickler that names torch's classes without importing torch.
+The state is `base64(pickle(_RendezvousState))` under `torch.rendezvous.<run_id>` (on etcd sealed
+with the job's rendezvous secret: `signed_state`). It is decoded with a restricted unpickler that
+maps torch's two classes to local stubs and refuses everything else, in a forked worker with a
+deadline (`load_state`), its fields' types checked, and written back by a pickler that names
+torch's classes without importing torch.
 
 Both backends hold that state: torch's `c10d` (a TCPStore on an agent, read with `tcpstore`) and
 gpuguard's (`rdzv_etcd`, on etcd v3, read with `rendezvous_etcd`, whose client has the TCPStore
@@ -31,7 +33,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,8 @@ from typing import Any
 from gpuguard.collectors.torchrun import torchrun_agents
 from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
 from gpuguard.foundation.jobdir import read_incarnations
-from gpuguard.foundation.unpickle import admit, restricted_loads
+from gpuguard.foundation.unpickle import admit, brief
+from gpuguard.foundation.workers import restricted_loads_within
 from gpuguard.recovery.rendezvous.etcd_keys import ROUND_KEY, TRIGGER_KEY, EtcdRendezvousClient, parse_conf
 from gpuguard.recovery.rendezvous.tcpstore import StoreClient, parse_endpoint
 
@@ -132,13 +135,65 @@ def decode_state(raw: bytes) -> RendezvousState | None:
         data = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError):
         raise DataError("rendezvous state is not base64") from None
+    return load_state(data)
+
+
+def load_state(data: bytes) -> RendezvousState:
+    """A pickled `_RendezvousState` → our stub, or one `DataError` (65).
+
+    Untrusted bytes: the restricted unpickler (torch's two classes and datetimes only), in a forked
+    worker killed at its deadline (`foundation.workers`: a shared-reference dict key is hashed
+    without end inside the C load, which nothing in this process could interrupt; a Ctrl-C here
+    ends the wait at once), then every field's type is checked, so nothing later (the JSON, the
+    trigger's compare-and-set) meets a value of the wrong shape."""
     try:
-        state = restricted_loads(data, admit(_ALLOWED), what="rendezvous state")
-    except Exception as exc:  # any malformed pickle: one clear error
-        raise DataError(f"rendezvous state cannot be decoded: {exc}") from None
-    if not isinstance(state, RendezvousState) or not hasattr(state, "round"):
-        raise DataError("rendezvous state is not a _RendezvousState")
-    return state
+        state = restricted_loads_within(data, admit(_ALLOWED), what="rendezvous state")
+    except Exception as exc:  # any malformed pickle, a refused global, a load past its deadline
+        raise DataError(f"rendezvous state cannot be decoded: {_one_line(exc)}") from None
+    problem = _shape_problem(state)
+    if problem:
+        raise DataError(f"rendezvous state is not a _RendezvousState: {problem}")
+    return state  # type: ignore[no-any-return]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return "".join(c if c.isprintable() else " " for c in text)[:200]
+
+
+def _is_node(value: Any) -> bool:
+    return (
+        isinstance(value, NodeDesc)
+        and type(getattr(value, "addr", None)) is str
+        and type(getattr(value, "pid", None)) is int
+        and type(getattr(value, "local_id", None)) is int
+    )
+
+
+def _shape_problem(state: Any) -> str | None:
+    """What is wrong with a loaded state's shape (None: every field has torch's type)."""
+    if not isinstance(state, RendezvousState):
+        return f"it is {brief(state)}"
+    fields = getattr(state, "__dict__", {})
+    checks: list[tuple[str, Callable[[Any], bool]]] = [
+        ("round", lambda v: type(v) is int and v >= 0),
+        ("complete", lambda v: type(v) is bool),
+        ("closed", lambda v: type(v) is bool),
+        ("deadline", lambda v: v is None or type(v) is datetime),
+        ("participants", lambda v: type(v) is dict and all(_is_node(n) and type(r) is int for n, r in v.items())),
+        ("wait_list", lambda v: type(v) is set and all(map(_is_node, v))),
+        ("redundancy_list", lambda v: type(v) is set and all(map(_is_node, v))),
+        (
+            "last_heartbeats",
+            lambda v: type(v) is dict and all(_is_node(n) and type(t) is datetime for n, t in v.items()),
+        ),
+    ]
+    for name, ok in checks:
+        if name not in fields:
+            return f"no field {name!r}"
+        if not ok(fields[name]):
+            return f"field {name!r} holds {brief(fields[name])} of the wrong type"
+    return None
 
 
 def encode_state(state: RendezvousState) -> bytes:
@@ -163,6 +218,7 @@ class Endpoint:
     backend: str = "c10d"
     etcd: str = ""  # gpuguard backend: the whole --rdzv-endpoint (host:port[,host:port...])
     conf: tuple[tuple[str, str], ...] = ()  # gpuguard backend: the agent's --rdzv-conf
+    job_dir: str = ""  # gpuguard backend: where the rendezvous secret may come from (its generation.key)
 
     @property
     def key(self) -> str:
@@ -233,7 +289,8 @@ def find_endpoint(
                     break
         if backend is None:
             backend = "gpuguard" if "," in endpoint else "c10d"
-        return endpoint_of(endpoint, run_id or "none", backend=backend, conf=conf, agent_pid=agent_pid)
+        ep = endpoint_of(endpoint, run_id or "none", backend=backend, conf=conf, agent_pid=agent_pid)
+        return replace(ep, job_dir=str(job_dir)) if job_dir is not None else ep
     agents = torchrun_agents()
     if agent_pid is None and job_dir is not None:
         agent_pid, recorded_run_id = _agent_from_job_dir(job_dir)
@@ -251,7 +308,7 @@ def find_endpoint(
     pid, _argv, opts = agents[0]
     if opts.get("standalone"):
         raise UsageError(f"torchrun agent {pid} runs --standalone (random endpoint): pass --rdzv-endpoint/--run-id")
-    return endpoint_of(
+    ep = endpoint_of(
         opts["rdzv_endpoint"],
         opts.get("rdzv_id", "none"),
         backend=backend or opts.get("rdzv_backend"),
@@ -259,12 +316,13 @@ def find_endpoint(
         agent_pid=pid,
         source="agent-cmdline",
     )
+    return replace(ep, job_dir=str(job_dir)) if job_dir is not None else ep
 
 
 def open_client(ep: Endpoint, timeout: float = 5.0) -> Any:
     """A connected client of the rendezvous store (TCPStore or etcd), a context manager."""
     if ep.backend == "gpuguard":
-        return EtcdRendezvousClient(ep.etcd, ep.run_id, dict(ep.conf), timeout)
+        return EtcdRendezvousClient(ep.etcd, ep.run_id, dict(ep.conf), timeout, job_dir=ep.job_dir or None)
     return StoreClient(ep.host, ep.port, timeout)
 
 

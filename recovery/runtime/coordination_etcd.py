@@ -21,12 +21,14 @@ What etcd would add, a store that outlives its host, buys nothing here: the stor
 G+1's group forms, and its host is a member of G+1, so losing it fails the group either way (the
 survivors then switch again, a clean G+2).
 
-Lazy imports (start-up time): etcd3gw and torch.distributed, only where they are used.
+Transport: `foundation.etcd.EtcdClient` (the members in turn when one is down, a total deadline on
+every call, a write never re-sent once it may have been applied, TLS and auth from the URL).
+
+Lazy imports (start-up time): torch.distributed, only where it is used.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import time
@@ -34,26 +36,22 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
-from gpuguard.foundation.errors import UnavailableError
-from gpuguard.foundation.etcd_url import EtcdUrl, failover_client, parse_etcd_url
+from gpuguard.foundation.errors import GpuguardError, UnavailableError
+from gpuguard.foundation.etcd import (
+    DEFAULT_PREFIX,
+    Endpoint,
+    EtcdClient,
+    EtcdUrl,
+    compare,
+    parse_etcd_url,
+    put_op,
+    range_kvs,
+)
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.recovery.runtime.lease import Heartbeat, LeaseTiming
 from gpuguard.recovery.runtime.lease import now as lease_clock
 
 ABORT_POLL_S = 0.2  # an abort request is read at most this often (not once per step)
-
-
-def _b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    b = bytearray(prefix)
-    for i in range(len(b) - 1, -1, -1):
-        if b[i] < 0xFF:
-            b[i] += 1
-            return bytes(b[: i + 1])
-    return b"\0"
 
 
 def local_address(host: str, port: int) -> str:
@@ -69,20 +67,23 @@ class EtcdCoordination:
     kind = "etcd"
 
     def __init__(self, host: str, port: int, prefix: str, *, timeout: float = 3.0) -> None:
-        self._open(EtcdUrl(((host, port),), "/" + prefix.strip("/") if prefix.strip("/") else "/gpuguard"), timeout)
+        self._open(
+            EtcdUrl((Endpoint(host, port),), "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX), timeout
+        )
 
     def _open(self, where: EtcdUrl, timeout: float) -> None:
-        self.endpoints, self.timeout = where.endpoints, timeout
+        self.where, self.timeout = where, timeout
         self.host, self.port = where.endpoints[0]
         self.prefix = where.prefix
-        self.url = str(where)
-        self.client = failover_client(where.endpoints, timeout=timeout)  # the next member if one is down
+        self.url = str(where)  # redacted
+        self.client = EtcdClient.from_url(where, timeout=timeout)  # the next member if one is down
         self.fenced_writes = 0
         self.heartbeat: Heartbeat | None = None
-        self._lease: Any = None
+        self._lease: int | None = None
         self._lease_key: str | None = None
         self._abort_seen: tuple[float, dict[str, Any] | None] = (-1e9, None)
         self._store: Any = None  # the TCPStore this process serves for its generation
+        self._beat_client: EtcdClient | None = None
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
@@ -91,14 +92,6 @@ class EtcdCoordination:
         return coord
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        from etcd3gw import exceptions as ex
-
-        try:
-            return fn(*args, **kw)
-        except ex.Etcd3Exception as exc:  # connection failures and timeouts included
-            raise UnavailableError(f"{self.url}: etcd {what} failed within {self.timeout:g} s: {exc!s:.200}") from exc
-
     def _key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
 
@@ -106,68 +99,60 @@ class EtcdCoordination:
         return self._key("inplace", f"g{generation:012d}", *parts)
 
     def _get(self, key: str) -> bytes | None:
-        got = self._call("get", self.client.get, key)
-        return got[0] if got else None
+        kv = self.client.get(key, "coordination read")
+        return None if kv is None else kv.value
 
-    def _range(self, prefix: str) -> list[tuple[bytes, Any]]:
-        p = prefix.encode()
-        return self._call("range", self.client.get, p, metadata=True, range_end=_prefix_end(p))  # type: ignore[no-any-return]
-
-    def _put_if(self, key: str, value: str, compare: list[dict[str, Any]]) -> bool:
-        txn = {
-            "compare": compare,
-            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}],
-            "failure": [],
-        }
-        ok = bool(self._call("transaction", self.client.transaction, txn).get("succeeded", False))
+    def _put_if(self, key: str, value: str, compares: list[dict[str, Any]], what: str) -> bool:
+        ok = bool(self.client.txn(what, compares, [put_op(key, value)]).get("succeeded", False))
         if not ok:
             self.fenced_writes += 1
         return ok
 
     def _active_is(self, generation: int) -> dict[str, Any]:
-        return {"key": _b64(self._key("active")), "result": "EQUAL", "target": "VALUE", "value": _b64(str(generation))}
+        return compare(self._key("active"), "VALUE", str(generation))
 
     def _lease_alive(self) -> list[dict[str, Any]]:
         if self._lease_key is None:
             return []
-        return [{"key": _b64(self._lease_key), "result": "GREATER", "target": "CREATE", "create_revision": 0}]
+        return [compare(self._lease_key, "CREATE", 0, "GREATER")]
 
     # -- leases -----------------------------------------------------------------------------
     def hold_lease(self, incarnation_id: str, info: dict[str, Any], timing: LeaseTiming, on_fence: Any) -> Heartbeat:
         """Grant this incarnation's lease, attach `P/lease/<id>` to it, start the heartbeat."""
         ttl = max(1, round(timing.ttl_s))
         granted_at = lease_clock()  # before the request: etcd's countdown starts after it
-        lease = self._call("lease grant", self.client.lease, ttl)
+        lease = self.client.grant(ttl, "lease grant")
         key = self._key("lease", incarnation_id)
-        self._call("put", self.client.put, key, json.dumps({**info, **timing.to_dict()}), lease=lease)
+        self.client.put(key, json.dumps({**info, **timing.to_dict()}), "lease key", lease=lease)
         self._lease, self._lease_key = lease, key
-        beat_client = failover_client(self.endpoints, timeout=timing.call_timeout_s)
-        beat_lease = type(lease)(lease.id, client=beat_client)
+        # its own client (connections of its own), each keep-alive bounded by the keepalive timeout
+        beat = EtcdClient.from_url(self.where, timeout=timing.call_timeout_s)
 
         def keepalive() -> bool:
-            return int(beat_lease.refresh()) > 0  # -1: etcd says the lease is gone (already expired)
+            return beat.keepalive(lease) > 0  # -1: etcd says the lease is gone (already expired)
 
         self.heartbeat = Heartbeat(keepalive, timing, on_fence, granted_at=granted_at).start()
+        self._beat_client = beat
         return self.heartbeat
 
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:
-        alive = set()
-        for _, meta in self._range(self._key("lease", "")):
-            k = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
-            alive.add(k.rsplit("/", 1)[-1])
+        alive = {
+            kv.key.decode(errors="replace").rsplit("/", 1)[-1]
+            for kv in range_kvs(self.client.range(self._key("lease", ""), "lease list", prefix=True, keys_only=True))
+        }
         return frozenset(i for i in incarnation_ids if i not in alive)
 
     # -- the switch's records ---------------------------------------------------------------
     def write_report(self, report: Report) -> bool:
         key = self._gkey(report.generation, "report", f"{report.rank}-{report.incarnation_id}")
-        compare = [self._active_is(report.generation), *self._lease_alive()]
-        return self._put_if(key, json.dumps(report.to_dict()), compare)
+        compares = [self._active_is(report.generation), *self._lease_alive()]
+        return self._put_if(key, json.dumps(report.to_dict()), compares, "report write")
 
     def read_reports(self, generation: int) -> dict[int, Report]:
         out: dict[int, Report] = {}
-        for value, _ in self._range(self._gkey(generation, "report", "")):
+        for kv in range_kvs(self.client.range(self._gkey(generation, "report", ""), "report read", prefix=True)):
             try:
-                rep = Report.from_dict(json.loads(value))
+                rep = Report.from_dict(json.loads(kv.value))
             except (ValueError, KeyError, TypeError):
                 continue
             if rep.generation == generation:
@@ -176,7 +161,7 @@ class EtcdCoordination:
 
     def request_abort(self, generation: int, why: str = "operator") -> None:
         doc = {"generation": generation, "why": why, "time": time.time()}
-        self._call("put", self.client.put, self._key("inplace", "abort"), json.dumps(doc))
+        self.client.put(self._key("inplace", "abort"), json.dumps(doc), "abort request")
 
     def abort_requested(self, generation: int) -> bool:
         seen_at, doc = self._abort_seen
@@ -190,7 +175,7 @@ class EtcdCoordination:
         return isinstance(doc, dict) and doc.get("generation") == generation
 
     def record_refusal(self, generation: int, doc: dict[str, Any]) -> None:
-        self._call("put", self.client.put, self._gkey(generation, "refused"), json.dumps(doc))
+        self.client.put(self._gkey(generation, "refused"), json.dumps(doc), "refusal write")
 
     def refusal(self, generation: int) -> dict[str, Any] | None:
         raw = self._get(self._gkey(generation, "refused"))
@@ -213,7 +198,8 @@ class EtcdCoordination:
         if rank == 0:
             addr = local_address(self.host, self.port)
             store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-            if not self._put_if(key, f"{addr}:{store.port}", [self._active_is(generation), *self._lease_alive()]):
+            compares = [self._active_is(generation), *self._lease_alive()]
+            if not self._put_if(key, f"{addr}:{store.port}", compares, "store address write"):
                 raise RuntimeError(f"generation {generation} is no longer active: its store was not published")
             self._store = store
             return store
@@ -235,7 +221,9 @@ class EtcdCoordination:
             self.heartbeat.stop()
         if self._lease is not None:
             try:
-                self._lease.revoke()  # a clean exit frees the key at once (no TTL wait for anyone)
-            except Exception:  # noqa: BLE001, S110 - the lease expires by itself anyway
+                self.client.revoke(self._lease)  # a clean exit frees the key at once (no TTL wait for anyone)
+            except GpuguardError:  # the lease expires by itself anyway
                 pass
-        self.client.session.close()
+        if self._beat_client is not None:
+            self._beat_client.close()
+        self.client.close()

@@ -8,7 +8,6 @@ HashStore as the model, bounded waits, unreachable and silent etcd, leases, the 
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pickle
@@ -28,21 +27,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from gpuguard.foundation.etcd import parse_endpoints, put_op, range_kvs
+from gpuguard.generation.keys import read_key_file
 from gpuguard.recovery.rendezvous import backend as rdzv_etcd
-from gpuguard.recovery.rendezvous.etcd_store import (
-    EtcdConnection,
-    EtcdStore,
-    EtcdUnavailableError,
-    RunLease,
-    b64,
-    parse_endpoints,
-    prefix_end,
-    put_op,
-    range_kvs,
-    run_prefix,
-)
+from gpuguard.recovery.rendezvous.etcd_keys import RunLease, run_prefix
+from gpuguard.recovery.rendezvous.etcd_store import EtcdConnection, EtcdStore, EtcdUnavailableError
+from gpuguard.recovery.rendezvous.signed_state import create_secret_file, derive_key, unseal_state
 from tests.support.cli import SUPPORT
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
@@ -56,10 +49,26 @@ def endpoint(etcd_url) -> str:
     return f"{u.hostname}:{u.port}"
 
 
+SECRET: dict[str, str] = {}  # the rendezvous secret every backend of this module signs with
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _secret(tmp_path_factory):
+    SECRET["path"] = str(create_secret_file(tmp_path_factory.mktemp("rdzv") / "rendezvous.secret"))
+
+
 def _params(endpoint: str, run_id: str | None = None, **conf: str) -> RendezvousParameters:
     conf.setdefault("key_prefix", PREFIX)
     conf.setdefault("read_timeout", "5")
+    conf.setdefault("secret_file", SECRET["path"])
     return RendezvousParameters("gpuguard", endpoint, run_id or uuid.uuid4().hex, 1, 4, **conf)
+
+
+def _state(round_: int) -> bytes:
+    """A real pickled `_RendezvousState` (the backend refuses bytes that are not one)."""
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
 
 
 def _conn(endpoint: str) -> EtcdConnection:
@@ -67,10 +76,7 @@ def _conn(endpoint: str) -> EtcdConnection:
 
 
 def _keys(endpoint: str, prefix: bytes) -> list[bytes]:
-    got = _conn(endpoint).call(
-        "kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix)), "keys_only": True}, "test keys"
-    )
-    return [base64.b64decode(i["key"]) for i in got.get("kvs", [])]
+    return [kv.key for kv in range_kvs(_conn(endpoint).range(prefix, "test keys", prefix=True, keys_only=True))]
 
 
 # -- torch's RendezvousBackend contract ------------------------------------------------------------
@@ -80,17 +86,18 @@ def test_absent_state_create_fence_and_stale_tokens(endpoint):
     backend, _ = rdzv_etcd.create_backend(_params(endpoint))
     assert backend.name == "gpuguard"
     assert backend.get_state() is None
-    first = backend.set_state(b"one")
-    assert first is not None and first[0] == b"one" and first[2] is True
-    assert backend.get_state() == (b"one", first[1])
-    again = backend.set_state(b"other")  # no token: only creates
-    assert again == (b"one", first[1], False)
-    second = backend.set_state(b"two", first[1])
+    one, two = _state(1), _state(2)
+    first = backend.set_state(one)
+    assert first is not None and first[0] == one and first[2] is True
+    assert backend.get_state() == (one, first[1])
+    again = backend.set_state(_state(9))  # no token: only creates
+    assert again == (one, first[1], False)
+    second = backend.set_state(two, first[1])
     assert second is not None and second[2] is True and second[1] != first[1]
-    assert backend.set_state(b"late", first[1]) == (b"two", second[1], False)  # stale token
+    assert backend.set_state(_state(3), first[1]) == (two, second[1], False)  # stale token
     for bogus in ("abc", b"1", -1, 0, True, 1.5, str(second[1]), object()):
-        assert backend.set_state(b"bogus", bogus) == (b"two", second[1], False), bogus
-    assert backend.get_state() == (b"two", second[1])
+        assert backend.set_state(_state(4), bogus) == (two, second[1], False), bogus
+    assert backend.get_state() == (two, second[1])
 
 
 def test_invalid_or_stale_token_on_absent_state_is_none(endpoint):
@@ -103,12 +110,12 @@ def test_invalid_or_stale_token_on_absent_state_is_none(endpoint):
 @pytest.mark.parametrize("value", [b"%%% not base64 %%%", b""])
 def test_corrupt_state_raises_state_error(endpoint, value):
     backend, _ = rdzv_etcd.create_backend(_params(endpoint))
-    got = backend.set_state(b"fine")
+    got = backend.set_state(_state(1))
     _conn(endpoint).txn("test", [], [put_op(backend.key, value, None)])
     with pytest.raises(RendezvousStateError):
         backend.get_state()
     with pytest.raises(RendezvousStateError):
-        backend.set_state(b"next", got[1])  # the failed compare returns the corrupt value
+        backend.set_state(_state(2), got[1])  # the failed compare returns the corrupt value
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -117,7 +124,7 @@ def test_corrupt_state_raises_state_error(endpoint, value):
         st.tuples(
             st.sampled_from(["set", "set", "get", "bogus"]),
             st.integers(0, 2),
-            st.binary(min_size=1, max_size=40),
+            st.integers(0, 5),
         ),
         min_size=1,
         max_size=25,
@@ -138,6 +145,7 @@ def test_random_interleavings_follow_the_fencing_model(endpoint, ops):
             tokens[who] = None if got is None else got[1]
             continue
         token = tokens[who] if op == "set" else "stale-or-foreign"
+        payload = _state(payload)
         res = b.set_state(payload, token)
         should_win = op == "set" and ((model is None and token is None) or (model is not None and token == model[1]))
         if should_win:
@@ -166,11 +174,11 @@ def test_run_ids_that_look_like_paths_do_not_collide(endpoint):
     stores = {}
     for rid in ids:
         backend, store = rdzv_etcd.create_backend(_params(endpoint, f"{rid}-{uuid.uuid4().hex[:6]}"))
-        backend.set_state(rid.encode())
+        backend.set_state(_state(len(stores)))
         store.set("x", rid)
         stores[rid] = (backend, store)
-    for rid, (backend, store) in stores.items():
-        assert backend.get_state()[0] == rid.encode()
+    for i, (rid, (backend, store)) in enumerate(stores.items()):
+        assert backend.get_state()[0] == _state(i)
         assert store.get("x") == rid.encode() and store.num_keys() == 1
 
 
@@ -283,7 +291,7 @@ def test_silent_etcd_is_bounded_by_read_timeout():
     silent = f"127.0.0.1:{srv.getsockname()[1]}"
     try:
         t0 = time.monotonic()
-        with pytest.raises(RendezvousConnectionError, match="no answer"):
+        with pytest.raises(RendezvousConnectionError, match="did not answer within 1 s"):
             rdzv_etcd.create_handler(_params(silent, read_timeout="1"))
         assert time.monotonic() - t0 < 3
         conn = EtcdConnection(parse_endpoints(silent), timeout=1)
@@ -303,7 +311,7 @@ def test_silent_etcd_is_bounded_by_read_timeout():
 def test_every_key_is_on_the_run_lease_and_expires_without_agents(endpoint):
     run = uuid.uuid4().hex
     backend, store = rdzv_etcd.create_backend(_params(endpoint, run, lease_ttl="3", keep_alive_interval="1"))
-    backend.set_state(b"state")
+    backend.set_state(_state(0))
     store.set("k", "v")
     base = run_prefix(PREFIX, run)
     conn = _conn(endpoint)
@@ -311,14 +319,14 @@ def test_every_key_is_on_the_run_lease_and_expires_without_agents(endpoint):
     assert set(kvs) == {base + b"lease", base + b"state", base + b"store/k"}
     lease = {kv.lease for kv in kvs.values()}
     assert len(lease) == 1 and 0 not in lease
-    ttl = conn.call("kv/lease/timetolive", {"ID": str(lease.pop())}, "test")
+    ttl = conn.call("lease/timetolive", {"ID": str(lease.pop())}, "test")
     assert 0 < int(ttl["TTL"]) <= 3
     end = time.monotonic() + 15  # nobody refreshes: gone after ~3 s
     while _keys(endpoint, base) and time.monotonic() < end:
         time.sleep(0.25)
     assert _keys(endpoint, base) == []
     # the next call finds the lease gone and starts a new one
-    assert backend.set_state(b"again") is not None and store.add("n", 2) == 2
+    assert backend.set_state(_state(1)) is not None and store.add("n", 2) == 2
 
 
 def test_lease_is_shared_and_refreshed_by_any_member(endpoint):
@@ -340,13 +348,16 @@ def test_endpoint_lists():
             parse_endpoints(bad)
 
 
-def test_validation_of_rdzv_conf(endpoint):
+def test_validation_of_rdzv_conf(endpoint, monkeypatch):
     with pytest.raises(ValueError, match="lease_ttl"):
         rdzv_etcd.create_backend(_params(endpoint, lease_ttl="5", keep_alive_interval="5"))
     with pytest.raises(ValueError, match="read_timeout"):
         rdzv_etcd.create_backend(_params(endpoint, read_timeout="0"))
     with pytest.raises(ValueError, match="protocol"):
         rdzv_etcd.create_backend(_params(endpoint, protocol="gopher"))
+    monkeypatch.delenv("GPUGUARD_JOB_DIR", raising=False)
+    with pytest.raises(ValueError, match="needs the job's rendezvous secret"):  # no unsigned mode
+        rdzv_etcd.create_backend(_params(endpoint, secret_file=""))
 
 
 # -- registration ------------------------------------------------------------------------------------------
@@ -379,7 +390,7 @@ def test_sixteen_concurrent_agents_rendezvous_and_clean_up(endpoint):
             "--timeout",
             "60",
             "--conf",
-            f"key_prefix={PREFIX},last_call_timeout=1,join_timeout=60,closed_ttl=30",
+            f"key_prefix={PREFIX},last_call_timeout=1,join_timeout=60,closed_ttl=30,secret_file={SECRET['path']}",
         ],
         capture_output=True,
         text=True,
@@ -396,7 +407,8 @@ def test_sixteen_concurrent_agents_rendezvous_and_clean_up(endpoint):
     base = run_prefix(PREFIX, run)
     assert _keys(endpoint, base) == [base + b"state"]
     (kv,) = range_kvs(_conn(endpoint).range(base + b"state", "test"))
-    state = pickle.loads(base64.b64decode(kv.value))
+    key = derive_key(read_key_file(SECRET["path"], "secret", "", ""))
+    state = pickle.loads(unseal_state(key, base + b"state", kv.value))  # sealed: the test trusts its own secret
     assert state.closed and len(state.participants) == 16
-    ttl = _conn(endpoint).call("kv/lease/timetolive", {"ID": str(kv.lease)}, "test")
+    ttl = _conn(endpoint).call("lease/timetolive", {"ID": str(kv.lease)}, "test")
     assert 0 < int(ttl["TTL"]) <= 30

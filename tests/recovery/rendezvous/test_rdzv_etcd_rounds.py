@@ -27,9 +27,10 @@ import pytest
 
 from gpuguard.examples import demo
 from gpuguard.foundation.errors import UsageError
+from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
 from gpuguard.recovery.rendezvous import state as R
-from gpuguard.recovery.rendezvous.etcd_keys import EtcdRendezvousClient
-from gpuguard.recovery.rendezvous.etcd_v3 import EtcdConnection, parse_endpoints, range_kvs, run_prefix
+from gpuguard.recovery.rendezvous.etcd_keys import EtcdRendezvousClient, run_prefix
+from gpuguard.recovery.rendezvous.signed_state import create_secret_file
 from gpuguard.recovery.rendezvous.tcpstore import StoreClient
 from tests.support.cli import BIN, free_port, run_cli
 from tests.support.processes import kill_trees, run_concurrently
@@ -46,21 +47,21 @@ def endpoint(etcd_url) -> str:
 
 
 def _etcd_get(endpoint: str, key: bytes):
-    kvs = range_kvs(EtcdConnection(parse_endpoints(endpoint), timeout=5).range(key, "test"))
-    return kvs[0] if kvs else None
+    with EtcdClient(parse_endpoints(endpoint), timeout=5) as conn:
+        return conn.get(key, "test")
 
 
 # -- the clients ------------------------------------------------------------------------------------
 
 
-def test_etcd_client_answers_like_the_tcpstore_client(endpoint):
+def test_etcd_client_answers_like_the_tcpstore_client(endpoint, tmp_path):
     import torch.distributed as dist
 
     run = f"cas-{uuid.uuid4().hex[:8]}"
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     names = [R.LEASE_PREFIX + run, R.round_key(run, 4), f"torch.rendezvous.{run}"]
     steps = [(b"", b"a"), (b"", b"b"), (b"a", b"c"), (b"x", b"d"), (b"c", b""), (b"", b"e")]
-    conf = {"key_prefix": PREFIX, "lease_ttl": "30"}
+    conf = {"key_prefix": PREFIX, "lease_ttl": "30", "secret_file": str(create_secret_file(tmp_path / "s"))}
     with StoreClient("127.0.0.1", server.port, 5) as tcp, EtcdRendezvousClient(endpoint, run, conf) as etcd:
         for name in names:
             assert etcd.get(name) is None and tcp.get(name) is None
@@ -119,6 +120,7 @@ class Job:
         self.job_dir = root / "job"
         self.job_dir.mkdir(parents=True)
         self.run_id = f"bind-{uuid.uuid4().hex[:8]}"
+        self.secret = create_secret_file(root / "rendezvous.secret")  # the agents start before the job's key exists
         self.base = run_prefix(PREFIX, self.run_id)
         self.procs: list[subprocess.Popen] = []
 
@@ -127,7 +129,10 @@ class Job:
         env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC")}
         env["GPUGUARD_PG_TIMEOUT"] = "20"
         i = len(self.procs)
-        conf = f"key_prefix={PREFIX},read_timeout=5,last_call_timeout=1,join_timeout=60,lease_ttl=60"
+        conf = (
+            f"key_prefix={PREFIX},read_timeout=5,last_call_timeout=1,join_timeout=60,lease_ttl=60,"
+            f"secret_file={self.secret}"
+        )
         argv = [
             str(BIN / "torchrun"),
             "--nnodes=2",

@@ -49,7 +49,7 @@ def test_a_lease_that_is_gone_fences_the_holders_reports_and_reads_as_expired(co
     assert hb.valid() and coord.expired(["inc0", "never-held"]) == frozenset({"never-held"})
     assert coord.write_report(_report(1))
     hb.stop()
-    coord._lease.revoke()  # what expiry does, without waiting for the TTL
+    coord.client.revoke(coord._lease)  # what expiry does, without waiting for the TTL
     assert coord.expired(["inc0"]) == frozenset({"inc0"})
     assert not coord.write_report(_report(1, 0, "inc0"))
     assert not fenced
