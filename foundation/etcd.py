@@ -152,7 +152,8 @@ def parse_endpoints(text: str, default_port: int = DEFAULT_PORT) -> tuple[Endpoi
 
 
 def redact(text: str) -> str:
-    """`text` with the password of a `scheme://user:password@...` (or `user:password@...`) shown as `***`.
+    """`text` with the password of a `scheme://user:password@...` (or `user:password@...`) shown as
+    `***`, and a lone `token@...` as `***@...` (a name alone may be the secret).
 
     Conservative on text that does not parse: everything between `://` and the last `@` counts as
     credentials (a password may hold `/`, `?` or `@` unencoded), so a prefix holding `@` is shown
@@ -164,10 +165,8 @@ def redact(text: str) -> str:
         scheme, rest = "", text
     userinfo, _, tail = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
-    if not colon and not any(c in userinfo for c in "/?#"):
-        return text  # `user@host`: no password
-    if any(c in user for c in "/?#"):
-        user = ""
+    if not colon or any(c in user for c in "/?#"):
+        return f"{scheme}{sep}***@{tail}"  # `token@host`: the one name may be the secret
     return f"{scheme}{sep}{user}:***@{tail}"
 
 
@@ -224,8 +223,8 @@ class EtcdUrl:
     def __str__(self) -> str:
         scheme = "etcds" if self.tls.https else "etcd"
         who = ""
-        if self.user is not None:
-            who = quote(self.user, safe="") + (":***" if self.password is not None else "") + "@"
+        if self.user is not None:  # a lone `token@` is shown as `***@`: the one name may be the secret
+            who = quote(self.user, safe="") + ":***@" if self.password is not None else "***@"
         query = [(k, getattr(self.tls, k)) for k in ("cacert", "cert", "key") if getattr(self.tls, k)]
         if self.max_request_bytes != DEFAULT_MAX_REQUEST_BYTES:
             query.append(("max_request_bytes", str(self.max_request_bytes)))

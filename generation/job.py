@@ -82,8 +82,10 @@ def init_job(
         create_root()
     key = create_key(job_dir)
     if url:
-        try:
-            (job_dir / LEDGER_URL_FILE).write_text(url + "\n")
+        try:  # owner-only, never through a link: the URL may hold etcd credentials (user:password@)
+            fd = os.open(job_dir / LEDGER_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(url + "\n")
         except OSError as exc:
             raise from_os_error(exc, str(job_dir / LEDGER_URL_FILE)) from None
     ledger = open_ledger(job_dir, url, key=key, timeout=timeout)

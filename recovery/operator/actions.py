@@ -19,6 +19,7 @@ from gpuguard.collectors.torchrun import gather
 from gpuguard.diagnostics.torchrun_hazards import assess_facts
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, GpuguardError, RefusedError
+from gpuguard.foundation.etcd import redact
 from gpuguard.recovery.operator import audit
 from gpuguard.recovery.operator.abort import abort, describe_abort
 from gpuguard.recovery.operator.drain import (
@@ -167,7 +168,8 @@ def run_action(
     audit log is checked writable before anything is done: an action never acts, then fails to say so.
     """
 
-    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in kwargs.items()}
+    # the audit log never holds a password: an etcd URL's credentials are redacted (`user:***@`)
+    args = {k: (str(v) if isinstance(v, Path) else redact(v) if isinstance(v, str) else v) for k, v in kwargs.items()}
     audited = job_dir is not None and not dry_run and (name in MUTATING or run_id is not None) and job_dir.is_dir()
 
     def record(outcome: str, code: int, detail: Mapping[str, Any]) -> None:

@@ -62,6 +62,7 @@ member only when it provably never reached one (`foundation.etcd`).
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import os
 import threading
@@ -143,6 +144,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.lease = lease if lease is not None else RunLease(conn, self.base + b"lease", DEFAULTS["lease_ttl"])
         self.seal_key = seal_key
         self._validated: OrderedDict[bytes, None] = OrderedDict()
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def name(self) -> str:
@@ -154,9 +156,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         except (EtcdUnavailable, EtcdRequestFailed) as exc:
             raise RendezvousConnectionError(f"rendezvous {self.run_id!r} ({what}): {exc}") from exc
 
-    def _refuse(self, why: str) -> RendezvousStateError:
+    def _refuse(self, value: bytes, why: str) -> RendezvousStateError:
+        """The error for a refused value, logged once per value (torch reads it again as it shuts down)."""
         msg = f"gpuguard rendezvous {self.run_id!r}: refused the state at {self.key.decode(errors='replace')}: {why}"
-        log.error("%s", msg)
+        digest = hashlib.sha256(value).digest()
+        if digest not in self._refused:
+            self._refused[digest] = None
+            while len(self._refused) > self.VALIDATED_KEPT:
+                self._refused.popitem(last=False)
+            log.error("%s", msg)
         return RendezvousStateError(msg)
 
     def _remember(self, mac: bytes) -> None:
@@ -170,13 +178,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         try:
             state = unseal_state(self.seal_key, self.key, kv.value)
         except ForeignState as exc:
-            raise self._refuse(f"{exc} (never unpickled)") from None
+            raise self._refuse(kv.value, f"{exc} (never unpickled)") from None
         mac = mac_of(kv.value)
         if mac not in self._validated:
             try:
                 load_state(state)
             except GpuguardError as exc:
-                raise self._refuse(str(exc)) from None
+                raise self._refuse(kv.value, str(exc)) from None
             self._remember(mac)
         return state, kv.mod_revision
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.collectors.torchrun import torchrun_agents
-from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError
+from gpuguard.foundation.errors import DataError, NoInputError, RefusedError, UnavailableError, UsageError, one_line
 from gpuguard.foundation.jobdir import read_incarnations
 from gpuguard.foundation.unpickle import admit, brief
 from gpuguard.foundation.workers import restricted_loads_within
@@ -149,16 +149,12 @@ def load_state(data: bytes) -> RendezvousState:
     try:
         state = restricted_loads_within(data, admit(_ALLOWED), what="rendezvous state")
     except Exception as exc:  # any malformed pickle, a refused global, a load past its deadline
-        raise DataError(f"rendezvous state cannot be decoded: {_one_line(exc)}") from None
+        why = "".join(c if c.isprintable() else " " for c in one_line(exc))
+        raise DataError(f"rendezvous state cannot be decoded: {why}") from None
     problem = _shape_problem(state)
     if problem:
         raise DataError(f"rendezvous state is not a _RendezvousState: {problem}")
     return state  # type: ignore[no-any-return]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return "".join(c if c.isprintable() else " " for c in text)[:200]
 
 
 def _is_node(value: Any) -> bool:

@@ -119,3 +119,51 @@ class EtcdCluster:
                 except subprocess.TimeoutExpired:
                     m.proc.kill()
                     m.proc.wait(timeout=10)
+
+
+class SingleEtcd:
+    """One etcd member on loopback with its own flags (TLS, auth token TTL): `endpoint` is
+    127.0.0.1:PORT. `ready` is called with the endpoint until it returns without an exception."""
+
+    def __init__(self, root: Path, *, scheme: str = "http", flags: tuple[str, ...] = ()) -> None:
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise RuntimeError("etcd is not installed: run .ci/setup (Debian package etcd-server)")
+        self.port, peer = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                etcd,
+                "--name=s",
+                f"--data-dir={root}",
+                f"--listen-client-urls={scheme}://{self.endpoint}",
+                f"--advertise-client-urls={scheme}://{self.endpoint}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=s=http://127.0.0.1:{peer}",
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def wait(self, ready, timeout: float = 30) -> SingleEtcd:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                ready(self.endpoint)
+                return self
+            except Exception:  # noqa: BLE001 - not serving yet
+                if time.monotonic() > end or self.proc.poll() is not None:
+                    self.stop()
+                    raise
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
