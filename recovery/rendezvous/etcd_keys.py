@@ -245,11 +245,11 @@ class EtcdRendezvousClient:
         if not expected:
             compares.append(compare(key, "CREATE", 0))
         for cmp in compares:
-            got = self.lease.attached(
-                lambda lease, cmp=cmp: self.conn.txn(
-                    "rendezvous compare-and-set", [cmp], [put_op(key, want, lease)], [range_op(key)]
-                )
-            )
+
+            def cas(lease: int, cmp: dict[str, Any] = cmp) -> dict[str, Any]:
+                return self.conn.txn("rendezvous compare-and-set", [cmp], [put_op(key, want, lease)], [range_op(key)])
+
+            got = self.lease.attached(cas)
             if got.get("succeeded"):
                 return desired
             kvs = range_kvs(got["responses"][0]) if got.get("responses") else []
