@@ -161,8 +161,8 @@ def redact(text: str) -> str:
     if "@" not in text:
         return text
     scheme, sep, rest = text.partition("://")
-    if not sep:
-        scheme, rest = "", text
+    if not sep or not scheme or not scheme[0].isalpha() or not all(c.isalnum() or c in "+.-" for c in scheme):
+        scheme, sep, rest = "", "", text  # no scheme: the credentials start the text
     userinfo, _, tail = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
     if not colon or any(c in user for c in "/?#"):
