@@ -26,8 +26,8 @@ or set member is hashed inside the C load, and tuple hashes are not cached, so t
 run. The C hash never returns to the interpreter, so no signal handler, thread or opcode hook can
 stop it in the process; a refusal that can be reported has to come from another process. So the
 loads run in forked workers (`foundation.workers.map_with_deadlines` for many files,
-`restricted_loads_within` for one), each killed at its own deadline (`load_deadline`: 1 s plus 1 s
-per 2 MiB). Why not a targeted opcode check before the load instead: any Python pass over the
+`restricted_loads_within` for one, which counts the child's CPU time), each killed at its own
+deadline (`load_deadline`: 1 s plus 1 s per 2 MiB). Why not a targeted opcode check before the load instead: any Python pass over the
 opcodes costs the 74 ms above per real dump, and which memo slot feeds which SETITEM key is only
 known by simulating the stack; a worker costs one fork per reader process.
 """

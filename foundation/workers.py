@@ -173,10 +173,25 @@ def _stop(w: _Worker, *, kill: bool = True) -> None:
     w.proc.close()
 
 
+LOAD_WALL_FACTOR = 30
+"""`restricted_loads_within` gives up on a child that has not finished within this many times its CPU
+deadline of wall time (stopped, or starved of CPU), however little CPU it used."""
+_CPU_POLL_S = 0.02
+
+
+def _cpu_seconds(proc: Any) -> float:
+    try:
+        t = proc.cpu_times()
+    except Exception:  # noqa: BLE001 - psutil.Error: gone or a zombie; its result is in the pipe
+        return 0.0
+    return float(t.user + t.system)
+
+
 def restricted_loads_within(
     data: bytes, resolve: Callable[[str, str], Any] | None = None, *, what: str = "this pickle"
 ) -> Any:
-    """`unpickle.restricted_loads` in a forked child killed at `unpickle.load_deadline(len(data))`.
+    """`unpickle.restricted_loads` in a forked child, killed once it has used
+    `unpickle.load_deadline(len(data))` seconds of CPU (or `LOAD_WALL_FACTOR` times that of wall time).
 
     For an untrusted pickle read one at a time (DCP metadata, rendezvous state): the load's own
     refusals and errors are raised here as they are (`unpickle.Refused`, `pickle.UnpicklingError`,
@@ -184,13 +199,17 @@ def restricted_loads_within(
     without end inside the C load) is `unpickle.Refused` too. The loaded object comes back through
     a pipe, so it must pickle (the admitted classes do).
 
-    A bare `os.fork`, not `multiprocessing`: a daemonic process (a forked rendezvous agent) may not
-    start multiprocessing children, and a torch-sized process forks in 10-30 ms, which the
+    CPU time, not wall time: the attack burns CPU, a real state needs milliseconds of it, and on a
+    loaded host (16 rendezvous agents forking at once on 2 cores) a wall-clock second refused real
+    states. A bare `os.fork`, not `multiprocessing`: a daemonic process (a forked rendezvous agent)
+    may not start multiprocessing children, and a torch-sized process forks in 10-30 ms, which the
     multiprocessing machinery would add to. The parent waits in `select`, so a Ctrl-C ends the
     wait at once (the child is killed in the `finally`)."""
     import pickle  # noqa: PLC0415 - start-up time: only readers of untrusted pickles fork
     import select  # noqa: PLC0415
     import warnings  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
 
     deadline = load_deadline(len(data))
     r, w = os.pipe()
@@ -216,18 +235,25 @@ def restricted_loads_within(
             os._exit(0)
     os.close(w)
     chunks: list[bytes] = []
-    end = time.monotonic() + deadline
+    wall_end = time.monotonic() + LOAD_WALL_FACTOR * deadline
     try:
+        try:
+            child: Any = psutil.Process(pid)
+        except psutil.Error:
+            child = None
         while True:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
+            if select.select([r], [], [], _CPU_POLL_S)[0]:
+                chunk = os.read(r, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                continue
+            if child is not None and _cpu_seconds(child) > deadline:
                 raise Refused(
-                    f"{what}: loading it took more than {deadline:.1f} s (a shared-reference dict key or set member?)"
+                    f"{what}: loading it took more than {deadline:.1f} s of CPU (a shared-reference dict key or set member?)"
                 )
-            chunk = os.read(r, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
+            if time.monotonic() > wall_end:
+                raise Refused(f"{what}: loading it did not finish within {LOAD_WALL_FACTOR * deadline:.0f} s")
     finally:
         os.close(r)
         try:

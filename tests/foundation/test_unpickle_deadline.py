@@ -211,7 +211,8 @@ def test_restricted_loads_within_refuses_a_hashed_dag_in_time(tmp_path: Any, whe
     kind, seconds, msg = out.stdout.split(" ", 2)
     assert kind == "Refused" and float(seconds) < 30
     assert (
-        msg.strip() == "rendezvous state: loading it took more than 1.0 s (a shared-reference dict key or set member?)"
+        msg.strip()
+        == "rendezvous state: loading it took more than 1.0 s of CPU (a shared-reference dict key or set member?)"
     )
 
 
@@ -240,3 +241,24 @@ def test_restricted_loads_within_returns_the_value_and_raises_the_loads_own_erro
     with pytest.raises(pickle.UnpicklingError):
         restricted_loads_within(b"\x80\x04garbage")
     assert multiprocessing.active_children() == []
+
+
+def test_restricted_loads_within_counts_the_loads_cpu_not_a_busy_hosts_wall_clock() -> None:
+    """A load that waits (a host too busy to run it) is not a load that computes: only CPU is bounded.
+
+    16 rendezvous agents forking at once on 2 loaded cores took more than a wall-clock second for a
+    real state of a few KB; the attack burns CPU, so CPU time is what the deadline counts."""
+    import time
+
+    from gpuguard.foundation.unpickle import admit
+    from gpuguard.foundation.workers import restricted_loads_within
+
+    table = admit({(__name__, "_Box"): _Box})
+
+    def slow(module: str, name: str) -> Any:
+        time.sleep(1.5)  # 1.5 s of wall clock, no CPU: the child is merely not running
+        return table(module, name)
+
+    t0 = time.monotonic()
+    box = restricted_loads_within(pickle.dumps(_Box(7)), slow)
+    assert type(box) is _Box and box.v == 7 and time.monotonic() - t0 >= 1.5
