@@ -23,17 +23,15 @@ from gpuguard.foundation.etcd import (
     EtcdRequestFailed,
     EtcdRequestTooLarge,
     EtcdUnavailable,
-    TlsFiles,
     compare,
     parse_endpoints,
     put_op,
 )
 from gpuguard.generation.ledger_open import open_ledger
 from tests.support.cli import run_cli
-from tests.support.etcd_cluster import EtcdCluster, SingleEtcd
+from tests.support.etcd_cluster import EtcdCluster, SingleEtcd, start_tls_etcd
 from tests.support.generation import KEY, genesis
 from tests.support.tcp_faults import ReplyDroppingProxy, TricklingServer
-from tests.support.tls_certs import make_certs
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(180)]
 
@@ -174,19 +172,7 @@ def test_a_request_too_large_for_etcd_says_so_with_the_limit_and_the_size(endpoi
 
 @pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory):
-    certs = make_certs(tmp_path_factory.mktemp("certs"))
-    tls = TlsFiles(True, str(certs.ca), str(certs.client_cert), str(certs.client_key))
-    srv = SingleEtcd(
-        tmp_path_factory.mktemp("etcd-tls"),
-        scheme="https",
-        flags=(
-            f"--cert-file={certs.server_cert}",
-            f"--key-file={certs.server_key}",
-            f"--trusted-ca-file={certs.ca}",
-            "--client-cert-auth",
-        ),
-    )
-    srv.wait(lambda ep: EtcdClient(parse_endpoints(ep), timeout=2, tls=tls).get(b"/ready"))
+    srv, certs, _ = start_tls_etcd(tmp_path_factory.mktemp("tls"))
     yield srv, certs
     srv.stop()
 

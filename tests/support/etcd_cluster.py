@@ -167,3 +167,25 @@ class SingleEtcd:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+
+
+def start_tls_etcd(root: Path):
+    """A single etcd serving https only to clients with a certificate of a throw-away CA
+    (`--client-cert-auth`): (the server, its `tls_certs.Certs`, the client's `TlsFiles`)."""
+    from gpuguard.foundation.etcd import EtcdClient, TlsFiles, parse_endpoints
+    from tests.support.tls_certs import make_certs
+
+    certs = make_certs(root / "certs")
+    tls = TlsFiles(True, str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    srv = SingleEtcd(
+        root / "etcd",
+        scheme="https",
+        flags=(
+            f"--cert-file={certs.server_cert}",
+            f"--key-file={certs.server_key}",
+            f"--trusted-ca-file={certs.ca}",
+            "--client-cert-auth",
+        ),
+    )
+    srv.wait(lambda ep: EtcdClient(parse_endpoints(ep), timeout=2, tls=tls).get(b"/ready"))
+    return srv, certs, tls

@@ -47,6 +47,7 @@ from gpuguard.recovery.rendezvous.signed_state import (
 )
 from tests.foundation.test_unpickle_deadline import hashed_dag
 from tests.support.cli import BIN, JOBS, run_cli
+from tests.support.etcd_cluster import start_tls_etcd
 from tests.support.processes import kill_trees
 from tests.support.tcp_faults import TricklingServer
 
@@ -369,3 +370,35 @@ def test_a_trickling_etcd_ends_the_backend_and_the_operator_by_their_deadline(se
         assert time.monotonic() - t0 < 15  # start-up and one 5 s deadline (the command's own timeout)
     finally:
         srv.close()
+
+
+# -- TLS: the rendezvous' own --rdzv-conf keys -------------------------------------------------------------
+
+
+def test_the_backend_and_the_operator_over_tls_with_a_client_certificate(secret, tmp_path):
+    srv, certs, _ = start_tls_etcd(tmp_path)
+    try:
+        conf = {
+            "key_prefix": PREFIX,
+            "protocol": "https",
+            "ca_cert": str(certs.ca),
+            "ssl_cert": str(certs.client_cert),
+            "ssl_cert_key": str(certs.client_key),
+            "secret_file": str(secret),
+        }
+        run = f"tls-{uuid.uuid4().hex[:8]}"
+        backend, store = rdzv_backend.create_backend(RendezvousParameters("gpuguard", srv.endpoint, run, 1, 2, **conf))
+        state = _torch_state(4)
+        got = backend.set_state(state)
+        assert got is not None and got[2] and backend.get_state()[0] == state
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        with EtcdRendezvousClient(srv.endpoint, run, conf) as client:
+            assert R.read_state(client, run)[0].round == 4
+        without = {k: v for k, v in conf.items() if k not in ("ssl_cert", "ssl_cert_key")}
+        with pytest.raises(RendezvousConnectionError, match="TLS"):  # etcd wants our certificate
+            rdzv_backend.create_handler(
+                RendezvousParameters("gpuguard", srv.endpoint, run, 1, 2, read_timeout="3", **without)
+            )
+    finally:
+        srv.stop()
