@@ -18,7 +18,7 @@ failed, the send did not complete, or etcd rejected it before acting on it ("no 
 expired auth token: re-authenticated once and re-sent). A request that was sent and whose answer
 did not come (a read timeout, a reset, a cut answer, etcd's own "request timed out") is *outcome
 unknown*: a write raises `EtcdOutcomeUnknown` and is never re-sent; only idempotent calls (range,
-lease keep-alive, authenticate) are retried on another member.
+a transaction of ranges only, lease keep-alive, authenticate) are retried on another member.
 
 **A total deadline per call** (`timeout`, all members and retries together): every socket
 operation waits at most the time left, so a silent or trickling member ends the call by its
