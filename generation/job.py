@@ -11,7 +11,7 @@ from pathlib import Path
 from gpuguard.foundation.boundedread import URL_BYTES, read_bytes
 from gpuguard.foundation.env import LEDGER_ENV
 from gpuguard.foundation.errors import EXIT_CANTCREAT, DataError, GpuguardError, NoInputError, from_os_error
-from gpuguard.foundation.jobdir import LEDGER_URL_FILE, ledger_url_path
+from gpuguard.foundation.jobdir import ledger_url_path
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.keys import create_key, key_path
 from gpuguard.generation.ledger import Ledger
@@ -82,12 +82,13 @@ def init_job(
         create_root()
     key = create_key(job_dir)
     if url:
+        path = ledger_url_path(job_dir)
         try:  # owner-only, never through a link: the URL may hold etcd credentials (user:password@)
-            fd = os.open(job_dir / LEDGER_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(url + "\n")
         except OSError as exc:
-            raise from_os_error(exc, str(job_dir / LEDGER_URL_FILE)) from None
+            raise from_os_error(exc, str(path)) from None
     ledger = open_ledger(job_dir, url, key=key, timeout=timeout)
     genesis = issue(
         parent=None,

@@ -26,7 +26,17 @@ from gpuguard.foundation.errors import (
 )
 from gpuguard.foundation.jobdir import KEY_FILE, check_root_safe_dir, key_path
 
-__all__ = ["KEY_BYTES", "KEY_FILE", "create_key", "key_path", "load_key", "sign", "signature_ok"]
+__all__ = [
+    "KEY_BYTES",
+    "KEY_FILE",
+    "create_key",
+    "create_key_file",
+    "key_path",
+    "load_key",
+    "read_key_file",
+    "sign",
+    "signature_ok",
+]
 KEY_BYTES = 32
 
 
