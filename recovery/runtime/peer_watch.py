@@ -18,16 +18,9 @@ import ipaddress
 from datetime import timedelta
 
 from gpuguard.foundation.errors import one_line
+from gpuguard.foundation.etcd import etcd_ports
 from gpuguard.recovery.runtime import heartbeat as peer_hb
 from gpuguard.recovery.runtime.context import Context
-
-
-def etcd_ports(url: str | None) -> list[int]:
-    """The ports of an etcd:// ledger's endpoints: the peer heartbeat never breaks those connections."""
-    if not url or not url.startswith("etcd://"):
-        return []
-    hosts = url[len("etcd://") :].split("/", 1)[0].rpartition("@")[2]
-    return [int(p) for h in hosts.split(",") if (p := h.rpartition(":")[2]).isdigit()]
 
 
 class PeerWatch:
