@@ -125,7 +125,7 @@ def test_a_trickling_member_ends_every_call_by_its_deadline(trickler, call):
         else:
             client.txn("test write", [], [put_op(b"/k", b"v")])
     took = time.monotonic() - t0
-    assert 1.9 < took < 2.8, took
+    assert 1.9 < took < 4.0, took  # 2 s, and the slack a loaded 2-core host needs to wake
     assert isinstance(info.value, EtcdOutcomeUnknown) == (call == "write")
     assert trickler.requests == 1  # the write was not re-sent; the read had no other member
 
@@ -135,7 +135,7 @@ def test_the_ledger_on_a_trickling_member_fails_within_its_timeout(tmp_path, tri
     t0 = time.monotonic()
     with pytest.raises(UnavailableError, match="did not answer within 2 s"):
         led.initialize(genesis())
-    assert time.monotonic() - t0 < 2.8
+    assert time.monotonic() - t0 < 4.0  # 2 s and the slack of a loaded host
     r = run_cli("gpu-generation", "init", "--job-dir", str(tmp_path / "job"), "--ledger",
                 f"etcd://{trickler.endpoint}/p", "--timeout", "2", timeout=60)  # fmt: skip
     assert r.returncode == 75 and r.stderr.count("\n") == 1 and "did not answer within 2 s" in r.stderr, r.stderr

@@ -189,7 +189,8 @@ def test_a_sealed_shared_reference_dag_is_refused_within_its_deadline(endpoint, 
     t0 = time.monotonic()
     with pytest.raises(RendezvousStateError, match="took more than 1.0 s"):
         backend.get_state()
-    assert time.monotonic() - t0 < 3
+    # the deadline is 1 s of the decoder's CPU: a loaded host stretches the wall time, a hang never ends
+    assert time.monotonic() - t0 < 10
     # a real state goes through
     good = _torch_state()
     _plant(endpoint, backend.key, seal(backend.seal_key, backend.key, base64.b64encode(good)))
@@ -358,12 +359,12 @@ def test_a_trickling_etcd_ends_the_backend_and_the_operator_by_their_deadline(se
         t0 = time.monotonic()
         with pytest.raises(RendezvousConnectionError, match="did not answer within 2 s"):
             rdzv_backend.create_handler(params)
-        assert time.monotonic() - t0 < 2.8
+        assert time.monotonic() - t0 < 4.0  # 2 s, and the slack a loaded 2-core host needs to wake
         client = EtcdRendezvousClient(srv.endpoint, "t", {"key_prefix": PREFIX, "secret_file": str(secret)}, 2.0)
         t0 = time.monotonic()
         with pytest.raises(GpuguardError, match="did not answer within 2 s"):
             client.get("torch.rendezvous.t")
-        assert time.monotonic() - t0 < 2.8
+        assert time.monotonic() - t0 < 4.0  # 2 s, and the slack a loaded 2-core host needs to wake
         t0 = time.monotonic()
         r = _state_cli(srv.endpoint, "t", secret, timeout=60)
         assert r.returncode == 75 and r.stderr.count("\n") == 1, r.stderr
