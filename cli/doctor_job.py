@@ -1,7 +1,7 @@
 """`gpu-doctor diagnose job`, `gpu-doctor watch job` and `gpu-doctor plan checkpoint|layout|collective`.
 
-Thin shell: `collectors.steps` reads the per-rank step records and the process table, `diagnostics.vote`
-judges, this module renders. Never imports torch.
+Thin shell: `doctor.job_diagnosis` reads the per-rank step records and the process table and runs the
+vote (`diagnostics.vote`); this module parses options and renders. Never imports torch.
 
 Exit codes (diagnose/watch): 0 all healthy, 1 some rank slow, 2 some rank dead or hung, 3 unknown (no
 records); 64 usage, 65 bad config, 66 job directory missing. Plans: 0, or 64 on bad arguments.
@@ -22,65 +22,12 @@ _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def assess(
-    job_dir: str | Path,
-    *,
-    config: Path | None = None,
-    previous: Any = None,
-    window: int = 20,
-    logs: tuple[Path, ...] = (),
-    log_spec: Any = None,
-    node_reports: tuple[Path, ...] = (),
-    launcher_logs: tuple[Path, ...] = (),
-    interval_s: float | None = None,
-) -> tuple[Any, dict[str, Any], Any]:
-    """Read, observe, vote. Returns (JobVerdict, gpuguard.job/1 document, JobRecords).
+def assess(job_dir: str | Path, **kw: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(JobVerdict, gpuguard.job/1 document, JobRecords): `doctor.job_diagnosis.assess`, keywords as there."""
+    from gpuguard.doctor.job_diagnosis import assess as diagnose
 
-    `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
-    from gpuguard.diagnostics.jobstats import distribution
-    from gpuguard.diagnostics.vote import load_config, to_json, vote
-    from gpuguard.doctor.job_observation import observe_job_generations
-
-    path = Path(job_dir)
-    if not path.is_dir():
-        raise NoInputError(f"job directory {path} does not exist")
-    cfg = load_config(config)
-    if interval_s is not None and interval_s > 0:  # the interval in use, as the document's thresholds show
-        cfg = load_config(config, {"check_interval_s": float(interval_s)})
-    reports = [_load_report(p) for p in node_reports]
-    for p in launcher_logs:
-        if not p.is_file():
-            raise NoInputError(f"{p}: no such torchrun log")
-    records, observations, superseded = observe_job_generations(
-        path,
-        window=window,
-        logs=logs,
-        log_spec=log_spec,
-        node_reports=reports,
-        launcher_logs=launcher_logs,
-        outlier_cap_k=cfg.outlier_cap_k,
-    )
-    job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
-    periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
-    computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
-    doc = to_json(
-        job,
-        job_dir=str(path),
-        cohort_steps={"period": _rounded(distribution(periods)), "compute": _rounded(distribution(computes))},
-        config=cfg,
-    )
-    for rank_doc in doc["ranks"]:
-        series = records.ranks.get(rank_doc["rank"])
-        rank_doc["recent_periods_s"] = [
-            round(s.interval_s, 4) for s in (series.steps[-40:] if series else ()) if s.interval_s
-        ]
-    if records.skipped_files:
-        doc["skipped_files"] = list(records.skipped_files)
-    return job, doc, records
-
-
-def _rounded(d: dict[str, float]) -> dict[str, float]:
-    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
+    result = diagnose(job_dir, **kw)
+    return result.verdict, result.document, result.records
 
 
 def sparkline(values: list[float], top: float) -> str:
@@ -276,9 +223,9 @@ def watch_job(
     """The same vote, live, until Ctrl-C (two-dimension deaths are confirmed across checks)."""
     import json as _json
 
-    previous = None
+    from gpuguard.doctor.job_diagnosis import watch
+
     code = EXIT_UNKNOWN
-    n = 0
     live = None
     try:
         if stdout_is_terminal() and not as_json:
@@ -288,17 +235,8 @@ def watch_job(
 
             live = Live(console=console(), refresh_per_second=4, transient=False)
             live.start()
-        last = None
-        while True:
-            # the interval actually in use: the time since the previous check (reading 10,000 ranks and a
-            # slow disk make it longer than --interval), so confirmation is counted in real checks
-            t = time.monotonic()
-            elapsed = interval if last is None else max(interval, t - last)
-            last = t
-            job, doc, _ = assess(
-                job_dir, config=config, previous=previous, interval_s=elapsed, launcher_logs=tuple(torchrun_log)
-            )
-            previous, code, n = job, job.exit_code, n + 1
+        for check in watch(job_dir, interval=interval, config=config, launcher_logs=tuple(torchrun_log), count=count):
+            doc, code = check.document, check.verdict.exit_code
             if as_json:
                 print(_json.dumps(doc, default=str), flush=True)
             elif live is not None:
@@ -306,9 +244,6 @@ def watch_job(
             else:
                 bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
                 print(f"{time.strftime('%H:%M:%S')} {doc['verdict']} {bad or 'all healthy'}", flush=True)
-            if count and n >= count:
-                break
-            time.sleep(interval)
     except KeyboardInterrupt:
         pass
     finally:
@@ -430,22 +365,6 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     plan.command("checkpoint")(plan_checkpoint)
     plan.command("layout")(plan_layout)
     plan.command("collective")(plan_collective)
-
-
-def _load_report(path: Path) -> dict[str, Any]:
-    import json
-
-    from gpuguard.foundation.errors import DataError
-
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise NoInputError(f"{path}: no such node report") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != "gpuguard.node/1":
-        raise DataError(f"{path}: not a gpuguard.node/1 document")
-    return doc
 
 
 def _log_spec(logs: list[Path], spec_file: Path | None, regex: str | None) -> Any:

@@ -1,10 +1,10 @@
 """`gpu-doctor diagnose node`, `gpu-doctor sweep` and `gpu-doctor plugins`.
 
-Thin shell: collectors read (NVML, kernel log, processes), `diagnostics.node_verdict` judges, the
-output plugins deliver; the sweep's state, retention and lock are `doctor.sweep`'s, the Slurm drain
-is `recovery.operator.actions.drain_node`. Heavy modules (rich, prometheus_client, requests, psutil) are imported
-only by the paths that need them, so `diagnose node --json` stays a fraction of a second and never
-imports torch.
+Thin shell: options in, a doctor service call, rendering out. The joins are the doctor's:
+`doctor.node_diagnosis` reads (NVML, kernel log, training logs, processes) and judges, `doctor.sweeper`
+runs one sweep (state, retention, lock, outputs, the Slurm drain of `doctor.drain`). Each command
+imports its service when it runs, and heavy modules (rich, prometheus_client, requests, psutil) only on
+the paths that need them, so `diagnose node --json` stays a fraction of a second and never imports torch.
 
 Exit codes (human/json): 0 healthy, 1 degraded, 2 reset or drain, 3 unknown; 64 usage or config error,
 65 malformed input, 66 missing input, 73 output cannot be created, 75 another sweep holds the state
@@ -18,26 +18,16 @@ from __future__ import annotations
 
 import functools
 import re
-import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.cli._app import emit_json
 from gpuguard.foundation.env import STATE_DIR_ENV
-from gpuguard.foundation.errors import (
-    EXIT_CRITICAL,
-    EXIT_OK,
-    EXIT_UNKNOWN,
-    EXIT_WARNING,
-    GpuguardError,
-    UsageError,
-    from_os_error,
-)
+from gpuguard.foundation.errors import EXIT_OK, GpuguardError, UsageError, from_os_error
 
 if TYPE_CHECKING:
     import typer
@@ -46,13 +36,6 @@ DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
 SAMPLE_NVML = DATA / "sample-nvml.json"
 FORMATS = ("human", "json", "npd", "nagios")
-EXIT_BY_VERDICT = {
-    "healthy": EXIT_OK,
-    "degraded": EXIT_WARNING,
-    "reset": EXIT_CRITICAL,
-    "drain": EXIT_CRITICAL,
-    "unknown": EXIT_UNKNOWN,
-}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.I)
 _UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
 
@@ -114,31 +97,7 @@ def _npd_exit_codes(command: Callable[..., int]) -> Callable[..., int]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Collect + judge (shared by diagnose node and sweep)
-
-
-def _nvml_snapshot(path: str | None, timeout: float) -> tuple[dict[str, Any], str]:
-    from gpuguard.collectors import nvml
-
-    if path is not None:
-        return nvml.load_snapshot(path), f"file {path}"
-    snap = nvml.collect(timeout)
-    if snap.get("timed_out"):
-        _warn(snap["reason"])
-    return snap, "live"
-
-
-def _kernel_log(spec: str | None, *, cursor: Any = None, timeout: float) -> Any:
-    from gpuguard.collectors import kernel_log
-
-    if spec == "-":
-        return kernel_log.read_stream(sys.stdin.buffer, "-", timeout=timeout)
-    if spec is not None:
-        if not sys.stderr.isatty():
-            return kernel_log.read_file(spec, cursor=cursor, timeout=timeout)
-        with _ProgressBar(f"reading {spec}") as bar:
-            return kernel_log.read_file(spec, cursor=cursor, timeout=timeout, progress=bar.start)
-    return kernel_log.read_live(cursor=cursor, timeout=timeout)
+# Rendering
 
 
 class _ProgressBar:
@@ -175,147 +134,6 @@ class _ProgressBar:
     def __exit__(self, *exc: Any) -> None:
         if self.progress is not None:
             self.progress.stop()
-
-
-def _training_logs(paths: list[str]) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Events and per-file stats of `--log` files (gzip-compressed ones decompressed, pastes re-joined)."""
-    from gpuguard.collectors import logscan
-    from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
-
-    events: list[Any] = []
-    stats: list[dict[str, Any]] = []
-    for path in paths:
-        if Path(path).is_dir():
-            raise NoInputError(f"--log {path}: is a directory, not a log file")
-        try:
-            found, info = logscan.read_log(path)
-        except OSError as exc:
-            if logscan.is_corrupt_archive(exc):
-                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
-            raise from_os_error(exc, f"--log {path}") from None
-        except (EOFError, ValueError) as exc:
-            if logscan.is_corrupt_archive(exc) or "zlib" in type(exc).__module__:
-                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
-            raise
-        except Exception as exc:
-            if logscan.is_corrupt_archive(exc):
-                raise DataError(f"--log {path}: compressed log is truncated or corrupt ({exc})") from None
-            raise
-        events.extend(found)
-        stats.append({"path": path, **info, "events": len(found)})
-    return events, stats
-
-
-def _processes() -> dict[str, Any]:
-    try:
-        from gpuguard.collectors import processes
-
-        return processes.collect()
-    except Exception as exc:  # noqa: BLE001 - a process listing problem must not stop the diagnosis
-        return {"schema": "gpuguard.processes/1", "status": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
-
-
-def build_document(
-    snapshot: dict[str, Any] | None,
-    nvml_source: str,
-    log: Any,
-    events: list[Any],
-    thresholds: Any,
-    since: float | None,
-    started: float,
-    processes: dict[str, Any] | None = None,
-    extra_sections: dict[str, Any] | None = None,
-    *,
-    mode: str = "live",
-    log_events: list[Any] | None = None,
-    log_stats: list[dict[str, Any]] | None = None,
-) -> tuple[dict[str, Any], Any]:
-    """Judge and assemble the `gpuguard.node/1` document.
-
-    snapshot None: NVML not examined (replay without --nvml-snapshot). log None: no kernel log read.
-    log_events / log_stats: the `--log` training logs.
-    """
-    from gpuguard.diagnostics import node_verdict
-
-    kernel_events = list(events)
-    verdict = node_verdict.judge(
-        snapshot,
-        kernel_events + list(log_events or []),
-        thresholds,
-        since=since,
-        kernel_log_status="ok" if log is None or log.status == "ok" else (log.reason or log.status),
-        mode=mode,
-        unread_lines=tuple(log.unread_lines) if log is not None else (),
-    )
-    now = time.time()
-    doc: dict[str, Any] = {
-        "schema": node_verdict.SCHEMA,
-        "node": socket.gethostname(),
-        "generated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-        "generated_at_unix": round(now, 3),
-    }
-    doc.update(verdict.to_json())
-    doc["exit_code"] = EXIT_BY_VERDICT[verdict.verdict]
-    nvml_section: dict[str, Any] = (
-        {
-            "status": snapshot.get("status"),
-            "reason": snapshot.get("reason"),
-            "source": nvml_source,
-            "driver_version": snapshot.get("driver_version"),
-            "gpu_count": len(snapshot.get("gpus") or []),
-        }
-        if snapshot is not None
-        else {"status": "not_examined", "reason": "replay: the node's NVML was not recorded", "source": None}
-    )
-    sections: dict[str, Any] = {
-        "nvml": nvml_section,
-        "kernel_log": log.section()
-        if log is not None
-        else {"status": "not_examined", "reason": "replay without --kernel-log", "source": None},
-        "config": {"status": "ok", "source": thresholds.source},
-    }
-    if log_stats is not None:
-        sections["logs"] = {"status": "ok", "files": log_stats}
-    dropped = verdict.counts.get("events", 0) - verdict.counts.get("events_in_window", 0)
-    if since is not None:
-        sections["kernel_log"]["since"] = datetime.fromtimestamp(since, timezone.utc).isoformat(timespec="seconds")
-        sections["kernel_log"]["dropped_by_since"] = dropped
-    if processes is not None:
-        sections["processes"] = {
-            "status": processes.get("status"),
-            "reason": processes.get("reason"),
-            "count": len(processes.get("processes") or []),
-        }
-    sections.update(extra_sections or {})
-    doc["sections"] = sections
-    kernel_kinds = ("xid", "sxid", "gpu_lost", "gpu_fault")
-    in_window = [e for e in kernel_events if since is None or e.timestamp is None or e.timestamp >= since]
-    doc["events"] = [e.to_json() for e in in_window if e.kind in kernel_kinds][-200:]
-    if log_events:
-        doc["log_events"] = [e.to_json() for e in log_events if e.fields.get("fault") or e.kind in kernel_kinds][-200:]
-    totals: dict[str, int] = {}
-    for e in events:
-        if e.kind == "xid" and isinstance(e.fields.get("xid"), int):
-            key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields['xid']}"
-            totals[key] = totals.get(key, 0) + 1
-    doc["xid_totals"] = totals
-    lost: dict[str, int] = {}
-    for e in events:
-        if e.kind == "gpu_lost" or (e.kind == "xid" and e.fields.get("xid") == 79):
-            key = str(e.fields.get("pci_bus_id") or "")
-            lost[key] = lost.get(key, 0) + 1
-    doc["gpu_lost_totals"] = lost
-    faults: dict[str, int] = {}
-    for e in events:
-        if e.kind == "gpu_fault":
-            key = f"{e.fields.get('pci_bus_id') or ''}|{e.fields.get('fault')}"
-            faults[key] = faults.get(key, 0) + 1
-    doc["fault_totals"] = faults
-    doc["nvml"] = snapshot
-    if processes is not None:
-        doc["processes"] = processes.get("processes") or []
-    doc["duration_s"] = round(time.monotonic() - started, 4)
-    return doc, verdict
 
 
 def _render(doc: dict[str, Any], fmt: str) -> int:
@@ -426,25 +244,6 @@ def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# Output files (--dump-nvml): a new file, atomically, never through a link, never a missing directory
-
-
-def write_textfile(path: str, doc: dict[str, Any]) -> str:
-    """The Prometheus textfile, replaced atomically through `write_output_file` (a temp file in the
-    same directory, renamed over the old one): never through a link, never into a missing directory
-    (66, not created) and, as root, never into a directory another user controls (77)."""
-    from prometheus_client import generate_latest
-
-    from gpuguard.foundation.outfile import write_output_file
-    from gpuguard.plugins.outputs import prometheus_registry
-
-    if not str(path).endswith(".prom"):
-        raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
-    write_output_file(path, generate_latest(prometheus_registry(doc)), force=True, what="--textfile")
-    return path
-
-
 @_npd_exit_codes
 def diagnose_node(
     *,
@@ -479,64 +278,34 @@ def diagnose_node(
 
         check_output_path(dump_nvml, force=force, what="--dump-nvml")  # refuse before the probe, not after
     from gpuguard.diagnostics import node_thresholds
+    from gpuguard.doctor.node_diagnosis import NodeRequest, diagnose
 
+    request = NodeRequest(
+        mode=mode,
+        kernel_log=kernel_log,
+        nvml_snapshot=nvml_snapshot,
+        since=cutoff,
+        logs=tuple(log),
+        processes=processes if processes is not None else mode == "live",
+        nvml_timeout=nvml_timeout,
+        timeout=timeout,
+    )
     thresholds = node_thresholds.load(config)
-    klog = _kernel_log(kernel_log, timeout=timeout) if (kernel_log is not None or mode == "live") else None
-    if klog is not None and klog.status != "ok":
-        _warn(f"kernel log not read: {klog.reason}")
-    log_events, log_stats = _training_logs(log) if log else ([], None)
-    snapshot: dict[str, Any] | None
-    if nvml_snapshot is not None or mode == "live":
-        snapshot, nvml_source = _nvml_snapshot(nvml_snapshot, nvml_timeout)
+    if kernel_log not in (None, "-") and sys.stderr.isatty():
+        with _ProgressBar(f"reading {kernel_log}") as bar:
+            result = diagnose(request, thresholds, started=started, warn=_warn, progress=bar.start)
     else:
-        snapshot, nvml_source = None, "not examined"
+        result = diagnose(request, thresholds, started=started, warn=_warn)
     if dump_nvml:
-        if snapshot is None:
+        if result.snapshot is None:
             raise UsageError("--dump-nvml: NVML is not examined in replay mode; add --mode live (or --nvml-snapshot)")
         import json
 
         from gpuguard.foundation.outfile import write_output_file
 
-        write_output_file(dump_nvml, (json.dumps(snapshot, indent=2) + "\n").encode(), force=force, what="--dump-nvml")
-    procs = _processes() if (processes if processes is not None else mode == "live") else None
-    doc, _ = build_document(
-        snapshot,
-        nvml_source,
-        klog,
-        list(klog.events) if klog is not None else [],
-        thresholds,
-        cutoff,
-        started,
-        procs,
-        mode=mode,
-        log_events=log_events,
-        log_stats=log_stats,
-    )
-    return _render(doc, out_fmt)
-
-
-@dataclass(frozen=True)
-class SweepOptions:
-    """`gpu-doctor sweep`'s options, checked and parsed: what one sweep reads, keeps and delivers."""
-
-    state_dir: Path
-    kernel_log: str | None = None
-    nvml_snapshot: str | None = None
-    retain_s: float = 86400.0
-    textfile: str | None = None
-    webhook: str | None = None
-    webhook_timeout: float = 5.0
-    webhook_retries: int = 2
-    budget: float = 30.0
-    outputs: tuple[str, ...] = ()  # extra gpuguard.outputs plugins, in order, without repeats
-    output_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    drain: bool = False  # print the drain command on a drain verdict
-    run_drain: bool = False  # run it
-    node: str | None = None  # the Slurm node name; None: this host's short name
-    out_fmt: str = "human"
-    nvml_timeout: float = 10.0
-    timeout: float = 10.0
-    quiet: bool = False  # nothing on stdout when healthy
+        text = json.dumps(result.snapshot, indent=2) + "\n"
+        write_output_file(dump_nvml, text.encode(), force=force, what="--dump-nvml")
+    return _render(result.document, out_fmt)
 
 
 @_npd_exit_codes
@@ -571,7 +340,9 @@ def sweep_cmd(
         raise UsageError("--webhook-retries must be between 0 and 10")
     output_options = _parse_options(output_option)
     from gpuguard.diagnostics import node_thresholds
-    from gpuguard.doctor.sweep import SweepLock, default_state_dir
+    from gpuguard.doctor.publish import PublishOptions
+    from gpuguard.doctor.sweep import default_state_dir
+    from gpuguard.doctor.sweeper import SweepOptions, sweep
 
     thresholds = node_thresholds.load(config)
     options = SweepOptions(
@@ -579,127 +350,30 @@ def sweep_cmd(
         kernel_log=kernel_log,
         nvml_snapshot=nvml_snapshot,
         retain_s=retain_s,
-        textfile=textfile,
-        webhook=webhook,
-        webhook_timeout=webhook_timeout,
-        webhook_retries=webhook_retries,
-        budget=budget,
-        outputs=tuple(dict.fromkeys(output)),
-        output_options=output_options,
+        publish=PublishOptions(
+            textfile=textfile,
+            webhook=webhook,
+            webhook_timeout=webhook_timeout,
+            webhook_retries=webhook_retries,
+            budget=budget,
+            outputs=tuple(dict.fromkeys(output)),
+            output_options=output_options,
+        ),
         drain=drain,
         run_drain=run_drain,
         node=node,
-        out_fmt=out_fmt,
         nvml_timeout=nvml_timeout,
         timeout=timeout,
-        quiet=quiet,
+        create_parents=state_dir is None,
     )
-    with SweepLock(options.state_dir, wait=min(10.0, budget), create_parents=state_dir is None):
-        return run_sweep(options, thresholds, started=started)
+    doc = sweep(options, thresholds, started=started, warn=_warn)
+    if doc.get("drain") and out_fmt in ("npd", "nagios"):
+        import shlex
 
-
-def run_sweep(options: SweepOptions, thresholds: Any, *, started: float) -> int:
-    """One sweep, under the state directory's lock: read, retain, judge, save, deliver, drain, render."""
-    from gpuguard.doctor import sweep
-
-    state_file = options.state_dir / sweep.STATE_FILE
-    state, notes = sweep.load_state(state_file)
-    for note in notes:
-        _warn(note)
-    log = _kernel_log(options.kernel_log, cursor=state["cursor"], timeout=options.timeout)
-    if log.status != "ok":
-        _warn(f"kernel log not read: {log.reason}")
-    kept = sweep.retain(state, log.events, cursor=log.cursor, now=time.time(), retain_s=options.retain_s)
-    snapshot, nvml_source = _nvml_snapshot(options.nvml_snapshot, options.nvml_timeout)
-    extra = {
-        "state": {
-            "status": "ok",
-            "path": str(state_file),
-            "retained_events": len(kept.events),
-            "new_events": kept.new_events,
-        }
-    }
-    doc, verdict = build_document(
-        snapshot,
-        nvml_source,
-        log,
-        list(kept.events),
-        thresholds,
-        None,
-        started,
-        extra_sections=extra,
-        mode="replay" if options.nvml_snapshot is not None else "live",
-    )
-    doc["xid_totals"] = dict(kept.state["xid_totals"])
-    previous = kept.state["last_verdict"]
-    # saved before the outputs: a crashing notifier never loses the cursor
-    sweep.save_state(state_file, {**kept.state, "last_verdict": verdict.verdict})
-
-    results = _deliver(doc, verdict, previous, options)
-    doc["outputs"] = [r.to_json() for r in results]
-    for r in results:
-        if r.status != "ok":
-            _warn(f"output {r.name} failed: {r.message}")
-    if (options.drain or options.run_drain) and verdict.verdict == "drain":
-        from gpuguard.recovery.operator.actions import drain_command, drain_command_line, drain_node
-
-        node = options.node or socket.gethostname().split(".")[0]
-        cmd = drain_command(node, verdict.summary)
-        doc["drain"] = {
-            "command": cmd,
-            "ran": options.run_drain,
-            "result": drain_node(node, verdict.summary, timeout_s=10.0).summary if options.run_drain else None,
-        }
-        if options.out_fmt in ("npd", "nagios"):
-            print(f"gpu-doctor: drain: {drain_command_line(node, verdict.summary)}", file=sys.stderr)
-    doc["duration_s"] = round(time.monotonic() - started, 4)
-    if options.quiet and doc["exit_code"] == EXIT_OK:
+        print(f"gpu-doctor: drain: {shlex.join(doc['drain']['command'])}", file=sys.stderr)
+    if quiet and doc["exit_code"] == EXIT_OK:
         return EXIT_OK  # healthy: the textfile, the webhook and the state are written; stdout stays empty
-    return _render(doc, options.out_fmt)
-
-
-def _deliver(doc: dict[str, Any], verdict: Any, previous: str | None, options: SweepOptions) -> list[Any]:
-    """The textfile, the webhook (when unhealthy or just recovered), then the plugins, within the budget."""
-    from gpuguard.plugins import outputs as builtin
-    from gpuguard.plugins.registry import load, run_safely
-
-    deadline = time.monotonic() + options.budget
-    results = []
-    textfile, webhook = options.textfile, options.webhook
-    if textfile:
-        results.append(
-            run_safely(
-                "gpuguard.outputs",
-                "prometheus",
-                lambda: write_textfile(textfile, doc),
-            )
-        )
-    if webhook and (verdict.verdict != "healthy" or (previous not in (None, "healthy"))):
-        left = max(0.1, deadline - time.monotonic())
-        results.append(
-            run_safely(
-                "gpuguard.outputs",
-                "webhook",
-                lambda: builtin.post_webhook(
-                    webhook,
-                    builtin.webhook_payload(doc, resolved=verdict.verdict == "healthy"),
-                    timeout=options.webhook_timeout,
-                    retries=options.webhook_retries,
-                    budget=left,
-                ),
-            )
-        )
-    if options.outputs:
-        plugins, failures = load("gpuguard.outputs", list(options.outputs))
-        for f in failures:
-            results.append(_failed(f))
-        for name, cls in plugins.items():
-            if time.monotonic() > deadline:
-                results.append(run_safely("gpuguard.outputs", name, _budget_spent))
-                continue
-            opts = dict(options.output_options.get(name, {}))
-            results.append(run_safely("gpuguard.outputs", name, lambda cls=cls, opts=opts: cls(opts).emit(doc)))
-    return results
+    return _render(doc, out_fmt)
 
 
 def plugins_cmd(
@@ -724,9 +398,8 @@ def plugins_cmd(
     return EXIT_OK
 
 
-def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
-    """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app: the typer signatures (help,
-    completion) wrap the plain functions above (`cli._fast` calls `diagnose_node` without typer)."""
+def _diagnose_node_command() -> Callable[..., int]:
+    """`diagnose node`'s typer signature (help, completion) over `diagnose_node`."""
     import typer
 
     def _diagnose_node(
@@ -788,6 +461,13 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         """
         return diagnose_node(**locals())
 
+    return _diagnose_node
+
+
+def _sweep_command() -> Callable[..., int]:
+    """`sweep`'s typer signature over `sweep_cmd`."""
+    import typer
+
     def _sweep_cmd(
         kernel_log: str | None = typer.Option(
             None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
@@ -841,22 +521,18 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         """The cron entry: diagnose, keep state, write the textfile, notify, optionally drain."""
         return sweep_cmd(**locals())
 
+    return _sweep_cmd
+
+
+def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, plan: typer.Typer) -> None:
+    """Add `diagnose node`, `sweep` and `plugins` to the gpu-doctor app: the typer signatures (help,
+    completion) wrap the plain functions above (`cli._fast` calls `diagnose_node` without typer)."""
+    import typer
+
     def _plugins_cmd(json_: bool = typer.Option(False, "--json", help="Print gpuguard.plugins/1 JSON.")) -> int:
         """List installed plugins (collectors, outputs, actions) and whether each loads."""
         return plugins_cmd(**locals())
 
-    diagnose.command("node")(_diagnose_node)
-    app.command("sweep")(_sweep_cmd)
+    diagnose.command("node")(_diagnose_node_command())
+    app.command("sweep")(_sweep_command())
     app.command("plugins")(_plugins_cmd)
-
-
-def _failed(info: Any) -> Any:
-    from gpuguard.plugins.registry import PluginResult
-
-    return PluginResult(info.group, info.name, "failed", info.error or "failed to load", 0.0)
-
-
-def _budget_spent() -> str:
-    from gpuguard.foundation.errors import UnavailableError
-
-    raise UnavailableError("output budget spent before this plugin ran")

@@ -18,53 +18,40 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuguard.diagnostics.node_findings import (
+    ACTIONS,
+    LOG_FAULT_KINDS,
+    ORDER,
+    Finding,
+    fault_findings,
+    implied_fault,
+    nvml_findings,
+    worst,
+    xid_findings,
+)
 from gpuguard.diagnostics.node_thresholds import Thresholds
-from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.foundation.events import Event
-from gpuguard.foundation.xid_catalog import recovery_action
+
+__all__ = [
+    "ACTIONS",
+    "ORDER",
+    "SCHEMA",
+    "Finding",
+    "GpuVerdict",
+    "NodeVerdict",
+    "fault_findings",
+    "implied_fault",
+    "judge",
+    "nvml_findings",
+    "summarize",
+    "worst",
+    "xid_findings",
+]
 
 SCHEMA = "gpuguard.node/1"
-ORDER = {"healthy": 0, "degraded": 1, "reset": 2, "drain": 3}
-
-ACTIONS = {
-    "healthy": "none",
-    "degraded": "investigate at the next opportunity; the GPU stays usable",
-    "reset": "stop the GPU's processes and reset it (nvidia-smi -r -i <index>) or reboot the node",
-    "drain": "drain the node (let jobs finish elsewhere), reboot; if it recurs, run field diagnostics / RMA",
-    "unknown": "state could not be determined: check the driver and rerun",
-}
-# Catalog severity (gpuguard.foundation.xid_catalog.SEVERITIES) -> verdict; `review` is configurable.
-SEVERITY_VERDICT = {"info": "healthy", "warning": "degraded", "reset": "reset", "drain": "drain"}
 KERNEL_KINDS = ("xid", "gpu_lost")
 MODES = ("live", "replay")
-# Application-side kinds that count as node evidence when they name a hardware fault (`fault` field).
-LOG_FAULT_KINDS = ("cuda_error", "nccl_warn", "nccl_error", "watchdog_abort", "watchdog_failure", "watchdog_hang")
 _PORT_SPAN = 12  # lines between a PCIe port's AER line and the GPU's own line that names it
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One piece of evidence: where it came from, what it says, what it implies."""
-
-    verdict: str
-    source: str  # nvml | kernel_log | config
-    check: str  # e.g. row_remap.pending, xid.79
-    message: str
-    action: str = ""
-    line: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "verdict": self.verdict,
-            "source": self.source,
-            "check": self.check,
-            "message": self.message,
-        }
-        if self.action:
-            doc["action"] = self.action
-        if self.line is not None:
-            doc["line"] = self.line
-        return doc
 
 
 @dataclass(frozen=True)
@@ -111,235 +98,231 @@ class NodeVerdict:
         }
 
 
-def worst(verdicts: Iterable[str]) -> str:
-    """The worst of known verdicts (`healthy` for none)."""
-    best = "healthy"
-    for v in verdicts:
-        if ORDER.get(v, 0) > ORDER[best]:
-            best = v
-    return best
+@dataclass(frozen=True)
+class Placement:
+    """Where each event of the window belongs: on a GPU (by PCI address), on the node, or nowhere."""
+
+    gpu_events: Mapping[str, tuple[Event, ...]] = field(default_factory=dict)  # Xid / GPU-lost lines per GPU
+    gpu_faults: Mapping[str, tuple[Event, ...]] = field(default_factory=dict)  # faults without an Xid per GPU
+    unplaced: tuple[Event, ...] = ()  # Xid lines without a readable address (`PCI:...`): the node's
+    node_faults: tuple[Event, ...] = ()  # faults that name no GPU (training logs, host errors, a port alone)
+    sxids: tuple[Event, ...] = ()  # NVSwitch errors: the node's
+    identities: Mapping[str, str] = field(default_factory=dict)  # PCI address -> GPU UUID from the log
 
 
-def _gte(value: Any, limit: Any) -> bool:
-    return limit is not None and value is not None and value >= limit
+def event_window(events: Sequence[Event], since: float | None) -> tuple[list[Event], dict[str, int]]:
+    """The events at or after `since` (untimed ones kept: their time is unknown) and the counts of
+    all, those in the window and the untimed ones."""
+    counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
+    window: list[Event] = []
+    for ev in events:
+        counts["events"] += 1
+        if since is not None and ev.timestamp is not None and ev.timestamp < since:
+            continue
+        counts["events_in_window"] += 1
+        if ev.timestamp is None:
+            counts["events_untimed"] += 1
+        window.append(ev)
+    return window, counts
 
 
-_ECC_RULES = (  # (snapshot key, threshold key, verdict, message)
-    ("volatile_uncorrected", "volatile_uncorrected_reset", "reset", "uncorrectable ECC errors since the last reset"),
-    (
-        "aggregate_uncorrected_sram",
-        "aggregate_uncorrected_sram_drain",
-        "drain",
-        "lifetime uncorrectable SRAM ECC errors",
-    ),
-    (
-        "aggregate_uncorrected_dram",
-        "aggregate_uncorrected_dram_drain",
-        "drain",
-        "lifetime uncorrectable DRAM ECC errors",
-    ),
-    ("volatile_corrected", "volatile_corrected_degraded", "degraded", "corrected ECC errors since the last reset"),
-)
+def gpu_addresses(window: Sequence[Event], known: Iterable[str]) -> set[str]:
+    """Every GPU the evidence names: NVML's and those a kernel line or a GPU's own fault line names."""
+    return set(known) | {
+        str(e.fields["pci_bus_id"])
+        for e in window
+        if e.fields.get("pci_bus_id")
+        and (e.kind in (*KERNEL_KINDS, "gpu_identity") or (e.kind == "gpu_fault" and e.fields.get("device") != "port"))
+    }
 
 
-def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
-    """Judge one GPU's NVML counters against the thresholds."""
-    out: list[Finding] = []
+def place_events(window: Sequence[Event], known_gpus: Iterable[str]) -> Placement:
+    """Put each event where it belongs. A PCIe port's AER error goes to the GPU below it when the log
+    says which (`_gpu_below`), else to the node; a training-log hardware error names a rank, not an
+    address, so it is the node's."""
+    gpu_events: dict[str, list[Event]] = {}
+    gpu_faults: dict[str, list[Event]] = {}
+    unplaced: list[Event] = []
+    node_faults: list[Event] = []
+    port_faults: list[Event] = []
+    sxids: list[Event] = []
+    identities: dict[str, str] = {}
+    for ev in window:
+        fields = ev.fields if isinstance(ev.fields, Mapping) else {}
+        pci = fields.get("pci_bus_id")
+        if ev.kind == "sxid":
+            sxids.append(ev)
+        elif ev.kind == "gpu_identity" and pci and fields.get("uuid"):
+            identities[pci] = str(fields["uuid"])  # `NVRM: GPU at PCI:...: GPU-<uuid>`: names a lost GPU too
+        elif ev.kind == "gpu_fault":
+            if fields.get("device") == "port":
+                port_faults.append(ev)
+            elif pci:
+                gpu_faults.setdefault(str(pci), []).append(ev)
+            else:
+                node_faults.append(ev)
+        elif (ev.kind in LOG_FAULT_KINDS and fields.get("fault")) or implied_fault(ev) is not None:
+            node_faults.append(ev)
+        elif ev.kind in KERNEL_KINDS:
+            if pci:
+                gpu_events.setdefault(str(pci), []).append(ev)
+            else:
+                unplaced.append(ev)
+    addrs = gpu_addresses(window, known_gpus)
+    own_lines = [e for e in window if e.kind == "gpu_fault" and e.fields.get("device") == "gpu"]
+    for ev in port_faults:
+        target = _gpu_below(ev, addrs, own_lines)
+        if target is not None:
+            gpu_faults.setdefault(target, []).append(ev)
+        else:
+            node_faults.append(ev)
+    return Placement(
+        {k: tuple(v) for k, v in gpu_events.items()},
+        {k: tuple(v) for k, v in gpu_faults.items()},
+        tuple(unplaced),
+        tuple(node_faults),
+        tuple(sxids),
+        identities,
+    )
 
-    def add(verdict: str, check: str, message: str) -> None:
-        if verdict != "healthy":
-            out.append(Finding(verdict, "nvml", check, message, ACTIONS[verdict]))
 
-    if gpu.get("lost"):
-        add(t.get("node", "gpu_lost"), "gpu_lost", f"NVML: {gpu.get('error') or 'GPU is lost'}")
-        return out
-    ecc = gpu.get("ecc") or {}
-    for key, limit, verdict, text in _ECC_RULES:
-        if _gte(ecc.get(key), t.get("ecc", limit)):
-            add(verdict, f"ecc.{key}", f"{ecc[key]} {text}")
-    rows = gpu.get("remapped_rows") or {}
-    if rows.get("failure"):
-        add(t.get("row_remap", "failure"), "row_remap.failure", "a row remapping failed (RMA threshold)")
-    if rows.get("pending"):
-        add(t.get("row_remap", "pending"), "row_remap.pending", "row remapping pending: applied at the next GPU reset")
-    if _gte(rows.get("uncorrectable"), t.get("row_remap", "uncorrectable_degraded")):
-        add("degraded", "row_remap.uncorrectable", f"{rows['uncorrectable']} rows remapped for uncorrectable errors")
-    pages = gpu.get("retired_pages") or {}
-    if pages.get("pending"):
-        add(t.get("retired_pages", "pending"), "retired_pages.pending", "retired pages pending: reset to apply")
-    total = (pages.get("single_bit") or 0) + (pages.get("double_bit") or 0)
-    if pages and _gte(total, t.get("retired_pages", "total_drain")):
-        add("drain", "retired_pages.total", f"{total} retired pages")
-    action = gpu.get("recovery_action")
-    if action:
-        act = recovery_action(action)
-        add(_verdict_of(act.severity, t), "recovery_action", f"driver recovery action: {act.name} ({action})")
-    temp, slow = gpu.get("temperature_c"), gpu.get("temperature_slowdown_c")
-    if temp is not None:
-        limit = slow - t.get("temperature", "slowdown_margin_c") if slow else t.get("temperature", "degraded_c")
-        if _gte(temp, limit):
-            add("degraded", "temperature", f"{temp:g} °C (slowdown at {slow if slow else '?'} °C)")
-    reasons = [r for r in gpu.get("clock_event_reason_names") or [] if r in t.get("clock_events", "degraded")]
-    if reasons:
-        add("degraded", "clock_events", "clocks reduced: " + ", ".join(reasons))
-    pcie = gpu.get("pcie") or {}
-    if pcie.get("width") is not None and pcie.get("width_max") and pcie["width"] < pcie["width_max"]:
-        add(t.get("pcie", "width_below_max"), "pcie.width", f"PCIe x{pcie['width']} of x{pcie['width_max']}")
-    if pcie.get("gen") is not None and pcie.get("gen_max") and pcie["gen"] < pcie["gen_max"]:
-        add(t.get("pcie", "gen_below_max"), "pcie.gen", f"PCIe gen {pcie['gen']} of {pcie['gen_max']}")
-    if _gte(pcie.get("replay_counter"), t.get("pcie", "replay_degraded")):
-        add("degraded", "pcie.replay_counter", f"PCIe replay counter {pcie['replay_counter']}")
-    links = gpu.get("nvlink") or []
-    inactive = [str(link["link"]) for link in links if link.get("active") is False]
-    if inactive:
-        add(t.get("nvlink", "inactive"), "nvlink.inactive", "NVLink inactive: link " + ", ".join(inactive))
-    for counter, keys in (
-        ("crc_degraded", ("crc_flit", "crc_data")),
-        ("replay_degraded", ("replay",)),
-        ("recovery_degraded", ("recovery",)),
-    ):
-        total = sum(link.get(k) or 0 for link in links for k in keys)
-        if links and _gte(total, t.get("nvlink", counter)):
-            add("degraded", f"nvlink.{counter.rsplit('_', 1)[0]}", f"NVLink {'/'.join(keys)} errors: {total}")
+def sxid_findings(sxids: Sequence[Event]) -> list[Finding]:
+    """One finding per NVSwitch SXid line: `drain` when the line says fatal, else `degraded`."""
+    out = []
+    for ev in sxids:
+        text = (ev.text or "").lower()
+        fatal = "fatal" in text and "nonfatal" not in text and "non-fatal" not in text
+        out.append(
+            Finding(
+                "drain" if fatal else "degraded",
+                "kernel_log",
+                f"sxid.{ev.fields.get('sxid')}",
+                f"NVSwitch SXid {ev.fields.get('sxid')}{' (fatal)' if fatal else ''}",
+                "check the NVSwitch fabric (Fabric Manager log)",
+                ev.line,
+            )
+        )
     return out
 
 
-def _verdict_of(severity: str, t: Thresholds) -> str:
-    return SEVERITY_VERDICT.get(severity) or t.get("xid", "unknown_code")
+def nvml_node_findings(snapshot: Mapping[str, Any] | None, t: Thresholds) -> list[Finding]:
+    """What NVML says about the node as a whole: a driver upgraded without a reboot, GPUs missing."""
+    out: list[Finding] = []
+    if snapshot is None:
+        return out
+    status = snapshot.get("status", "ok")
+    if status == "failed" and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch":
+        out.append(
+            Finding(
+                "drain",
+                "nvml",
+                "nvml.version_mismatch",
+                f"{snapshot.get('reason')}: driver upgraded without reboot",
+                "reboot the node to load the matching kernel module",
+            )
+        )
+    expected = t.get("node", "expected_gpus")
+    seen = len(snapshot.get("gpus") or [])
+    if status == "ok" and expected is not None and seen < expected:
+        verdict = t.get("node", "missing_gpu")
+        out.append(
+            Finding(
+                verdict, "nvml", "node.expected_gpus", f"NVML sees {seen} GPUs, expected {expected}", ACTIONS[verdict]
+            )
+        )
+    return out
 
 
-def xid_findings(events: Sequence[Event], t: Thresholds) -> tuple[str, list[Finding]]:
-    """Verdict and evidence from the Xid / GPU-lost events of ONE GPU, in log order.
+def unread_finding(unread_lines: Sequence[int]) -> Finding:
+    """Lines that look like GPU errors but that no rule could read: a warning, never a silent all clear."""
+    return Finding(
+        "degraded",
+        "kernel_log",
+        "kernel_log.unread",
+        f"{len(unread_lines)} line(s) look like GPU errors (Xid) but could not be read: no evidence of a "
+        "fault is not the same as evidence of health here",
+        "read those lines yourself (gpu-doctor logs FILE shows what was parsed)",
+        unread_lines[0],
+    )
 
-    The catalog's `resolution_for` applies its rules (the last Xid 154 is authoritative, echo codes
-    attach to their primary); the thresholds add: ignored codes, codes forced to drain / reset /
-    degraded, and application-level Xids that only degrade a GPU when they repeat.
-    """
 
-    ignore = set(t.get("xid", "ignore"))
-    unread = [e for e in events if e.kind == "xid" and not isinstance(e.fields.get("xid"), int)]
-    evs = [
-        e
-        for e in events
-        if e.kind == "gpu_lost"
-        or (e.kind == "xid" and isinstance(e.fields.get("xid"), int) and e.fields["xid"] not in ignore)
-    ]
-    findings: list[Finding] = []
-    if unread:  # 7+ digits, hex, a sign, non-ASCII digits: reported, never dropped
-        raw = sorted({str(e.fields.get("xid_raw")) for e in unread})
-        findings.append(
+def gpu_verdict(
+    key: str,
+    meta: Mapping[str, Any],
+    nvml_found: Sequence[Finding],
+    events: Sequence[Event],
+    faults: Sequence[Event],
+    t: Thresholds,
+    *,
+    nvml_silent: str | None = None,
+) -> GpuVerdict:
+    """One GPU's verdict from its NVML findings, its Xid lines and its faults. `nvml_silent`: why NVML did
+    not report on a GPU it should have (then a GPU with no other evidence is `unknown`, not healthy)."""
+    xid_level, found = xid_findings(events, t)
+    fault_found = fault_findings(faults, t)
+    evidence = [*nvml_found, *found, *fault_found]
+    verdict = worst([f.verdict for f in nvml_found] + [xid_level] + [f.verdict for f in fault_found])
+    if verdict == "healthy" and nvml_silent is not None:
+        verdict = "unknown"
+        evidence.append(
             Finding(
-                t.get("xid", "unknown_code"),
-                "kernel_log",
-                "xid.unreadable",
-                f"Xid code {', '.join(raw)} is not a code gpuguard can read: needs review",
-                "look at the line and the driver version; report the code if it is new",
-                unread[0].line,
+                "unknown", "nvml", "nvml.status", "NVML did not report on this GPU: " + nvml_silent, ACTIONS["unknown"]
             )
         )
-    if not evs:
-        return (findings[0].verdict if findings else "healthy"), findings
-    res = catalog.resolution_for(evs)
-    verdict = _verdict_of(res.severity, t)
-    by_code: dict[int, list[Event]] = {}
-    for e in evs:
-        by_code.setdefault(79 if e.kind == "gpu_lost" else e.fields["xid"], []).append(e)
-    echo = {code: primary for code, primary in res.sympathetic}
-    last154 = max((i for i, e in enumerate(evs) if e.kind == "xid" and e.fields["xid"] == 154), default=-1)
-    after = evs[last154 + 1 :]
-    warnings = [
-        e
-        for e in after
-        if e.kind == "xid"
-        and e.fields["xid"] not in echo
-        and catalog.xid_severity(e.fields["xid"], e.fields) == "warning"
-    ]
-    repeat = t.get("xid", "repeat_degraded")
-    incidents = catalog.count_incidents(warnings)  # per (GPU, code, pid, time window), not per printed line
-    if res.severity == "warning" and (repeat is None or incidents < repeat):
-        verdict = "healthy"  # an application fault the GPU survived: evidence, not a verdict
-    forced = []
-    for e in after:
-        code = 79 if e.kind == "gpu_lost" else e.fields["xid"]
-        for key in ("drain", "reset", "degraded"):
-            if code in t.get("xid", key):
-                forced.append(key)
-                break
-    if res.severity == "warning" and repeat is not None and incidents >= repeat:
-        codes = sorted({e.fields["xid"] for e in warnings})
-        findings.append(
+    action = _action([f.action for f in evidence if f.verdict == verdict], verdict)
+    return GpuVerdict(
+        meta.get("pci_bus_id") or key,
+        verdict,
+        tuple(evidence),
+        action,
+        meta.get("index"),
+        meta.get("uuid"),
+        meta.get("name"),
+    )
+
+
+def node_level(
+    gpus: Sequence[GpuVerdict],
+    node_findings: Sequence[Finding],
+    snapshot: Mapping[str, Any] | None,
+    *,
+    examined: bool,
+    expected_gpus: int | None,
+) -> tuple[str, list[Finding]]:
+    """The node's verdict, the worst of its GPUs' and its own findings, and the findings that explain an
+    all clear that is not one: NVML not examined (replay), not answering, or seeing no GPU (`unknown`)."""
+    level = worst([g.verdict for g in gpus] + [f.verdict for f in node_findings])
+    status = snapshot.get("status", "ok") if snapshot is not None else "missing"
+    if not examined:
+        return level, [
             Finding(
-                "degraded",
-                "kernel_log",
-                "xid.repeat",
-                f"{incidents} application-level Xid incidents ({', '.join(map(str, codes))}): "
-                "a repeating fault may be hardware",
-                res.action,
-                warnings[-1].line,
+                "healthy",
+                "nvml",
+                "nvml.not_examined",
+                "NVML not examined: replaying files, and the replaying machine's NVML says nothing about the node",
             )
-        )
-    verdict = worst([verdict, *forced, *(f.verdict for f in findings)])
-    for code in res.inferred:
-        info = catalog.lookup(code)
-        cause = next(e for e in evs if e.fields.get("caused_by") == code)
-        findings.append(
-            Finding(
-                _verdict_of(catalog.xid_severity(code), t),
-                "kernel_log",
-                f"xid.{code}",
-                f"Xid {code} (inferred: named by Xid 45 'caused by previous Xid {code}'; its own line is not in "
-                f"the log): {info.name}",
-                info.action,
-                cause.line,
-            )
-        )
-    if res.recovery_action is not None:
-        e = evs[last154]
-        findings.append(
-            Finding(
-                verdict,
-                "kernel_log",
-                "xid.154",
-                f"Xid 154: driver recovery action {res.recovery_action} (authoritative)",
-                res.action,
-                e.line,
-            )
-        )
-    for code, group in by_code.items():
-        if code == 154:
-            continue
-        info = catalog.lookup(code)
-        n_inc = catalog.count_incidents(group)
-        times = f" x{len(group)}" if len(group) > 1 else ""
-        if len(group) > 1:
-            times += f" ({n_inc} incident{'s' if n_inc != 1 else ''})"
-        if code in echo:
-            findings.append(
-                Finding(
-                    "healthy",
-                    "kernel_log",
-                    f"xid.{code}",
-                    f"Xid {code}{times}: {info.name} (sympathetic to Xid {echo[code]})",
-                    "",
-                    group[0].line,
-                )
-            )
-            continue
-        label = "GPU has fallen off the bus" if group[0].kind == "gpu_lost" and code == 79 else info.name
-        sev = catalog.xid_severity(code, group[-1].fields if group[-1].kind == "xid" else {})
-        code_verdict = _verdict_of(sev, t)
-        if sev == "warning" and (repeat is None or incidents < repeat):
-            code_verdict = "healthy"  # below the repeat threshold: evidence only
-        for key in ("drain", "reset", "degraded"):
-            if code in t.get("xid", key):
-                code_verdict = worst([code_verdict, key])
-                break
-        findings.append(
-            Finding(
-                code_verdict, "kernel_log", f"xid.{code}", f"Xid {code}{times}: {label}", info.action, group[0].line
-            )
-        )
-    return verdict, findings
+        ]
+    if level != "healthy":
+        return level, []
+    if status != "ok":
+        return "unknown", [Finding("unknown", "nvml", "nvml.status", _nvml_reason(snapshot), ACTIONS["unknown"])]
+    if not gpus and expected_gpus is None:
+        return "unknown", [Finding("unknown", "nvml", "nvml.no_gpus", "NVML reports no GPUs", ACTIONS["unknown"])]
+    if any(g.verdict == "unknown" for g in gpus):
+        return "unknown", []
+    return level, []
+
+
+def _snapshot_gpus(
+    snapshot: Mapping[str, Any] | None, t: Thresholds
+) -> dict[str, tuple[dict[str, Any], list[Finding]]]:
+    """NVML's GPUs by key (PCI address, else `index:<n>`): their identity and their counters' findings."""
+    out: dict[str, tuple[dict[str, Any], list[Finding]]] = {}
+    for gpu in (snapshot or {}).get("gpus") or []:
+        key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
+        meta = {k: gpu.get(k) for k in ("index", "uuid", "name", "pci_bus_id")}
+        out[key] = (meta, nvml_findings(gpu, t))
+    return out
 
 
 def judge(
@@ -364,204 +347,37 @@ def judge(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t = thresholds
-    gpus: dict[str, dict[str, Any]] = {}
-    node_findings: list[Finding] = []
-    examined = snapshot is not None or mode == "live"
-    nvml_status = snapshot.get("status", "ok") if snapshot is not None else "missing"
-
-    def entry_for(pci: str, nvml_ok: bool = False) -> dict[str, Any]:
-        return gpus.setdefault(
-            pci, {"meta": {"pci_bus_id": pci}, "findings": [], "events": [], "faults": [], "nvml_ok": nvml_ok}
-        )
-
-    for gpu in (snapshot or {}).get("gpus") or []:
-        key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
-        gpus[key] = {
-            "meta": {
-                "index": gpu.get("index"),
-                "uuid": gpu.get("uuid"),
-                "name": gpu.get("name"),
-                "pci_bus_id": gpu.get("pci_bus_id"),
-            },
-            "findings": nvml_findings(gpu, t),
-            "events": [],
-            "faults": [],
-            "nvml_ok": nvml_status == "ok",
-        }
-
-    if (
-        snapshot is not None
-        and nvml_status == "failed"
-        and snapshot.get("nvml_error") == "NVMLError_LibRmVersionMismatch"
-    ):
-        node_findings.append(
-            Finding(
-                "drain",
-                "nvml",
-                "nvml.version_mismatch",
-                f"{snapshot.get('reason')}: driver upgraded without reboot",
-                "reboot the node to load the matching kernel module",
-            )
-        )
-    expected = t.get("node", "expected_gpus")
-    seen = len((snapshot or {}).get("gpus") or [])
-    if nvml_status == "ok" and expected is not None and seen < expected:
-        node_findings.append(
-            Finding(
-                t.get("node", "missing_gpu"),
-                "nvml",
-                "node.expected_gpus",
-                f"NVML sees {seen} GPUs, expected {expected}",
-                ACTIONS[t.get("node", "missing_gpu")],
-            )
-        )
-
-    counts = {"events": 0, "events_in_window": 0, "events_untimed": 0}
-    unplaced: list[Event] = []
-    identities: dict[str, str] = {}
-    window: list[Event] = []
-    for ev in events:
-        counts["events"] += 1
-        if since is not None and ev.timestamp is not None and ev.timestamp < since:
-            continue
-        counts["events_in_window"] += 1
-        if ev.timestamp is None:
-            counts["events_untimed"] += 1
-        window.append(ev)
-    gpu_addrs = {k for k in gpus} | {
-        str(e.fields["pci_bus_id"])
-        for e in window
-        if e.fields.get("pci_bus_id")
-        and (e.kind in (*KERNEL_KINDS, "gpu_identity") or (e.kind == "gpu_fault" and e.fields.get("device") != "port"))
-    }
-    node_faults: list[Event] = []
-    port_faults: list[Event] = []
-    for ev in window:
-        fields = ev.fields if isinstance(ev.fields, Mapping) else {}
-        if ev.kind == "sxid":
-            text = (ev.text or "").lower()
-            fatal = "fatal" in text and "nonfatal" not in text and "non-fatal" not in text
-            node_findings.append(
-                Finding(
-                    "drain" if fatal else "degraded",
-                    "kernel_log",
-                    f"sxid.{fields.get('sxid')}",
-                    f"NVSwitch SXid {fields.get('sxid')}{' (fatal)' if fatal else ''}",
-                    "check the NVSwitch fabric (Fabric Manager log)",
-                    ev.line,
-                )
-            )
-            continue
-        pci = fields.get("pci_bus_id")
-        if ev.kind == "gpu_identity" and pci and fields.get("uuid"):
-            # `NVRM: GPU at PCI:...: GPU-<uuid>`: names a GPU even when NVML has lost it
-            identities[pci] = str(fields["uuid"])
-            continue
-        if ev.kind == "gpu_fault":
-            if fields.get("device") == "port":
-                port_faults.append(ev)
-            elif pci:
-                entry_for(str(pci))["faults"].append(ev)
-            else:
-                node_faults.append(ev)
-            continue
-        if ev.kind in LOG_FAULT_KINDS and fields.get("fault"):
-            node_faults.append(ev)  # training-log evidence: names a rank / host, not a PCI address
-            continue
-        if implied_fault(ev) is not None:
-            node_faults.append(ev)
-            continue
-        if ev.kind not in KERNEL_KINDS:
-            continue
-        if not pci:
-            unplaced.append(ev)
-            continue
-        entry_for(str(pci))["events"].append(ev)
-
-    gpu_faults = [e for e in window if e.kind == "gpu_fault" and e.fields.get("device") == "gpu"]
-    for ev in port_faults:  # a PCIe port's error belongs to the GPU below it, where the log says which
-        target = _gpu_below(ev, gpu_addrs, gpu_faults)
-        if target is not None:
-            entry_for(target)["faults"].append(ev)
-        else:
-            node_faults.append(ev)
-
-    if unplaced:  # e.g. a redacted `PCI:...` address: the node still owns the finding
-        level, found = xid_findings(unplaced, t)
-        node_findings.extend(f for f in found)
-    node_findings.extend(fault_findings(node_faults, t))
+    nvml_gpus = _snapshot_gpus(snapshot, t)
+    nvml_ok = snapshot is not None and snapshot.get("status", "ok") == "ok"
+    window, counts = event_window(events, since)
+    placed = place_events(window, nvml_gpus)
+    node_findings = [*nvml_node_findings(snapshot, t), *sxid_findings(placed.sxids)]
+    if placed.unplaced:  # e.g. a redacted `PCI:...` address: the node still owns the finding
+        node_findings.extend(xid_findings(placed.unplaced, t)[1])
+    node_findings.extend(fault_findings(placed.node_faults, t))
     if unread_lines:
-        node_findings.append(
-            Finding(
-                "degraded",
-                "kernel_log",
-                "kernel_log.unread",
-                f"{len(unread_lines)} line(s) look like GPU errors (Xid) but could not be read: no evidence of a "
-                "fault is not the same as evidence of health here",
-                "read those lines yourself (gpu-doctor logs FILE shows what was parsed)",
-                unread_lines[0],
-            )
-        )
-
-    results: list[GpuVerdict] = []
-    for key, entry in gpus.items():
-        xid_level, found = xid_findings(entry["events"], t)
-        faults = fault_findings(entry["faults"], t)
-        evidence = list(entry["findings"]) + found + faults
-        level = worst([f.verdict for f in entry["findings"]] + [xid_level] + [f.verdict for f in faults])
-        verdict = level
-        if level == "healthy" and snapshot is not None and not entry["nvml_ok"]:
-            verdict = "unknown"
-            evidence.append(
-                Finding(
-                    "unknown",
-                    "nvml",
-                    "nvml.status",
-                    "NVML did not report on this GPU: " + _nvml_reason(snapshot),
-                    ACTIONS["unknown"],
-                )
-            )
-        action = _action([f.action for f in evidence if f.verdict == verdict], verdict)
-        meta = entry["meta"]
-        results.append(
-            GpuVerdict(
-                meta.get("pci_bus_id") or key,
-                verdict,
-                tuple(evidence),
-                action,
-                meta.get("index"),
-                meta.get("uuid") or identities.get(key),
-                meta.get("name"),
-            )
-        )
+        node_findings.append(unread_finding(unread_lines))
+    keys = list(dict.fromkeys([*nvml_gpus, *placed.gpu_events, *placed.gpu_faults]))
+    results = []
+    for key in keys:
+        meta, found = nvml_gpus.get(key, ({"pci_bus_id": key}, []))
+        meta = {**meta, "uuid": meta.get("uuid") or placed.identities.get(key)}
+        reported = nvml_ok and key in nvml_gpus  # NVML answered, and about this GPU
+        silent = _nvml_reason(snapshot) if snapshot is not None and not reported else None
+        events_of, faults_of = placed.gpu_events.get(key, ()), placed.gpu_faults.get(key, ())
+        results.append(gpu_verdict(key, meta, found, events_of, faults_of, t, nvml_silent=silent))
     results.sort(key=lambda g: (g.index is None, g.index if g.index is not None else 0, g.pci_bus_id or ""))
-
-    level = worst([g.verdict for g in results] + [f.verdict for f in node_findings])
-    if not examined:
-        node_findings.append(
-            Finding(
-                "healthy",
-                "nvml",
-                "nvml.not_examined",
-                "NVML not examined: replaying files, and the replaying machine's NVML says nothing about the node",
-            )
-        )
-    elif level == "healthy":
-        if nvml_status != "ok":
-            node_findings.append(Finding("unknown", "nvml", "nvml.status", _nvml_reason(snapshot), ACTIONS["unknown"]))
-            level = "unknown"
-        elif not results and expected is None:
-            node_findings.append(Finding("unknown", "nvml", "nvml.no_gpus", "NVML reports no GPUs", ACTIONS["unknown"]))
-            level = "unknown"
-        elif any(g.verdict == "unknown" for g in results):
-            level = "unknown"
+    examined = snapshot is not None or mode == "live"
+    level, why = node_level(
+        results, node_findings, snapshot, examined=examined, expected_gpus=t.get("node", "expected_gpus")
+    )
+    node_findings.extend(why)
     if kernel_log_status != "ok":
         node_findings.append(
             Finding("healthy", "kernel_log", "kernel_log.status", f"kernel log not read: {kernel_log_status}")
         )
-    node_action = _action(
-        [f.action for f in [*node_findings, *[e for g in results for e in g.evidence]] if f.verdict == level], level
-    )
+    every = [*node_findings, *[e for g in results for e in g.evidence]]
+    node_action = _action([f.action for f in every if f.verdict == level], level)
     summary = summarize(level, results, node_findings)
     if level == "healthy" and not examined:
         summary = "no evidence of a fault in the given files (not proof of health)"
@@ -588,21 +404,6 @@ def _gpu_below(ev: Event, gpu_addrs: set[str], gpu_faults: Sequence[Event]) -> s
     return near.pop() if len(near) == 1 else None
 
 
-def implied_fault(ev: Event) -> str | None:
-    """The catalog fault a line implies without naming one: a driver that needs a GPU reset, a driver /
-    library version mismatch, a fatal host hardware error."""
-    f = ev.fields
-    if f.get("fault"):
-        return str(f["fault"])
-    if ev.kind == "gpu_reset_required":
-        return "reset_required"
-    if ev.kind == "driver_error" and "mismatch" in str(f.get("error") or "").lower():
-        return "driver_mismatch"
-    if ev.kind == "host_hw_error" and f.get("hw_severity") == "fatal":
-        return "host_fatal"
-    return None
-
-
 def _bus(pci: str) -> int | None:
     """The bus number of `dddd:bb:dd.f`."""
     parts = pci.split(":")
@@ -610,41 +411,6 @@ def _bus(pci: str) -> int | None:
         return int(parts[1], 16) if len(parts) == 3 else None
     except ValueError:
         return None
-
-
-def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
-    """Findings from GPU faults that carry no Xid (init failures, AER, fabric, training-log hardware errors),
-    one per fault (and rank / port), with the catalog's severity and action."""
-    groups: dict[tuple[Any, ...], list[Event]] = {}
-    for ev in events:
-        f = ev.fields
-        where = f.get("pci_bus_id") if f.get("device") == "port" else None
-        groups.setdefault((implied_fault(ev), f.get("rank"), f.get("host"), where, ev.source), []).append(ev)
-    out: list[Finding] = []
-    for (name, rank, host, port, source), group in groups.items():
-        info = catalog.fault(str(name))
-        first = group[0]
-        sev = info.severity
-        if first.severity == "info" and sev != "info":
-            sev = "info"  # the line itself says it is benign (e.g. Fabric Manager: NV_WARN_NOTHING_TO_DO)
-        verdict = _verdict_of(sev, t)
-        who = []
-        if rank is not None:
-            who.append(f"rank {rank}")
-        if host:
-            who.append(f"host {host}")
-        if port:
-            who.append(f"via PCIe port {port}")
-        where = f" ({', '.join(who)})" if who else ""
-        times = f" x{len(group)}" if len(group) > 1 else ""
-        origin = "log" if first.kind in LOG_FAULT_KINDS else "kernel_log"
-        message = f"{info.name}{times}{where}"
-        if origin == "log" and source:
-            message += f" in {source}"
-        out.append(
-            Finding(verdict, origin, f"fault.{name}", message, info.action if verdict != "healthy" else "", first.line)
-        )
-    return out
 
 
 def _action(actions: Sequence[str], verdict: str) -> str:

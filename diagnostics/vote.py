@@ -14,20 +14,20 @@ Rules:
 * impact: the job's step now against its normal step, and what the ranks slow of their own cost each step
   (`jobstats.job_impact`), in the reason of a slow job and as `impact` in the document.
 
-Pure and deterministic: same observations, config and previous result → same verdict.
-
-Lazy imports (start-up time): the YAML reader (yaml), only when the vote configuration is read.
+Pure and deterministic: same observations, config and previous result → same verdict. The thresholds are
+read by `vote_config`, the coupling in collectives is `coupling`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
-from gpuguard.diagnostics.arrival import resolve_roots, stragglers
+from gpuguard.diagnostics.arrival import Straggler, resolve_roots, stragglers
+from gpuguard.diagnostics.coupling import Prelim, Prelims, couple_waiters
 from gpuguard.diagnostics.jobstats import Impact, job_impact, mad, median
+from gpuguard.diagnostics.vote_config import DEFAULT_CONFIG, load_config
 from gpuguard.diagnostics.voters import (
     ABSTAIN,
     DEAD,
@@ -41,68 +41,12 @@ from gpuguard.diagnostics.voters import (
     VoteConfig,
     pause_bound_s,
 )
-from gpuguard.foundation.errors import DataError
-from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, RankObservation
+from gpuguard.foundation.observations import COLLECTIVE, RankObservation
 
 SCHEMA = "gpuguard.job/1"
 UNREADABLE = "step log unreadable"  # a rank's note that starts so is its reason as it stands (its records exist)
 _ORDER = {HEALTHY: 0, UNKNOWN: 1, SLOW: 2, HUNG: 3, DEAD: 4}
-DATA = Path(__file__).resolve().parent / "data" / "vote.yaml"
 _SIGTERM_EXITS = (-15, 143)  # how torchrun reports a worker it terminated: killed by SIGTERM, or exited 128+15
-VOTE_YAML_MAX_BYTES = 64 * 1024  # the packaged file is ~6 KiB
-
-
-DEFAULT_CONFIG = VoteConfig()
-
-
-# what each threshold may be (load_config refuses the rest with one line naming it)
-_AT_LEAST_ONE = {"confirm_checks", "min_samples", "cohort_min_ranks", "comm_min_reports", "arrival_window"}
-_AT_LEAST_ONE |= {"arrival_min_collectives", "outlier_cap_k", "impact_min_slowdown"}
-_POSITIVE = {"check_interval_s", "bandwidth_bytes_s", "hang_k"}
-_FRACTIONS = {"cohort_ratio", "mad_floor_frac", "cpu_progress_frac", "arrival_min_frac", "arrival_max_late_frac"}
-
-
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> VoteConfig:
-    """The YAML thresholds (package default, or `path`), validated: unknown keys, non-numbers, non-finite or
-    out-of-range values and integers given as fractions refuse (DataError, one line naming the key)."""
-    import math
-
-    from gpuguard.foundation.yamlfile import load_yaml
-
-    p = Path(path) if path else DATA
-    # the one YAML reader: a regular file under a size cap, no repeated key, finite numbers, bounded aliases
-    doc = load_yaml(p, max_bytes=VOTE_YAML_MAX_BYTES, what="vote thresholds") or {}
-    if not isinstance(doc, dict):
-        raise DataError(f"{p}: expected a mapping of thresholds")
-    doc = dict(doc.get("vote", doc))
-    doc.update(overrides or {})
-    known = {f.name: f for f in fields(VoteConfig)}
-    kw: dict[str, Any] = {}
-    for k, v in doc.items():
-        if k not in known:
-            raise DataError(f"{p}: unknown vote threshold {k!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise DataError(f"{p}: {k} must be a finite non-negative number, got {v!r}")
-        if known[k].type in ("int", int):
-            if v != int(v):
-                raise DataError(f"{p}: {k} must be a whole number, got {v!r}")
-            v = int(v)
-        if k in _AT_LEAST_ONE and v < 1:
-            raise DataError(f"{p}: {k} must be at least 1, got {v!r}")
-        if k in _POSITIVE and v <= 0:
-            raise DataError(f"{p}: {k} must be more than 0, got {v!r}")
-        if k in _FRACTIONS and v > 1:
-            raise DataError(f"{p}: {k} is a fraction (0 to 1), got {v!r}")
-        kw[k] = v if isinstance(v, int) and known[k].type in ("int", int) else float(v)
-    cfg = VoteConfig(**kw)
-    if cfg.arrival_min_collectives > cfg.arrival_window:
-        raise DataError(
-            f"{p}: arrival_min_collectives ({cfg.arrival_min_collectives}) must not exceed arrival_window "
-            f"({cfg.arrival_window}): the straggler could never be named"
-        )
-    if cfg.hang_floor_s > cfg.hang_cap_s:
-        raise DataError(f"{p}: hang_floor_s ({cfg.hang_floor_s:g}) is above hang_cap_s ({cfg.hang_cap_s:g})")
-    return cfg
 
 
 @dataclass(frozen=True)
@@ -225,24 +169,6 @@ def _combine(obs: RankObservation, votes: tuple[Vote, ...], was_pending: bool) -
     return HEALTHY, prog.reason, False
 
 
-def _never_arrived(waiter: RankObservation, others: Sequence[RankObservation], stopped: set[int]) -> list[int]:
-    """Ranks that have not entered the collective `waiter` sits in (nor passed it). A stopped rank
-    stalls the collective even if it entered it, so it counts as missing too."""
-    out = []
-    for o in others:
-        if o.rank == waiter.rank:
-            continue
-        if o.rank in stopped:
-            out.append(o.rank)
-            continue
-        if o.phase_seq >= waiter.phase_seq or o.phase_step > waiter.phase_step:
-            continue  # in it, or already past it
-        if o.phase == BETWEEN and o.phase_step >= waiter.phase_step:
-            continue
-        out.append(o.rank)
-    return out
-
-
 def vote(
     observations: Sequence[RankObservation],
     cfg: VoteConfig = DEFAULT_CONFIG,
@@ -263,7 +189,12 @@ def vote(
 
     `superseded`: (generation, observation) of ranks whose newest incarnation belongs to an earlier generation
     than `observations` (`doctor.job_observation.observe_job_generations`). They are judged among
-    themselves, per generation (gone, and collateral of which rank), and reported apart."""
+    themselves, per generation (gone, and collateral of which rank), and reported apart.
+
+    The steps, each a pure function: the per-rank votes (`rank_prelims`), the coupling in collectives
+    (`coupling.couple_waiters`), a pause of the whole job (`job_wide_pause`), the stragglers of the arrival
+    order (`name_stragglers`), the launcher's teardown (`torn_down`), the previous check's culprits
+    (`sticky_culprits`), then each rank's final verdict (`final_verdict`) and the job's summary."""
     if superseded:
         return replace(vote(observations, cfg, previous, cohort, interval_s), superseded=_superseded(superseded, cfg))
     if interval_s is not None and interval_s > 0:
@@ -278,205 +209,51 @@ def vote(
             next_steps=("Check that the training script writes StepLog records under <job-dir>/ranks/.",),
         )
     cohort = cohort or cohort_of(obs)
-    pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
-    before = previous.by_rank() if previous else {}
-    past_checks: dict[int, int] = {}
-    prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]] = {}
-    v_live, v_prog, v_coh, v_coll, v_hw, v_comm = VOTERS
-    for o in obs:
-        if not o.has_records:
-            note = o.notes[0] if o.notes else ""
-            why = (
-                note
-                if note.startswith(UNREADABLE)
-                else "no step records from this rank yet" + (f" ({note})" if note else "")
-            )
-            prelim[o.rank] = (UNKNOWN, why, False, ())
-            continue
-        votes: tuple[Vote, ...] = (
-            v_live(o, cohort, cfg),
-            v_prog(o, cohort, cfg),
-            v_coh(o, cohort, cfg),
-            v_coll(o, cohort, cfg),
-            v_hw(o, cohort, cfg),
-            v_comm(o, cohort, cfg),
-        )
-        prog, past_checks[o.rank] = _confirm_in_checks(o, votes[1], before.get(o.rank), cfg)
-        if prog is not votes[1]:
-            votes = (votes[0], prog, *votes[2:])
-        verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
-        prelim[o.rank] = (verdict, reason, pending, votes)
-
-    # --- coupling: who is waiting for whom -----------------------------------------------------
-    stopped = {o.rank for o in obs if o.alive.state == "stopped"}
-    stalled_waiters = [
-        o
-        for o in obs
-        if o.phase == COLLECTIVE
-        and prelim[o.rank][0] in (HUNG, SLOW, DEAD)
-        and o.rank not in stopped
-        and _stalled(prelim[o.rank][3])
-    ]
-    blocked: dict[int, tuple[int, ...]] = {}
-    culprits: set[int] = set()
-    nobody_to_blame: set[int] = set()
-    waited_for_late: set[int] = set()  # waiters whose culprit has just entered the collective they wait in
-    by_seq: dict[int, list[int]] = {}
-    for w in stalled_waiters:
-        by_seq.setdefault(w.phase_seq, []).append(w.rank)
-    # one pass per distinct collective, not per waiter: fast at 10,000 ranks
-    for seq, waiters in by_seq.items():
-        w0 = next(o for o in obs if o.rank == waiters[0])
-        missing = tuple(_never_arrived(w0, obs, stopped))
-        if missing:
-            for r in waiters:
-                blocked[r] = tuple(m for m in missing if m != r)
-            culprits.update(m for m in missing if m not in waiters)
-            if len(missing) <= cfg.arrival_max_late_frac * len(obs):
-                _slow_for_waiters(prelim, obs, missing, waiters, seq, cfg)
-        elif fresh := _just_arrived(seq, waiters, obs, cfg):
-            # everyone is in it, but the rank(s) that entered last did so long after the others: they are who
-            # the others waited for (the collective completes in a moment), not the waiters (blame not inverted)
-            for r in waiters:
-                blocked[r] = fresh
-                waited_for_late.add(r)
-            for r in fresh:
-                v, why, pend, votes = prelim[r]
-                w0_age = min(o.phase_age_s for o in obs if o.rank in waiters)
-                me = next(o for o in obs if o.rank == r)
-                prelim[r] = (
-                    SLOW if v in (HEALTHY, UNKNOWN) else v,
-                    f"arrived last at collective {seq}, {w0_age - me.phase_age_s:.1f} s after its peers, who "
-                    f"waited for it; {why}",
-                    pend,
-                    votes,
-                )
-                culprits.add(r)
-        else:  # everyone is in it and nobody moves: the collective itself is stuck
-            nobody_to_blame.update(waiters)
-            for r in waiters:
-                v, why, pend, votes = prelim[r]
-                if v == HUNG:
-                    prelim[r] = (
-                        v,
-                        why + f" — every live rank is in collective {seq}: the collective itself is stuck "
-                        "(network / collective library), no rank to blame",
-                        pend,
-                        votes,
-                    )
-
-    # a pause of the whole job (checkpoint, evaluation, a data stall) is nobody's slowness: a rank is
-    # "paused" only if it has been idle for longer than the freshest rank by more than its pause bound
-    active = [o for o in obs if o.has_records and not o.closed and prelim[o.rank][0] != DEAD]
-    if len(active) >= 2 and not blocked and not any(prelim[o.rank][0] == HUNG for o in active):
-        freshest = min(o.phase_age_s for o in active)
-        for o in active:
-            v, why, pend, votes = prelim[o.rank]
-            if (
-                v != SLOW
-                or votes[1].verdict != SLOW
-                or any(x.verdict in (SLOW, HUNG, DEAD) for x in votes if x.dimension != "progress")
-            ):
-                continue
-            if o.phase_age_s - freshest <= pause_bound_s(o, cfg):
-                prelim[o.rank] = (
-                    HEALTHY,
-                    f"job-wide pause: every rank has been idle for about "
-                    f"{freshest:.1f} s or more (checkpoint, evaluation or input stall?), "
-                    "no rank to blame",
-                    pend,
-                    votes,
-                )
-
-    # arrival order: the rank that entered the recent collectives last, each time making its peers wait
-    # long against their own compute, is the straggler at any severity; the others are blocked by it
-    # named at the previous check: kept while still last at the most recent collective (hysteresis)
-    held = {r.rank for r in previous.ranks if r.culprit and r.verdict == SLOW} if previous else set()
-    late = stragglers(obs, cfg, held)
-    for r, st in late.items():
-        v, why, pend, votes = prelim[r]
-        arrival = Vote("arrival", SLOW, st.reason(), {"collectives_last": len(st.last_at), "wait_s": st.median_wait_s})
-        if v in (HEALTHY, UNKNOWN) or (v == SLOW and votes[1].verdict != SLOW):
-            prelim[r] = (SLOW, "straggler: " + st.reason(), pend, (*votes, arrival))
-        elif v == SLOW:
-            prelim[r] = (SLOW, f"straggler: {st.reason()}; {why}", pend, (*votes, arrival))
-        else:
-            prelim[r] = (v, why, pend, (*votes, arrival))
+    prelim, past_checks = rank_prelims(obs, cohort, cfg, previous)
+    prelim, coupled = couple_waiters(obs, prelim, cfg)
+    blocked = dict(coupled.blocked)
+    culprits = set(coupled.culprits)
+    nobody_to_blame = set(coupled.nobody_to_blame)
+    prelim = job_wide_pause(obs, prelim, cfg, anyone_blocked=bool(blocked))
+    prelim, late = name_stragglers(obs, prelim, cfg, previous)
+    for r in late:
         blocked.pop(r, None)
         culprits.add(r)
-    if late:
+    if late:  # the others are blocked by the stragglers
         for o in obs:
             if o.rank in late or o.rank in blocked or not o.has_records or o.closed:
                 continue
             if prelim[o.rank][0] in (HEALTHY, SLOW, HUNG):
                 blocked[o.rank] = tuple(sorted(late))
     blocked = resolve_roots(blocked)
-
+    active = _active(obs, prelim)
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
-
-    # The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
-    # first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
-    # one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
-    # them go in (a whole group is torn down between two checks), and whatever an earlier check inferred before
-    # the launcher had said it. All by SIGTERM (a preemption): no change.
-    torn_down: dict[int, tuple[int, ...]] = {}
-    ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
-    first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
-    if first and len(first) < len(ended):
-        for r in ended:
-            if r in first:
-                blocked.pop(r, None)
-                culprits.add(r)
-            else:
-                torn_down[r] = first
-                blocked[r] = first
-                culprits.discard(r)
-
-    # A culprit named by the previous check that is now dead stays the cause: ranks that die after it
-    # without evidence of their own are its collateral (torchrun tearing the group down), even when the
-    # culprit had already entered the collective it stalled and so no longer looks "missing".
-    sticky = {
-        r for r in (previous.culprits if previous else ()) if prelim.get(r, (None,))[0] == DEAD and r not in torn_down
-    }
+    teardown = torn_down(obs, prelim)
+    for r, first in teardown.items():
+        blocked[r] = first
+        culprits.discard(r)
+    for r in {f for first in teardown.values() for f in first}:
+        blocked.pop(r, None)
+        culprits.add(r)
+    sticky = sticky_culprits(obs, prelim, previous, teardown)
     for o in obs:
         if o.rank in sticky:
             blocked.pop(o.rank, None)
             culprits.add(o.rank)
-        elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank) and o.rank not in torn_down:
+        elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank) and o.rank not in teardown:
             blocked[o.rank] = tuple(sorted(sticky))
-
-    victims = _victims(obs, prelim)
+    why_context = _Context(late, coupled.waited_for_late, teardown, _victims(obs, prelim))
     verdicts = []
     for o in obs:
-        v, why, pend, votes = prelim[o.rank]
+        v, why = final_verdict(o, prelim[o.rank], blocked.get(o.rank, ()), why_context)
+        _, _, pend, votes = prelim[o.rank]
         b = blocked.get(o.rank, ())
-        if b and v in (HUNG, SLOW) and set(b) <= set(late):
-            v = HEALTHY
-            why = f"waits at each collective for straggler rank(s) {_fmt_ranks(b)} (not this rank's fault)"
-        elif b and v in (HUNG, SLOW) and o.rank in waited_for_late:
-            v = HEALTHY
-            why = (
-                f"waited in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) {_fmt_ranks(b)}, "
-                "which arrived last (not this rank's fault)"
-            )
-        elif b and v in (HUNG, SLOW):
-            v = HEALTHY
-            why = (
-                f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
-                f"{_fmt_ranks(b)} that never arrived (not this rank's fault)"
-            )
-        elif b and v == HEALTHY and set(b) <= set(late):
-            why = f"{why}; waits at each collective for straggler rank(s) {_fmt_ranks(b)}"
-        elif o.rank in torn_down:
-            why = f"{why}; collateral: torchrun terminated it (SIGTERM) after rank(s) {_fmt_ranks(b)} failed first"
-        elif b and v == DEAD:
-            why = f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
-        elif v == DEAD and o.rank in victims:
-            seen = o.errors[-1] if o.errors else next((c.text for c in o.comm_errors if c.rank == o.rank), "")
-            why = f"{why}; collateral: it reported a peer's failure itself ({seen[:120]})"
         is_culprit = o.rank in culprits or (
-            v in (DEAD, HUNG) and not b and o.rank not in victims and (o.rank not in nobody_to_blame or v == DEAD)
+            v in (DEAD, HUNG)
+            and not b
+            and o.rank not in why_context.victims
+            and (o.rank not in nobody_to_blame or v == DEAD)
         )
         verdicts.append(
             RankVerdict(o.rank, v, why, votes, b, is_culprit and v != HEALTHY, pend, o, past_checks.get(o.rank, 0))
@@ -499,36 +276,160 @@ def vote(
     return _summarize(tuple(verdicts), culprit_ranks, cohort, impact)
 
 
-def _slow_for_waiters(
-    prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]],
-    obs: Sequence[RankObservation],
-    missing: Sequence[int],
-    waiters: Sequence[int],
-    seq: int,
-    cfg: VoteConfig,
-) -> None:
-    """A live rank that its peers have waited for in collective `seq` past their pause bound, while it is still
-    working towards it, is `slow` (a straggler at its onset, before two late collectives exist: a 5 % rank's
-    first slow step), not `healthy`: the job stands still for it. `hung` stays its own progress voter's call."""
-    by = {o.rank: o for o in obs}
-    ws = [by[r] for r in waiters]
-    waited = min(o.phase_age_s for o in ws)
-    bound = max(pause_bound_s(o, cfg) for o in ws)
-    if waited <= bound:
-        return
-    for m in missing:
-        v, why, pend, votes = prelim[m]
-        o = by[m]
-        if v != HEALTHY or not o.has_records or o.closed or m in waiters:
+def rank_prelims(
+    obs: Sequence[RankObservation], cohort: Cohort, cfg: VoteConfig, previous: JobVerdict | None
+) -> tuple[dict[int, Prelim], dict[int, int]]:
+    """Each rank's votes combined, before the coupling, and its consecutive checks past its hang bound.
+
+    A rank without records is `unknown` with the reason it has none; with `previous`, a two-dimension
+    death must agree at two checks in a row and a hang is counted in real checks (`_confirm_in_checks`)."""
+    pending_before = {r.rank for r in previous.ranks if r.pending_dead} if previous else set()
+    before = previous.by_rank() if previous else {}
+    past_checks: dict[int, int] = {}
+    prelim: dict[int, Prelim] = {}
+    for o in obs:
+        if not o.has_records:
+            note = o.notes[0] if o.notes else ""
+            why = (
+                note
+                if note.startswith(UNREADABLE)
+                else "no step records from this rank yet" + (f" ({note})" if note else "")
+            )
+            prelim[o.rank] = Prelim(UNKNOWN, why, False, ())
             continue
-        where = f"{o.phase} step {o.phase_step}" if o.phase_step >= 0 else o.phase
-        prelim[m] = (
-            SLOW,
-            f"its peers have waited {waited:.1f} s for it in collective {seq} (past their pause bound "
-            f"{bound:.1f} s) while it is still {where}: the job waits for it; {why}",
-            pend,
-            votes,
+        votes = tuple(voter(o, cohort, cfg) for voter in VOTERS)
+        prog, past_checks[o.rank] = _confirm_in_checks(o, votes[1], before.get(o.rank), cfg)
+        if prog is not votes[1]:
+            votes = (votes[0], prog, *votes[2:])
+        verdict, reason, pending = _combine(o, votes, o.rank in pending_before)
+        prelim[o.rank] = Prelim(verdict, reason, pending, votes)
+    return prelim, past_checks
+
+
+def _active(obs: Sequence[RankObservation], prelim: Prelims) -> list[RankObservation]:
+    """The ranks still taking part: with records, not finished, not dead."""
+    return [o for o in obs if o.has_records and not o.closed and prelim[o.rank][0] != DEAD]
+
+
+def job_wide_pause(
+    obs: Sequence[RankObservation], prelim: Prelims, cfg: VoteConfig, *, anyone_blocked: bool
+) -> dict[int, Prelim]:
+    """A pause of the whole job (checkpoint, evaluation, a data stall) is nobody's slowness: a rank is
+    "paused" only if it has been idle for longer than the freshest rank by more than its pause bound.
+    Only when nobody waits on anybody in a collective and nobody is hung."""
+    out = dict(prelim)
+    active = _active(obs, prelim)
+    if len(active) < 2 or anyone_blocked or any(prelim[o.rank][0] == HUNG for o in active):
+        return out
+    freshest = min(o.phase_age_s for o in active)
+    for o in active:
+        v, why, pend, votes = prelim[o.rank]
+        if (
+            v != SLOW
+            or votes[1].verdict != SLOW
+            or any(x.verdict in (SLOW, HUNG, DEAD) for x in votes if x.dimension != "progress")
+        ):
+            continue
+        if o.phase_age_s - freshest <= pause_bound_s(o, cfg):
+            out[o.rank] = Prelim(
+                HEALTHY,
+                f"job-wide pause: every rank has been idle for about "
+                f"{freshest:.1f} s or more (checkpoint, evaluation or input stall?), "
+                "no rank to blame",
+                pend,
+                votes,
+            )
+    return out
+
+
+def name_stragglers(
+    obs: Sequence[RankObservation], prelim: Prelims, cfg: VoteConfig, previous: JobVerdict | None
+) -> tuple[dict[int, Prelim], dict[int, Straggler]]:
+    """The arrival order: the rank that entered the recent collectives last, each time making its peers wait
+    long against their own compute, is the straggler at any severity. A straggler the previous check named
+    is kept while it is still last at the most recent collective (hysteresis). Returns the verdicts with
+    the stragglers' arrival vote added, and the stragglers."""
+    out = dict(prelim)
+    held = {r.rank for r in previous.ranks if r.culprit and r.verdict == SLOW} if previous else set()
+    late = stragglers(obs, cfg, held)
+    for r, st in late.items():
+        v, why, pend, votes = prelim[r]
+        arrival = Vote("arrival", SLOW, st.reason(), {"collectives_last": len(st.last_at), "wait_s": st.median_wait_s})
+        if v in (HEALTHY, UNKNOWN) or (v == SLOW and votes[1].verdict != SLOW):
+            out[r] = Prelim(SLOW, "straggler: " + st.reason(), pend, (*votes, arrival))
+        elif v == SLOW:
+            out[r] = Prelim(SLOW, f"straggler: {st.reason()}; {why}", pend, (*votes, arrival))
+        else:
+            out[r] = Prelim(v, why, pend, (*votes, arrival))
+    return out, late
+
+
+def torn_down(obs: Sequence[RankObservation], prelim: Prelims) -> dict[int, tuple[int, ...]]:
+    """Dead ranks torchrun terminated after another worker failed first -> the ranks that failed first.
+
+    The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
+    first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
+    one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
+    them go in (a whole group is torn down between two checks), and whatever an earlier check inferred before
+    the launcher had said it. All by SIGTERM (a preemption): none."""
+    ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
+    first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
+    if not first or len(first) == len(ended):
+        return {}
+    return {r: first for r in ended if r not in first}
+
+
+def sticky_culprits(
+    obs: Sequence[RankObservation],
+    prelim: Prelims,
+    previous: JobVerdict | None,
+    teardown: Mapping[int, tuple[int, ...]],
+) -> set[int]:
+    """A culprit named by the previous check that is now dead stays the cause: ranks that die after it
+    without evidence of their own are its collateral (torchrun tearing the group down), even when the
+    culprit had already entered the collective it stalled and so no longer looks "missing"."""
+    return {
+        r for r in (previous.culprits if previous else ()) if prelim.get(r, (None,))[0] == DEAD and r not in teardown
+    }
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the final reasons need to know about the job beyond one rank."""
+
+    late: Mapping[int, Straggler]  # the stragglers of the arrival order
+    waited_for_late: frozenset[int]  # waiters whose culprit has just entered the collective they wait in
+    teardown: Mapping[int, tuple[int, ...]]  # ranks torchrun terminated -> the ones that failed first
+    victims: set[int]  # dead ranks that reported a peer's failure themselves
+
+
+def final_verdict(o: RankObservation, prelim: Prelim, blocked_by: tuple[int, ...], ctx: _Context) -> tuple[str, str]:
+    """(verdict, reason) of one rank after the coupling: a rank only waiting for others is healthy, and
+    every reason says whose fault it is."""
+    v, why, _, _ = prelim
+    b = blocked_by
+    if b and v in (HUNG, SLOW) and set(b) <= set(ctx.late):
+        return HEALTHY, f"waits at each collective for straggler rank(s) {_fmt_ranks(b)} (not this rank's fault)"
+    if b and v in (HUNG, SLOW) and o.rank in ctx.waited_for_late:
+        return HEALTHY, (
+            f"waited in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) {_fmt_ranks(b)}, "
+            "which arrived last (not this rank's fault)"
         )
+    if b and v in (HUNG, SLOW):
+        return HEALTHY, (
+            f"waiting in collective {o.phase_seq} for {o.phase_age_s:.1f} s on rank(s) "
+            f"{_fmt_ranks(b)} that never arrived (not this rank's fault)"
+        )
+    if b and v == HEALTHY and set(b) <= set(ctx.late):
+        return v, f"{why}; waits at each collective for straggler rank(s) {_fmt_ranks(b)}"
+    if o.rank in ctx.teardown:
+        return v, f"{why}; collateral: torchrun terminated it (SIGTERM) after rank(s) {_fmt_ranks(b)} failed first"
+    if b and v == DEAD:
+        return v, f"{why}; it was waiting in collective {o.phase_seq} on rank(s) {_fmt_ranks(b)} (collateral)"
+    if v == DEAD and o.rank in ctx.victims:
+        seen = o.errors[-1] if o.errors else next((c.text for c in o.comm_errors if c.rank == o.rank), "")
+        return v, f"{why}; collateral: it reported a peer's failure itself ({seen[:120]})"
+    return v, why
 
 
 def _superseded(old: Sequence[tuple[int, RankObservation]], cfg: VoteConfig) -> tuple[RankVerdict, ...]:
@@ -545,30 +446,6 @@ def _superseded(old: Sequence[tuple[int, RankObservation]], cfg: VoteConfig) -> 
             why = f"generation {g} incarnation, superseded ({gone}; not part of the active generation): {r.reason}"
             out.append(replace(r, reason=why, generation=g, blocked_by=r.blocked_by))
     return tuple(sorted(out, key=lambda r: (r.generation or 0, r.rank)))
-
-
-def _just_arrived(seq: int, waiters: Sequence[int], obs: Sequence[RankObservation], cfg: VoteConfig) -> tuple[int, ...]:
-    """Ranks in collective `seq` that are not stalled there themselves because they entered it long after the
-    stalled waiters (by more than the waiters' pause bound): the ones those waited for. At most
-    `arrival_max_late_frac` of the ranks; none when every rank in it is stalled (a stuck collective)."""
-    stalled = set(waiters)
-    ws = [o for o in obs if o.rank in stalled]
-    if not ws:
-        return ()
-    earliest_wait = min(o.phase_age_s for o in ws)
-    gap = max(pause_bound_s(o, cfg) for o in ws)
-    fresh = tuple(
-        o.rank
-        for o in obs
-        if o.rank not in stalled
-        and o.phase == COLLECTIVE
-        and o.phase_seq == seq
-        and not o.closed
-        and earliest_wait - o.phase_age_s > gap
-    )
-    if not fresh or len(fresh) > cfg.arrival_max_late_frac * len(obs):
-        return ()
-    return fresh
 
 
 def _same_place(a: RankObservation | None, b: RankObservation) -> bool:
@@ -628,13 +505,7 @@ def _cpu_progress(o: RankObservation, prev: RankVerdict | None, cfg: VoteConfig)
     )
 
 
-def _stalled(votes: tuple[Vote, ...]) -> bool:
-    return any(v.dimension == "progress" and v.verdict in (HUNG, SLOW) for v in votes) or any(
-        v.dimension == "liveness" and v.verdict == DEAD for v in votes
-    )
-
-
-def _victims(obs: Sequence[RankObservation], prelim: dict[int, tuple[str, str, bool, tuple[Vote, ...]]]) -> set[int]:
+def _victims(obs: Sequence[RankObservation], prelim: Prelims) -> set[int]:
     """Dead ranks that died *after* reporting a communication error themselves: collateral, not culprits,
     as long as some other dead rank reported none."""
     dead = [o for o in obs if prelim[o.rank][0] == DEAD]
@@ -722,4 +593,15 @@ def to_json(
     return doc
 
 
-__all__ = ["SCHEMA", "JobVerdict", "RankVerdict", "VoteConfig", "load_config", "vote", "to_json", "cohort_of"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "SCHEMA",
+    "UNREADABLE",
+    "JobVerdict",
+    "RankVerdict",
+    "VoteConfig",
+    "cohort_of",
+    "load_config",
+    "to_json",
+    "vote",
+]

@@ -265,7 +265,7 @@ def _nvml_families(doc: Mapping[str, Any], family: Any, specs: Any):
         yield fam
 
 
-def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
+def write_textfile(path: str, doc: Mapping[str, Any], *, what: str = "prometheus output") -> None:
     """Write the metrics through the one output writer (`foundation.outfile.write_output_file`):
     a temp file opened through a no-follow handle on the directory, renamed over the old file; the
     directory is never created, a link (the file or its directory) is refused, never written
@@ -274,7 +274,7 @@ def write_textfile(path: str, doc: Mapping[str, Any]) -> None:
 
     if not str(path).endswith(".prom"):
         raise UsageError(f"textfile {path}: the node_exporter textfile collector only reads *.prom files")
-    write_output_file(str(path), generate_latest(prometheus_registry(doc)), force=True, what="prometheus output")
+    write_output_file(str(path), generate_latest(prometheus_registry(doc)), force=True, what=what)
 
 
 def post_webhook(

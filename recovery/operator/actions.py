@@ -3,8 +3,8 @@
 Each action is usable alone and idempotent (running it twice does no more harm than once), takes
 plain arguments, returns an `ActionResult` (`gpuguard.action/1`), and never goes through a shell or
 imports torch. One module per action where it is more than a few lines: `abort.py` (a pure plan and
-its execution), `restore.py`, `verify.py`, `drain.py` (the Slurm drain of `gpu-doctor sweep
---run-drain`); `diagnose` and `rendezvous` are here. Confirmation and the audit log live in
+its execution), `restore.py`, `verify.py`; `diagnose` and `rendezvous` are here. The Slurm drain of
+`gpu-doctor sweep --run-drain` is the doctor's (`doctor/drain.py`), imported here for the operator. Confirmation and the audit log live in
 `run_action`, shared by the CLI and runbooks.
 """
 
@@ -17,18 +17,18 @@ from typing import Any
 
 from gpuguard.collectors.torchrun import gather
 from gpuguard.diagnostics.torchrun_hazards import assess_facts
-from gpuguard.foundation import jobdir
-from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, GpuguardError, RefusedError
-from gpuguard.foundation.etcd import redact
-from gpuguard.recovery.operator import audit
-from gpuguard.recovery.operator.abort import abort, describe_abort
-from gpuguard.recovery.operator.drain import (
+from gpuguard.doctor.drain import (  # the sweep's drain is the doctor's: the operator uses the same one
     DRAIN_PREFIX,
     drain_command,
     drain_command_line,
     drain_node,
     foreign_reason,
 )
+from gpuguard.foundation import jobdir
+from gpuguard.foundation.errors import EXIT_OK, EXIT_REFUSED, GpuguardError, RefusedError
+from gpuguard.foundation.etcd import redact
+from gpuguard.recovery.operator import audit
+from gpuguard.recovery.operator.abort import abort, describe_abort
 from gpuguard.recovery.operator.ledger_facts import read_active_generation
 from gpuguard.recovery.operator.restore import restore
 from gpuguard.recovery.operator.result import SCHEMA, ActionResult

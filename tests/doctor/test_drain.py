@@ -1,4 +1,4 @@
-"""The Slurm drain (`recovery.operator.actions.drain_node`): its argv, never a shell, a foreign reason left alone.
+"""The Slurm drain (`doctor.drain.drain_node`, the sweep's action): its argv, never a shell, a foreign reason left alone.
 
 A recording `scontrol` on PATH stands in for Slurm: it prints what `show node` is told to and
 records every other argv, so the tests prove what would have run.
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from gpuguard.doctor.drain import DRAIN_PREFIX, drain_command, drain_node, foreign_reason
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, EXIT_TEMPFAIL
-from gpuguard.recovery.operator.actions import DRAIN_PREFIX, drain_command, drain_node, foreign_reason
 
 
 @pytest.fixture
@@ -112,3 +112,15 @@ def test_failures_are_one_line_results_not_exceptions(scontrol, tmp_path, monkey
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     assert drain_node("gpu17", "drain: Xid 79").summary == "not run: scontrol is not installed"
+
+
+def test_the_operator_uses_the_doctors_drain():
+    """`gpu-recover` (the operator's room) imports the drain from the doctor: one drain, not two."""
+    from gpuguard.doctor import drain
+    from gpuguard.recovery.operator import actions
+
+    assert (actions.drain_node, actions.drain_command, actions.foreign_reason) == (
+        drain.drain_node,
+        drain.drain_command,
+        drain.foreign_reason,
+    )

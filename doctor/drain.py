@@ -1,19 +1,38 @@
-"""The Slurm drain of `gpu-doctor sweep --run-drain`: `scontrol update ... State=DRAIN`, never through a
-shell, and never over a reason someone else set."""
+"""The sweep's action: drain this node in Slurm (`gpu-doctor sweep --drain / --run-drain`).
+
+Why in the doctor and not with the operator's actions: the drain is what the sweep (and the watcher)
+does with a `drain` verdict, and the doctor sits below `recovery/`, so it must not reach up into the
+operator's room for it. `gpu-recover` (the operator) imports it from here.
+
+The command is an argv, never a shell line; a node that carries a reason someone else set (an
+admin's drain, a maintenance) is left alone; every outcome is one line (`drained`, `not run: ...`,
+`failed: ...`), never an exception.
+"""
 
 from __future__ import annotations
 
 import re
 import shlex
 import shutil
+import socket
 import subprocess
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, EXIT_TEMPFAIL
-from gpuguard.recovery.operator.result import ActionResult
 
 DRAIN_PREFIX = "gpu-doctor:"  # every Reason= gpu-doctor sets starts with this: a drain it may own
 _REASON_RE = re.compile(r"\bReason=(.*?)(?: \w+=|$)")
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """What one drain attempt did: outcome done | refused | failed | timeout, and the one-line summary."""
+
+    outcome: str
+    exit_code: int
+    summary: str
+    details: dict[str, Any] = field(default_factory=dict)  # the node and the command
 
 
 def drain_command(node: str, summary: str) -> list[str]:
@@ -39,7 +58,7 @@ def foreign_reason(show_output: str) -> str | None:
     return None
 
 
-def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> ActionResult:
+def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> DrainResult:
     """Drain `node` in Slurm with `drain_command`, never through a shell.
 
     A node that already carries a reason someone else set (an admin's drain, a maintenance) is left
@@ -49,8 +68,8 @@ def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> ActionRes
     command = drain_command(node, summary)
     details: dict[str, Any] = {"node": node, "command": command}
 
-    def result(outcome: str, code: int, text: str) -> ActionResult:
-        return ActionResult("drain", outcome, code, text, details)
+    def result(outcome: str, code: int, text: str) -> DrainResult:
+        return DrainResult(outcome, code, text, details)
 
     exe = shutil.which(command[0])
     if exe is None:
@@ -85,3 +104,17 @@ def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> ActionRes
         return result("done", EXIT_OK, "drained")
     err = (proc.stderr or "").strip().splitlines()
     return result("failed", EXIT_CRITICAL, f"failed: exit {proc.returncode} {err[0] if err else ''}".strip())
+
+
+def local_node_name() -> str:
+    """This host's short name: the Slurm node name when `--node` is not given."""
+    return socket.gethostname().split(".")[0]
+
+
+def drain_record(node: str, summary: str, *, run: bool, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The document's `drain` section for a drain verdict: the command, and with `run` what running it did."""
+    return {
+        "command": drain_command(node, summary),
+        "ran": run,
+        "result": drain_node(node, summary, timeout_s=timeout_s).summary if run else None,
+    }

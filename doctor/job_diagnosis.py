@@ -1,0 +1,132 @@
+"""The join behind `gpu-doctor diagnose job` and `watch job`: observe the ranks, vote, assemble `gpuguard.job/1`.
+
+`doctor.job_observation` turns the step records, the process table and the logs into vote features;
+this module reads the node reports the user names, runs the vote (`diagnostics.vote`) and builds the
+document, and for `watch job` repeats it at an interval with the previous check's verdict (two-check
+confirmations) and the interval actually in use. The CLI only parses options and renders.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuguard.collectors.log_steps import LogStepSpec
+from gpuguard.collectors.step_records import JobRecords
+from gpuguard.diagnostics.jobstats import distribution
+from gpuguard.diagnostics.vote import JobVerdict, load_config, to_json, vote
+from gpuguard.doctor.job_observation import observe_job_generations
+from gpuguard.foundation.errors import DataError, NoInputError
+
+NODE_SCHEMA = "gpuguard.node/1"
+RECENT_PERIODS = 40  # step periods per rank shown in the document (the sparkline)
+
+
+@dataclass(frozen=True)
+class JobDiagnosis:
+    """One check of a job: the verdict, its `gpuguard.job/1` document and the records it was voted on."""
+
+    verdict: JobVerdict
+    document: dict[str, Any]
+    records: JobRecords
+
+
+def load_node_report(path: Path) -> dict[str, Any]:
+    """A `gpuguard.node/1` document from `gpu-doctor diagnose node --json` on a rank's host."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NoInputError(f"{path}: no such node report") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != NODE_SCHEMA:
+        raise DataError(f"{path}: not a {NODE_SCHEMA} document")
+    return doc
+
+
+def _rounded(d: dict[str, float]) -> dict[str, float]:
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def assess(
+    job_dir: str | Path,
+    *,
+    config: Path | None = None,
+    previous: JobVerdict | None = None,
+    window: int = 20,
+    logs: tuple[Path, ...] = (),
+    log_spec: LogStepSpec | None = None,
+    node_reports: tuple[Path, ...] = (),
+    launcher_logs: tuple[Path, ...] = (),
+    interval_s: float | None = None,
+) -> JobDiagnosis:
+    """Read, observe, vote, document.
+
+    `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
+    path = Path(job_dir)
+    if not path.is_dir():
+        raise NoInputError(f"job directory {path} does not exist")
+    cfg = load_config(config)
+    if interval_s is not None and interval_s > 0:  # the interval in use, as the document's thresholds show
+        cfg = load_config(config, {"check_interval_s": float(interval_s)})
+    reports = [load_node_report(p) for p in node_reports]
+    for p in launcher_logs:
+        if not p.is_file():
+            raise NoInputError(f"{p}: no such torchrun log")
+    records, observations, superseded = observe_job_generations(
+        path,
+        window=window,
+        logs=logs,
+        log_spec=log_spec,
+        node_reports=reports,
+        launcher_logs=launcher_logs,
+        outlier_cap_k=cfg.outlier_cap_k,
+    )
+    job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
+    periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
+    computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
+    doc = to_json(
+        job,
+        job_dir=str(path),
+        cohort_steps={"period": _rounded(distribution(periods)), "compute": _rounded(distribution(computes))},
+        config=cfg,
+    )
+    for rank_doc in doc["ranks"]:
+        series = records.ranks.get(rank_doc["rank"])
+        recent = series.steps[-RECENT_PERIODS:] if series else ()
+        rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in recent if s.interval_s]
+    if records.skipped_files:
+        doc["skipped_files"] = list(records.skipped_files)
+    return JobDiagnosis(job, doc, records)
+
+
+def watch(
+    job_dir: str | Path,
+    *,
+    interval: float,
+    config: Path | None = None,
+    launcher_logs: tuple[Path, ...] = (),
+    count: int = 0,
+) -> Iterator[JobDiagnosis]:
+    """One diagnosis per check, every `interval` seconds (`count` checks, 0: without end).
+
+    Each check gets the previous one's verdict (deaths and hangs are confirmed across checks) and the
+    interval actually in use: the time since the previous check, which reading 10,000 ranks or a slow
+    disk makes longer than `interval`, so confirmation is counted in real checks."""
+    previous: JobVerdict | None = None
+    last: float | None = None
+    n = 0
+    while True:
+        t = time.monotonic()
+        elapsed = interval if last is None else max(interval, t - last)
+        last = t
+        result = assess(job_dir, config=config, previous=previous, interval_s=elapsed, launcher_logs=launcher_logs)
+        previous, n = result.verdict, n + 1
+        yield result
+        if count and n >= count:
+            return
+        time.sleep(interval)
