@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -168,9 +169,8 @@ def _render_human(doc: dict[str, Any]) -> None:
     for g in doc["gpus"]:
         label = f"GPU{g['index']}" if g["index"] is not None else "GPU?"
         name = f"  {g['name']}" if g.get("name") else ""
-        out.print(
-            f"\n[bold]{label}[/bold] {g['pci_bus_id'] or '?'}{escape(name)}  [{_STYLE[g['verdict']]}]{g['verdict']}[/]"
-        )
+        pci = g["pci_bus_id"] if g["pci_bus_id"] and not str(g["pci_bus_id"]).startswith("index:") else "?"
+        out.print(f"\n[bold]{label}[/bold] {pci}{escape(name)}  [{_STYLE[g['verdict']]}]{g['verdict']}[/]")
         ev = g["evidence"]
         shown = [e for e in ev if e["verdict"] != "healthy"] + [e for e in ev if e["verdict"] == "healthy"]
         for e in shown[:6]:
@@ -192,8 +192,6 @@ def _render_human(doc: dict[str, Any]) -> None:
     out.print(escape(_read_summary(doc)))
     drain = doc.get("drain")
     if drain:
-        import shlex
-
         out.print(
             f"drain: {escape(shlex.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
         )
@@ -225,6 +223,12 @@ def _read_summary(doc: dict[str, Any]) -> str:
     text = f"read ({doc.get('mode', 'live')}): " + "; ".join(parts)
     if doc.get("verdict") == "healthy":
         text += "\nfound: no evidence of a fault in what was read; that is not proof of health"
+    job = (doc.get("counts") or {}).get("job_events") or 0
+    if job:
+        files = [kl["source"]] if kl.get("source") and kl.get("status") == "ok" else []
+        files += [f["path"] for f in (secs.get("logs") or {}).get("files") or []]
+        where = " ".join(shlex.quote(str(f)) for f in files) if files else "FILE"
+        text += f"\nalso: {job} job-level event(s) (collectives, CUDA, NIC), not node evidence: gpu-doctor logs {where}"
     return text
 
 
@@ -368,8 +372,6 @@ def sweep_cmd(
     )
     doc = sweep(options, thresholds, started=started, warn=_warn)
     if doc.get("drain") and out_fmt in ("npd", "nagios"):
-        import shlex
-
         print(f"gpu-doctor: drain: {shlex.join(doc['drain']['command'])}", file=sys.stderr)
     if quiet and doc["exit_code"] == EXIT_OK:
         return EXIT_OK  # healthy: the textfile, the webhook and the state are written; stdout stays empty

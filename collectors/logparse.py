@@ -18,7 +18,7 @@ timestamp when absolute, uptime_s for dmesg's monotonic clock; a field is null w
 | xid | xid, pci_bus_id (dddd:bb:dd.f), pid, process, name, message, channel; 13: gpc/tpc/sm; 45: caused_by; 63: remap_pending; 144-150: nvlink_unit, nvlink_fatal, link, intr_info, error_status, subcode_v1/v2; 154: recovery_action_from/_to, recovery_action; device-plugin form: gpu_uuid |
 | sxid | sxid, pci_bus_id, fatal, message |
 | xid (unreadable code) | xid = null, xid_raw (the token: 7+ digits, hex, a sign, non-ASCII digits), pci_bus_id, pid, process, message |
-| gpu_fault | fault (`xid_catalog.FAULTS`: init_failed, unreachable, pcie_fatal / pcie_nonfatal / pcie_corrected, fabric_manager), pci_bus_id; init: init_code, minor; AER: device (gpu / port), error_source, recovery_failed |
+| gpu_fault | fault (`xid_catalog.FAULTS`: init_failed, unreachable, pcie_fatal / pcie_nonfatal / pcie_corrected, fabric_manager, gsp_timeout, memsys_error), pci_bus_id; init: init_code, minor; AER: device (gpu / port), error_source, recovery_failed; GSP: gpu_index, function, message |
 | gpu_lost | pci_bus_id, source_form (kernel / nvidia-smi) |
 | gpu_reset_required, gpu_identity, hung_task | gpu_index, message / pci_bus_id, uuid, serial / task, pid, blocked_s |
 | nccl_warn | host, pid, rank, device, location, message; IB: ib_status, ib_status_name, vendor_err, peer |
@@ -31,6 +31,8 @@ timestamp when absolute, uptime_s for dmesg's monotonic clock; a field is null w
 | worker_stop, worker_restart, worker_group_failed | pid, signal / attempts_left, max_restarts |
 | rendezvous, rendezvous_error | phase, round, restart_count, master_addr, master_port, group_rank, group_world_size / error, endpoint, errno |
 | cuda_error | error, cuda_code, rank, via_watchdog, fault (a hardware cause: ecc_uncorrectable, nvlink_uncorrectable, fabric_not_initialized, gpu_lost, unknown_error) |
+| cuda_assert | file, source_line, kernel, block, thread, condition, rank |
+| nic_error | device, function, pid, mlx5_status, errno, message |
 | driver_error, host_hw_error, pcie_degraded, config_error | error / hw_severity / pci_bus_id, available, capable, limited_at / error |
 
 NCCL / watchdog / gloo events whose message names a hardware cause get the same `fault` field.

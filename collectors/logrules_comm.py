@@ -64,6 +64,23 @@ IBV_WC_STATUS = {
 }
 _WARN_DIAGNOSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
+        lazy_re(r"Bootstrap Root : rank \d+ of \d+ ranks has already checked in"),
+        "Two processes hold the same rank of one communicator (a rank launched twice, a stale process from an "
+        "earlier attempt, or RANK / LOCAL_RANK computed wrongly by the launcher): stop the duplicate and check "
+        "the launcher's rank assignment.",
+    ),
+    (
+        lazy_re(r"Bootstrap Root : mismatch in rank count"),
+        "The processes disagree on the communicator's size (WORLD_SIZE differs between nodes): check the launch "
+        "command on every node.",
+    ),
+    (
+        lazy_re(r"Got async event : port error|async event.*port error"),
+        "An InfiniBand port of this node reported a port error: a flapping link or a bad cable. Find the port "
+        "(`ibstat`, the kernel log's mlx5 lines), reseat or replace the cable, check the switch port counters "
+        "(`ibqueryerrors`).",
+    ),
+    (
         lazy_re(r"ibv_reg_mr|Cannot allocate memory"),
         "Locked-memory limit too low for RDMA registration: set memlock unlimited (limits.conf, and `ulimit -l` inside the job/mpirun).",
     ),
@@ -122,7 +139,7 @@ def _nccl_warn(text: str, line_no: int, state: ParseState) -> Found | None:
         "location": f"{m['file']}:{m['line']}" if m["file"] else None,
         "message": msg[:1000],
     }
-    diag = "NCCL warning: " + msg[:200]
+    diag = f"NCCL warning: {msg[:200]} (gpuguard knows no advice for this warning: read it with the lines around it)"
     ib = _IB_STATUS.search(msg)
     if ib is not None and "completion" in msg:
         st, vendor = int(ib["st"]), int(ib["vendor"])

@@ -1,4 +1,5 @@
-"""Rules for NVIDIA kernel-driver lines: Xid, SXid, fallen off the bus, GPU identity, reset required.
+"""Rules for NVIDIA kernel-driver lines: Xid, SXid, fallen off the bus, GPU identity, reset required, GSP
+timeouts; and the NIC driver's (mlx5) memory-registration errors, job-level network evidence.
 
 Why here: the driver's formats drifted for 15 years (no `PCI:` prefix, `pid='<unknown>'`,
 `Ch 00000008` vs `channel 0x0000000c`, PCI domains, multi-line fallen-off-bus without an Xid) and the
@@ -121,6 +122,8 @@ def _verdict(code: int, fields: dict, info: catalog.XidInfo) -> tuple[str, str]:
 
 
 def _xid(text: str, line_no: int, state: ParseState) -> Found | None:
+    if "NVRM: Xid" not in text:
+        return None
     m = _XID.search(text)
     if m is None:
         return None
@@ -226,7 +229,7 @@ _LOST_DIAG = (
 
 def _gpu_named(text: str, line_no: int, state: ParseState) -> Found | None:
     """First line of the multi-line fallen-off-bus message: remember which GPU it names."""
-    m = _GPU_NAMED.search(text)
+    m = _GPU_NAMED.search(text) if "The NVIDIA GPU" in text else None
     if m is None:
         return None
     timestamp, uptime = line_time(text, state.year)
@@ -257,6 +260,8 @@ _SERIAL = lazy_re(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
 
 
 def _identity(text: str, line_no: int, state: ParseState) -> Found | None:
+    if "NVRM: GPU" not in text:
+        return None
     m = _IDENTITY.search(text)
     if m is not None:
         pci = normalize_pci(m["pci"])
@@ -331,7 +336,12 @@ def _fault(name: str, fields: dict, severity: str | None = None, diagnosis: str 
     )
 
 
+_INIT_WORDS = ("nit_adapter", "nitAdapter", "annot attach", "No devices were found", "device handle for GPU")
+
+
 def _init_failed(text: str, line_no: int, state: ParseState) -> Found | None:
+    if not any(w in text for w in _INIT_WORDS):  # the shared `NVRM: ` marker: most lines are none of these
+        return None
     m = _INIT_FAILED.search(text)
     if m is not None:
         fields: dict = {"pci_bus_id": normalize_pci(m["pci"]), "message": text.strip()[-300:]}
@@ -419,6 +429,77 @@ def _bridge(text: str, line_no: int, state: ParseState) -> Found | None:
     return ABSORBED
 
 
+# GSP firmware (Turing+ open and proprietary drivers): the driver names the GPU by its index, not its PCI
+# address (`NVRM: GPU6 _kgspIsHeartbeatTimedOut: ...`); very old lines name no GPU at all.
+_GSP = lazy_re(r"NVRM: (?:GPU(?P<idx>\d+) )?(?P<fn>_?k[a-zA-Z]+_?\w*): (?P<msg>.*)")
+_GSP_TIMEOUT = lazy_re(r"[Hh]eartbeat timed out|\*+ ?GSP Timeout ?\*+|Timeout (?:after \d+s of )?waiting for RPC")
+_MEMSYS = lazy_re(r"Memory Subsystem Error detected")
+
+
+def _gsp(text: str, line_no: int, state: ParseState) -> Found | None:
+    """GSP heartbeat / RPC timeouts and memory-subsystem errors a GPU reports without an Xid line."""
+    if "kgsp" not in text and "kgmmu" not in text:  # most NVRM lines: no regex needed
+        return None
+    m = _GSP.search(text)
+    if m is None:
+        return None
+    msg = m["msg"]
+    if _MEMSYS.search(msg) is not None:
+        name = "memsys_error"
+    elif _GSP_TIMEOUT.search(msg) is not None:
+        name = "gsp_timeout"
+    else:
+        return None
+    fields = {
+        "pci_bus_id": None,
+        "gpu_index": int(m["idx"]) if m["idx"] is not None else None,
+        "function": m["fn"],
+        "message": msg.strip()[:300],
+    }
+    return _fault(name, fields)
+
+
+# Mellanox / NVIDIA ConnectX (mlx5) driver errors: memory registration and firmware commands.
+_MLX5 = lazy_re(
+    r"(?:(?:infiniband|mlx5_core) (?P<dev>[\w.:-]+): )?(?P<fn>create_mkey_callback|mlx5_cmd_check|mlx5_cmd_out_err)"
+    r"[:\d]*:?\(pid (?P<pid>\d+)\): (?P<msg>.*)"
+)
+_MLX5_STATUS = lazy_re(r"status (?:[a-z ]+\()?(?P<st>-?(?:0x)?[0-9a-f]+)\)?")
+_ERRNO = {-12: "ENOMEM", -22: "EINVAL", -5: "EIO", -110: "ETIMEDOUT", -16: "EBUSY"}
+
+
+def _mlx5(text: str, line_no: int, state: ParseState) -> Found | None:
+    """A NIC that could not register memory (`async reg mr failed`) or refused a firmware command: job-level
+    network evidence (NCCL / UCX over InfiniBand or RoCE), never a GPU verdict."""
+    m = _MLX5.search(text)
+    if m is None or ("failed" not in m["msg"] and "error" not in m["msg"]):
+        return None
+    st = _MLX5_STATUS.search(m["msg"])
+    status = int(st["st"], 0) if st is not None else None
+    fields = {
+        "device": m["dev"],
+        "function": m["fn"],
+        "pid": int(m["pid"]),
+        "mlx5_status": status,
+        "errno": _ERRNO.get(status) if status is not None else None,
+        "message": m["msg"].strip()[:300],
+    }
+    if "reg mr" in m["msg"] or "mkey" in m["msg"]:
+        advice = (
+            "The NIC could not register (pin) memory for RDMA"
+            + (" (ENOMEM: out of memory-translation resources or the locked-memory limit)" if status == -12 else "")
+            + ": check `ulimit -l` inside the job (memlock unlimited), the number of registered regions "
+            "(NCCL_IB / UCX buffer settings) and GPUDirect RDMA (nvidia-peermem). Job-level network "
+            "evidence, not a GPU fault."
+        )
+    else:
+        advice = (
+            "A ConnectX firmware command failed: see the syndrome in the NIC driver documentation; if RDMA "
+            "transfers fail with it, check the NIC's firmware and driver (OFED) versions. Not a GPU fault."
+        )
+    return Found("nic_error", fields, "warning", advice)
+
+
 _FM = lazy_re(r"fabric ?manager", re.I)
 _FM_FAILED = lazy_re(r"fail|error|FAILURE|exited", re.I)
 
@@ -439,18 +520,21 @@ def _fabric(text: str, line_no: int, state: ParseState) -> Found | None:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(("NVRM: Xid",), _xid),
+    # One shared `NVRM: ` marker for the driver's rules (the marker scan holds at most 64 patterns)
+    Rule(("NVRM: ",), _xid),
     Rule(("XidCriticalError",), _plugin_xid),
     Rule(("SXid",), _sxid),
-    Rule(("NVRM: The NVIDIA GPU",), _gpu_named),
+    Rule(("NVRM: ",), _gpu_named),
     Rule(("fallen off the bus", "GPU is lost"), _gpu_lost),
     # Markers chosen for the fast scanner: few and shared ones. The Aho-Corasick SIMD prefilter takes at
     # most 64 patterns: one marker past that makes `gpu-doctor logs` ~2x slower (bench/logs.py).
-    Rule(("NVRM: GPU", "No devices were found", "device handle for GPU", "annot attach"), _init_failed),
-    Rule(("NVRM: GPU",), _identity),
+    Rule(("NVRM: ", "No devices were found", "device handle for GPU", "annot attach"), _init_failed),
+    Rule(("NVRM: ",), _identity),
+    Rule(("NVRM: ",), _gsp),
     Rule(("AER: ", "PCIe Bus Error", "AER-aware"), _aer),
     Rule(("abric",), _fabric),
     Rule(("PCI bridge to",), _bridge),
     Rule(("NV_ERR_RESET_REQUIRED", "Reset required"), _reset_required),
     Rule(("blocked for more than",), _hung_task),
+    Rule(("mlx5",), _mlx5),
 )

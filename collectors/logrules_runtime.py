@@ -385,7 +385,41 @@ RULES: tuple[Rule, ...] = (
     Rule(("restart_count=", "master_addr=", "master_port=", "group_rank=", "group_world_size="), _rendezvous_kv),
 )
 
+# A CUDA kernel's own assertion, as the device prints it (PyTorch ATen, Triton, user kernels):
+# `<file>:<line>: <kernel>: block: [x,y,z], thread: [x,y,z] Assertion `<condition>` failed.`
+_ASSERT = lazy_re(
+    r"(?:(?P<file>(?:[A-Za-z]:)?[^\s:]+\.(?:cu|cuh|cpp|h|py)):(?P<line>\d+): )?(?:(?P<kernel>[\w<>, ]+?): )?"
+    r"block: \[(?P<block>[\d, ]+)\], thread: \[(?P<thread>[\d, ]+)\] Assertion `(?P<cond>.*)` failed"
+)
+
+
+def _cuda_assert(text: str, line_no: int, state: ParseState) -> Found | None:
+    """A device-side assertion: the application's inputs (an index or a label out of range), not the GPU."""
+    m = _ASSERT.search(text)
+    if m is None:
+        return None
+    fields = {
+        "file": m["file"],
+        "source_line": int(m["line"]) if m["line"] else None,
+        "kernel": (m["kernel"] or "").strip()[-200:] or None,
+        "block": m["block"].replace(" ", ""),
+        "thread": m["thread"].replace(" ", ""),
+        "condition": m["cond"][:300],
+        "rank": rank_of(text[: m.start()]) if "rank" in text[: m.start()].lower() else None,
+    }
+    where = f" in {fields['kernel']}" if fields["kernel"] else ""
+    return Found(
+        "cuda_assert",
+        fields,
+        "warning",
+        f"Device-side assertion{where}: `{fields['condition'][:120]}` failed. An application bug or bad input "
+        "(an index or a class label out of range), not a GPU fault: the GPU stays usable. Rerun with "
+        "CUDA_LAUNCH_BLOCKING=1 to see the Python call that launched the kernel.",
+    )
+
+
 CUDA_RULES: tuple[Rule, ...] = (
+    Rule(("] Assertion",), _cuda_assert),
     Rule(
         (
             "cuda runtime error",

@@ -10,7 +10,9 @@ The rule, chosen so that nothing is invented across unrelated lines: a line is j
 one, two or three lines only if (a) the line is long enough to have been wrapped, (b) each following
 line is a *continuation* (it does not start like a new record: no timestamp, no `[`, no `file:line`,
 no traceback line, no exception name, no shell prompt), and (c) the joined text gives an event that the
-line alone does not. Otherwise every line is parsed exactly as `logparse.iter_events` parses it.
+line alone does not. A line that ends with a colon and gives no event itself introduces the event on the
+next line (a watchdog's `... operation timeout:` with its `WorkNCCL(...)` on a line of its own): joined,
+when that reads the same event with more fields (its rank). Otherwise every line is parsed exactly as `logparse.iter_events` parses it.
 Joined events keep the number of their first line. Only small inputs (a paste, `MAX_BYTES`) take this
 path; big files go through the fast scanner (`logscan`).
 """
@@ -111,9 +113,37 @@ def _alone(text: str) -> list[tuple[str, int]]:
     return [(e.kind, sum(v is not None for v in e.fields.values())) for e in parser.feed(text, 1) + parser.close()]
 
 
+def _is_intro(text: str) -> bool:
+    """A line that ends with a colon and is no event itself (it introduces what follows)."""
+    return text.rstrip().endswith(":") and not _alone(text)
+
+
+def _introduced(lines: Sequence[str], i: int, head: str) -> tuple[str, int] | None:
+    """A line that ends with a colon and is no event itself, followed by an event on the next line
+    (`[rank3]:[E ...] [Rank 3] Watchdog caught collective operation timeout:` + `WorkNCCL(SeqNum=...)`,
+    each `WorkNCCL(...)` on a line of its own): the head's context (the rank) belongs to the event below
+    it. (joined text, 2) when the join reads the same event with more fields, else None."""
+    if i + 1 >= len(lines) or not is_continuation(lines[i + 1]) or not _is_intro(head):
+        return None
+    if i > 0 and _is_intro(clean(lines[i - 1].rstrip("\r\n"))):
+        return None  # several heads before the events (ranks interleaved): which event is whose is unknown
+    nxt = clean(lines[i + 1].rstrip("\r\n"))
+    alone = _alone(nxt)
+    if not alone:
+        return None
+    text = head.rstrip() + " " + nxt
+    found = _alone(text)
+    if [k for k, _ in found] == [k for k, _ in alone] and sum(n for _, n in found) > sum(n for _, n in alone):
+        return text, 2
+    return None
+
+
 def _join(lines: Sequence[str], i: int) -> tuple[str, int] | None:
     """(joined text, lines used) when joining `lines[i]` with what follows completes an event."""
     head = clean(lines[i].rstrip("\r\n"))
+    introduced = _introduced(lines, i, head)
+    if introduced is not None:
+        return introduced
     if len(head) < MIN_WRAPPED:
         return None
     base = _alone(head)

@@ -93,6 +93,7 @@ class _Guard:
         self.nv = nv
         self.errors: dict[str, str] = {}
         self.lost: str | None = None
+        self.reset_required = False
 
     def __call__(self, key: str, fname: str, *args: Any) -> Any:
         fn = getattr(self.nv, fname, None)
@@ -107,6 +108,8 @@ class _Guard:
             if name == "NVMLError_GpuIsLost":
                 self.lost = str(exc)
                 return None
+            if name == "NVMLError_ResetRequired":  # "GPU requires reset": the GPU answers nothing until reset
+                self.reset_required = True
             self.errors[key] = f"{name}: {exc}"
             return None
 
@@ -127,6 +130,7 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
     g = _Guard(nv)
     name = g("name", "nvmlDeviceGetName", handle)
     uuid = g("uuid", "nvmlDeviceGetUUID", handle)
+    serial = g("serial", "nvmlDeviceGetSerial", handle)
     pci = g("pci_bus_id", "nvmlDeviceGetPciInfo", handle)
     ecc_mode = g("ecc_mode", "nvmlDeviceGetEccMode", handle)
     ecc: dict[str, Any] = {}
@@ -191,6 +195,7 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
         "index": index,
         "name": name,
         "uuid": uuid,
+        "serial": serial,
         "pci_bus_id": normalize_pci_bus_id(bus_id),
         "lost": g.lost is not None,
         "error": g.lost,
@@ -209,6 +214,7 @@ def _gpu(nv: Any, index: int) -> dict[str, Any]:
         "nvlink": links,
         "recovery_action": action,
         "recovery_action_name": None if action is None else RECOVERY_ACTIONS.get(action, f"0x{action:x}"),
+        "reset_required": g.reset_required or None,
         "errors": g.errors,
     }
 
@@ -340,9 +346,10 @@ def validate_snapshot(doc: Any, what: str = "NVML snapshot") -> dict[str, Any]:
         where = f"{what}: gpus[{i}]"
         if not isinstance(gpu, dict):
             raise DataError(f"{where}: expected an object")
-        for key in ("name", "uuid", "pci_bus_id", "error"):
+        for key in ("name", "uuid", "serial", "pci_bus_id", "error"):
             _check_type(gpu.get(key), str, f"{where}.{key}")
         _check_type(gpu.get("lost"), bool, f"{where}.lost")
+        _check_type(gpu.get("reset_required"), bool, f"{where}.reset_required")
         _check_type(gpu.get("ecc_mode"), bool, f"{where}.ecc_mode")
         for key in _GPU_NUMBERS:
             _check_type(

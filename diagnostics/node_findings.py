@@ -100,6 +100,8 @@ def nvml_findings(gpu: Mapping[str, Any], t: Thresholds) -> list[Finding]:
     if gpu.get("lost"):
         add(t.get("node", "gpu_lost"), "gpu_lost", f"NVML: {gpu.get('error') or 'GPU is lost'}")
         return out
+    if gpu.get("reset_required"):  # NVML_ERROR_RESET_REQUIRED on a call, or `GPU requires reset` in nvidia-smi
+        add("reset", "reset_required", "the driver says the GPU requires a reset (GPU requires reset)")
     ecc = gpu.get("ecc") or {}
     for key, limit, verdict, text in _ECC_RULES:
         if _gte(ecc.get(key), t.get("ecc", limit)):

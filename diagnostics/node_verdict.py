@@ -29,6 +29,7 @@ from gpuguard.diagnostics.node_findings import (
     worst,
     xid_findings,
 )
+from gpuguard.diagnostics.node_identity import evidence_range, gpu_identities, iso, stale_reason
 from gpuguard.diagnostics.node_thresholds import Thresholds
 from gpuguard.foundation.events import Event
 
@@ -50,6 +51,27 @@ __all__ = [
 
 SCHEMA = "gpuguard.node/1"
 KERNEL_KINDS = ("xid", "gpu_lost")
+# What a job's own logs report (collectives, CUDA in the application, the launcher, the NIC): not node
+# evidence unless the line names a hardware cause (`fault`), but counted and pointed to, so that a
+# node verdict of "no fault" never hides them.
+JOB_KINDS = frozenset(
+    {
+        "nccl_warn",
+        "nccl_error",
+        "watchdog_timeout",
+        "watchdog_failure",
+        "watchdog_hang",
+        "watchdog_abort",
+        "gloo_error",
+        "cuda_error",
+        "cuda_assert",
+        "nic_error",
+        "worker_failure",
+        "worker_group_failed",
+        "rendezvous_error",
+        "config_error",
+    }
+)
 MODES = ("live", "replay")
 _PORT_SPAN = 12  # lines between a PCIe port's AER line and the GPU's own line that names it
 
@@ -63,9 +85,10 @@ class GpuVerdict:
     index: int | None = None
     uuid: str | None = None
     name: str | None = None
+    serial: str | None = None  # the board serial, when NVML or a pasted report gives it (identity for RMA)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "index": self.index,
             "pci_bus_id": self.pci_bus_id,
             "uuid": self.uuid,
@@ -74,6 +97,9 @@ class GpuVerdict:
             "action": self.action,
             "evidence": [f.to_json() for f in self.evidence],
         }
+        if self.serial is not None:
+            doc["serial"] = self.serial
+        return doc
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,8 @@ class NodeVerdict:
     summary: str
     counts: Mapping[str, int] = field(default_factory=dict)
     mode: str = "live"
+    # whose verdict it is: the node's boot (None: not known, a replay) and the time range of the evidence
+    identity: Mapping[str, str | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +123,7 @@ class NodeVerdict:
             "gpus": [g.to_json() for g in self.gpus],
             "evidence": [f.to_json() for f in self.evidence],
             "counts": dict(self.counts),
+            "identity": dict(self.identity),
         }
 
 
@@ -108,6 +137,7 @@ class Placement:
     node_faults: tuple[Event, ...] = ()  # faults that name no GPU (training logs, host errors, a port alone)
     sxids: tuple[Event, ...] = ()  # NVSwitch errors: the node's
     identities: Mapping[str, str] = field(default_factory=dict)  # PCI address -> GPU UUID from the log
+    indices: Mapping[str, int] = field(default_factory=dict)  # PCI address -> GPU index a line names with it
 
 
 def event_window(events: Sequence[Event], since: float | None) -> tuple[list[Event], dict[str, int]]:
@@ -126,6 +156,31 @@ def event_window(events: Sequence[Event], since: float | None) -> tuple[list[Eve
     return window, counts
 
 
+def split_stale(
+    window: Sequence[Event], boot_id: str | None, snapshot: Mapping[str, Any] | None
+) -> tuple[list[Event], list[Finding]]:
+    """The window without the evidence that no longer speaks for the node (another boot, a replaced
+    GPU: `node_identity.stale_reason`), and one finding per stale event saying so (never counted)."""
+    gpus = gpu_identities(snapshot)
+    fresh: list[Event] = []
+    stale: list[Finding] = []
+    for ev in window:
+        why = stale_reason(ev, boot_id, gpus)
+        if why is None:
+            fresh.append(ev)
+            continue
+        f = ev.fields
+        what = f"Xid {f.get('xid')}" if ev.kind == "xid" else str(f.get("fault") or ev.kind)
+        where = f" on {f['pci_bus_id']}" if f.get("pci_bus_id") else ""
+        stale.append(Finding("healthy", "kernel_log", "stale", f"stale: {what}{where} {why}: not counted", "", ev.line))
+    return fresh, stale
+
+
+def job_events(window: Sequence[Event]) -> int:
+    """How many of the window's events are the job's own (warnings and worse, naming no hardware cause)."""
+    return sum(1 for e in window if e.kind in JOB_KINDS and not e.fields.get("fault") and e.severity != "info")
+
+
 def gpu_addresses(window: Sequence[Event], known: Iterable[str]) -> set[str]:
     """Every GPU the evidence names: NVML's and those a kernel line or a GPU's own fault line names."""
     return set(known) | {
@@ -136,10 +191,13 @@ def gpu_addresses(window: Sequence[Event], known: Iterable[str]) -> set[str]:
     }
 
 
-def place_events(window: Sequence[Event], known_gpus: Iterable[str]) -> Placement:
+def place_events(
+    window: Sequence[Event], known_gpus: Iterable[str], by_index: Mapping[int, str] | None = None
+) -> Placement:
     """Put each event where it belongs. A PCIe port's AER error goes to the GPU below it when the log
     says which (`_gpu_below`), else to the node; a training-log hardware error names a rank, not an
-    address, so it is the node's."""
+    address, so it is the node's. A GPU fault that names its GPU by index only (the driver's GSP lines,
+    `NVRM: GPU6 ...`) goes to the GPU NVML knows by that index (`by_index`), else to `index:<n>`."""
     gpu_events: dict[str, list[Event]] = {}
     gpu_faults: dict[str, list[Event]] = {}
     unplaced: list[Event] = []
@@ -147,6 +205,7 @@ def place_events(window: Sequence[Event], known_gpus: Iterable[str]) -> Placemen
     port_faults: list[Event] = []
     sxids: list[Event] = []
     identities: dict[str, str] = {}
+    indices: dict[str, int] = {}
     for ev in window:
         fields = ev.fields if isinstance(ev.fields, Mapping) else {}
         pci = fields.get("pci_bus_id")
@@ -159,6 +218,11 @@ def place_events(window: Sequence[Event], known_gpus: Iterable[str]) -> Placemen
                 port_faults.append(ev)
             elif pci:
                 gpu_faults.setdefault(str(pci), []).append(ev)
+                if isinstance(fields.get("gpu_index"), int):  # nvidia-smi's table names both
+                    indices[str(pci)] = fields["gpu_index"]
+            elif isinstance(fields.get("gpu_index"), int):
+                index = fields["gpu_index"]
+                gpu_faults.setdefault((by_index or {}).get(index, f"index:{index}"), []).append(ev)
             else:
                 node_faults.append(ev)
         elif (ev.kind in LOG_FAULT_KINDS and fields.get("fault")) or implied_fault(ev) is not None:
@@ -183,6 +247,7 @@ def place_events(window: Sequence[Event], known_gpus: Iterable[str]) -> Placemen
         tuple(node_faults),
         tuple(sxids),
         identities,
+        indices,
     )
 
 
@@ -278,6 +343,7 @@ def gpu_verdict(
         meta.get("index"),
         meta.get("uuid"),
         meta.get("name"),
+        meta.get("serial"),
     )
 
 
@@ -313,6 +379,13 @@ def node_level(
     return level, []
 
 
+def _meta_of_key(key: str) -> dict[str, Any]:
+    """A GPU only the evidence names: by its PCI address, or by its index (`index:<n>`)."""
+    if key.startswith("index:") and key[6:].isdigit():
+        return {"pci_bus_id": key, "index": int(key[6:])}
+    return {"pci_bus_id": key}
+
+
 def _snapshot_gpus(
     snapshot: Mapping[str, Any] | None, t: Thresholds
 ) -> dict[str, tuple[dict[str, Any], list[Finding]]]:
@@ -320,7 +393,7 @@ def _snapshot_gpus(
     out: dict[str, tuple[dict[str, Any], list[Finding]]] = {}
     for gpu in (snapshot or {}).get("gpus") or []:
         key = gpu.get("pci_bus_id") or f"index:{gpu.get('index')}"
-        meta = {k: gpu.get(k) for k in ("index", "uuid", "name", "pci_bus_id")}
+        meta = {k: gpu.get(k) for k in ("index", "uuid", "name", "pci_bus_id", "serial")}
         out[key] = (meta, nvml_findings(gpu, t))
     return out
 
@@ -334,6 +407,7 @@ def judge(
     kernel_log_status: str = "ok",
     mode: str = "live",
     unread_lines: Sequence[int] = (),
+    boot_id: str | None = None,
 ) -> NodeVerdict:
     """One verdict per GPU and for the node.
 
@@ -342,16 +416,23 @@ def judge(
     dropped (untimed events are kept: their time is unknown, and a cron sweep's cursor already limits
     them to what is new). mode: `live` or `replay` (see the module docstring): in replay a missing
     snapshot is "not examined", not `unknown`. unread_lines: lines that look like GPU errors (an Xid)
-    but that no rule could read: a warning (`degraded`), never a silent all clear.
+    but that no rule could read: a warning (`degraded`), never a silent all clear. boot_id: the node's
+    boot now; evidence seen in another boot, or about a GPU replaced since, is stale (`split_stale`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t = thresholds
     nvml_gpus = _snapshot_gpus(snapshot, t)
     nvml_ok = snapshot is not None and snapshot.get("status", "ok") == "ok"
+    # a pasted excerpt of an `nvidia-smi -q` report (`complete: false`) says nothing about the GPUs it omits
+    partial = snapshot is not None and snapshot.get("complete") is False
     window, counts = event_window(events, since)
-    placed = place_events(window, nvml_gpus)
-    node_findings = [*nvml_node_findings(snapshot, t), *sxid_findings(placed.sxids)]
+    window, stale = split_stale(window, boot_id, snapshot)
+    counts["stale_events"] = len(stale)
+    counts["job_events"] = job_events(window)
+    by_index = {meta["index"]: key for key, (meta, _) in nvml_gpus.items() if isinstance(meta.get("index"), int)}
+    placed = place_events(window, nvml_gpus, by_index)
+    node_findings = [*nvml_node_findings(snapshot, t), *sxid_findings(placed.sxids), *stale]
     if placed.unplaced:  # e.g. a redacted `PCI:...` address: the node still owns the finding
         node_findings.extend(xid_findings(placed.unplaced, t)[1])
     node_findings.extend(fault_findings(placed.node_faults, t))
@@ -360,9 +441,11 @@ def judge(
     keys = list(dict.fromkeys([*nvml_gpus, *placed.gpu_events, *placed.gpu_faults]))
     results = []
     for key in keys:
-        meta, found = nvml_gpus.get(key, ({"pci_bus_id": key}, []))
+        meta, found = nvml_gpus.get(key, (_meta_of_key(key), []))
         meta = {**meta, "uuid": meta.get("uuid") or placed.identities.get(key)}
-        reported = nvml_ok and key in nvml_gpus  # NVML answered, and about this GPU
+        if meta.get("index") is None and key in placed.indices:
+            meta["index"] = placed.indices[key]
+        reported = nvml_ok and (key in nvml_gpus or partial)  # NVML answered, and about this GPU
         silent = _nvml_reason(snapshot) if snapshot is not None and not reported else None
         events_of, faults_of = placed.gpu_events.get(key, ()), placed.gpu_faults.get(key, ())
         results.append(gpu_verdict(key, meta, found, events_of, faults_of, t, nvml_silent=silent))
@@ -381,7 +464,14 @@ def judge(
     summary = summarize(level, results, node_findings)
     if level == "healthy" and not examined:
         summary = "no evidence of a fault in the given files (not proof of health)"
-    return NodeVerdict(level, tuple(results), tuple(node_findings), node_action, summary, counts, mode)
+    if level == "healthy" and counts["job_events"]:
+        n = counts["job_events"]
+        if not examined:
+            summary = "no node/GPU fault in the given files (not proof of health)"
+        summary += f"; {n} job-level event{'s' if n != 1 else ''}, see `gpu-doctor logs`"
+    first, last = evidence_range(e for e in window if e.kind not in JOB_KINDS and e.kind != "gpu_identity")
+    identity = {"boot_id": boot_id, "evidence_from": iso(first), "evidence_to": iso(last)}
+    return NodeVerdict(level, tuple(results), tuple(node_findings), node_action, summary, counts, mode, identity)
 
 
 def _gpu_below(ev: Event, gpu_addrs: set[str], gpu_faults: Sequence[Event]) -> str | None:

@@ -16,12 +16,14 @@ import shlex
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_REFUSED, EXIT_TEMPFAIL
 
 DRAIN_PREFIX = "gpu-doctor:"  # every Reason= gpu-doctor sets starts with this: a drain it may own
+REASON_MAX = 200  # what `drain_command` keeps of the reason
 _REASON_RE = re.compile(r"\bReason=(.*?)(?: \w+=|$)")
 
 
@@ -37,7 +39,7 @@ class DrainResult:
 
 def drain_command(node: str, summary: str) -> list[str]:
     """`scontrol update NodeName=<node> State=DRAIN Reason=gpu-doctor: <summary>` as an argv."""
-    reason = f"{DRAIN_PREFIX} {summary}"[:200].replace("\n", " ")
+    reason = f"{DRAIN_PREFIX} {summary}"[:REASON_MAX].replace("\n", " ")
     return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
 
 
@@ -118,3 +120,26 @@ def drain_record(node: str, summary: str, *, run: bool, timeout_s: float = 10.0)
         "ran": run,
         "result": drain_node(node, summary, timeout_s=timeout_s).summary if run else None,
     }
+
+
+def identity_note(identity: Mapping[str, Any], serials: Sequence[str] = ()) -> str:
+    """` [boot 1a2b3c4d; serial 1324...; evidence 2024-08-30T11:40:01+00:00..11:45:09]`: whose verdict a drain
+    mark is, so a replaced GPU or a rebooted node is not taken for the one that was drained."""
+    parts = []
+    if identity.get("boot_id"):
+        parts.append(f"boot {str(identity['boot_id'])[:8]}")
+    if serials:
+        parts.append("serial " + ",".join(serials[:2]))
+    first, last = identity.get("evidence_from"), identity.get("evidence_to")
+    if first:
+        parts.append(f"evidence {first}" + (f"..{str(last)[11:19]}" if last and last != first else ""))
+    return f" [{'; '.join(parts)}]" if parts else ""
+
+
+def drain_reason(verdict: Any) -> str:
+    """The drain's reason: the verdict's summary, cut so that its identity note always fits."""
+    serials = [g.serial for g in verdict.gpus if g.verdict == "drain" and getattr(g, "serial", None)]
+    note = identity_note(verdict.identity, serials)
+    room = REASON_MAX - len(DRAIN_PREFIX) - 1 - len(note)
+    summary = verdict.summary if len(verdict.summary) <= room else verdict.summary[: max(0, room - 3)] + "..."
+    return summary + note

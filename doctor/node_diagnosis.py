@@ -6,6 +6,8 @@ Readers (`collectors`) and judges (`diagnostics`) never import each other, so th
 clock and the host name are read here too (the judge takes them as data). The CLI only turns options
 into a `NodeRequest` and renders the document. It imports nothing heavy: the readers import psutil,
 pynvml and the multi-pattern scanner only when they run.
+
+Lazy imports (start-up time): the process-table reader, only when processes are listed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.collectors import kernel_log as kernel_log_reader
-from gpuguard.collectors import logscan, nvml, processes
+from gpuguard.collectors import loghost, logscan, nvidia_smi, nvml
 from gpuguard.diagnostics import node_verdict
 from gpuguard.diagnostics.node_thresholds import Thresholds
 from gpuguard.foundation.errors import (
@@ -76,9 +78,16 @@ class NodeDiagnosis:
 
 
 def nvml_snapshot(path: str | None, timeout: float, warn: Warn = _quiet) -> tuple[dict[str, Any], str]:
-    """(snapshot, where it came from): the recorded file, else live NVML under `timeout`."""
+    """(snapshot, where it came from): the recorded file (a `gpuguard.nvml/1` document, or the text of
+    `nvidia-smi -q`), else live NVML under `timeout`."""
     if path is not None:
-        return nvml.load_snapshot(path), f"file {path}"
+        try:
+            return nvml.load_snapshot(path), f"file {path}"
+        except DataError:
+            report = nvidia_smi.read_report(path)
+            if report is None or report.snapshot is None:
+                raise
+            return report.snapshot, f"nvidia-smi -q text {path}"
     snap = nvml.collect(timeout)
     if snap.get("timed_out"):
         warn(snap["reason"])
@@ -133,9 +142,42 @@ def read_training_logs(paths: Sequence[str]) -> tuple[list[Event], list[dict[str
 def list_processes() -> dict[str, Any]:
     """torchrun agents and workers on this node; a listing problem is `unknown`, never a failed diagnosis."""
     try:
+        from gpuguard.collectors import processes  # only when processes are listed: start-up time
+
         return processes.collect()
     except Exception as exc:  # noqa: BLE001 - a process listing problem must not stop the diagnosis
         return {"schema": "gpuguard.processes/1", "status": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+@dataclass(frozen=True)
+class Pasted:
+    """`nvidia-smi` output found in the files of a replay: the first `-q` report's snapshot, and the
+    table's events per input (the kernel log's, the training logs')."""
+
+    snapshot: dict[str, Any] | None = None
+    source: str | None = None
+    kernel_events: tuple[Event, ...] = ()
+    log_events: tuple[Event, ...] = ()
+
+
+def pasted_reports(request: NodeRequest) -> Pasted:
+    """Look for pasted `nvidia-smi` output in the replayed files (regular files up to
+    `nvidia_smi.MAX_BYTES`; stdin is read once, by the kernel-log reader)."""
+    snapshot: dict[str, Any] | None = None
+    source: str | None = None
+    found: dict[str, tuple[Event, ...]] = {"kernel": (), "log": ()}
+    inputs = [("kernel", request.kernel_log)] if request.kernel_log not in (None, "-") else []
+    inputs += [("log", path) for path in request.logs]
+    for role, path in inputs:
+        if path is None or not Path(path).is_file():
+            continue
+        report = nvidia_smi.read_report(path)
+        if report is None:
+            continue
+        if snapshot is None and report.snapshot is not None:
+            snapshot, source = report.snapshot, f"nvidia-smi -q text in {path}"
+        found[role] += report.events
+    return Pasted(snapshot, source, found["kernel"], found["log"])
 
 
 def diagnose(
@@ -154,17 +196,23 @@ def diagnose(
         if klog.status != "ok":
             warn(f"kernel log not read: {klog.reason}")
     log_events, log_stats = read_training_logs(request.logs) if request.logs else ([], None)
+    pasted = pasted_reports(request) if not live else Pasted()
+    kernel_events = [*(klog.events if klog is not None else ()), *pasted.kernel_events]
+    log_events = [*log_events, *pasted.log_events]
     snapshot: dict[str, Any] | None
     if request.nvml_snapshot is not None or live:
         snapshot, nvml_source = nvml_snapshot(request.nvml_snapshot, request.nvml_timeout, warn)
+    elif pasted.snapshot is not None:
+        snapshot, nvml_source = pasted.snapshot, str(pasted.source)
     else:
         snapshot, nvml_source = None, "not examined"
     procs = list_processes() if request.processes else None
+    node = None if live else loghost.describe(loghost.hosts([*kernel_events, *log_events]))
     doc, verdict = build_document(
         snapshot,
         nvml_source,
         klog,
-        list(klog.events) if klog is not None else [],
+        kernel_events,
         thresholds,
         request.since,
         started,
@@ -172,6 +220,8 @@ def diagnose(
         mode=request.mode,
         log_events=log_events,
         log_stats=log_stats,
+        node=node,
+        boot_id=kernel_log_reader.boot_id() or None if live else None,
     )
     return NodeDiagnosis(doc, verdict, snapshot)
 
@@ -233,11 +283,15 @@ def build_document(
     mode: str = "live",
     log_events: list[Event] | None = None,
     log_stats: list[dict[str, Any]] | None = None,
+    node: str | None = None,
+    boot_id: str | None = None,
 ) -> tuple[dict[str, Any], node_verdict.NodeVerdict]:
     """Judge and assemble the `gpuguard.node/1` document.
 
     snapshot None: NVML not examined (replay without --nvml-snapshot). log None: no kernel log read.
-    log_events / log_stats: the `--log` training logs.
+    log_events / log_stats: the `--log` training logs. node: the node the evidence is about (a replay:
+    the host its lines name, or "host unknown"); None: this machine. boot_id: the node's boot now (None in
+    a replay): evidence of another boot is stale.
     """
     kernel_events = list(events)
     verdict = node_verdict.judge(
@@ -248,11 +302,12 @@ def build_document(
         kernel_log_status="ok" if log is None or log.status == "ok" else (log.reason or log.status),
         mode=mode,
         unread_lines=tuple(log.unread_lines) if log is not None else (),
+        boot_id=boot_id,
     )
     now = time.time()
     doc: dict[str, Any] = {
         "schema": node_verdict.SCHEMA,
-        "node": socket.gethostname(),
+        "node": node if node is not None else socket.gethostname(),
         "generated_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
         "generated_at_unix": round(now, 3),
     }

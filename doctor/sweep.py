@@ -22,8 +22,8 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypedDict
@@ -45,7 +45,7 @@ from gpuguard.foundation.jobdir import atomic_write_bytes, check_root_safe_dir
 STATE_SCHEMA = "gpuguard.sweep-state/1"
 STATE_FILE = "sweep-state.json"
 LOCK_FILE = "sweep.lock"
-RETAINED_KINDS = ("xid", "sxid", "gpu_lost")  # the kernel-log events the node verdict counts
+RETAINED_KINDS = ("xid", "sxid", "gpu_lost", "gpu_fault")  # the kernel-log events the node verdict counts
 MAX_HISTORY = 2000
 MAX_STATE_BYTES = 16 << 20  # MAX_HISTORY records of at most ~1 KB each, with room to spare
 PER_CODE_HISTORY = 20  # per GPU and Xid code: enough for every repeat rule, bounded under an Xid storm
@@ -59,6 +59,7 @@ class SweepState(TypedDict):
     events: list[dict[str, Any]]  # retained event records, oldest first (see `event_record`)
     xid_totals: dict[str, int]  # "<pci_bus_id>|<xid>" -> every Xid ever seen, beyond the retained ones
     last_verdict: str | None
+    last_identity: dict[str, Any] | None  # the boot and evidence range of the last verdict (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,14 @@ def prepare_state_dir(path: Path, *, create_parents: bool = False) -> Path:
 
 
 def empty_state() -> SweepState:
-    return {"schema": STATE_SCHEMA, "cursor": None, "events": [], "xid_totals": {}, "last_verdict": None}
+    return {
+        "schema": STATE_SCHEMA,
+        "cursor": None,
+        "events": [],
+        "xid_totals": {},
+        "last_verdict": None,
+        "last_identity": None,
+    }
 
 
 def load_state(path: Path) -> tuple[SweepState, list[str]]:
@@ -143,12 +151,14 @@ def load_state(path: Path) -> tuple[SweepState, list[str]]:
         notes.append(f"sweep state {path} unreadable ({str(exc)[:80]}): starting over from the start of the log")
         return empty_state(), notes
     last = doc.get("last_verdict")
+    identity = doc.get("last_identity")
     return {
         "schema": STATE_SCHEMA,
         "cursor": cursor,
         "events": events,
         "xid_totals": totals,
         "last_verdict": last,
+        "last_identity": _scalar_fields(identity) if isinstance(identity, dict) else None,
     }, notes
 
 
@@ -161,6 +171,7 @@ def save_state(path: Path, state: SweepState) -> None:
         "events": state["events"],
         "xid_totals": state["xid_totals"],
         "last_verdict": state.get("last_verdict"),
+        "last_identity": state.get("last_identity"),
     }
     try:
         atomic_write_bytes(path, (json.dumps(doc, default=str) + "\n").encode(), mode=0o600)
@@ -168,14 +179,26 @@ def save_state(path: Path, state: SweepState) -> None:
         raise from_os_error(exc, f"sweep state {path}") from None
 
 
-def retain(state: SweepState, read: Iterable[Event], *, cursor: Cursor | None, now: float, retain_s: float) -> Retained:
+def retain(
+    state: SweepState,
+    read: Iterable[Event],
+    *,
+    cursor: Cursor | None,
+    now: float,
+    retain_s: float,
+    identity: Callable[[Event], Mapping[str, str]] | None = None,
+) -> Retained:
     """Forget events older than `retain_s`, add the ones this sweep read, count their Xids, move the cursor.
 
     `read` is everything the kernel-log read returned; only `RETAINED_KINDS` are kept. `cursor` None
-    (a source without one) keeps the old cursor. `state` is not changed.
+    (a source without one) keeps the old cursor. `identity`: the fields that say whom a new event was
+    seen with (the boot, its GPU's UUID and serial: `diagnostics.node_identity.seen_with`), kept with it
+    so a later sweep can tell it stale. `state` is not changed.
     """
     kept = [r for r in state["events"] if (r.get("seen_at") or now) >= now - retain_s]
     fresh = [e for e in read if e.kind in RETAINED_KINDS]
+    if identity is not None:
+        fresh = [replace(e, fields={**e.fields, **identity(e)}) for e in fresh]
     totals = dict(state["xid_totals"])
     for e in fresh:
         if e.kind == "xid" and isinstance(e.fields.get("xid"), int):

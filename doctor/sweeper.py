@@ -3,7 +3,9 @@
 Why a service of its own: `gpu-doctor sweep` (from cron) runs it once, and the watcher runs the same
 steps after every new piece of evidence; the CLI only parses options and renders the document. The
 state is saved before the outputs run, so a crashing notifier never loses the cursor. One sweep per
-state directory at a time (`doctor.sweep.SweepLock`).
+state directory at a time (`doctor.sweep.SweepLock`). Every event it keeps carries the boot and the GPU
+(UUID, serial) it was seen with, so evidence of an earlier boot or of a GPU replaced since is stale and
+never drives a drain (`diagnostics.node_identity`); the drain's reason carries the same identity.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.collectors.kernel_log import boot_id
+from gpuguard.diagnostics.node_identity import gpu_identities, seen_with
 from gpuguard.diagnostics.node_thresholds import Thresholds
 from gpuguard.doctor import sweep as state_store
-from gpuguard.doctor.drain import drain_record, local_node_name
+from gpuguard.doctor.drain import drain_reason, drain_record, local_node_name
 from gpuguard.doctor.node_diagnosis import Warn, build_document, nvml_snapshot, read_kernel_log
 from gpuguard.doctor.publish import PublishOptions, publish
 
@@ -61,8 +65,17 @@ def sweep_locked(
     log = read_kernel_log(options.kernel_log, cursor=state["cursor"], timeout=options.timeout)
     if log.status != "ok":
         warn(f"kernel log not read: {log.reason}")
-    kept = state_store.retain(state, log.events, cursor=log.cursor, now=time.time(), retain_s=options.retain_s)
     snapshot, nvml_source = nvml_snapshot(options.nvml_snapshot, options.nvml_timeout, warn)
+    boot = boot_id() or None
+    gpus = gpu_identities(snapshot)
+    kept = state_store.retain(
+        state,
+        log.events,
+        cursor=log.cursor,
+        now=time.time(),
+        retain_s=options.retain_s,
+        identity=lambda e: seen_with(e, boot, gpus),
+    )
     extra = {
         "state": {
             "status": "ok",
@@ -81,11 +94,14 @@ def sweep_locked(
         started,
         extra_sections=extra,
         mode="replay" if options.nvml_snapshot is not None else "live",
+        boot_id=boot,
     )
     doc["xid_totals"] = dict(kept.state["xid_totals"])
     previous = kept.state["last_verdict"]
     # saved before the outputs: a crashing notifier never loses the cursor
-    state_store.save_state(state_file, {**kept.state, "last_verdict": verdict.verdict})
+    state_store.save_state(
+        state_file, {**kept.state, "last_verdict": verdict.verdict, "last_identity": dict(verdict.identity)}
+    )
     results = publish(doc, previous, options.publish)
     doc["outputs"] = [r.to_json() for r in results]
     for r in results:
@@ -93,6 +109,6 @@ def sweep_locked(
             warn(f"output {r.name} failed: {r.message}")
     if (options.drain or options.run_drain) and verdict.verdict == "drain":
         node = options.node or local_node_name()
-        doc["drain"] = drain_record(node, verdict.summary, run=options.run_drain)
+        doc["drain"] = drain_record(node, drain_reason(verdict), run=options.run_drain)
     doc["duration_s"] = round(time.monotonic() - started, 4)
     return doc

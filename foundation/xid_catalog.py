@@ -156,6 +156,8 @@ _BUCKET_RESOLUTION = {
 CATALOG_SOURCE = "NVIDIA Xid catalog (Ampere+), Resolution Bucket (Immediate Action)"
 # Per-code actions where the bucket's generic text is not enough (NVIDIA's memory-error guidance).
 _CODE_ACTION = {
+    43: "The application hit a software-induced fault and its channel was stopped: restart the application; the "
+    "GPU stays healthy. If it repeats on this GPU with other applications, run DCGM diagnostics.",
     63: "Row remap recorded. If the line says 'reset gpu to activate' (or 'reload the driver'), the remap is "
     "pending: reset the GPU at a convenient time (nvidia-smi -r -i <id>); check `nvidia-smi -q -d ROW_REMAPPER`.",
     64: "Row remap / page retirement FAILED: reset the GPU; check `nvidia-smi -q -d ROW_REMAPPER`; a remap failure "
@@ -671,6 +673,39 @@ FAULTS: Mapping[str, FaultInfo] = {
             "The platform reported a fatal hardware error (host memory, PCIe root complex, CPU): drain the node "
             "and check the BMC / SEL record before it takes jobs again.",
             "Linux APEI GHES ([Hardware Error]: event severity: fatal)",
+        ),
+        FaultInfo(
+            "gsp_timeout",
+            "GSP firmware timeout (heartbeat / RPC), like Xid 119",
+            "reset",
+            "reset_gpu",
+            "The GPU's System Processor (GSP) stopped answering the driver: stop the GPU's processes and reset it "
+            "(nvidia-smi -r -i <index>) or reboot the node; NVML calls on it may hang until then. If it repeats, "
+            "update the driver / firmware and collect nvidia-bug-report.sh for NVIDIA (Xid 119: RESET_GPU, then "
+            "INVESTIGATE_SW).",
+            "NVIDIA driver messages (NVRM: _kgspIsHeartbeatTimedOut, *** GSP Timeout ***); NVIDIA Xid catalog: "
+            "Xid 119 GSP_RPC_TIMEOUT and 120 GSP_ERROR are RESET_GPU",
+        ),
+        FaultInfo(
+            "memsys_error",
+            "GPU memory subsystem error (GSP), like Xid 120",
+            "reset",
+            "reset_gpu",
+            "The driver found a GPU memory-subsystem error (kgmmuCheckMemSubsysError): stop the GPU's processes and "
+            "reset it (nvidia-smi -r -i <index>); then run `nvidia-smi -q -d ECC,ROW_REMAPPER`; errors again after "
+            "the reset: drain and RMA.",
+            "NVIDIA driver message (NVRM: kgmmuCheckMemSubsysError_IMPL: Memory Subsystem Error detected); NVIDIA "
+            "Xid catalog: Xid 120 GSP_ERROR and 95 uncontained memory error are RESET_GPU",
+        ),
+        FaultInfo(
+            "smi_err",
+            "nvidia-smi cannot read the GPU (ERR!)",
+            "reset",
+            "reset_gpu",
+            "nvidia-smi printed ERR! for several of the GPU's fields: the driver cannot read it. Look for Xids (79, "
+            "119, 154) in the kernel log, stop the GPU's processes and reset it (nvidia-smi -r -i <index>); if the "
+            "reset fails, reboot the node. One sensor alone (fan or power) is usually transient: no action.",
+            "nvidia-smi table output (ERR!); Azure HPC diagnostics (a lone ERR! power reading is transient)",
         ),
         FaultInfo(
             "unknown_error",

@@ -44,8 +44,28 @@ NPD_MAX = 80
 SEVERITY = {"healthy": "info", "degraded": "warning", "reset": "critical", "drain": "critical", "unknown": "warning"}
 
 
+def identity_tag(doc: Mapping[str, Any]) -> str:
+    """` [b:1a2b3c4d s:1324020012340 t:11:40-11:45Z]`: whose verdict a short message is (the boot, the
+    serial of the first GPU with the verdict, the evidence's time range), in as few characters as it takes."""
+    identity = doc.get("identity") or {}
+    parts = []
+    if identity.get("boot_id"):
+        parts.append(f"b:{str(identity['boot_id'])[:8]}")
+    verdict = doc.get("verdict")
+    serial = next(
+        (g.get("serial") for g in doc.get("gpus") or [] if g.get("verdict") == verdict and g.get("serial")), None
+    )
+    if serial:
+        parts.append(f"s:{serial}")
+    first, last = str(identity.get("evidence_from") or ""), str(identity.get("evidence_to") or "")
+    if first:
+        parts.append(f"t:{first[11:16]}" + (f"-{last[11:16]}" if last and last[11:16] != first[11:16] else "") + "Z")
+    return f" [{' '.join(parts)}]" if parts else ""
+
+
 def npd_line(doc: Mapping[str, Any]) -> tuple[int, str]:
-    """(exit code, one line of at most 80 characters) for node-problem-detector."""
+    """(exit code, one line of at most 80 characters) for node-problem-detector, ending with whose verdict
+    it is (`identity_tag`), which the summary makes room for."""
     verdict = doc.get("verdict", "unknown")
     text = (
         f"{verdict}: {doc.get('summary', '')}"
@@ -53,9 +73,13 @@ def npd_line(doc: Mapping[str, Any]) -> tuple[int, str]:
         else str(doc.get("summary"))
     )
     text = " ".join(text.split())
-    if len(text) > NPD_MAX:
-        text = text[: NPD_MAX - 3] + "..."
-    return NPD_EXIT.get(verdict, 2), text
+    tag = identity_tag(doc) if verdict != "healthy" else ""
+    if len(tag) > NPD_MAX // 2:
+        tag = ""
+    room = NPD_MAX - len(tag)
+    if len(text) > room:
+        text = text[: room - 3] + "..."
+    return NPD_EXIT.get(verdict, 2), text + tag
 
 
 def _perf_label(label: str) -> str:
@@ -97,7 +121,19 @@ def webhook_payload(doc: Mapping[str, Any], *, resolved: bool = False) -> dict[s
         "node": node,
         "verdict": verdict,
     }
+    identity = doc.get("identity") or {}
+    if identity.get("boot_id"):
+        labels["boot_id"] = str(identity["boot_id"])
     annotations = {"summary": str(doc.get("summary", "")), "description": str(doc.get("action", ""))}
+    if identity.get("evidence_from"):
+        annotations["evidence"] = f"{identity['evidence_from']} .. {identity.get('evidence_to')}"
+    serials = [
+        f"GPU{g.get('index')} {g['serial']}"
+        for g in doc.get("gpus") or []
+        if g.get("serial") and g.get("verdict") != "healthy"
+    ]
+    if serials:
+        annotations["gpu_serials"] = ", ".join(serials)
     fingerprint = hashlib.sha256(f"{node}|{verdict}|{doc.get('summary')}".encode()).hexdigest()[:16]
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     alert = {
@@ -189,6 +225,7 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
                 pci, _, fault = key.rpartition("|")
                 faults.add_metric([pci, fault], float(value))
             yield faults
+            yield from _identity_families(doc, GaugeMetricFamily)
             run = GaugeMetricFamily("gpudoctor_last_run_timestamp_seconds", "Unix time the diagnosis finished.")
             run.add_metric([], float(doc.get("generated_at_unix") or time.time()))
             yield run
@@ -200,6 +237,33 @@ def prometheus_registry(doc: Mapping[str, Any]) -> Any:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_NodeCollector())
     return registry
+
+
+def _unix(text: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(str(text)).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def _identity_families(doc: Mapping[str, Any], gauge: Any):
+    """Whose verdict the metrics are: the node's boot, each GPU's UUID and serial, the evidence's time range."""
+    identity = doc.get("identity") or {}
+    info = gauge("gpudoctor_node_info", "1, labelled with the node and its boot id.", labels=["node", "boot_id"])
+    info.add_metric([_label(doc.get("node")), _label(identity.get("boot_id"))], 1.0)
+    yield info
+    gpus = gauge(
+        "gpudoctor_gpu_info", "1 per GPU, labelled with its identity.", labels=["gpu", "pci_bus_id", "uuid", "serial"]
+    )
+    for g in doc.get("gpus") or []:
+        gpus.add_metric([_label(g.get(k)) for k in ("index", "pci_bus_id", "uuid", "serial")], 1.0)
+    yield gpus
+    for key, name in (("evidence_from", "first"), ("evidence_to", "last")):
+        when = _unix(identity.get(key))
+        if when is not None:
+            fam = gauge(f"gpudoctor_evidence_{name}_timestamp_seconds", f"Unix time of the {name} evidence judged.")
+            fam.add_metric([], when)
+            yield fam
 
 
 _NVML_GAUGES = (

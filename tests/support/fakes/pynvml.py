@@ -200,6 +200,10 @@ def nvmlDeviceGetUUID(handle) -> str:
     return _value(handle, "uuid", identity=True)
 
 
+def nvmlDeviceGetSerial(handle) -> str:
+    return _value(handle, "serial")
+
+
 def nvmlDeviceGetPciInfo(handle):
     bus = _value(handle, "pci_bus_id", identity=True)
     return SimpleNamespace(busId="0000" + bus.upper(), busIdLegacy=bus.upper())
