@@ -12,6 +12,12 @@
 2. Incremental sweep over a generated kernel log (realistic line mix, ~0.1 % Xid lines, in a temp dir
    that is deleted): first sweep, then a second sweep over the unchanged file (target < 50 ms for the
    kernel-log read; the process start is reported separately), against `grep -c 'NVRM: Xid'`.
+3. With `--watch` (only then: it takes a minute): `gpu-doctor watch node` following a FIFO, 100 Xid lines
+   written one at a time, the time from each line to the textfile that counts it (p50, p99; target p99
+   <= 1 s), then the watcher's CPU while idle, from /proc/<pid>/stat over `--idle-s` seconds (default
+   60; target <= 0.1 % of a core).
+
+    python bench/node.py --watch --json [--events N] [--idle-s S]
 """
 
 from __future__ import annotations
@@ -247,9 +253,90 @@ def bench_sweep(size_mb: int) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+XID13 = "[{s:12.6f}] NVRM: Xid (PCI:0000:cb:00): 13, pid={n}, name=python3, Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0)\n"
+
+
+def _textfile_count(prom: Path) -> int:
+    import re
+
+    try:
+        m = re.search(r'xid_events_total\{pci_bus_id="0000:cb:00.0",xid="13"\} (\d+)', prom.read_text())
+    except FileNotFoundError:
+        return -1
+    return int(m.group(1)) if m else 0
+
+
+def _until(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the watcher did not publish in time")
+        time.sleep(0.002)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_watch(events: int, idle_s: int) -> tuple[list[dict], list[str]]:
+    """Latency from an evidence line to the textfile, and idle CPU, of `gpu-doctor watch node` on a FIFO."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpuguard-bench-watch-"))
+    try:
+        fifo, prom, state = tmp / "kmsg", tmp / "gpu.prom", tmp / "state"
+        os.mkfifo(fifo)
+        state.mkdir()
+        cmd = [str(BIN / "gpu-doctor"), "watch", "node", "--kernel-log", str(fifo), "--state-dir", str(state)]
+        cmd += ["--textfile", str(prom), "--nvml-snapshot", str(SAMPLE_NVML), "--format", "npd"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _until(prom.exists, 60)
+            fd = os.open(fifo, os.O_WRONLY)
+            lat = []
+            for n in range(1, events + 1):
+                t0 = time.monotonic()
+                os.write(fd, XID13.format(s=float(n), n=n).encode())
+                _until(lambda n=n: _textfile_count(prom) >= n, 10)
+                lat.append(time.monotonic() - t0)
+            time.sleep(1.0)
+            before, t0 = _cpu_s(proc.pid), time.monotonic()
+            time.sleep(idle_s)
+            idle = (_cpu_s(proc.pid) - before) / (time.monotonic() - t0)
+            os.close(fd)
+        finally:
+            proc.terminate()
+            code = proc.wait(timeout=30)
+        lat.sort()
+        p99 = lat[max(0, int(0.99 * len(lat)) - 1)]
+        rows = [
+            {
+                "case": f"watch node: evidence line -> textfile, FIFO, {events} Xid lines one at a time",
+                "p50_ms": round(1000 * statistics.median(lat), 1),
+                "p99_ms": round(1000 * p99, 1),
+                "max_ms": round(1000 * lat[-1], 1),
+                "target": "p99 <= 1000 ms",
+                "meets_target": p99 <= 1.0,
+            },
+            {
+                "case": f"watch node: idle CPU over {idle_s} s (/proc/<pid>/stat utime+stime)",
+                "cpu_pct_of_a_core": round(100 * idle, 4),
+                "target": "<= 0.1 %",
+                "meets_target": idle <= 0.001,
+                "exit_code_after_sigterm": code,
+            },
+        ]
+        return rows, ["the watcher runs with a recorded NVML snapshot (no NVML probe in the loop)"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     runs = _arg("--runs", 10)
     size_mb = _arg("--size-mb", 256)
+    if "--watch" in sys.argv[1:]:
+        rows, notes = bench_watch(_arg("--events", 100), _arg("--idle-s", 60))
+        emit("node-watch", rows, wants_json(), notes)
+        return
     rows, notes = bench_diagnose(runs)
     more, more_notes = bench_sweep(size_mb)
     emit("node", rows + more, wants_json(), notes + more_notes)

@@ -415,7 +415,12 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "gpu-doctor sweep --format npd                                       # node-problem-detector",
         "gpu-doctor sweep --webhook http://alertmanager:9093/api/v2/alerts --drain",
     ),
-    "gpu-doctor watch": ("gpu-doctor watch job --job-dir /ckpt/job",),
+    "gpu-doctor watch": ("gpu-doctor watch job --job-dir /ckpt/job", "gpu-doctor watch node --format npd"),
+    "gpu-doctor watch node": (
+        "gpu-doctor watch node --textfile /var/lib/node_exporter/gpudoctor.prom --format npd   # /dev/kmsg + NVML",
+        "gpu-doctor watch node --kernel-log /var/log/kern.log --run-drain --node gpu17",
+        "journalctl -k -f -o short-iso | gpu-doctor watch node --kernel-log - --json",
+    ),
     "gpu-doctor watch job": (
         "gpu-doctor watch job --job-dir /ckpt/job --interval 10",
         "gpu-doctor watch job --job-dir /ckpt/job --count 3 --json",

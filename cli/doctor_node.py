@@ -312,12 +312,10 @@ def diagnose_node(
     return _render(result.document, out_fmt)
 
 
-@_npd_exit_codes
-def sweep_cmd(
+def sweep_options(
     *,
     kernel_log: str | None = None,
     nvml_snapshot: str | None = None,
-    config: str | None = None,
     state_dir: str | None = None,
     retain: str = "24h",
     textfile: str | None = None,
@@ -330,26 +328,19 @@ def sweep_cmd(
     drain: bool = False,
     run_drain: bool = False,
     node: str | None = None,
-    json_: bool = False,
-    fmt: str | None = None,
     nvml_timeout: float = 10.0,
     timeout: float = 10.0,
-    quiet: bool = False,
-) -> int:
-    """`gpu-doctor sweep` once its options are parsed (by typer, or by `cli._fast`)."""
-    started = time.monotonic()
-    out_fmt = _format(json_, fmt)
+) -> Any:
+    """The sweep's options (shared by `sweep` and `watch node`), checked: a `doctor.sweeper.SweepOptions`."""
     retain_s = time.time() - parse_since(retain, now=time.time())
     if webhook_retries < 0 or webhook_retries > 10:
         raise UsageError("--webhook-retries must be between 0 and 10")
     output_options = _parse_options(output_option)
-    from gpuguard.diagnostics import node_thresholds
     from gpuguard.doctor.publish import PublishOptions
     from gpuguard.doctor.sweep import default_state_dir
-    from gpuguard.doctor.sweeper import SweepOptions, sweep
+    from gpuguard.doctor.sweeper import SweepOptions
 
-    thresholds = node_thresholds.load(config)
-    options = SweepOptions(
+    return SweepOptions(
         state_dir=Path(state_dir) if state_dir else default_state_dir(),
         kernel_log=kernel_log,
         nvml_snapshot=nvml_snapshot,
@@ -370,6 +361,20 @@ def sweep_cmd(
         timeout=timeout,
         create_parents=state_dir is None,
     )
+
+
+@_npd_exit_codes
+def sweep_cmd(
+    *, config: str | None = None, json_: bool = False, fmt: str | None = None, quiet: bool = False, **sweep_kw: Any
+) -> int:
+    """`gpu-doctor sweep` once its options are parsed (by typer): `sweep_kw` are `sweep_options`'s keywords."""
+    started = time.monotonic()
+    out_fmt = _format(json_, fmt)
+    from gpuguard.diagnostics import node_thresholds
+    from gpuguard.doctor.sweeper import sweep
+
+    options = sweep_options(**sweep_kw)
+    thresholds = node_thresholds.load(config)
     doc = sweep(options, thresholds, started=started, warn=_warn)
     if doc.get("drain") and out_fmt in ("npd", "nagios"):
         print(f"gpu-doctor: drain: {shlex.join(doc['drain']['command'])}", file=sys.stderr)

@@ -5,7 +5,7 @@ _gpuguard_gpu_doctor() {
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
         case "${path}/${w}" in
-            /completion|/contract|/diagnose|/diagnose/job|/diagnose/node|/diagnose/torchrun|/logs|/plan|/plan/checkpoint|/plan/collective|/plan/layout|/plugins|/sweep|/watch|/watch/job) path="${path}/${w}" ;;
+            /completion|/contract|/diagnose|/diagnose/job|/diagnose/node|/diagnose/torchrun|/logs|/plan|/plan/checkpoint|/plan/collective|/plan/layout|/plugins|/sweep|/watch|/watch/job|/watch/node) path="${path}/${w}" ;;
         esac
     done
     case "$path" in
@@ -23,8 +23,9 @@ _gpuguard_gpu_doctor() {
         "/plan/layout") words="--dp --failed-rank --global-batch --help --json --pp --tp -h" ;;
         "/plugins") words="--help --json -h" ;;
         "/sweep") words="--budget --config --drain --format --help --json --kernel-log --node --nvml-snapshot --nvml-timeout --output --output-option --quiet --retain --run-drain --state-dir --textfile --timeout --webhook --webhook-retries --webhook-timeout -h -q" ;;
-        "/watch") words="job --help -h" ;;
+        "/watch") words="job node --help -h" ;;
         "/watch/job") words="--config --count --help --interval --job-dir --json --torchrun-log -h" ;;
+        "/watch/node") words="--budget --config --drain --format --help --json --kernel-log --max-judgements --node --nvml-interval --nvml-snapshot --nvml-timeout --output --output-option --poll --retain --run-drain --state-dir --textfile --timeout --webhook --webhook-retries --webhook-timeout -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cur" ]]; then
         COMPREPLY=($(compgen -W "$words" -- "$cur"))

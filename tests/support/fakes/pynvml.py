@@ -7,7 +7,12 @@ snapshot makes the matching call raise `NVMLError_NotSupported`, as a real drive
 SKU lacks. Test-only controls live under the snapshot's `"fake"` key:
 
     "fake": {"init_error": 12,      # nvmlInit raises NVMLError(12) = LibraryNotFound (9 = DriverNotLoaded)
-             "hang_s": 30}          # nvmlInit sleeps first (a hung driver)
+             "hang_s": 30,          # nvmlInit sleeps first (a hung driver)
+             "events": false}       # nvmlDeviceRegisterEvents raises NotSupported (no event support)
+
+Events (`nvmlEventSetWait`): `$GPUGUARD_FAKE_NVML_EVENTS` names a file of JSON lines
+`{"type": 8, "data": 79, "index": 0}` (nvmlEventType bits, the Xid, the GPU); each line appended is one
+event, delivered once; a wait without a new line raises NVMLError_Timeout after its timeout.
 
 Without `$GPUGUARD_FAKE_NVML` the fake behaves like a machine without a driver (LibraryNotFound).
 """
@@ -330,3 +335,55 @@ def nvmlDeviceGetFieldValues(handle, fieldIds):
             )
         )
     return out
+
+
+nvmlEventTypeSingleBitEccError = 0x1
+nvmlEventTypeDoubleBitEccError = 0x2
+nvmlEventTypePState = 0x4
+nvmlEventTypeXidCriticalError = 0x8
+nvmlEventTypeClock = 0x10
+_events: dict = {"offset": 0}
+
+
+def nvmlEventSetCreate():
+    _snapshot()
+    return SimpleNamespace(handles=[])
+
+
+def nvmlDeviceRegisterEvents(handle, mask, event_set) -> None:
+    if (_snapshot().get("fake") or {}).get("events") is False:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    event_set.handles.append(handle)
+
+
+def _next_event():
+    path = os.environ.get("GPUGUARD_FAKE_NVML_EVENTS")
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, "rb") as fh:
+        fh.seek(_events["offset"])
+        line = fh.readline()
+    if not line.endswith(b"\n"):
+        return None
+    _events["offset"] += len(line)
+    doc = json.loads(line)
+    return SimpleNamespace(eventType=doc.get("type", 8), eventData=doc.get("data", 0), gpu_index=doc.get("index"))
+
+
+def nvmlEventSetWait_v2(event_set, timeout_ms):
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        event = _next_event()
+        if event is not None:
+            return event
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NVMLError(NVML_ERROR_TIMEOUT)
+        time.sleep(min(0.02, left))
+
+
+nvmlEventSetWait = nvmlEventSetWait_v2
+
+
+def nvmlEventSetFree(event_set) -> None:
+    return None
