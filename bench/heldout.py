@@ -1,6 +1,11 @@
-"""Score `gpu-doctor diagnose node` and `gpu-doctor logs` on the held-out real-log excerpts.
+"""Score `gpu-doctor diagnose node` and `gpu-doctor logs` on the held-out real-log excerpts; calibrate.
 
     python bench/heldout.py [--json] [--root DIR]
+    python bench/heldout.py --calibrate [--json] [--root DIR]
+
+--calibrate: the node verdict over the labelled set tests/data/calibration.yaml (the held-out excerpts and
+the node-evidence files, each with one label): per verdict class precision, recall and false positives per
+1,000 healthy files, and the confusion matrix (`diagnostics.calibration`), as the README's table.
 
 tests/data/heldout/expectations.yaml says, per excerpt, which node verdicts are acceptable, which
 (PCI address, Xid) pairs and which watchdog timeouts (seq, op) must be found, and on which lines an
@@ -17,6 +22,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -101,7 +107,80 @@ def score(root: str | None = None) -> dict:
     }
 
 
+DATA = REPO / "tests" / "data"
+
+
+def calibrate(root: str | None = None) -> tuple[list[dict], Any]:
+    """(per-file rows, Calibration): `gpu-doctor diagnose node --json` over the labelled set."""
+    sys.path.insert(0, str(REPO.parent))
+    from gpuguard.diagnostics.calibration import calibrate as score_pairs
+
+    spec = yaml.safe_load((DATA / "calibration.yaml").read_text())
+    rows = []
+    for case in spec["cases"]:
+        flag = "--log" if case["input"] == "log" else "--kernel-log"
+        rc, out, _ = doctor(["diagnose", "node", "--json", flag, str(DATA / case["file"])], root)
+        try:
+            verdict = json.loads(out)["verdict"]
+        except (ValueError, KeyError):
+            verdict = f"exit {rc}"
+        rows.append(
+            {
+                "file": case["file"],
+                "label": case["label"],
+                "verdict": verdict,
+                "acceptable": verdict in case.get("acceptable", [case["label"]]),
+            }
+        )
+    return rows, score_pairs((r["label"], r["verdict"]) for r in rows)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def main_calibrate() -> int:
+    rows, cal = calibrate(_root())
+    results = [s.to_json() for s in cal.classes]
+    summary = {
+        "files": cal.files,
+        "correct": cal.correct,
+        "acceptable": sum(r["acceptable"] for r in rows),
+        "healthy_files": cal.healthy_files,
+        "false_alarms": cal.false_alarms,
+        "fp_per_1000_healthy": None if cal.fp_per_1000_healthy is None else round(cal.fp_per_1000_healthy, 1),
+        "confusion": cal.confusion,
+    }
+    if wants_json():
+        emit("calibration", [*results, summary], True, [f"{r['file']}: {r['label']} -> {r['verdict']}" for r in rows])
+        return 0
+    print("| verdict | files | predicted | precision | recall | FP per 1,000 healthy files |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for s in cal.classes:
+        fp = "-" if s.fp_per_1000_healthy is None else f"{s.fp_per_1000_healthy:.0f}"
+        print(f"| {s.verdict} | {s.support} | {s.predicted} | {_pct(s.precision)} | {_pct(s.recall)} | {fp} |")
+    cols = list(next(iter(cal.confusion.values())))
+    print("\nconfusion (rows: label, columns: verdict)\n")
+    print("| label \\ verdict | " + " | ".join(cols) + " |")
+    print("| --- |" + " --- |" * len(cols))
+    for label, row in cal.confusion.items():
+        print(f"| {label} | " + " | ".join(str(row[c]) for c in cols) + " |")
+    print(
+        f"\n{cal.correct}/{cal.files} verdicts equal their label, {summary['acceptable']}/{cal.files} acceptable; "
+        f"{cal.false_alarms} false alarm(s) on {cal.healthy_files} healthy files "
+        f"({summary['fp_per_1000_healthy']} per 1,000)"
+    )
+    for r in rows:
+        if r["verdict"] != r["label"]:
+            print(
+                f"  {r['file']}: label {r['label']}, verdict {r['verdict']}{' (acceptable)' if r['acceptable'] else ''}"
+            )
+    return 0
+
+
 def main() -> int:
+    if "--calibrate" in sys.argv[1:]:
+        return main_calibrate()
     result = score(_root())
     if wants_json():
         summary = {k: v for k, v in result.items() if k != "rows"}
