@@ -20,6 +20,7 @@ Formats: docs/log-formats.md, "Pasted nvidia-smi output". Pure parsing apart fro
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from typing import Any
 
 from gpuguard.collectors.logrule import lazy_re
 from gpuguard.collectors.nvml import RECOVERY_ACTIONS, SCHEMA, normalize_pci_bus_id
-from gpuguard.foundation.errors import from_os_error
+from gpuguard.foundation.boundedread import open_regular
+from gpuguard.foundation.errors import DataError
 from gpuguard.foundation.events import Event
 
 MAX_BYTES = 16 << 20  # a pasted report is a few hundred KiB; a bigger file is a log, read by the log readers
@@ -371,13 +373,21 @@ class SmiReport:
 
 
 def read_report(path: str, *, max_bytes: int = MAX_BYTES) -> SmiReport | None:
-    """`nvidia-smi` output in a (small) file: None when the file holds none, or is bigger than `max_bytes`
-    (a log, not a paste). A file that cannot be read is the log readers' to report."""
+    """`nvidia-smi` output in a (small) regular file: None when the file holds none, is bigger than
+    `max_bytes` (a log, not a paste) or is no regular file (`foundation.boundedread.open_regular`: a FIFO
+    never blocks the open). A file that cannot be opened raises its one-line error (66, 77, ...)."""
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(max_bytes + 1)
-    except OSError as exc:
-        raise from_os_error(exc, f"nvidia-smi report {path}") from None
+        with open_regular(path, what="an nvidia-smi report") as (fd, st):
+            if st.st_size > max_bytes:
+                return None
+            raw = b""
+            while len(raw) <= max_bytes:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                raw += chunk
+    except DataError:
+        return None  # a FIFO, a device, a directory: not a pasted report (the log readers say what it is)
     if len(raw) > max_bytes or not any(m in raw for m in _REPORT_BYTES):
         return None
     text = raw.decode("utf-8", "replace")
