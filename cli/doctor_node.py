@@ -471,19 +471,17 @@ def _diagnose_node_command() -> Callable[..., int]:
     return _diagnose_node
 
 
-def _sweep_command() -> Callable[..., int]:
-    """`sweep`'s typer signature over `sweep_cmd`."""
+def sweep_option(name: str) -> Any:
+    """The typer option of one of the sweep's options, shared by `sweep` and `watch node` (typer must be
+    importable: called in a command signature built after the app is)."""
     import typer
 
-    def _sweep_cmd(
-        kernel_log: str | None = typer.Option(
-            None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
-        ),
-        nvml_snapshot: str | None = typer.Option(
+    options: dict[str, Any] = {
+        "nvml_snapshot": lambda: typer.Option(
             None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
         ),
-        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-        state_dir: str | None = typer.Option(
+        "config": lambda: typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
+        "state_dir": lambda: typer.Option(
             None,
             "--state-dir",
             metavar="DIR",
@@ -491,36 +489,65 @@ def _sweep_command() -> Callable[..., int]:
             help="Where the kernel-log cursor and recent events are kept "
             "(default /var/lib/gpuguard as root, else ~/.local/state/gpuguard).",
         ),
-        retain: str = typer.Option(
-            "24h",
-            "--retain",
-            metavar="D",
-            help="How long a kernel-log event keeps counting after the sweep that saw it.",
+        "retain": lambda: typer.Option(
+            "24h", "--retain", metavar="D", help="How long a kernel-log event keeps counting after it was seen."
         ),
-        textfile: str | None = typer.Option(
+        "textfile": lambda: typer.Option(
             None, "--textfile", metavar="FILE.prom", help="Write Prometheus metrics here (atomic rename)."
         ),
-        webhook: str | None = typer.Option(
+        "webhook": lambda: typer.Option(
             None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
         ),
-        webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
-        webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
-        budget: float = typer.Option(
+        "webhook_timeout": lambda: typer.Option(5.0, "--webhook-timeout", metavar="S"),
+        "webhook_retries": lambda: typer.Option(2, "--webhook-retries", metavar="N"),
+        "budget": lambda: typer.Option(
             30.0, "--budget", metavar="S", help="Total time the outputs (webhook, plugins) may take."
         ),
-        output: list[str] = typer.Option(
+        "output": lambda: typer.Option(
             [], "--output", metavar="NAME", help="Also run this gpuguard.outputs plugin (repeatable)."
         ),
-        output_option: list[str] = typer.Option(
+        "output_option": lambda: typer.Option(
             [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
         ),
-        drain: bool = typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
-        run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (implies --drain)."),
-        node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        "drain": lambda: typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
+        "run_drain": lambda: typer.Option(
+            False, "--run-drain", help="On a drain verdict, run it (implies --drain; once per drain verdict)."
+        ),
+        "node": lambda: typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        "nvml_timeout": lambda: typer.Option(10.0, "--nvml-timeout", metavar="S"),
+        "timeout": lambda: typer.Option(10.0, "--timeout", metavar="S", help="Deadline of one kernel-log read."),
+    }
+    return options[name]()
+
+
+def _sweep_command() -> Callable[..., int]:
+    """`sweep`'s typer signature over `sweep_cmd`."""
+    import typer
+
+    opt = sweep_option
+
+    def _sweep_cmd(
+        kernel_log: str | None = typer.Option(
+            None, "--kernel-log", metavar="FILE", help="Kernel log file (read incrementally). Default: live sources."
+        ),
+        nvml_snapshot: str | None = opt("nvml_snapshot"),
+        config: str | None = opt("config"),
+        state_dir: str | None = opt("state_dir"),
+        retain: str = opt("retain"),
+        textfile: str | None = opt("textfile"),
+        webhook: str | None = opt("webhook"),
+        webhook_timeout: float = opt("webhook_timeout"),
+        webhook_retries: int = opt("webhook_retries"),
+        budget: float = opt("budget"),
+        output: list[str] = opt("output"),
+        output_option: list[str] = opt("output_option"),
+        drain: bool = opt("drain"),
+        run_drain: bool = opt("run_drain"),
+        node: str | None = opt("node"),
         json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
         fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),
-        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
-        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of the kernel-log read."),
+        nvml_timeout: float = opt("nvml_timeout"),
+        timeout: float = opt("timeout"),
         quiet: bool = typer.Option(
             False, "--quiet", "-q", help="Print nothing on stdout when the node is healthy (cron mails any output)."
         ),

@@ -15,8 +15,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from gpuguard.cli.doctor_node import _format, _warn, sweep_options
-from gpuguard.foundation.env import STATE_DIR_ENV
+from gpuguard.cli.doctor_node import _format, _warn, sweep_option, sweep_options
 from gpuguard.foundation.errors import UsageError
 
 if TYPE_CHECKING:
@@ -65,6 +64,8 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     """Add `watch node` to the gpu-doctor app."""
     import typer
 
+    opt = sweep_option
+
     def _watch_node(
         kernel_log: str | None = typer.Option(
             None,
@@ -72,42 +73,28 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
             metavar="PATH|-",
             help="Follow this file, FIFO, terminal or - (stdin) instead of /dev/kmsg (else journalctl -k -f).",
         ),
-        nvml_snapshot: str | None = typer.Option(
-            None, "--nvml-snapshot", metavar="FILE", help="A recorded NVML snapshot instead of live NVML."
-        ),
-        config: str | None = typer.Option(None, "--config", metavar="FILE", help="Thresholds YAML override."),
-        state_dir: str | None = typer.Option(
-            None,
-            "--state-dir",
-            metavar="DIR",
-            envvar=STATE_DIR_ENV,
-            help="The sweep's state directory (cursor, retained events); held locked while watching.",
-        ),
-        retain: str = typer.Option("24h", "--retain", metavar="D", help="How long an event keeps counting."),
-        textfile: str | None = typer.Option(
-            None, "--textfile", metavar="FILE.prom", help="Prometheus metrics, rewritten after each judgement."
-        ),
-        webhook: str | None = typer.Option(
-            None, "--webhook", metavar="URL", help="POST an Alertmanager-style payload when unhealthy or recovered."
-        ),
-        webhook_timeout: float = typer.Option(5.0, "--webhook-timeout", metavar="S"),
-        webhook_retries: int = typer.Option(2, "--webhook-retries", metavar="N"),
-        budget: float = typer.Option(30.0, "--budget", metavar="S", help="Time the outputs may take per judgement."),
-        output: list[str] = typer.Option([], "--output", metavar="NAME", help="Also run this output plugin."),
-        output_option: list[str] = typer.Option(
-            [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin."
-        ),
-        drain: bool = typer.Option(False, "--drain", help="On a drain verdict, put the Slurm drain command out."),
-        run_drain: bool = typer.Option(False, "--run-drain", help="On a drain verdict, run it (once per verdict)."),
-        node: str | None = typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        nvml_snapshot: str | None = opt("nvml_snapshot"),
+        config: str | None = opt("config"),
+        state_dir: str | None = opt("state_dir"),
+        retain: str = opt("retain"),
+        textfile: str | None = opt("textfile"),
+        webhook: str | None = opt("webhook"),
+        webhook_timeout: float = opt("webhook_timeout"),
+        webhook_retries: int = opt("webhook_retries"),
+        budget: float = opt("budget"),
+        output: list[str] = opt("output"),
+        output_option: list[str] = opt("output_option"),
+        drain: bool = opt("drain"),
+        run_drain: bool = opt("run_drain"),
+        node: str | None = opt("node"),
         json_: bool = typer.Option(False, "--json", help="One gpuguard.node/1 document per line."),
         fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd", help="Line format."),
         poll: float = typer.Option(0.25, "--poll", metavar="S", help="How often a regular file is looked at."),
         nvml_interval: float = typer.Option(
             60.0, "--nvml-interval", metavar="S", help="NVML probed at least this often (at once on an NVML event)."
         ),
-        nvml_timeout: float = typer.Option(10.0, "--nvml-timeout", metavar="S"),
-        timeout: float = typer.Option(10.0, "--timeout", metavar="S", help="Deadline of one kernel-log read."),
+        nvml_timeout: float = opt("nvml_timeout"),
+        timeout: float = opt("timeout"),
         max_judgements: int = typer.Option(0, "--max-judgements", metavar="N", help="Stop after N (0: never)."),
     ) -> int:
         """Watch this node: re-judge within a second of new kernel-log or NVML evidence (the sweep as a daemon)."""

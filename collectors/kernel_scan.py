@@ -44,6 +44,17 @@ KEYWORDS = (
     b"] Assertion",
 )
 _XID_WORD = re.compile(r"\bX[Ii][Dd]\b")
+# bytes one of which every pasted `nvidia-smi` report (`-q` or the table) holds (`collectors.nvidia_smi`):
+# a file without them is not read as a report
+REPORT_MARKS = (
+    b"NVSMI LOG",
+    b"Attached GPUs",
+    b"Product Name",
+    b"Remapped Rows",
+    b"ECC Errors",
+    b"NVIDIA-SMI",
+    b"Bus-Id",
+)
 CHUNK = 8 * 1024 * 1024
 MAX_LINE = 4 * 1024 * 1024  # a "line" longer than this is cut (a binary file must not exhaust memory)
 

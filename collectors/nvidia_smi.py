@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuguard.collectors.kernel_scan import REPORT_MARKS
 from gpuguard.collectors.logrule import lazy_re
 from gpuguard.collectors.nvml import RECOVERY_ACTIONS, SCHEMA, normalize_pci_bus_id
 from gpuguard.foundation.boundedread import open_regular
@@ -40,16 +41,6 @@ _NUMBER = lazy_re(r"^-?\d+(?:\.\d+)?")
 _ATTACHED = lazy_re(r"^Attached GPUs\s*:\s*(?P<n>\d+)\s*$", re.M)
 _DRIVER = lazy_re(r"^Driver Version\s*:\s*(?P<v>\S+)\s*$", re.M)
 _QUERY_MARKERS = ("NVSMI LOG", "Attached GPUs", "Remapped Rows", "Retired Pages", "ECC Errors", "Product Name")
-# bytes one of which any report holds: a log without them is not read as text twice
-_REPORT_BYTES = (
-    b"NVSMI LOG",
-    b"Attached GPUs",
-    b"Product Name",
-    b"Remapped Rows",
-    b"ECC Errors",
-    b"NVIDIA-SMI",
-    b"Bus-Id",
-)
 RESET_REQUIRED_TEXT = "GPU requires reset"  # NVML_ERROR_RESET_REQUIRED, as nvidia-smi prints it in a field
 # nvidia-smi's names of the clock-event (throttle) reasons -> NVML's (`collectors.nvml.CLOCK_EVENT_REASONS`)
 CLOCK_REASONS = {
@@ -388,7 +379,7 @@ def read_report(path: str, *, max_bytes: int = MAX_BYTES) -> SmiReport | None:
                 raw += chunk
     except DataError:
         return None  # a FIFO, a device, a directory: not a pasted report (the log readers say what it is)
-    if len(raw) > max_bytes or not any(m in raw for m in _REPORT_BYTES):
+    if len(raw) > max_bytes or not any(m in raw for m in REPORT_MARKS):
         return None
     text = raw.decode("utf-8", "replace")
     snapshot = parse_query(text, f"{SOURCE_QUERY} in {path}") if looks_like_query(text) else None

@@ -7,7 +7,8 @@ clock and the host name are read here too (the judge takes them as data). The CL
 into a `NodeRequest` and renders the document. It imports nothing heavy: the readers import psutil,
 pynvml and the multi-pattern scanner only when they run.
 
-Lazy imports (start-up time): the process-table reader, only when processes are listed.
+Lazy imports (start-up time): the process-table reader, only when processes are listed; the
+`nvidia-smi` report reader, only for a file that may hold a report.
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.collectors import kernel_log as kernel_log_reader
-from gpuguard.collectors import loghost, logscan, nvidia_smi, nvml
+from gpuguard.collectors import loghost, logscan, nvml
+from gpuguard.collectors.kernel_scan import REPORT_MARKS
 from gpuguard.diagnostics import node_verdict
 from gpuguard.diagnostics.node_thresholds import Thresholds
+from gpuguard.foundation.boundedread import read_bytes
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
     EXIT_UNKNOWN,
     EXIT_WARNING,
     DataError,
+    GpuguardError,
     NoInputError,
     from_os_error,
 )
@@ -84,6 +88,8 @@ def nvml_snapshot(path: str | None, timeout: float, warn: Warn = _quiet) -> tupl
         try:
             return nvml.load_snapshot(path), f"file {path}"
         except DataError:
+            from gpuguard.collectors import nvidia_smi  # a snapshot that is not JSON: maybe nvidia-smi -q text
+
             report = nvidia_smi.read_report(path)
             if report is None or report.snapshot is None:
                 raise
@@ -160,6 +166,16 @@ class Pasted:
     log_events: tuple[Event, ...] = ()
 
 
+def _may_hold_report(path: str, limit: int = 16 << 20) -> bool:
+    """Does a (small, regular) file hold one of the marks every `nvidia-smi` report has? A cheap byte test
+    through the one bounded reader, so the report parser is imported only for a file that may be one."""
+    try:
+        data = read_bytes(path, max_bytes=limit, what="an nvidia-smi report")
+    except GpuguardError:
+        return False  # bigger than any paste, or not a regular file: the log readers judge it
+    return any(m in data for m in REPORT_MARKS)
+
+
 def pasted_reports(request: NodeRequest) -> Pasted:
     """Look for pasted `nvidia-smi` output in the replayed files (regular files up to
     `nvidia_smi.MAX_BYTES`; stdin is read once, by the kernel-log reader)."""
@@ -169,8 +185,10 @@ def pasted_reports(request: NodeRequest) -> Pasted:
     inputs = [("kernel", request.kernel_log)] if request.kernel_log not in (None, "-") else []
     inputs += [("log", path) for path in request.logs]
     for role, path in inputs:
-        if path is None or not Path(path).is_file():
+        if path is None or not Path(path).is_file() or not _may_hold_report(path):
             continue
+        from gpuguard.collectors import nvidia_smi  # only for a file that may hold a report: start-up time
+
         report = nvidia_smi.read_report(path)
         if report is None:
             continue
