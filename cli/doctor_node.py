@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import re
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -192,6 +191,8 @@ def _render_human(doc: dict[str, Any]) -> None:
     out.print(escape(_read_summary(doc)))
     drain = doc.get("drain")
     if drain:
+        import shlex
+
         out.print(
             f"drain: {escape(shlex.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
         )
@@ -225,6 +226,8 @@ def _read_summary(doc: dict[str, Any]) -> str:
         text += "\nfound: no evidence of a fault in what was read; that is not proof of health"
     job = (doc.get("counts") or {}).get("job_events") or 0
     if job:
+        import shlex
+
         files = [kl["source"]] if kl.get("source") and kl.get("status") == "ok" else []
         files += [f["path"] for f in (secs.get("logs") or {}).get("files") or []]
         where = " ".join(shlex.quote(str(f)) for f in files) if files else "FILE"
@@ -377,6 +380,8 @@ def sweep_cmd(
     thresholds = node_thresholds.load(config)
     doc = sweep(options, thresholds, started=started, warn=_warn)
     if doc.get("drain") and out_fmt in ("npd", "nagios"):
+        import shlex
+
         print(f"gpu-doctor: drain: {shlex.join(doc['drain']['command'])}", file=sys.stderr)
     if quiet and doc["exit_code"] == EXIT_OK:
         return EXIT_OK  # healthy: the textfile, the webhook and the state are written; stdout stays empty

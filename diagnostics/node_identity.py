@@ -13,9 +13,8 @@ Pure: identities in, reasons out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuguard.foundation.events import Event
 
@@ -24,9 +23,9 @@ SEEN_UUID = "seen_gpu_uuid"
 SEEN_SERIAL = "seen_gpu_serial"
 
 
-@dataclass(frozen=True)
-class GpuIdentity:
-    """A GPU as NVML (or a pasted report) names it now."""
+class GpuIdentity(NamedTuple):
+    """A GPU as NVML (or a pasted report) names it now (a NamedTuple: cheaper to create at import than a
+    dataclass, on the path of every `diagnose node`)."""
 
     uuid: str | None = None
     serial: str | None = None

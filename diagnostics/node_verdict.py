@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuguard.diagnostics.node_findings import (
     ACTIONS,
@@ -127,17 +127,17 @@ class NodeVerdict:
         }
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where each event of the window belongs: on a GPU (by PCI address), on the node, or nowhere."""
+class Placement(NamedTuple):
+    """Where each event of the window belongs: on a GPU (by PCI address), on the node, or nowhere (a
+    NamedTuple: cheaper to create at import than a dataclass, on the path of every `diagnose node`)."""
 
-    gpu_events: Mapping[str, tuple[Event, ...]] = field(default_factory=dict)  # Xid / GPU-lost lines per GPU
-    gpu_faults: Mapping[str, tuple[Event, ...]] = field(default_factory=dict)  # faults without an Xid per GPU
-    unplaced: tuple[Event, ...] = ()  # Xid lines without a readable address (`PCI:...`): the node's
-    node_faults: tuple[Event, ...] = ()  # faults that name no GPU (training logs, host errors, a port alone)
-    sxids: tuple[Event, ...] = ()  # NVSwitch errors: the node's
-    identities: Mapping[str, str] = field(default_factory=dict)  # PCI address -> GPU UUID from the log
-    indices: Mapping[str, int] = field(default_factory=dict)  # PCI address -> GPU index a line names with it
+    gpu_events: Mapping[str, tuple[Event, ...]]  # Xid / GPU-lost lines per GPU
+    gpu_faults: Mapping[str, tuple[Event, ...]]  # faults without an Xid per GPU
+    unplaced: tuple[Event, ...]  # Xid lines without a readable address (`PCI:...`): the node's
+    node_faults: tuple[Event, ...]  # faults that name no GPU (training logs, host errors, a port alone)
+    sxids: tuple[Event, ...]  # NVSwitch errors: the node's
+    identities: Mapping[str, str]  # PCI address -> GPU UUID from the log
+    indices: Mapping[str, int]  # PCI address -> GPU index a line names with it
 
 
 def event_window(events: Sequence[Event], since: float | None) -> tuple[list[Event], dict[str, int]]:

@@ -17,10 +17,9 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuguard.collectors import kernel_log as kernel_log_reader
 from gpuguard.collectors import loghost, logscan, nvml
@@ -58,9 +57,11 @@ def _quiet(_message: str) -> None:
     return None
 
 
-@dataclass(frozen=True)
-class NodeRequest:
-    """What one `diagnose node` reads: `mode` live (this node) or replay (files from a node)."""
+class NodeRequest(NamedTuple):
+    """What one `diagnose node` reads: `mode` live (this node) or replay (files from a node).
+
+    The records of this module are NamedTuples, not dataclasses: a frozen dataclass costs about a
+    millisecond to create at import, and `diagnose node` runs from cron on every node."""
 
     mode: str = "live"
     kernel_log: str | None = None  # a file, "-" for stdin; None: the live sources in live mode, nothing in replay
@@ -72,8 +73,7 @@ class NodeRequest:
     timeout: float = 10.0  # per kernel-log source
 
 
-@dataclass(frozen=True)
-class NodeDiagnosis:
+class NodeDiagnosis(NamedTuple):
     """The document and the verdict it carries (`snapshot`: what NVML said, for `--dump-nvml`)."""
 
     document: dict[str, Any]
@@ -155,8 +155,7 @@ def list_processes() -> dict[str, Any]:
         return {"schema": "gpuguard.processes/1", "status": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
 
 
-@dataclass(frozen=True)
-class Pasted:
+class Pasted(NamedTuple):
     """`nvidia-smi` output found in the files of a replay: the first `-q` report's snapshot, and the
     table's events per input (the kernel log's, the training logs')."""
 
