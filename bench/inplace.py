@@ -34,6 +34,7 @@ from _common import emit  # noqa: E402
 
 from gpuguard.examples.inplace_train import Cluster, reference  # noqa: E402
 from gpuguard.foundation.inplace_files import read_switch_records  # noqa: E402
+from gpuguard.foundation.steplog import committed_steps  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 
 WORKERS = 4
@@ -90,7 +91,7 @@ def measure_launch(job: Path, faults: list[tuple[int, int, str]], spec: str, ste
         first = max(r["phases"]["first_commit"] for r in recs)
         ph = min(recs, key=lambda r: r["phases"]["detect"])["phases"]
         last = max(recs, key=lambda r: r["phases"]["first_commit"])["phases"]
-        commits, _ = led.commits(gen - 1)
+        commits = committed_steps(job, gen - 1)
         by_all = led.last_committed_by_all(gen - 1)
         trial.update(
             {

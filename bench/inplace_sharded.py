@@ -38,6 +38,7 @@ from gpuguard.examples.inplace_train import Cluster  # noqa: E402
 from gpuguard.foundation.inplace_files import (
     read_switch_records,  # noqa: E402
 )
+from gpuguard.foundation.steplog import committed_steps  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 
 KILL_STEP = 5
@@ -53,12 +54,10 @@ def _free_port() -> int:
 
 def _first_commits(job: Path, generation: int) -> float | None:
     """When every member of `generation` had committed its first step (None: not all did)."""
-    led = open_ledger(job)
-    cert = led.get(generation)
-    commits, _ = led.commits(generation)
+    cert = open_ledger(job).get(generation)
     first: dict[str, float] = {}
-    for c in commits:
-        first.setdefault(c.incarnation_id, c.time)
+    for c in committed_steps(job, generation):
+        first.setdefault(c.incarnation, c.wall)
     members = {m.incarnation.id for m in cert.members}
     return max(first[i] for i in members) if members <= set(first) else None
 

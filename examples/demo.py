@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from gpuguard.foundation.errors import UnavailableError
+from gpuguard.foundation.steplog import committed_steps
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.verify import verify_ledger
 from gpuguard.recovery.rendezvous.signed_state import create_secret_file
@@ -185,15 +186,13 @@ def summarize(job_dir: Path) -> DemoResult:
 
 
 def _first_commit_time(job_dir: Path, generation: int) -> float | None:
-    """When the first step of `generation` was committed by every member (from the ledger)."""
-
-    ledger = open_ledger(job_dir)
-    commits, _ = ledger.commits(generation)
+    """When the first step of `generation` was committed by every member (their step records)."""
+    commits = committed_steps(job_dir, generation)
     if not commits:
         return None
     first = min(c.step for c in commits)
-    times = [c.time for c in commits if c.step == first]
-    members = len(ledger.get(generation).members)
+    times = [c.wall for c in commits if c.step == first]
+    members = len(open_ledger(job_dir).get(generation).members)
     return max(times) if len(times) == members else None
 
 

@@ -40,6 +40,7 @@ from gpuguard.examples.demo_node_loss import (
 )
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import UnavailableError
+from gpuguard.foundation.steplog import committed_steps
 
 AGENTS, VICTIM_RANK = 4, 3
 LAUNCHER = (
@@ -147,7 +148,7 @@ def run_hsdp(
         t = d._first_commit_time(job, 2)
         res.resume_s = t - kill_time if t is not None else None
         if res.frontier is not None:
-            committed = [c.step for c in _ledger(job).commits(1)[0]]
+            committed = [c.step for c in committed_steps(job, 1)]
             res.steps_redone = max(committed, default=res.frontier) - res.frontier
     finally:
         _stop(agents)

@@ -35,6 +35,7 @@ from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
+from gpuguard.foundation.steplog import committed_steps
 from gpuguard.generation.ledger_open import open_ledger
 
 AGENTS = 3
@@ -80,7 +81,7 @@ def _ledger(job: Path) -> Any:
 
 def _committed(job: Path) -> int:
     try:
-        return max((c.step for c in _ledger(job).commits(1)[0]), default=-1)
+        return max((c.step for c in committed_steps(job, 1)), default=-1)
     except Exception:  # noqa: BLE001 - the ledger does not exist yet
         return -1
 

@@ -17,18 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation.steplog import committed_steps
+
 LEDGER_PROBE = (
     "import json, sys\n"
     "from gpuguard.generation.ledger_open import open_ledger\n"
     "led = open_ledger(sys.argv[1], sys.argv[2], timeout=5.0)\n"
     "hist = led.history()\n"
-    "doc = {'generations': led.generations(), 'fenced': led.fenced_count(), 'history': [], 'commits': {}}\n"
+    "doc = {'generations': led.generations(), 'fenced': led.fenced_count(), 'history': [], 'frontiers': {}}\n"
     "for c in hist:\n"
     "    doc['history'].append({'generation': c.generation, 'reason': c.reason, 'frontier': c.frontier.step,\n"
     "        'quiescence': c.quiescence, 'evidence': list(c.quiescence_evidence),\n"
     "        'extra': json.loads(json.dumps(c.extra, default=dict)),\n"
     "        'members': [{'rank': m.rank, 'id': m.incarnation.id, 'host': m.incarnation.host} for m in c.members]})\n"
-    "    doc['commits'][c.generation] = [[r.rank, r.incarnation_id, r.step] for r in led.commits(c.generation)[0]]\n"
+    "    f = led.frontier_record(c.generation)\n"
+    "    doc['frontiers'][c.generation] = None if f is None else [f.step, f.evidence, f.by]\n"
     "print(json.dumps(doc))\n"
 )
 
@@ -82,11 +85,23 @@ class HostJobBase:
         return {k: self.procs[k].poll() for k in keys}
 
     def ledger(self, host: str) -> dict[str, Any]:
-        """History, commits per generation and the fenced count, read from etcd on `host`."""
+        """History, frontier records and the fenced count, read from etcd on `host`; and `commits`: every
+        commit any host's step records hold, per generation (a commit is local: the ledger keeps one
+        frontier record per generation, not a record per rank-step)."""
         out = self.cluster.run(host, [sys.executable, "-c", LEDGER_PROBE, self.job_dir, self.url], timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"ledger probe on {host}: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        doc: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        doc["commits"] = self.commits()
+        return doc
+
+    def commits(self) -> dict[str, list[list[Any]]]:
+        """generation (as a JSON key) -> [rank, incarnation, step] of every commit in the hosts' step records."""
+        out: dict[str, list[list[Any]]] = {}
+        for h in self.hosts:
+            for c in committed_steps(self.outside(h)):
+                out.setdefault(str(c.generation), []).append([c.rank, c.incarnation, c.step])
+        return out
 
     def verify(self, host: str, *extra: str) -> tuple[int, dict[str, Any]]:
         """`gpu-generation verify --ledger etcd://... --json [extra]` on `host`: (exit code, document)."""

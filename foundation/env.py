@@ -16,6 +16,7 @@ CHECKPOINT_EVERY_ENV = "GPUGUARD_CHECKPOINT_EVERY"  # durable checkpoint interva
 RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is read (else the agent's argv)
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
 PEER_HEARTBEAT_ENV = "GPUGUARD_PEER_HEARTBEAT"  # <s>[:<misses>]: in-place peer heartbeat (off by default)
+WATCH_INTERVAL_ENV = "GPUGUARD_WATCH_INTERVAL"  # seconds between reads of the active generation (default 2)
 LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: each incarnation's etcd lease (docs/formats/leases.md)
 SNAPSHOT_ROOT_ENV = (
     "GPUGUARD_SNAPSHOT_ROOT"  # snapshots/ and checkpoints/ (shared storage across hosts); default the job dir

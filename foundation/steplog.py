@@ -37,9 +37,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from gpuguard.foundation.boundedread import parse_json
+from gpuguard.foundation.boundedread import parse_json, read_bytes
+from gpuguard.foundation.errors import GpuguardError
 from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import (
@@ -397,3 +399,54 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
         clock_jumps=jumps,
         entries=tuple(entries[-MAX_ENTRIES:]),
     )
+
+
+# ------------------------------------------------------------------ the local commit records
+
+SEGMENT_READ_BYTES = DEFAULT_MAX_BYTES * 4  # one segment, with room for a writer that rotated late
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """One committed step, as the rank's own step record says (its `E` line)."""
+
+    generation: int  # of the segment header in force when the line was written
+    rank: int
+    incarnation: str
+    step: int
+    wall: float
+
+
+def committed_steps(job_dir: str | os.PathLike[str], generation: int | None = None) -> list[StepCommit]:
+    """Every committed step the step records of this job dir hold (of `generation`, if given), in
+    file order. A commit is local: the step record is its only record (the ledger holds one frontier
+    record per generation). Rotated-away segments are gone; unreadable files and lines are skipped."""
+    root = ranks_dir(job_dir)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    files = sorted(
+        (parsed, name) for name in names if name.endswith(SUFFIX) and (parsed := parse_segment_name(name)) is not None
+    )
+    out: list[StepCommit] = []
+    for (rank, inc, _segment), name in files:
+        try:
+            data = read_bytes(root / name, max_bytes=SEGMENT_READ_BYTES, what="a step log")
+        except GpuguardError:
+            continue
+        current = None
+        for line in data.decode(errors="replace").split("\n")[:-1]:  # the unfinished last line is not one
+            if line.startswith("H "):
+                try:
+                    head = parse_json(line[2:])
+                    current = int(head["generation"]) if isinstance(head, dict) else None
+                except (ValueError, KeyError, TypeError):
+                    current = None
+            elif line.startswith("E ") and current is not None and generation in (None, current):
+                t = line[2:].split(" ")
+                try:
+                    out.append(StepCommit(current, rank, inc, int(t[0]), _f(t[1])))
+                except (ValueError, IndexError):
+                    continue
+    return out

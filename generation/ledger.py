@@ -27,6 +27,47 @@ from gpuguard.generation.records import Certificate, CommitRecord, Violation, en
 
 LEDGER_SCHEMA = "gpuguard.ledger/1"
 REFUSAL_SCHEMA = "gpuguard.refusal/1"
+FRONTIER_SCHEMA = "gpuguard.frontier/1"
+FRONTIER_EVIDENCE = ("barrier", "snapshot", "reports")
+FRONTIER_TRIES = 8  # compare-and-swap attempts of one raise before it gives up (contention)
+
+
+@dataclass(frozen=True)
+class FrontierRecord:
+    """ "Every member of `generation` committed through `step`": the one record a generation keeps of
+    its commits (docs/formats/ledger.md, "Frontier records"). Written by one member that proved it
+    (`evidence`): `barrier` — every member met on the control group after committing the step;
+    `snapshot` — every member took part in the collective sharded snapshot of the step, which each
+    submits after committing it; `reports` — an in-place coordinator's inference from the survivors'
+    reports. Only ever raised."""
+
+    generation: int
+    step: int
+    by: str  # the incarnation that wrote it
+    evidence: str
+    time: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": FRONTIER_SCHEMA,
+            "generation": self.generation,
+            "step": self.step,
+            "by": self.by,
+            "evidence": self.evidence,
+            "time": encode_time(self.time),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FrontierRecord:
+        if d.get("schema") != FRONTIER_SCHEMA:
+            raise ValueError(f"not a {FRONTIER_SCHEMA} record")
+        gen, step = d.get("generation"), d.get("step")
+        if type(gen) is not int or type(step) is not int or step < 0:
+            raise ValueError("generation and step must be integers (step >= 0)")
+        evidence = d.get("evidence")
+        if evidence not in FRONTIER_EVIDENCE:
+            raise ValueError(f"evidence must be one of {', '.join(FRONTIER_EVIDENCE)}")
+        return cls(gen, step, str(d.get("by", "")), str(evidence), float(d.get("time", "0")))
 
 
 @dataclass(frozen=True)
@@ -120,6 +161,15 @@ class Ledger(ABC):
     @abstractmethod
     def _read_log(self, log: str) -> bytes:
         """All bytes of a log (b'' when it does not exist)."""
+
+    @abstractmethod
+    def _read_frontier(self, generation: int) -> tuple[bytes | None, Any]:
+        """The stored frontier record of a generation (None: none yet) and a compare-and-swap token."""
+
+    @abstractmethod
+    def _write_frontier(self, generation: int, data: bytes, token: Any) -> bool:
+        """Replace the frontier record only while `generation` is active and the record is still the
+        one `token` names; False otherwise (one transaction, or under a lock)."""
 
     def _append_if_active(self, generation: int, log: str, record: dict[str, Any]) -> bool:
         """Append while `generation` is active. Backends with transactions close the check-then-write
@@ -302,9 +352,17 @@ class Ledger(ABC):
         return self._committed_by_all(self.get(generation))
 
     def _committed_by_all(self, cert: Certificate) -> int | None:
-        generation = cert.generation
+        """The frontier record's step, or what the per-rank commit records (the transitions harness and
+        jobs of older runtimes write them) prove, whichever is newer: each is a proof on its own."""
         if not cert.members:
             return None
+        rec = self.frontier_record(cert.generation)
+        logged = self._committed_by_logs(cert)
+        proved = [s for s in (rec.step if rec is not None else None, logged) if s is not None]
+        return max(proved) if proved else None
+
+    def _committed_by_logs(self, cert: Certificate) -> int | None:
+        generation = cert.generation
         newest: dict[int, int] = {}
         members = cert.ranks
         for c in self.commits(generation)[0]:
@@ -314,6 +372,40 @@ class Ledger(ABC):
         if set(newest) != set(members):
             return None
         return min(newest.values())
+
+    # -- the frontier record: one per generation, not one per rank-step ----------------------
+    def record_frontier(self, generation: int, step: int, incarnation_id: str, evidence: str) -> bool:
+        """Raise the frontier record of `generation` to `step` (never lowers it); False when fenced:
+        `generation` is not the active one, or `incarnation_id` is none of its members."""
+        rec = FrontierRecord(generation, step, incarnation_id, evidence, time.time())
+        active = self.require_active()
+        if generation != active.generation or all(m.incarnation.id != incarnation_id for m in active.members):
+            self._append("fenced", {**rec.to_dict(), "active": active.generation})
+            return False
+        for _ in range(FRONTIER_TRIES):
+            current, token = self._frontier(generation)
+            if current is not None and current.step >= step:
+                return True
+            if self._write_frontier(generation, dumps_record(rec.to_dict()), token):
+                return True
+            if self.require_active().generation != generation:
+                self._append("fenced", {**rec.to_dict(), "active": generation + 1})
+                return False
+        raise RefusedError(f"frontier of generation {generation}: {FRONTIER_TRIES} writers raced; not raised")
+
+    def frontier_record(self, generation: int) -> FrontierRecord | None:
+        """The frontier record of a generation (None: none, or not a valid record)."""
+        return self._frontier(generation)[0]
+
+    def _frontier(self, generation: int) -> tuple[FrontierRecord | None, Any]:
+        raw, token = self._read_frontier(generation)
+        if raw is None:
+            return None, token
+        try:
+            rec = FrontierRecord.from_dict(parse_canonical(raw.rstrip(b"\n")))
+        except ValueError:
+            return None, token  # unreadable: as if absent (the next write replaces it)
+        return (rec if rec.generation == generation else None), token
 
     def fenced_count(self) -> int:
         return len(parse_lines(self._read_log("fenced"))[0])

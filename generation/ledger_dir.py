@@ -16,6 +16,7 @@ Activating a certificate whose members span hosts warns once per process (`warn_
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
@@ -25,6 +26,7 @@ from typing import Any
 
 from gpuguard.foundation.boundedread import CERTIFICATE_BYTES, LEDGER_LOG_BYTES, read_bytes, read_lines
 from gpuguard.foundation.errors import NoInputError, from_os_error
+from gpuguard.foundation.jobdir import atomic_write_bytes
 from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
 from gpuguard.generation.records import Certificate
 
@@ -141,6 +143,32 @@ class DirectoryLedger(Ledger):
                 os.close(fd)
         except OSError as exc:
             raise from_os_error(exc, str(path)) from None
+
+    def frontier_path(self, generation: int) -> Path:
+        return self.root / f"frontier-{int(generation)}.json"
+
+    def _read_frontier(self, generation: int) -> tuple[bytes | None, Any]:
+        try:
+            raw = read_bytes(self.frontier_path(generation), max_bytes=CERTIFICATE_BYTES, what="a frontier record")
+        except NoInputError:
+            return None, None
+        return raw, raw
+
+    def _write_frontier(self, generation: int, data: bytes, token: Any) -> bool:
+        """Under the ledger's frontier lock: still the record `token` read, still no generation
+        `generation + 1`; then one atomic replace (temp, fsync, rename, directory fsync)."""
+        try:
+            fd = os.open(self.root / ".frontier.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise from_os_error(exc, str(self.root / ".frontier.lock")) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self._read_frontier(generation)[1] != token or self._read(generation + 1) is not None:
+                return False
+            atomic_write_bytes(self.frontier_path(generation), data)
+            return True
+        finally:
+            os.close(fd)  # releases the lock
 
     def _read_log(self, log: str) -> bytes:
         """The log's complete lines, streamed and bounded (`boundedread.read_lines`: an overlong line

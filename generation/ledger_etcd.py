@@ -10,7 +10,8 @@ user/password auth come with the URL (docs/formats/ledger.md); the URL is only e
 Keys under the prefix P:
   P/gen/<N, 12 digits>   the canonical certificate bytes of generation N
   P/active               "N", the active generation
-  P/log/<log>/<time_ns>-<uuid>   append-only records (commits-<G>, fenced, refusals)
+  P/frontier/<G, 12 digits>  the frontier record of generation G (one key, raised in place)
+  P/log/<log>/<time_ns>-<uuid>   append-only records (commits-<G> of older runtimes, fenced, refusals)
 
 Activation of N is one transaction: compare `P/gen/N`'s create revision with 0 and `P/active`
 with "N-1" (its create revision with 0 for the genesis), then put both. Exactly one racer's
@@ -133,6 +134,27 @@ class EtcdLedger(Ledger):
             f"append to {log}",
             [compare(self._key("active"), "VALUE", str(generation))],
             [put_op(self._log_key(log), dumps_record(record))],
+        )
+        return bool(result.get("succeeded", False))
+
+    def _frontier_key(self, generation: int) -> str:
+        return self._key("frontier", f"{generation:012d}")
+
+    def _read_frontier(self, generation: int) -> tuple[bytes | None, Any]:
+        kv = self.client.get(self._frontier_key(generation), "frontier read")
+        return (None, 0) if kv is None else (kv.value, kv.mod_revision)
+
+    def _write_frontier(self, generation: int, data: bytes, token: Any) -> bool:
+        """One transaction: `active` still says `generation`, and the record is the one read (its mod
+        revision; 0: it did not exist). The key is replaced, never added to: one key per generation."""
+        key = self._frontier_key(generation)
+        result = self.client.txn(
+            f"frontier of generation {generation}",
+            [
+                compare(self._key("active"), "VALUE", str(generation)),
+                compare(key, "CREATE", 0) if not token else compare(key, "MOD", int(token)),
+            ],
+            [put_op(key, data)],
         )
         return bool(result.get("succeeded", False))
 

@@ -221,6 +221,7 @@ class InPlaceRuntime(Runtime):
         if dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
+        self.frontier.leave()
         if self.sharded:
             gc.collect()
 
@@ -364,6 +365,7 @@ class InPlaceRuntime(Runtime):
                     timeout=timedelta(seconds=self.options.pg_timeout_s),
                 )
             )
+            self.frontier.form(self.opened)
         except (RuntimeError, ValueError, UnavailableError) as exc:  # DistStoreError is a RuntimeError
             failure = f"group of generation {generation} did not form: {one_line(exc, 200)}"
         if failure is not None:
@@ -375,7 +377,7 @@ class InPlaceRuntime(Runtime):
     def _after_join(self, cert: Any, phases: dict[str, float]) -> None:
         ctx = self.context
         self.start_step_log()
-        self.state.start_writer(ctx, self.outcomes, self.options)
+        self.state.start_writer(ctx, self.outcomes, self.options, self.frontier)
         ctx.write_incarnation(phases=phases, switch="in-place")
         rec = {
             "schema": "gpuguard.inplace-switch/1",

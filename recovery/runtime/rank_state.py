@@ -153,8 +153,14 @@ class RankState(ABC):
 
     # ------------------------------------------------------------------ the snapshot writer
     @abstractmethod
-    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any) -> None:
-        """Start (or keep) this generation's snapshot writer."""
+    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any, frontier: Any = None) -> None:
+        """Start (or keep) this generation's snapshot writer; `frontier` (a `FrontierAgreement`) is told
+        of each snapshot every member took part in."""
+
+    def meets_at(self, step: int, every: int) -> bool:
+        """Whether every member meets on the control group after committing `step`, so that the
+        frontier record can be raised to it (`recovery.runtime.frontier`): the same answer on every member."""
+        return False
 
     @abstractmethod
     def snapshot(self, step: int, every: int, step_s: float) -> None:
@@ -282,7 +288,11 @@ class ReplicatedState(RankState):
         return agree_on_state(reports, frontier)
 
     # ------------------------------------------------------------------ the writer (rank 0 only)
-    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any) -> None:
+    def meets_at(self, step: int, every: int) -> bool:
+        """The snapshot steps (rank 0 writes them alone: a meeting proves every member committed them)."""
+        return bool(every) and step % every == 0
+
+    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any, frontier: Any = None) -> None:
         if ctx.rank == 0 and self.writer is None:
             self.writer = ReplicatedWriter(ctx, outcomes)
             # a worker that dies of a collective error (peer gone) still finishes its last snapshot

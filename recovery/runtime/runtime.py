@@ -65,6 +65,7 @@ from gpuguard.foundation.env import (
     PG_TIMEOUT_ENV,
     SHARDED_ENV,
     SNAPSHOT_EVERY_ENV,
+    WATCH_INTERVAL_ENV,
 )
 from gpuguard.foundation.errors import (
     EXIT_UNAVAILABLE,
@@ -79,6 +80,7 @@ from gpuguard.recovery.runtime import group_sockets
 from gpuguard.recovery.runtime.admission import admitted_certificate
 from gpuguard.recovery.runtime.attempt import current_attempt
 from gpuguard.recovery.runtime.context import Context, Counters, Launch
+from gpuguard.recovery.runtime.frontier import DEFAULT_WATCH_INTERVAL_S, FrontierAgreement, GenerationWatch
 from gpuguard.recovery.runtime.rank_state import SIGTERM_FLUSH_S, RankState, ReplicatedState, TrainObjects
 from gpuguard.recovery.runtime.refusals import ActivationRefused, FencedError
 from gpuguard.recovery.runtime.restart import RestartCoordinator, hello
@@ -183,6 +185,12 @@ class Runtime:
         self.state: RankState = ShardedState(self.objects, None) if sharded else ReplicatedState(self.objects)
         self.outcomes = SnapshotOutcomes(
             self.context, checkpoint_every=self.options.checkpoint_every, keep_snapshots=self.options.keep_snapshots
+        )
+        # the commit frontier without a ledger write per rank-step, and the watch that tells a stale
+        # incarnation without a round trip per step (recovery.runtime.frontier)
+        self.frontier = FrontierAgreement(self.context, self.options.pg_timeout_s)
+        self.watch = GenerationWatch(
+            self.context, float(os.environ.get(WATCH_INTERVAL_ENV) or DEFAULT_WATCH_INTERVAL_S)
         )
         self.pg: Any = None
         self.opened = group_sockets.Opened()  # the sockets this generation's groups opened (in-place teardown)
@@ -384,6 +392,7 @@ class Runtime:
             assert cert is not None
             self._enter_generation(cert)
             self._init_pg(store)
+            self.frontier.form(self.opened)
             phases["pg_ready"] = time.time()
         else:  # sharded: agree, form the group, build, load collectively, agree again
             self._agree_verdicts(ns, "verdict", verdict, generation)
@@ -391,6 +400,7 @@ class Runtime:
             assert cert is not None
             self._enter_generation(cert)
             self._init_pg(store)
+            self.frontier.form(self.opened)
             phases["pg_ready"] = time.time()
             restored, verdict = self._try_restore(cert, prepare=True)
             self._agree_verdicts(ns, "restored", verdict, generation)
@@ -472,7 +482,8 @@ class Runtime:
                     **({"sharded": True, "reshard": self.reshard, "rng": self.rng_restore} if self.sharded else {}),
                 },
             )
-        self.state.start_writer(ctx, self.outcomes, self.options)
+        self.state.start_writer(ctx, self.outcomes, self.options, self.frontier)
+        self.watch.start()
         ctx.log(
             f"generation {ctx.generation} active: world {ctx.world_size}, "
             f"resuming at step {state.start_step} (frontier {state.frontier_step}, attempt {ctx.attempt.token})"
@@ -575,16 +586,19 @@ class Runtime:
             self.counters.commit_s += time.perf_counter() - t0
 
     def _commit(self, step: int) -> None:
+        """The commit is local (the step record); the ledger hears of it once per snapshot, for the
+        whole job (`recovery.runtime.frontier`): no ledger round trip here."""
         ctx = self.context
         ctx.require_lease(f"commit of step {step}")
-        if self._steplog is not None:
-            self._steplog.end_step(step)
-        if not ctx.ledger().record_commit(ctx.generation, step, ctx.rank, ctx.incarnation.id):
+        assert ctx.generation is not None
+        newer = self.watch.newer_than(ctx.generation)
+        if newer is not None:
             ctx.counters.fenced_commits += 1
             raise FencedError(
-                f"commit of step {step} in generation {ctx.generation} fenced: "
-                f"generation {ctx.ledger().active().generation} is active"
+                f"commit of step {step} in generation {ctx.generation} fenced: generation {newer} is active"
             )
+        if self._steplog is not None:
+            self._steplog.end_step(step)
         ctx.counters.commits += 1
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
@@ -593,6 +607,8 @@ class Runtime:
             self._commit_gaps.append(now - self._last_commit_t)
         self._last_commit_t = now
         step_s = statistics.median(self._commit_gaps) if self._commit_gaps else 0.0
+        if self.state.meets_at(step, self.options.snapshot_every):
+            self.frontier.meet(step)  # every member committed `step`: rank 0 records the frontier
         self.state.snapshot(step, self.options.snapshot_every, step_s)
 
     def flush_snapshots(self, timeout: float) -> bool:
@@ -609,6 +625,8 @@ class Runtime:
         import torch.distributed as dist
 
         self.state.close_writer(self.context, timeout)
+        self.frontier.flush(min(timeout, 10.0))
+        self.watch.stop()
         if self._steplog is not None:
             self._steplog.close()
         if dist.is_initialized():
@@ -616,6 +634,7 @@ class Runtime:
         # Drop the last references while the interpreter is whole: a gloo group destroyed during
         # interpreter finalization can abort the process (std::terminate) after a clean run.
         self.pg = None
+        self.frontier.leave()
         self.state.drop_groups()
         self.context.close()  # gives the lease back: a clean exit frees it at once
 

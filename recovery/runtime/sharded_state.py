@@ -283,8 +283,9 @@ class ShardedState(RankState):
         return None
 
     # ------------------------------------------------------------------ the writer (every rank, collective)
-    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any) -> None:
+    def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any, frontier: Any = None) -> None:
         hook = ctx.fault_hook
+        generation = int(ctx.generation or 0)
 
         def done(step: int, info: Any, error: BaseException | None) -> None:
             """The writer thread, after each collective save (every rank): counters; rank 0 prunes."""
@@ -295,11 +296,13 @@ class ShardedState(RankState):
                     ctx.log(f"sharded snapshots off for generation {ctx.generation}: their group failed")
             why = None if error is None else one_line(error)
             shown = info.snapshot(ctx.generation) if info is not None else None
+            if shown is not None and frontier is not None:  # every member submitted it after its commit
+                frontier.record(generation, step, "snapshot")
             outcomes(step, shown, why, publisher=ctx.rank == 0)
 
         self.writer = ShardedSnapshotter(
             ctx.snapshot_root,
-            generation=int(ctx.generation or 0),
+            generation=generation,
             incarnation=ctx.incarnation.id,
             group=self.group,
             still_current=ctx.still_current,  # only the coordinator (rank 0) calls it

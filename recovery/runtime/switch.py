@@ -372,3 +372,22 @@ def follow_racer(active_generation: int | None, parent_generation: int) -> bool:
     """After the ledger refused my certificate: True when another coordinator already moved the
     ledger past G (follow it), False when the refusal is real (the switch cannot happen in place)."""
     return active_generation is not None and active_generation > parent_generation
+
+
+def committed_by_all_from_reports(members: Iterable[int], reports: Mapping[int, Report]) -> int | None:
+    """What the survivors' reports prove every member of the failed generation committed (None: nothing).
+
+    With no per-step commit records, the in-place coordinator reads it from the reports:
+    - every member reported: the smallest committed step, exactly;
+    - a member did not (it is lost): a survivor that committed step S completed S's collective on
+      the default group, which every member entered only after committing S - 1 (the in-place
+      runtime's step function runs a world collective: docs/formats/inplace.md), so every member
+      committed at least max(S) - 1; and a survivor holds nothing past its own commit: the smallest
+      reported step caps it.
+    A survivor that committed nothing proves nothing."""
+    steps = [rep.committed_step for rep in reports.values()]
+    if not steps or any(s is None for s in steps):
+        return None
+    known = [int(s) for s in steps if s is not None]
+    proved = min(known) if set(members) <= set(reports) else min(min(known), max(known) - 1)
+    return proved if proved >= 0 else None

@@ -31,6 +31,7 @@ from gpuguard.recovery.runtime.switch import (
     SwitchFacts,
     admit_survivors,
     certified_manifest,
+    committed_by_all_from_reports,
     decide_eviction,
     follow_racer,
     liveness,
@@ -95,7 +96,7 @@ class SwitchCoordinator:
         if admission.layout is None:
             self.refuse(parent.generation, admission.refused)
         ledger = ctx.ledger()
-        committed = ledger.last_committed_by_all(parent.generation)
+        committed = self._committed_by_all(ledger, parent, reports)
         frontier = frontier_limit(parent, committed)
         agreement = self.state.agree([reports[r] for r in admission.kept], frontier)
         if agreement.digest is None:
@@ -156,6 +157,17 @@ class SwitchCoordinator:
             f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)})"
         )
         return True
+
+    def _committed_by_all(self, ledger: Any, parent: Any, reports: dict[int, Report]) -> int | None:
+        """The ledger's frontier record, raised to what the reports prove (`committed_by_all_from_reports`)
+        first: the activation's rule checks the certificate's frontier against the ledger's record."""
+        committed = ledger.last_committed_by_all(parent.generation)
+        proved = committed_by_all_from_reports(parent.ranks, reports)
+        if proved is not None and (committed is None or proved > committed):
+            self.ctx.require_lease(f"frontier of generation {parent.generation}")
+            if ledger.record_frontier(parent.generation, proved, self.ctx.incarnation.id, "reports"):
+                committed = proved
+        return committed
 
     def refuse(self, generation: int, reason: str) -> NoReturn:
         """Record why the switch cannot happen in place, then stop (every survivor reads it and stops too)."""

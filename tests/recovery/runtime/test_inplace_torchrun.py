@@ -28,6 +28,7 @@ import pytest
 from gpuguard.examples.demo_node_loss import AGENTS, start_agent
 from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation.inplace_files import request_abort
+from gpuguard.foundation.steplog import committed_steps
 from gpuguard.generation.ledger_open import open_ledger
 from tests.support.cli import free_port, run_cli
 
@@ -49,7 +50,7 @@ def _listener(port: int, pids: list[int]) -> int | None:
 
 def _committed(job) -> int:
     try:
-        return max((c.step for c in open_ledger(job).commits(1)[0]), default=-1)
+        return max((c.step for c in committed_steps(job, 1)), default=-1)
     except Exception:  # noqa: BLE001 - the ledger is not initialised yet
         return -1
 

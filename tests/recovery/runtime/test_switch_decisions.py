@@ -396,3 +396,35 @@ def test_the_plan_records_each_old_incarnations_proof():
         "inc1": "reported, left its group",
         "inc2": "lease expired, self-fenced",
     }
+
+
+# ---------------------------------------------------------------------- committed by all, from the reports
+def _rep(rank: int, committed: int | None) -> sw.Report:
+    return sw.Report(1, rank, f"inc{rank}", 100 + rank, "h", committed, {}, "x", 0.0)
+
+
+def test_every_member_reporting_proves_the_smallest_commit_exactly():
+    reports = {r: _rep(r, c) for r, c in enumerate([7, 8, 8])}
+    assert sw.committed_by_all_from_reports(range(3), reports) == 7
+
+
+def test_a_lost_member_committed_at_least_the_step_before_the_newest_survivor_commit():
+    """Rank 2 is lost: survivors at 8 completed step 8's collective, which rank 2 entered after
+    committing 7; nothing proves it committed 8."""
+    assert sw.committed_by_all_from_reports(range(3), {0: _rep(0, 8), 1: _rep(1, 8)}) == 7
+    assert sw.committed_by_all_from_reports(range(3), {0: _rep(0, 7), 1: _rep(1, 8)}) == 7
+
+
+def test_nothing_is_proved_by_a_survivor_that_committed_nothing_or_by_no_report():
+    assert sw.committed_by_all_from_reports(range(2), {0: _rep(0, None)}) is None
+    assert sw.committed_by_all_from_reports(range(2), {}) is None
+    assert sw.committed_by_all_from_reports(range(3), {0: _rep(0, 0)}) is None  # step -1: nothing
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(0, 3))
+def test_what_the_reports_prove_never_passes_any_survivor_or_the_lost_bound(committed, lost):
+    n = len(committed) + lost
+    reports = {r: _rep(r, c) for r, c in enumerate(committed)}
+    got = sw.committed_by_all_from_reports(range(n), reports)
+    bound = min(committed) if lost == 0 else min(min(committed), max(committed) - 1)
+    assert got == (bound if bound >= 0 else None)
