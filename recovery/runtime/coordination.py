@@ -57,6 +57,9 @@ class Coordination(Protocol):
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:
         """The incarnations whose lease has expired (each one fenced itself first): gone for sure."""
 
+    def prune(self, below: int) -> int:
+        """Forget what generations older than `below` coordinated (etcd: bounded keys); how many went."""
+
     def close(self) -> None: ...
 
 
@@ -105,6 +108,10 @@ class DirCoordination:
 
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:
         return frozenset()
+
+    def prune(self, below: int) -> int:
+        """The job dir keeps its reports (local files, read by `gpu-recover status`): nothing to bound."""
+        return 0
 
     def close(self) -> None:
         return None

@@ -7,6 +7,10 @@ Keys under the etcd ledger's prefix P (docs/formats/inplace.md, docs/formats/lea
   P/inplace/abort                              an operator's abort request
   P/lease/<incarnation>                        attached to that incarnation's lease
 
+Bounded: once generation G+1 is active nobody reads generation G-1's keys any more, so the
+coordinator that activates G+1 deletes every `P/inplace/g<k>/` with k < G (`prune`): the keyspace
+holds at most two generations' reports (about 2 x ranks keys), whatever the job's length.
+
 Every write a stale incarnation could make is one transaction that compares what makes it
 legitimate: a report of G needs `P/active == G` and the writer's own lease key; a store address
 of G needs `P/active == G` and the lease key too. Fenced writes are counted in `fenced_writes`.
@@ -173,6 +177,16 @@ class EtcdCoordination:
                 doc = None  # unreadable now: the next step looks again
             self._abort_seen = (time.monotonic(), doc)
         return isinstance(doc, dict) and doc.get("generation") == generation
+
+    def prune(self, below: int) -> int:
+        """Delete the keys of every generation older than `below`; how many went (0 when etcd is
+        unreachable: the next activation prunes them)."""
+        if below <= 0:
+            return 0
+        try:
+            return self.client.delete(self._gkey(0), "coordination prune", range_end=self._gkey(below).encode())
+        except GpuguardError:
+            return 0
 
     def record_refusal(self, generation: int, doc: dict[str, Any]) -> None:
         self.client.put(self._gkey(generation, "refused"), json.dumps(doc), "refusal write")

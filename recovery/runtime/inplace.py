@@ -127,9 +127,9 @@ class InPlaceRuntime(Runtime):
         self._watch_peers()
         return state
 
-    def commit(self, step: int) -> None:
-        self.context.require_lease(f"commit of step {step}")
-        super().commit(step)
+    def on_committed(self, step: int) -> None:
+        """Committed here: the newest step this survivor would report, and its copy in memory (kept
+        before the commit's collectives, so a peer lost in them leaves this step rolled back to, not lost)."""
         self.committed = step
         t0 = time.perf_counter()
         self.state.remember(step)

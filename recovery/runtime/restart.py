@@ -135,6 +135,7 @@ class RestartCoordinator:
             extra={**plan.extra, **more},
         )
         ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
+        ctx.coord.prune(parent.generation)  # in-place keys of generations before the parent: nobody reads them
         if plan.consume_pin:  # used once: the next generation is bounded by its commits again
             jobdir.consume_restore_pin(ctx.job_dir, cert.generation)
         for line in plan.log_rejected:

@@ -581,11 +581,18 @@ class Runtime:
             raise RefusedError("commit() before activate()")
         t0 = time.perf_counter()
         try:
-            self._commit(step)
+            self._commit_locally(step)
+            self.on_committed(step)
+            self._share_commit(step)
         finally:
             self.counters.commit_s += time.perf_counter() - t0
 
-    def _commit(self, step: int) -> None:
+    def on_committed(self, step: int) -> None:
+        """Called once `step` is committed here, before any collective of the commit (the frontier
+        meeting, a sharded snapshot): what the commit means to a subclass (in place: a copy in memory)."""
+        return None
+
+    def _commit_locally(self, step: int) -> None:
         """The commit is local (the step record); the ledger hears of it once per snapshot, for the
         whole job (`recovery.runtime.frontier`): no ledger round trip here."""
         ctx = self.context
@@ -606,6 +613,9 @@ class Runtime:
         if self._last_commit_t is not None:  # commit to commit: the whole step, with or without rt.steps()
             self._commit_gaps.append(now - self._last_commit_t)
         self._last_commit_t = now
+
+    def _share_commit(self, step: int) -> None:
+        """What the other members learn of the commit: the frontier meeting, a due snapshot."""
         step_s = statistics.median(self._commit_gaps) if self._commit_gaps else 0.0
         if self.state.meets_at(step, self.options.snapshot_every):
             self.frontier.meet(step)  # every member committed `step`: rank 0 records the frontier

@@ -374,7 +374,7 @@ def follow_racer(active_generation: int | None, parent_generation: int) -> bool:
     return active_generation is not None and active_generation > parent_generation
 
 
-def committed_by_all_from_reports(members: Iterable[int], reports: Mapping[int, Report]) -> int | None:
+def committed_by_all_from_reports(members: Iterable[int], reports: Mapping[int, Report], start: int = 0) -> int | None:
     """What the survivors' reports prove every member of the failed generation committed (None: nothing).
 
     With no per-step commit records, the in-place coordinator reads it from the reports:
@@ -382,12 +382,16 @@ def committed_by_all_from_reports(members: Iterable[int], reports: Mapping[int, 
     - a member did not (it is lost): a survivor that committed step S completed S's collective on
       the default group, which every member entered only after committing S - 1 (the in-place
       runtime's step function runs a world collective: docs/formats/inplace.md), so every member
-      committed at least max(S) - 1; and a survivor holds nothing past its own commit: the smallest
-      reported step caps it.
-    A survivor that committed nothing proves nothing."""
+      committed at least max(S) - 1 — but only for an S past `start`, the generation's certified
+      frontier (where it began: no collective of the generation is behind it); and a survivor
+      holds nothing past its own commit: the smallest reported step caps it.
+    A survivor that committed nothing proves nothing, nor does a generation in which no step was
+    completed (None); nothing below `start` is ever claimed."""
     steps = [rep.committed_step for rep in reports.values()]
     if not steps or any(s is None for s in steps):
         return None
     known = [int(s) for s in steps if s is not None]
+    if max(known) <= start:
+        return None  # nobody completed a step of this generation: nothing past its certificate
     proved = min(known) if set(members) <= set(reports) else min(min(known), max(known) - 1)
-    return proved if proved >= 0 else None
+    return max(proved, start)

@@ -152,6 +152,7 @@ class SwitchCoordinator:
                 return True  # another coordinator won the compare-and-swap: follow it
             self.refuse(parent.generation, str(exc))
         phases["certified"] = time.time()
+        ctx.coord.prune(parent.generation)  # nobody reads the reports of the generations before the parent
         ctx.log(
             f"in-place: generation {cert.generation} certified (world {len(plan.members)}, frontier {frontier}, "
             f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)})"
@@ -162,7 +163,7 @@ class SwitchCoordinator:
         """The ledger's frontier record, raised to what the reports prove (`committed_by_all_from_reports`)
         first: the activation's rule checks the certificate's frontier against the ledger's record."""
         committed = ledger.last_committed_by_all(parent.generation)
-        proved = committed_by_all_from_reports(parent.ranks, reports)
+        proved = committed_by_all_from_reports(parent.ranks, reports, start=parent.frontier.step)
         if proved is not None and (committed is None or proved > committed):
             self.ctx.require_lease(f"frontier of generation {parent.generation}")
             if ledger.record_frontier(parent.generation, proved, self.ctx.incarnation.id, "reports"):

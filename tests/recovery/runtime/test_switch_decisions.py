@@ -427,4 +427,12 @@ def test_what_the_reports_prove_never_passes_any_survivor_or_the_lost_bound(comm
     reports = {r: _rep(r, c) for r, c in enumerate(committed)}
     got = sw.committed_by_all_from_reports(range(n), reports)
     bound = min(committed) if lost == 0 else min(min(committed), max(committed) - 1)
-    assert got == (bound if bound >= 0 else None)
+    assert got == (None if max(committed) <= 0 else max(bound, 0))
+
+
+def test_a_generation_that_completed_no_step_proves_nothing_past_its_certificate():
+    """Generation 2 began at step 4 and a member hung before any step: the survivors' 4 is where the
+    generation began, not a collective they completed: nothing is proved (never 3)."""
+    reports = {0: _rep(0, 4), 1: _rep(1, 4)}
+    assert sw.committed_by_all_from_reports(range(3), reports, start=4) is None
+    assert sw.committed_by_all_from_reports(range(3), {0: _rep(0, 6), 1: _rep(1, 5)}, start=4) == 5
