@@ -248,7 +248,7 @@ def _floor(path: Path, size: int, grep_best: float, cpu_ratio) -> dict:
     """What any scan that numbers its lines costs here: read + prefilter search + newline count."""
     from gpuguard.collectors import logscan
 
-    find = logscan.bytes_finder(logscan._PREFILTER_BYTES)
+    find = logscan.bytes_finder(logscan.PREFILTER_BYTES)
     buf = bytearray(logscan.CHUNK)
     hits = lines = 0
     t, c = time.perf_counter(), time.process_time()

@@ -118,6 +118,11 @@ class _GuardedStdout:
         self._inner = inner
         self.reader_gone = False
 
+    @property
+    def wrapped(self) -> Any:
+        """The stream this one guards (put back when the command ends)."""
+        return self._inner
+
     def _gone(self) -> None:
         self.reader_gone = True
         try:  # the interpreter's own flush at exit must not complain either
@@ -181,7 +186,7 @@ def run_guarded(call: Callable[[], int], prog: str) -> int:
         return exc.exit_code
     finally:
         if guarded is not None and sys.stdout is guarded:
-            sys.stdout = guarded._inner
+            sys.stdout = guarded.wrapped
 
 
 def _end_startup() -> None:

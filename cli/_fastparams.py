@@ -103,7 +103,7 @@ def install() -> None:
         inner: Any = None
 
         def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
-            value = self.inner._coerce_value(value, param, ctx)
+            value = self.inner._coerce_value(value, param, ctx)  # noqa: SLF001 - typer's coercion hook, the one this class overrides
             if isinstance(value, list):
                 return [_finite(v, param, ctx) for v in value]
             return _finite(value, param, ctx)

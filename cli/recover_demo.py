@@ -156,29 +156,7 @@ def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) 
         as_json,
         t0,
         "node loss survived: certified restart at world 3, resharded",
-        {
-            "scenario": "fsdp",
-            "launcher": res.launcher,
-            "job_dir": str(job),
-            "recovered": res.recovered,
-            "kill": res.kill,
-            "generations": res.generations,
-            "first_world": res.first_world,
-            "world_after": res.world_after,
-            "reason": res.reason,
-            "frontier": res.frontier,
-            "steps_lost": res.steps_lost,
-            "resume_s": res.resume_s,
-            "restored_bitwise": res.restored_bitwise,
-            "reshard_lines": res.reshard_lines,
-            "certified_plan_held": res.plan_held,
-            "rng": res.rng,
-            "final_max_abs_diff": res.final_max_abs_diff,
-            "tolerance": {"atol": fd.ATOL, "rtol": fd.RTOL},
-            "matches_reference": res.matches_reference,
-            "verify_deep_rc": res.verify_deep_rc,
-            "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
-        },
+        _sharded_doc("fsdp", job, res, fd, "first_world steps_lost rng", certified_plan_held=res.plan_held),
     )
 
 
@@ -198,33 +176,34 @@ def _hsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) 
         as_json,
         t0,
         "node loss survived in place: the lost rank's shards taken from its replica, resharded over 3",
-        {
-            "scenario": "hsdp",
-            "launcher": res.launcher,
-            "job_dir": str(job),
-            "recovered": res.recovered,
-            "kill": res.kill,
-            "generations": res.generations,
-            "switch": res.switch,
-            "reason": res.reason,
-            "world_after": res.world_after,
-            "frontier": res.frontier,
-            "steps_redone": res.steps_redone,
-            "resume_s": res.resume_s,
-            "pids_unchanged": res.pids_unchanged,
-            "restored_bitwise": res.restored_bitwise,
-            "compared_with_generation_1": res.compared_with_generation_1,
-            "reshard_lines": res.reshard_lines,
-            "elements_moved": res.elements_moved,
-            "elements": res.elements,
-            "final_max_abs_diff": res.final_max_abs_diff,
-            "tolerance": {"atol": hd.ATOL, "rtol": hd.RTOL},
-            "matches_reference": res.matches_reference,
-            "agents_restarted_nothing": res.agents_restarted_nothing,
-            "verify_deep_rc": res.verify_deep_rc,
-            "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
-        },
+        _sharded_doc(
+            "hsdp",
+            job,
+            res,
+            hd,
+            "switch steps_redone pids_unchanged compared_with_generation_1 elements_moved elements "
+            "agents_restarted_nothing",
+        ),
     )
+
+
+# What every sharded demo reports (FSDP restart, HSDP in place), by its result's field names.
+_SHARDED_FIELDS = (
+    "launcher recovered kill generations reason world_after frontier resume_s restored_bitwise reshard_lines "
+    "final_max_abs_diff matches_reference verify_deep_rc"
+).split()
+
+
+def _sharded_doc(scenario: str, job: Path, res: Any, demo: Any, own: str, **specific: Any) -> dict[str, Any]:
+    """The gpuguard.demo/1 fields of a sharded demo: the common ones, then its `own` (field names)."""
+    return {
+        "scenario": scenario,
+        "job_dir": str(job),
+        **{name: getattr(res, name) for name in (*_SHARDED_FIELDS, *own.split())},
+        "tolerance": {"atol": demo.ATOL, "rtol": demo.RTOL},
+        **specific,
+        "ok": res.recovered and res.verify_deep_rc == EXIT_OK,
+    }
 
 
 def _finish(out, as_json: bool, t0: float, success: str, doc: dict) -> int:

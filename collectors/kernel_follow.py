@@ -180,7 +180,7 @@ class KmsgFollower:
 
 def _placed(events: list[Event]) -> list[Event]:
     """Seconds since boot, on the live kernel, are boot time + uptime (as `kernel_log.read_live` does)."""
-    return list(kernel_log._place_in_time(tuple(events))) if events else events
+    return list(kernel_log.place_in_time(tuple(events))) if events else events
 
 
 class FileFollower:

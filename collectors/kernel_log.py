@@ -482,7 +482,7 @@ def _skip_seen(output: bytes, cursor: Cursor | None, notes: list[str]) -> bytes:
     return output[found:]
 
 
-def _place_in_time(events: tuple[Event, ...]) -> tuple[Event, ...]:
+def place_in_time(events: tuple[Event, ...]) -> tuple[Event, ...]:
     """dmesg stamps lines with seconds since boot: on the live kernel that is boot time + uptime."""
     try:
         booted = time.time() - float(Path("/proc/uptime").read_text().split()[0])
@@ -552,7 +552,7 @@ def read_live(
         new_cursor = Cursor(name, 0, 0, len(last), 0, _hash(last), len(last), boot_id())
         return replace(
             log,
-            events=_place_in_time(log.events),
+            events=place_in_time(log.events),
             bytes_read=len(out),
             cursor=new_cursor,
             notes=tuple(notes) + log.notes,

@@ -18,7 +18,7 @@ timestamp when absolute, uptime_s for dmesg's monotonic clock; a field is null w
 | xid | xid, pci_bus_id (dddd:bb:dd.f), pid, process, name, message, channel; 13: gpc/tpc/sm; 45: caused_by; 63: remap_pending; 144-150: nvlink_unit, nvlink_fatal, link, intr_info, error_status, subcode_v1/v2; 154: recovery_action_from/_to, recovery_action; device-plugin form: gpu_uuid |
 | sxid | sxid, pci_bus_id, fatal, message |
 | xid (unreadable code) | xid = null, xid_raw (the token: 7+ digits, hex, a sign, non-ASCII digits), pci_bus_id, pid, process, message |
-| gpu_fault | fault (`xid_catalog.FAULTS`: init_failed, unreachable, pcie_fatal / pcie_nonfatal / pcie_corrected, fabric_manager, gsp_timeout, memsys_error), pci_bus_id; init: init_code, minor; AER: device (gpu / port), error_source, recovery_failed; GSP: gpu_index, function, message |
+| gpu_fault | fault (`gpu_faults.FAULTS`: init_failed, unreachable, pcie_fatal / pcie_nonfatal / pcie_corrected, fabric_manager, gsp_timeout, memsys_error), pci_bus_id; init: init_code, minor; AER: device (gpu / port), error_source, recovery_failed; GSP: gpu_index, function, message |
 | gpu_lost | pci_bus_id, source_form (kernel / nvidia-smi) |
 | gpu_reset_required, gpu_identity, hung_task | gpu_index, message / pci_bus_id, uuid, serial / task, pid, blocked_s |
 | nccl_warn | host, pid, rank, device, location, message; IB: ib_status, ib_status_name, vendor_err, peer |
@@ -58,6 +58,7 @@ from gpuguard.collectors.logrules_runtime import CUDA_RULES as _CUDA
 from gpuguard.collectors.logrules_runtime import HOST_RULES as _HOST
 from gpuguard.collectors.logrules_runtime import RULES as _RUNTIME
 from gpuguard.collectors.logtime import line_time
+from gpuguard.foundation import gpu_faults
 from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.foundation.events import EVENTS_SCHEMA, Event
 
@@ -91,7 +92,7 @@ _MARKER_RE = lazy_re("|".join(re.escape(m) for m in sorted(MARKERS, key=len, rev
 MAX_LINE = 2 << 20  # characters parsed per line
 MAX_TEXT = 2000  # characters of the line kept in the event
 _PENDING_SPAN = 12  # lines a rendezvous result block may span
-# Application-side kinds whose message may name a hardware cause (`fault` field, xid_catalog.FAULTS).
+# Application-side kinds whose message may name a hardware cause (`fault` field, gpu_faults.FAULTS).
 _HW_KINDS = frozenset(("nccl_warn", "nccl_error", "watchdog_abort", "watchdog_failure", "watchdog_hang", "gloo_error"))
 
 
@@ -196,7 +197,7 @@ class LogParser:
         if found.kind in _HW_KINDS and "fault" not in fields:
             fault = hw_fault(text)
             if fault is not None:  # e.g. NCCL "unhandled cuda error ... 'uncorrectable ECC error encountered'"
-                info = catalog.fault(fault)
+                info = gpu_faults.fault(fault)
                 fields["fault"] = fault
                 severity = catalog.event_severity(info.severity)
                 diagnosis = f"{info.name}. {info.action} ({diagnosis})" if diagnosis else f"{info.name}. {info.action}"

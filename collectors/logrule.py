@@ -61,7 +61,7 @@ class Rule:
 
 
 # Hardware causes named inside application-side errors (CUDA, NCCL, the watchdog's re-throw): the fault
-# names of `gpuguard.foundation.xid_catalog.FAULTS`.
+# names of `gpuguard.foundation.gpu_faults.FAULTS`.
 _HW_FAULTS = (
     ("uncorrectable ecc", "ecc_uncorrectable"),
     ("uncorrectable nvlink", "nvlink_uncorrectable"),

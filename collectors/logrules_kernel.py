@@ -14,6 +14,7 @@ import re
 
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, lazy_re
 from gpuguard.collectors.logtime import line_time
+from gpuguard.foundation import gpu_faults
 from gpuguard.foundation import xid_catalog as catalog
 
 _PCI = r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}(?:\.[0-7])?|[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2}\.[0-7]"
@@ -326,7 +327,7 @@ _HANDLE_UNKNOWN = lazy_re(r"device handle for GPU ?(?P<pci>[0-9A-Fa-f:.]+): (?P<
 
 
 def _fault(name: str, fields: dict, severity: str | None = None, diagnosis: str | None = None) -> Found:
-    info = catalog.fault(name)
+    info = gpu_faults.fault(name)
     fields = {"fault": name, **fields}
     return Found(
         "gpu_fault",

@@ -12,6 +12,7 @@ import signal as _signal
 
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault, lazy_re
 from gpuguard.collectors.logrules_comm import rank_of
+from gpuguard.foundation import gpu_faults
 from gpuguard.foundation import xid_catalog as catalog
 
 
@@ -312,7 +313,7 @@ def _cuda(text: str, line_no: int, state: ParseState) -> Found | None:
             break
     fault = hw_fault(err) or ("unknown_error" if "unknown error" in low else None)
     if fault is not None:
-        info = catalog.fault(fault)
+        info = gpu_faults.fault(fault)
         fields["fault"] = fault
         severity = catalog.event_severity(info.severity)
         diag = f"{info.name}. {info.action}"

@@ -98,7 +98,7 @@ def prefilter(markers: tuple[str, ...] = MARKERS, patterns: tuple[str, ...] = PR
     return [p.encode("ascii") for p in (*used, *extra)]
 
 
-_PREFILTER_BYTES = prefilter()
+PREFILTER_BYTES = prefilter()
 
 
 Finder = Callable[[bytearray, int, int], list[int]]
@@ -292,7 +292,7 @@ class LogScan:
     def _scan(self, parser: LogParser) -> Iterator[Event]:
         # accelerated: the prefilter's patterns (a superset of the marker lines; the parser drops the
         # rest); the fallback searches the markers themselves (the reference path of the tests)
-        find = _bytes_finder(_PREFILTER_BYTES) if self.accelerated else _fallback_finder()
+        find = _bytes_finder(PREFILTER_BYTES) if self.accelerated else _fallback_finder()
         count_nl = _newline_counter(self.file, self.start_offset) if self.accelerated else _count_nl
         if self.start_offset:
             self.file.seek(self.start_offset)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuguard.diagnostics.node_thresholds import Thresholds
+from gpuguard.foundation import gpu_faults
 from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.foundation.events import Event
 from gpuguard.foundation.xid_catalog import recovery_action
@@ -309,7 +310,7 @@ def fault_findings(events: Sequence[Event], t: Thresholds) -> list[Finding]:
         groups.setdefault((implied_fault(ev), f.get("rank"), f.get("host"), where, ev.source), []).append(ev)
     out: list[Finding] = []
     for (name, rank, host, port, source), group in groups.items():
-        info = catalog.fault(str(name))
+        info = gpu_faults.fault(str(name))
         first = group[0]
         sev = info.severity
         if first.severity == "info" and sev != "info":

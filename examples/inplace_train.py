@@ -84,6 +84,20 @@ def local_grads(model: Any, opt: Any, step: int, rank: int, world: int) -> None:
     ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum().backward()
 
 
+def average_grads(model: Any) -> None:
+    """Sum every rank's gradients in one all_reduce and divide by the global batch: the mean over
+    the whole batch whatever the world size (the oracle divides the same sum)."""
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= GLOBAL_BATCH
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
 def flat_params(model: Any) -> list[float]:
 
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
@@ -182,15 +196,7 @@ def worker_main() -> int:
     def step_fn(step: int, rank: int, world: int) -> None:
         local_grads(model, opt, step, rank, world)
         rt.fault("before_allreduce", step)
-        params = list(model.parameters())
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= GLOBAL_BATCH
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        average_grads(model)
         rt.fault("before_update", step)
         opt.step()
         rt.fault("before_commit", step)

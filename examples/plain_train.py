@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpuguard.examples.inplace_train import GLOBAL_BATCH, flat_params, local_grads, make_model
+from gpuguard.examples.inplace_train import average_grads, flat_params, local_grads, make_model
 
 
 def newest_checkpoint(d: Path) -> tuple[int, Path] | None:
@@ -58,15 +58,7 @@ def main() -> int:
     print(f"plain rank {rank}/{world}: resuming at step {start}", file=sys.stderr, flush=True)
     for step in range(start, steps + 1):
         local_grads(model, opt, step, rank, world)
-        params = list(model.parameters())
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= GLOBAL_BATCH
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        average_grads(model)
         opt.step()
         if rank == 0:
             (ckpt / "progress").mkdir(parents=True, exist_ok=True)

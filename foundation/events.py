@@ -18,7 +18,7 @@ class Event:
     """One thing a log line says.
 
     kind: `xid`, `sxid`, `gpu_lost`, `gpu_fault` (a GPU fault without an Xid: `fields["fault"]` names its
-    entry in `xid_catalog.FAULTS`), `nccl_warn`, `watchdog_timeout`, `gloo_error`, `worker_failure`, ...
+    entry in `gpu_faults.FAULTS`), `nccl_warn`, `watchdog_timeout`, `gloo_error`, `worker_failure`, ...
     line: 1-based line number in its source. fields: the per-kind fields of the JSON schema
     (e.g. `xid`, `pci_bus_id`, `pid`, `process` for `xid`). timestamp: seconds since the epoch when
     the line carries an absolute time, else None. diagnosis: what it means and what to do.

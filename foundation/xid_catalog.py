@@ -20,13 +20,13 @@ gpuguard severity scale (ordered, see `SEVERITIES`):
 | `reset`   | GPU reset required (`nvidia-smi -r`) before the GPU is used again | reset |
 | `drain`   | take the node out: reboot, mechanical check, or RMA | drain |
 
-Pure data and functions: no I/O beyond reading the packaged CSV once.
+Pure data and functions: no I/O beyond reading the packaged CSV once. The payloads of Xid 154 and
+144-150 are decoded in `xid_payloads`; faults without an Xid code are in `gpu_faults`.
 """
 
 from __future__ import annotations
 
 import csv
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -34,6 +34,39 @@ from importlib import resources
 from typing import Any
 
 from gpuguard.foundation.events import Event
+from gpuguard.foundation.xid_payloads import (
+    RECOVERY_ACTIONS,
+    RecoveryAction,
+    decode_nvlink5,
+    parse_xid154,
+    recovery_action,
+)
+
+# The Xid payload decoders are part of the catalog's vocabulary; callers find them here too.
+__all__ = [
+    "CATALOG_SOURCE",
+    "INCIDENT_WINDOW_S",
+    "RECOVERY_ACTIONS",
+    "RESOLUTIONS",
+    "SEVERITIES",
+    "SEVERITY_ACTION",
+    "SYMPATHETIC_TO",
+    "RecoveryAction",
+    "Resolution",
+    "XidInfo",
+    "all_codes",
+    "count_incidents",
+    "decode_nvlink5",
+    "event_severity",
+    "incident_key",
+    "lookup",
+    "parse_xid154",
+    "recovery_action",
+    "resolution_for",
+    "severity_rank",
+    "worst",
+    "xid_severity",
+]
 
 SEVERITIES = ("info", "warning", "review", "reset", "drain")
 _RANK = {name: i for i, name in enumerate(SEVERITIES)}
@@ -122,7 +155,7 @@ _ACTION_TEXT = {
     "CONTACT_SUPPORT": "Drain the node and contact NVIDIA support (code should not occur on this GPU generation).",
 }
 
-_SEVERITY_ACTION = {
+SEVERITY_ACTION = {
     "info": "No action needed.",
     "warning": "Restart the application; watch for repeats.",
     "review": "Needs review by an operator: code not in gpuguard's catalog or without a documented action.",
@@ -213,7 +246,7 @@ def _table() -> dict[int, XidInfo]:
         bucket = row["immediate"].strip()
         unused = row["mnemonic"] == "UNUSED"
         severity = "review" if unused else (_SEVERITY_OVERRIDES.get(code) or _BUCKET_SEVERITY.get(bucket, "review"))
-        action = _CODE_ACTION.get(code) or _ACTION_TEXT.get(bucket) or _SEVERITY_ACTION[severity]
+        action = _CODE_ACTION.get(code) or _ACTION_TEXT.get(bucket) or SEVERITY_ACTION[severity]
         if unused:  # legacy meaning on older GPUs; "should not happen" on Ampere and newer
             action = (
                 "Legacy code, unused on Ampere and newer: on older GPUs review the application and driver; "
@@ -253,7 +286,7 @@ def lookup(code: int) -> XidInfo:
         immediate="-",
         investigatory="-",
         severity="review",
-        action=_SEVERITY_ACTION["review"],
+        action=SEVERITY_ACTION["review"],
         known=False,
     )
 
@@ -274,105 +307,6 @@ def worst(severities: Iterable[str]) -> str:
 def event_severity(severity: str) -> str:
     """Map the catalog scale onto `Event.severity` (info | warning | critical)."""
     return {"info": "info", "warning": "warning", "review": "warning"}.get(severity, "critical")
-
-
-# --- Xid 154: the driver's own recovery action (authoritative) -------------------------------------
-
-# nvmlDeviceGpuRecoveryAction_t; Xid 154 prints these values.
-RECOVERY_ACTIONS: Mapping[int, tuple[str, str]] = {
-    0: ("none", "info"),
-    1: ("gpu_reset", "reset"),
-    2: ("node_reboot", "drain"),
-    3: ("drain_p2p", "drain"),  # "drain": take the work off the GPU first (NVIDIA's word), then reset
-    4: ("drain_and_reset", "drain"),
-    5: ("recover_imex_domain", "drain"),
-    6: ("bus_reset", "reset"),
-    7: ("system_reboot", "drain"),
-}
-_RECOVERY_TEXT = {
-    "none": "No recovery needed: the GPU can be used again by starting a new process.",
-    "gpu_reset": "GPU reset required: stop all GPU processes and reset it (nvidia-smi -r -i <id>).",
-    "node_reboot": "Node reboot required: the fault may have left the OS inconsistent.",
-    "drain_p2p": "Drain: move the work off this node (peer-to-peer NVLink traffic must stop), then reset the GPU.",
-    "drain_and_reset": "Drain: let the node's jobs finish or move them, then reset the GPU (nvidia-smi -r -i <id>).",
-    "recover_imex_domain": "Recover the IMEX domain (multi-node NVLink); drain the node.",
-    "bus_reset": "PCIe bus reset required.",
-    "system_reboot": "System reboot required.",
-}
-_XID154_RE = re.compile(
-    r"recovery action changed from (0x[0-9a-fA-F]+|\d+)\s*(?:\(([^)]*)\))?\s*to (0x[0-9a-fA-F]+|\d+)\s*(?:\(([^)]*)\))?"
-)
-
-
-@dataclass(frozen=True)
-class RecoveryAction:
-    """A recovery action as Xid 154 prints it: the NVML enum value, its name and severity."""
-
-    code: int
-    name: str
-    printed: str
-    severity: str
-
-    @property
-    def action(self) -> str:
-        return _RECOVERY_TEXT.get(self.name, f"Unknown recovery action {self.code}: needs review.")
-
-
-def recovery_action(code: int, printed: str = "") -> RecoveryAction:
-    name, severity = RECOVERY_ACTIONS.get(code, (f"unknown_{code}", "review"))
-    return RecoveryAction(code=code, name=name, printed=printed or name, severity=severity)
-
-
-def parse_xid154(message: str) -> tuple[RecoveryAction, RecoveryAction] | None:
-    """`GPU recovery action changed from 0x0 (None) to 0x4 (Drain and Reset)` -> (from, to)."""
-    m = _XID154_RE.search(message)
-    if m is None:
-        return None
-    return (
-        recovery_action(int(m.group(1), 0), m.group(2) or ""),
-        recovery_action(int(m.group(3), 0), m.group(4) or ""),
-    )
-
-
-# --- NVLink5 (Xid 144-150) --------------------------------------------------------------------------
-
-_NVLINK5_RE = re.compile(
-    r"(?P<unit>[A-Z][A-Z0-9_]*(?:/[A-Z0-9_]+)?)\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?P<xc>XC\d)\s+(?P<inj>i\d+)\s+"
-    r"Link\s+(?P<link>-?\d+)(?:\s+\((?P<intr>0x[0-9a-fA-F]+)\s+(?P<status>0x[0-9a-fA-F]+))?"
-)
-# Units whose errors the catalog's decode sheet says to ignore (investigate only if they persist).
-_NVLINK5_BENIGN_UNITS = ("NETIR_BER_EVENT", "RLW_RXPIPE")
-
-
-def decode_nvlink5(message: str) -> dict[str, Any] | None:
-    """Decode the structured payload of Xid 144-150 (`<unit> Fatal|Nonfatal XC0 i0 Link nn (IntrInfo ErrorStatus ...)`).
-
-    Returns unit, fatal, link, intr_info, error_status and gpuguard's severity: a fatal unit error needs
-    a GPU reset (catalog RESET_GPU for link-down, MFDE, SAW, MSE); non-fatal BER / RXPIPE events are
-    informational, other non-fatal ones a warning. Subcodes: V1 (driver < R575) = IntrInfo[9:5],
-    V2 (>= R575) = IntrInfo[6:0]; both are given because the driver version is not in the line.
-    """
-    m = _NVLINK5_RE.search(message)
-    if m is None:
-        return None
-    fatal = m.group("sev") == "Fatal"
-    unit = m.group("unit")
-    out: dict[str, Any] = {"unit": unit, "fatal": fatal, "link": int(m.group("link"))}
-    if m.group("intr"):
-        intr = int(m.group("intr"), 16)
-        out.update(
-            intr_info=m.group("intr"),
-            error_status=m.group("status"),
-            subcode_v1=(intr >> 5) & 0x1F,
-            subcode_v2=intr & 0x7F,
-        )
-    if fatal:
-        out["severity"] = "reset"
-    elif unit.startswith(_NVLINK5_BENIGN_UNITS):
-        out["severity"] = "info"
-    else:
-        out["severity"] = "warning"
-    return out
 
 
 # --- Judging the Xids of one GPU --------------------------------------------------------------------
@@ -447,9 +381,9 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
     if not items:
         if unread:
             return Resolution(
-                "review", _SEVERITY_ACTION["review"], "unreadable Xid code " + ", ".join(sorted(set(unread)))
+                "review", SEVERITY_ACTION["review"], "unreadable Xid code " + ", ".join(sorted(set(unread)))
             )
-        return Resolution("info", _SEVERITY_ACTION["info"], "no Xid events")
+        return Resolution("info", SEVERITY_ACTION["info"], "no Xid events")
     last154 = max((i for i, (c, _) in enumerate(items) if c == 154), default=None)
     severities: list[str] = []
     reasons: list[str] = []
@@ -510,7 +444,7 @@ def resolution_for(events: Iterable[Event | Mapping[str, Any]]) -> Resolution:
         action = recovery_action(to).action
     else:
         worst_primary = [c for c in [*primary, *inferred] if xid_severity(c) == sev]
-        action = lookup(worst_primary[0]).action if worst_primary else _SEVERITY_ACTION[sev]
+        action = lookup(worst_primary[0]).action if worst_primary else SEVERITY_ACTION[sev]
     return Resolution(sev, action, "; ".join(reasons), tuple(primary), tuple(sympathetic), recovery, tuple(inferred))
 
 
@@ -518,211 +452,6 @@ def _is_unread_xid(ev: Event | Mapping[str, Any]) -> bool:
     fields = _fields_of(ev)
     kind = fields.get("kind") if isinstance(ev, Mapping) else ev.kind
     return kind == "xid" and not isinstance(fields.get("xid"), int)
-
-
-# --- GPU faults that carry no Xid -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FaultInfo:
-    """A GPU / node fault the driver, the kernel or a training log reports without an Xid code."""
-
-    fault: str  # the `fault` field of the event
-    name: str
-    severity: str  # on the SEVERITIES scale
-    resolution: str  # one of RESOLUTIONS
-    action: str
-    source: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fault": self.fault,
-            "name": self.name,
-            "severity": self.severity,
-            "resolution": self.resolution,
-            "action": self.action,
-            "source": self.source,
-        }
-
-
-_ECC_RUN = "run `nvidia-smi -q -d ECC,ROW_REMAPPER` on the node"
-FAULTS: Mapping[str, FaultInfo] = {
-    f.fault: f
-    for f in (
-        FaultInfo(
-            "init_failed",
-            "GPU initialisation failed",
-            "drain",
-            "reboot_node",
-            "The driver could not initialise this GPU (RmInitAdapter failed / Cannot attach gpu / No devices were "
-            "found): the GPU is unusable. Drain the node, check `lspci -d 10de:` and `nvidia-smi -q`, reboot; if it "
-            "stays, check seating, power and SBIOS, then RMA.",
-            "NVIDIA driver messages (NVRM: RmInitAdapter failed); NVIDIA Xid catalog: Xid 143 (GPU initialization "
-            "error) is RESET_GPU / CONTACT_SUPPORT",
-        ),
-        FaultInfo(
-            "unreachable",
-            "GPU does not answer (device handle: Unknown Error)",
-            "drain",
-            "reboot_node",
-            "nvidia-smi cannot open the GPU (Unknown Error / GPU is lost): like Xid 79. Drain the node and reboot; "
-            "check the PCIe link (AER errors above), power and seating; RMA if it repeats.",
-            "NVIDIA Xid catalog, Xid 79 practical notes (nvidia-smi: Unable to determine the device handle)",
-        ),
-        FaultInfo(
-            "pcie_fatal",
-            "PCIe uncorrected fatal error (AER)",
-            "drain",
-            "reboot_node",
-            "A fatal PCIe error on the GPU or the bridge above it: the GPU is (or will fall) off the bus. Drain the "
-            "node and reboot; check risers, seating and the PCIe switch; RMA if it repeats.",
-            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): fatal = link unreliable, reset needed",
-        ),
-        FaultInfo(
-            "pcie_nonfatal",
-            "PCIe uncorrected non-fatal error (AER)",
-            "reset",
-            "reset_gpu",
-            "An uncorrected (non-fatal) PCIe error on the GPU or its bridge: a transaction was lost. Stop the GPU's "
-            "processes and reset it (nvidia-smi -r -i <id>); repeats: check the link and the slot.",
-            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): non-fatal = this transaction unreliable",
-        ),
-        FaultInfo(
-            "pcie_corrected",
-            "PCIe corrected error (AER)",
-            "info",
-            "ignore",
-            "Corrected by the link layer: no action. Many of them on one GPU: watch its PCIe replay counter and "
-            "link width (nvidia-smi -q -d PCIE).",
-            "Linux PCIe AER (Documentation/PCI/pcieaer-howto.rst): corrected = no functional impact",
-        ),
-        FaultInfo(
-            "fabric_manager",
-            "Fabric Manager / NVSwitch failure",
-            "warning",
-            "restart_app",
-            "Fabric Manager failed: on an NVSwitch system (HGX/DGX) CUDA then fails with 'system not yet "
-            "initialized' (802). Check `systemctl status nvidia-fabricmanager` and that its version equals the "
-            "driver's; restart it (a GPU reset may be needed in between). On a system without NVSwitch it is not "
-            "needed.",
-            "NVIDIA Fabric Manager user guide",
-        ),
-        FaultInfo(
-            "fabric_not_initialized",
-            "CUDA: system not yet initialized (NVSwitch fabric)",
-            "drain",
-            "reboot_node",
-            "CUDA cannot start on this node (802): the NVLink fabric is not up. Drain the node; start "
-            "nvidia-fabricmanager with the driver's version (`systemctl status nvidia-fabricmanager`), reboot if "
-            "the GPUs stay unregistered.",
-            "CUDA runtime cudaErrorSystemNotReady (802); NVIDIA Fabric Manager user guide",
-        ),
-        FaultInfo(
-            "ecc_uncorrectable",
-            "Uncorrectable ECC error (seen by CUDA)",
-            "reset",
-            "reset_gpu",
-            f"GPU memory hardware: {_ECC_RUN}. A pending row remap: reset the GPU (nvidia-smi -r -i <id>) and "
-            "restart the job; a remap failure, or errors again after the reset: drain and RMA. The kernel log's "
-            "Xid 48/94/95 names the GPU.",
-            "CUDA runtime cudaErrorECCUncorrectable (214); NVIDIA A100/H100 memory error management",
-        ),
-        FaultInfo(
-            "nvlink_uncorrectable",
-            "Uncorrectable NVLink error (seen by CUDA)",
-            "reset",
-            "reset_gpu",
-            "NVLink hardware: run `nvidia-smi nvlink -e` (error counters) and `nvidia-smi nvlink -s` on the node, "
-            "look for Xid 74 / 144-150 and SXids in the kernel log; reset the GPU (nvidia-smi -r -i <id>); errors "
-            "again on the same link: drain and check the link / NVSwitch.",
-            "CUDA runtime cudaErrorNvlinkUncorrectable (220); NVIDIA Xid catalog WORKFLOW_NVLINK_ERR",
-        ),
-        FaultInfo(
-            "gpu_lost",
-            "GPU lost (seen by the application)",
-            "drain",
-            "reboot_node",
-            "The GPU fell off the bus (treated as Xid 79): drain the node and reboot; check power, seating, cooling "
-            "and SBIOS; RMA if it repeats.",
-            "NVIDIA Xid catalog, Xid 79 (RESTART_BM)",
-        ),
-        FaultInfo(
-            "reset_required",
-            "GPU reset required (NV_ERR_RESET_REQUIRED)",
-            "reset",
-            "reset_gpu",
-            "The driver needs a GPU reset before the GPU works again (CUDA reports 'busy or unavailable'): drain "
-            "the GPU's work and reset it (nvidia-smi -r -i <id>); if the reset fails, reboot the node.",
-            "NVIDIA driver status NV_ERR_RESET_REQUIRED; NVML recovery action GPU_RESET",
-        ),
-        FaultInfo(
-            "driver_mismatch",
-            "NVIDIA driver / library version mismatch",
-            "drain",
-            "reboot_node",
-            "The loaded kernel module and the user-space NVIDIA libraries differ (driver upgraded without a "
-            "reboot, or broken packages): no CUDA job can start. Drain; compare /proc/driver/nvidia/version with "
-            "the packages, fix them and reboot.",
-            "NVML NVML_ERROR_LIB_RM_VERSION_MISMATCH",
-        ),
-        FaultInfo(
-            "host_fatal",
-            "Fatal host hardware error (APEI/GHES)",
-            "drain",
-            "reboot_node",
-            "The platform reported a fatal hardware error (host memory, PCIe root complex, CPU): drain the node "
-            "and check the BMC / SEL record before it takes jobs again.",
-            "Linux APEI GHES ([Hardware Error]: event severity: fatal)",
-        ),
-        FaultInfo(
-            "gsp_timeout",
-            "GSP firmware timeout (heartbeat / RPC), like Xid 119",
-            "reset",
-            "reset_gpu",
-            "The GPU's System Processor (GSP) stopped answering the driver: stop the GPU's processes and reset it "
-            "(nvidia-smi -r -i <index>) or reboot the node; NVML calls on it may hang until then. If it repeats, "
-            "update the driver / firmware and collect nvidia-bug-report.sh for NVIDIA (Xid 119: RESET_GPU, then "
-            "INVESTIGATE_SW).",
-            "NVIDIA driver messages (NVRM: _kgspIsHeartbeatTimedOut, *** GSP Timeout ***); NVIDIA Xid catalog: "
-            "Xid 119 GSP_RPC_TIMEOUT and 120 GSP_ERROR are RESET_GPU",
-        ),
-        FaultInfo(
-            "memsys_error",
-            "GPU memory subsystem error (GSP), like Xid 120",
-            "reset",
-            "reset_gpu",
-            "The driver found a GPU memory-subsystem error (kgmmuCheckMemSubsysError): stop the GPU's processes and "
-            "reset it (nvidia-smi -r -i <index>); then run `nvidia-smi -q -d ECC,ROW_REMAPPER`; errors again after "
-            "the reset: drain and RMA.",
-            "NVIDIA driver message (NVRM: kgmmuCheckMemSubsysError_IMPL: Memory Subsystem Error detected); NVIDIA "
-            "Xid catalog: Xid 120 GSP_ERROR and 95 uncontained memory error are RESET_GPU",
-        ),
-        FaultInfo(
-            "smi_err",
-            "nvidia-smi cannot read the GPU (ERR!)",
-            "reset",
-            "reset_gpu",
-            "nvidia-smi printed ERR! for several of the GPU's fields: the driver cannot read it. Look for Xids (79, "
-            "119, 154) in the kernel log, stop the GPU's processes and reset it (nvidia-smi -r -i <index>); if the "
-            "reset fails, reboot the node. One sensor alone (fan or power) is usually transient: no action.",
-            "nvidia-smi table output (ERR!); Azure HPC diagnostics (a lone ERR! power reading is transient)",
-        ),
-        FaultInfo(
-            "unknown_error",
-            "CUDA unknown error",
-            "reset",
-            "reset_gpu",
-            "CUDA 'unknown error' (999): the GPU or the driver is in a bad state. Check the kernel log for Xids; "
-            "reset the GPU or reboot.",
-            "CUDA runtime cudaErrorUnknown (999)",
-        ),
-    )
-}
-
-
-def fault(name: str) -> FaultInfo:
-    """The catalog entry of a no-Xid fault; an unknown name needs review."""
-    return FAULTS.get(name) or FaultInfo(name, name, "review", "contact_support", _SEVERITY_ACTION["review"], "-")
 
 
 # --- Incidents: one fault printed as many lines --------------------------------------------------

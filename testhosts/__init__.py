@@ -9,23 +9,10 @@ teardown that happens even when a test fails. README.md ("Development: test host
         cluster.partition("h2"); cluster.heal("h2"); cluster.power_off("h1")
 """
 
-from gpuguard.testhosts._linux import NetemUnavailableError
+from gpuguard.testhosts._linux import HostsUnavailableError, NetemUnavailableError
 from gpuguard.testhosts.cleanup import CleanupReport, cleanup_all, leftovers
-from gpuguard.testhosts.cluster import (
-    ADDRESS_RANGE,
-    CONTROL,
-    PREFIX,
-    SCHEMA,
-    TRAIN,
-    Cluster,
-    Host,
-    HostPopen,
-    HostState,
-    HostsUnavailableError,
-    Layout,
-    preflight,
-    up,
-)
+from gpuguard.testhosts.cluster import SCHEMA, Cluster, HostPopen, preflight, up
+from gpuguard.testhosts.layout import ADDRESS_RANGE, CONTROL, PREFIX, TRAIN, Host, HostState, Layout
 
 __all__ = [
     "ADDRESS_RANGE",

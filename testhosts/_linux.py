@@ -6,14 +6,17 @@ Kept apart from the cluster logic so every external command goes through one bou
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 from gpuguard.foundation.errors import EXIT_UNAVAILABLE, GpuguardError, UnavailableError
@@ -162,6 +165,12 @@ def link_names() -> list[str]:
     return names
 
 
+class HostsUnavailableError(GpuguardError):
+    """This machine cannot make test hosts (not root, no `ip`/`unshare`/`nsenter`, no netns)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
 class NetemUnavailableError(GpuguardError):
     """The kernel has no netem qdisc: a link delay cannot be emulated on this machine."""
 
@@ -258,3 +267,58 @@ def disable_ipv6(names: list[str], netns: str | None = None) -> None:
 def connect(netns: str, address: str, port: int, timeout: float) -> socket.socket:
     """A TCP connection made from inside `netns` (the caller owns the socket)."""
     return in_netns(netns, lambda: socket.create_connection((address, port), timeout=timeout), timeout + 5)
+
+
+# -- teardown: the processes, namespaces and folders a cluster leaves -------------------------------
+
+
+def continue_stopped(pids: set[int | None]) -> None:
+    for pid in pids:
+        if pid and proc_state(pid) == "T":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def netns_inode(netns: str) -> str | None:
+    try:
+        return f"net:[{os.stat(Path(NETNS_DIR) / netns).st_ino}]"
+    except OSError:
+        return None
+
+
+def kill_in_netns(netns_ids: set[str]) -> list[int]:
+    """SIGKILL every process whose network namespace is one of `netns_ids` (`net:[inode]`)."""
+    killed = []
+    if not netns_ids:
+        return killed
+    me = os.getpid()
+    for pid in pids():
+        if pid != me and ns_id(pid, "net") in netns_ids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+def remove_workdir(workdir: Path) -> None:
+    """Remove a cluster's work dir, never crossing a mount point (a bind left in our namespace)."""
+    if not workdir.exists():
+        return
+    mounts = mount_points()
+    inside = [m for m in mounts if m == str(workdir) or m.startswith(str(workdir) + "/")]
+    if inside:
+        return  # something is still mounted there: leave it rather than delete through the mount
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def mount_points() -> list[str]:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return [line.split()[4].replace("\\040", " ") for line in f if len(line.split()) > 4]
+    except OSError:
+        return []
+
+
+def set_link(name: str, *, up: bool) -> None:
+    """A link up or down (partition takes the bridge end of a host's veth down)."""
+    run(["ip", "link", "set", "dev", name, "up" if up else "down"])

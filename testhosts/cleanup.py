@@ -16,16 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuguard.testhosts import _linux
-from gpuguard.testhosts.cluster import (
-    DEFAULT_STATE,
-    INIT_SCRIPT,
-    KILL_TIMEOUT_S,
-    PREFIX,
-    RUN_ROOT,
-    _kill_in_netns,
-    _netns_inode,
-    _remove_workdir,
-)
+from gpuguard.testhosts.boot import INIT_SCRIPT
+from gpuguard.testhosts.cluster import DEFAULT_STATE, KILL_TIMEOUT_S
+from gpuguard.testhosts.layout import PREFIX, RUN_ROOT
 
 
 @dataclass(frozen=True)
@@ -82,7 +75,7 @@ def cleanup_all(prefix: str = PREFIX) -> CleanupReport:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             report.processes.append(pid)
-    report.processes.extend(_kill_in_netns({i for i in map(_netns_inode, netns) if i}))
+    report.processes.extend(_linux.kill_in_netns({i for i in map(_linux.netns_inode, netns) if i}))
     deadline = time.monotonic() + KILL_TIMEOUT_S
     for _ in range(10_000):
         if not _init_pids(prefix) or time.monotonic() > deadline:
@@ -96,7 +89,7 @@ def cleanup_all(prefix: str = PREFIX) -> CleanupReport:
         if _linux.run(["ip", "link", "del", name], check=False).returncode == 0:
             report.links.append(name)
     for d in _workdirs(prefix):
-        _remove_workdir(d)
+        _linux.remove_workdir(d)
         if not d.exists():
             report.workdirs.append(str(d))
     if DEFAULT_STATE.exists():

@@ -22,7 +22,8 @@ from typing import Any
 
 from gpuguard.foundation.errors import EXIT_INTERRUPTED, EXIT_TEMPFAIL, GpuguardError, UnavailableError, UsageError
 from gpuguard.testhosts.cleanup import cleanup_all, leftovers
-from gpuguard.testhosts.cluster import DEFAULT_STATE, PREFIX, ROLES, SCHEMA, Cluster, up
+from gpuguard.testhosts.cluster import DEFAULT_STATE, ROLES, SCHEMA, Cluster, up
+from gpuguard.testhosts.layout import PREFIX
 
 LOCK_TIMEOUT_S = 30.0
 EXEC_TIMEOUT_S = 86_400.0

@@ -14,28 +14,19 @@ with PREFIX).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import os
-import secrets
-import select
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.errors import (
-    EXIT_UNAVAILABLE,
     DataError,
     GpuguardError,
     NoInputError,
@@ -43,84 +34,30 @@ from gpuguard.foundation.errors import (
     UnavailableError,
     UsageError,
 )
-from gpuguard.testhosts import _linux
+from gpuguard.testhosts import _linux, boot
+from gpuguard.testhosts._linux import HostsUnavailableError
+from gpuguard.testhosts.boot import ETCD_CLIENT_PORT
+from gpuguard.testhosts.layout import (
+    CONTROL,
+    RUN_ROOT,
+    Host,
+    HostState,
+    Layout,
+    make_dirs,
+    make_layout,
+    new_prefix,
+    plumb,
+    write_private,
+)
+from gpuguard.testhosts.owners import register, signals_deferred, unregister
 
 SCHEMA = "gpuguard.testhosts/1"
-PREFIX = "gpth"  # every bridge, veth, netns, work dir and init of this harness starts with it
-ADDRESS_RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking range: never routed
-RUN_ROOT = Path("/run/gpuguard-testhosts")
 DEFAULT_STATE = RUN_ROOT / "cluster.json"
-INIT_SCRIPT = Path(__file__).resolve().with_name("_hostinit.py")
-TRAIN, CONTROL = "train", "control"
-CONTROL_NAME = "ctl"
-ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
 MASTER_PORT, RDZV_PORT = 29500, 29400
 MAX_HOSTS = 64
-BOOT_TIMEOUT_S = 20.0
-ETCD_TIMEOUT_S = 30.0
 KILL_TIMEOUT_S = 10.0
 FREEZE_TIMEOUT_S = 5.0
 ROLES = ("rendezvous", "control")
-
-
-class HostsUnavailableError(GpuguardError):
-    """This machine cannot make test hosts (not root, no `ip`/`unshare`/`nsenter`, no netns)."""
-
-    exit_code = EXIT_UNAVAILABLE
-
-
-@dataclass(frozen=True)
-class Host:
-    """One simulated host: what never changes while the cluster lives."""
-
-    name: str  # also its hostname (UTS namespace)
-    role: str  # TRAIN or CONTROL
-    index: int
-    address: str  # in ADDRESS_RANGE
-    ifname: str  # its link, inside its netns: GLOO_SOCKET_IFNAME
-    peer: str  # the other end of its veth, on the bridge: what partition takes down
-    netns: str  # `ip netns exec NETNS ...` for a developer
-    hostdir: str  # backing store of its private /tmp and job directory (outside view)
-
-
-@dataclass(frozen=True)
-class HostState:
-    """What a fault changes: replaced, never mutated, so a saved state is one consistent record."""
-
-    powered: bool = False
-    init_pid: int | None = None  # outside-view pid of the host's PID 1
-    init_start: int | None = None  # its start time: a reused pid is not mistaken for it
-    pid_ns: str | None = None  # `pid:[inode]`
-    partitioned: bool = False
-    frozen: bool = False
-    delay_ms: float = 0.0
-    rate_kbit: int | None = None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The cluster's names, addresses and paths: fixed at `up`, the same in every CLI invocation."""
-
-    prefix: str
-    subnet: str
-    bridge: str
-    workdir: str
-    job_dir: str  # the same path on every host, private contents
-    shared_path: str  # the shared checkpoint storage: the same path on every training host
-    shared_owned: bool  # created by the harness (removed at down) or given by the caller (kept)
-    hosts_file: str
-    rendezvous_host: str
-    etcd: bool
-    hosts: tuple[Host, ...]
-    capabilities: dict[str, bool] = field(default_factory=dict, hash=False, compare=False)
-
-    @property
-    def control(self) -> Host:
-        return next(h for h in self.hosts if h.role == CONTROL)
-
-    @property
-    def training(self) -> tuple[Host, ...]:
-        return tuple(h for h in self.hosts if h.role == TRAIN)
 
 
 class HostPopen(subprocess.Popen):  # type: ignore[type-arg]
@@ -162,65 +99,6 @@ def preflight() -> str | None:
     return None
 
 
-# -- the registry that owes teardown ------------------------------------------------------------
-
-_LIVE: dict[int, Cluster] = {}
-_LIVE_LOCK = threading.Lock()
-_PREVIOUS_HANDLERS: dict[int, Any] = {}
-_TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
-def _register(cluster: Cluster) -> None:
-    with _LIVE_LOCK:
-        _LIVE[id(cluster)] = cluster
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in _TEARDOWN_SIGNALS:
-            if sig not in _PREVIOUS_HANDLERS and signal.getsignal(sig) in (signal.SIG_DFL, None):
-                _PREVIOUS_HANDLERS[sig] = signal.signal(sig, _on_signal)
-
-
-def _unregister(cluster: Cluster) -> None:
-    with _LIVE_LOCK:
-        _LIVE.pop(id(cluster), None)
-        if _LIVE or threading.current_thread() is not threading.main_thread():
-            return
-        for sig, previous in list(_PREVIOUS_HANDLERS.items()):
-            if signal.getsignal(sig) is _on_signal:
-                signal.signal(sig, previous)
-            del _PREVIOUS_HANDLERS[sig]
-
-
-def _close_all() -> None:
-    for cluster in list(_LIVE.values()):
-        with contextlib.suppress(Exception):
-            cluster.down()
-
-
-def _on_signal(signum: int, _frame: object) -> None:
-    """Tear every owned cluster down, then die of the same signal (exit status as without us)."""
-    _close_all()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-atexit.register(_close_all)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while tearing down: an interrupt must not leave half a cluster."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    blocked = {signal.SIGINT, *_TEARDOWN_SIGNALS}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 # -- the cluster ----------------------------------------------------------------------------------
 
 
@@ -245,7 +123,7 @@ class Cluster:
         self._owner_w: int | None = None
         self._closed = False
         if owned:
-            _register(self)
+            register(self)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -432,13 +310,13 @@ class Cluster:
         st = self.states[h.name]
         if not st.powered:
             return
-        _link(h.peer, up=False)
+        _linux.set_link(h.peer, up=False)
         members = _linux.members(st.pid_ns) if st.pid_ns else []
         parents = {_linux.ppid(p) for p in members} - set(members) - {None, 0}
         if st.init_pid and _linux.is_alive(st.init_pid, st.init_start):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(st.init_pid, signal.SIGKILL)
-        _continue_stopped(parents)  # a frozen host's nsenters stopped themselves: let them reap
+        _linux.continue_stopped(parents)  # a frozen host's nsenters stopped themselves: let them reap
         deadline = time.monotonic() + KILL_TIMEOUT_S
         _linux.wait_gone(st.init_pid or 0, st.init_start, deadline)
         for _ in range(10_000):
@@ -466,7 +344,7 @@ class Cluster:
             return
         self._boot([h])
         if not self.states[h.name].partitioned:
-            _link(h.peer, up=True)
+            _linux.set_link(h.peer, up=True)
         if h.role == CONTROL and self.layout.etcd:
             self._start_etcd()
         self.save()
@@ -474,14 +352,14 @@ class Cluster:
     def partition(self, host: str | Host) -> None:
         """The host's link goes down (the bridge end of its veth): packets vanish, its processes live on."""
         h = self.host(host)
-        _link(h.peer, up=False)
+        _linux.set_link(h.peer, up=False)
         self._set(h, partitioned=True)
 
     def heal(self, host: str | Host) -> None:
         """Bring a partitioned host's link back (a powered-off host stays dark until power-on)."""
         h = self.host(host)
         if self.states[h.name].powered:
-            _link(h.peer, up=True)
+            _linux.set_link(h.peer, up=True)
         self._set(h, partitioned=False)
 
     def freeze(self, host: str | Host) -> None:
@@ -619,46 +497,27 @@ class Cluster:
 
     # -- boot and teardown -----------------------------------------------------------------------
 
+    def start(self, *, owner_pipe: bool) -> None:
+        """Make what the layout names and boot it: folders, the owner pipe (the hosts die with this
+        process), the bridge and links, each host's PID 1, and etcd when the layout has it."""
+        make_dirs(self.layout)
+        if owner_pipe:
+            self._owner_r, self._owner_w = os.pipe()
+        plumb(self.layout)
+        caps = {kind: _linux.qdisc_supported(kind, self.layout.bridge) for kind in ("netem", "tbf")}
+        self.layout = dataclasses.replace(self.layout, capabilities=caps)
+        self._boot(self.layout.hosts)
+        if self.layout.etcd:
+            self._start_etcd()
+        self.save()
+
     def _boot(self, hosts: Sequence[Host]) -> None:
         """Start each host's PID 1 (all at once) and wait, bounded, for each to report its mounts done."""
         pending: dict[int, tuple[Host, subprocess.Popen[bytes]]] = {}
         try:
             for h in hosts:
                 ready_r, ready_w = os.pipe()
-                spec = {
-                    "hostname": h.name,
-                    "hosts_root": str(Path(self.layout.workdir) / "hosts"),
-                    "tmp_src": str(Path(h.hostdir) / "tmp"),
-                    "job_src": str(Path(h.hostdir) / "job"),
-                    "job_dir": self.layout.job_dir,
-                    "shared_src": self.layout.shared_path if h.role == TRAIN else None,
-                    "shared_path": self.layout.shared_path,
-                    "hosts_file": self.layout.hosts_file,
-                    "keep": _software_under_tmp(),
-                    "ready_fd": ready_w,
-                    "owner_fd": self._owner_r,
-                }
-                argv = [
-                    "ip",
-                    "netns",
-                    "exec",
-                    h.netns,
-                    "unshare",
-                    "--fork",
-                    "--pid",
-                    "--mount",
-                    "--uts",
-                    "--mount-proc",
-                    "--propagation=private",
-                    "--",
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    str(INIT_SCRIPT),
-                    self.prefix,
-                    h.name,
-                    json.dumps(spec),
-                ]
+                argv = boot.init_argv(self.layout, h, ready_w, self._owner_r)
                 fds = (ready_w,) if self._owner_r is None else (ready_w, self._owner_r)
                 with open(Path(h.hostdir) / "init.log", "ab") as log:
                     proc = subprocess.Popen(
@@ -667,36 +526,10 @@ class Cluster:
                 os.close(ready_w)
                 pending[ready_r] = (h, proc)
                 self._launchers[h.name] = proc
-            deadline = time.monotonic() + BOOT_TIMEOUT_S
-            replies: dict[int, bytes] = {fd: b"" for fd in pending}
-            open_fds = set(pending)
-            while open_fds:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    names = ", ".join(pending[fd][0].name for fd in open_fds)
-                    raise UnavailableError(f"host(s) {names} did not boot within {BOOT_TIMEOUT_S:g} s")
-                readable, _, _ = select.select(list(open_fds), [], [], left)
-                for fd in readable:
-                    chunk = os.read(fd, 4096)
-                    replies[fd] += chunk
-                    if not chunk or b"\n" in replies[fd]:
-                        open_fds.discard(fd)
+            replies = boot.read_replies({fd: h.name for fd, (h, _) in pending.items()})
             for fd, (h, proc) in pending.items():
-                reply = replies[fd].decode(errors="replace").strip()
-                if reply != "ok":
-                    log_tail = (Path(h.hostdir) / "init.log").read_text(errors="replace")[-800:]
-                    raise GpuguardError(f"host {h.name} failed to boot: {reply or 'no reply'} {log_tail.strip()}")
-                kids = _linux.children(proc.pid)
-                if len(kids) != 1:
-                    raise GpuguardError(f"host {h.name}: expected one PID 1 under unshare, found {kids}")
-                init = kids[0]
                 self.states[h.name] = dataclasses.replace(
-                    self.states[h.name],
-                    powered=True,
-                    init_pid=init,
-                    init_start=_linux.start_time(init),
-                    pid_ns=_linux.ns_id(init, "pid"),
-                    frozen=False,
+                    self.states[h.name], **boot.booted_init(h, proc.pid, replies[fd])
                 )
         finally:
             for fd in pending:
@@ -706,55 +539,17 @@ class Cluster:
     def _start_etcd(self) -> None:
         """A real etcd on the control host, on its address (and its loopback); wait until /health says true."""
         ctl = self.control_host
-        etcd = shutil.which("etcd")
-        if etcd is None:
-            raise HostsUnavailableError(
-                "etcd is not installed (Debian package etcd-server): up(etcd=False) to do without"
-            )
-        url = f"http://{ctl.address}:{ETCD_CLIENT_PORT}"
-        peer = f"http://{ctl.address}:{ETCD_PEER_PORT}"
-        argv = [
-            etcd,
-            "--name",
-            ctl.name,
-            "--data-dir",
-            f"{self.layout.job_dir}/etcd",
-            "--listen-client-urls",
-            f"{url},http://127.0.0.1:{ETCD_CLIENT_PORT}",
-            "--advertise-client-urls",
-            url,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"{ctl.name}={peer}",
-            "--initial-cluster-state",
-            "new",
-        ]
+        argv = boot.etcd_argv(ctl, self.layout.job_dir)
         with open(Path(ctl.hostdir) / "etcd.log", "ab") as log:
             self._etcd = self.exec(
                 ctl, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, inherit_env=False
             )
-        deadline = time.monotonic() + ETCD_TIMEOUT_S
-        for _ in range(10_000):
-            if self._etcd.poll() is not None:
-                raise UnavailableError(
-                    f"etcd on {ctl.name} exited ({self._etcd.returncode}): see {ctl.hostdir}/etcd.log"
-                )
-            if _etcd_healthy(self, ctl, ctl.address):
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        raise UnavailableError(
-            f"etcd on {ctl.name} not healthy within {ETCD_TIMEOUT_S:g} s: see {ctl.hostdir}/etcd.log"
-        )
+        boot.wait_etcd_healthy(self, ctl, self._etcd)
 
     def detach(self) -> None:
         """Stop owing teardown (the CLI's `up`): the hosts outlive this process until `down`."""
         self.owned = False
-        _unregister(self)
+        unregister(self)
 
     def down(self) -> None:
         """Remove everything of this cluster: processes, namespaces, links, work dir, state file.
@@ -763,29 +558,29 @@ class Cluster:
         """
         if self._closed:
             return
-        with _signals_deferred():
+        with signals_deferred():
             self._teardown()
             self._closed = True
-            _unregister(self)
+            unregister(self)
 
     def _teardown(self) -> None:
         deadline = time.monotonic() + KILL_TIMEOUT_S
         inits = []
-        netns_ids = {_netns_inode(h.netns) for h in self.hosts} - {None}
+        netns_ids = {_linux.netns_inode(h.netns) for h in self.hosts} - {None}
         for h in self.hosts:
             st = self.states[h.name]
             if st.init_pid and _linux.is_alive(st.init_pid, st.init_start):
                 members = _linux.members(st.pid_ns) if st.pid_ns else []
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(st.init_pid, signal.SIGKILL)
-                _continue_stopped({_linux.ppid(p) for p in members} - set(members))  # frozen hosts' nsenters
+                _linux.continue_stopped({_linux.ppid(p) for p in members} - set(members))  # frozen hosts' nsenters
                 inits.append(st)
         for st in inits:
             _linux.wait_gone(st.init_pid or 0, st.init_start, deadline)
         # A developer's `ip netns exec NS cmd` lives outside the PID namespace but on the host's network.
         # (After the inits are gone: killing an nsenter before it reaps its command slows the PID
         # namespace's exit down by about a second.)
-        _kill_in_netns(netns_ids)
+        _linux.kill_in_netns(netns_ids)
         for proc in [*self._launchers.values(), *([self._etcd] if self._etcd else [])]:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -807,196 +602,10 @@ class Cluster:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._owner_r = self._owner_w = None
-        _remove_workdir(Path(self.layout.workdir))
+        _linux.remove_workdir(Path(self.layout.workdir))
         if self.state_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.state_path.unlink()
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-
-
-def _link(name: str, *, up: bool) -> None:
-    _linux.run(["ip", "link", "set", "dev", name, "up" if up else "down"])
-
-
-def _continue_stopped(pids: set[int | None]) -> None:
-    for pid in pids:
-        if pid and _linux.proc_state(pid) == "T":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def _etcd_healthy(cluster: Cluster, host: Host, address: str) -> bool:
-    try:
-        with cluster.connect(host, address, ETCD_CLIENT_PORT, timeout=1.0) as sock:
-            sock.settimeout(2.0)
-            sock.sendall(f"GET /health HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
-            reply = b""
-            for _ in range(64):
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                reply += chunk
-    except OSError:
-        return False
-    return b'"health":"true"' in reply
-
-
-def _netns_inode(netns: str) -> str | None:
-    try:
-        return f"net:[{os.stat(Path(_linux.NETNS_DIR) / netns).st_ino}]"
-    except OSError:
-        return None
-
-
-def _kill_in_netns(netns_ids: set[str]) -> list[int]:
-    """SIGKILL every process whose network namespace is one of `netns_ids` (`net:[inode]`)."""
-    killed = []
-    if not netns_ids:
-        return killed
-    me = os.getpid()
-    for pid in _linux.pids():
-        if pid != me and _linux.ns_id(pid, "net") in netns_ids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-    return killed
-
-
-def _remove_workdir(workdir: Path) -> None:
-    """Remove a cluster's work dir, never crossing a mount point (a bind left in our namespace)."""
-    if not workdir.exists():
-        return
-    mounts = _mount_points()
-    inside = [m for m in mounts if m == str(workdir) or m.startswith(str(workdir) + "/")]
-    if inside:
-        return  # something is still mounted there: leave it rather than delete through the mount
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _mount_points() -> list[str]:
-    try:
-        with open("/proc/self/mountinfo") as f:
-            return [line.split()[4].replace("\\040", " ") for line in f if len(line.split()) > 4]
-    except OSError:
-        return []
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically with mode 0600 (the state names pids that faults signal)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-
-
-def _new_prefix(existing_links: set[str], existing_netns: set[str]) -> str:
-    for _ in range(32):
-        prefix = PREFIX + secrets.token_hex(3)
-        if not any(n.startswith(prefix) for n in existing_links | existing_netns) and not (RUN_ROOT / prefix).exists():
-            return prefix
-    raise GpuguardError("could not pick an unused cluster id in 32 tries")
-
-
-def _layout(
-    prefix: str, n: int, shared: str | None, rendezvous_host: str | None, etcd: bool, subnet: str | None
-) -> Layout:
-    net = ipaddress.ip_network(subnet) if subnet else None
-    if net is None:
-        k = int(prefix[len(PREFIX) :], 16) % 512  # one /24 of the /15, picked by the cluster id
-        net = ipaddress.ip_network(f"198.{18 + k // 256}.{k % 256}.0/24")
-    if not net.subnet_of(ADDRESS_RANGE):  # type: ignore[arg-type]
-        raise UsageError(f"subnet {net} is outside {ADDRESS_RANGE} (the benchmarking range test hosts use)")
-    addrs = list(net.hosts())
-    if len(addrs) < n + 11:
-        raise UsageError(f"subnet {net} is too small for {n} hosts")
-    workdir = RUN_ROOT / prefix
-    hosts = [
-        Host(
-            name=CONTROL_NAME,
-            role=CONTROL,
-            index=0,
-            address=str(addrs[0]),
-            ifname=f"{prefix}e0",
-            peer=f"{prefix}v0",
-            netns=f"{prefix}-{CONTROL_NAME}",
-            hostdir=str(workdir / "hosts" / CONTROL_NAME),
-        )
-    ]
-    for i in range(1, n + 1):
-        hosts.append(
-            Host(
-                name=f"h{i}",
-                role=TRAIN,
-                index=i,
-                address=str(addrs[9 + i]),
-                ifname=f"{prefix}e{i}",
-                peer=f"{prefix}v{i}",
-                netns=f"{prefix}-h{i}",
-                hostdir=str(workdir / "hosts" / f"h{i}"),
-            )
-        )
-    rdzv = rendezvous_host or "h1"
-    if rdzv not in {h.name for h in hosts if h.role == TRAIN}:
-        raise UsageError(f"rendezvous host {rdzv!r} is not a training host (h1..h{n})")
-    for h in hosts:
-        assert len(h.ifname) <= 15 and len(h.peer) <= 15, h  # IFNAMSIZ - 1
-    shared_path = str(Path(shared).resolve()) if shared else str(workdir / "shared")
-    return Layout(
-        prefix=prefix,
-        subnet=str(net),
-        bridge=f"{prefix}br",
-        workdir=str(workdir),
-        job_dir=str(workdir / "job"),
-        shared_path=shared_path,
-        shared_owned=shared is None,
-        hosts_file=str(workdir / "etc-hosts"),
-        rendezvous_host=rdzv,
-        etcd=etcd,
-        hosts=tuple(hosts),
-    )
-
-
-def _plumb(layout: Layout) -> None:
-    """The bridge, then per host: a netns, a veth pair (one end on the bridge), an address, links up."""
-    br = layout.bridge
-    _linux.run(["ip", "link", "add", "name", br, "type", "bridge", "forward_delay", "0", "stp_state", "0"])
-    _linux.disable_ipv6([br])
-    _linux.run(["ip", "link", "set", "dev", br, "up"])
-    prefixlen = ipaddress.ip_network(layout.subnet).prefixlen
-    for h in layout.hosts:
-        _linux.run(["ip", "netns", "add", h.netns])
-        _linux.disable_ipv6(["all", "default", "lo"], h.netns)  # before its link exists: it inherits "default"
-        _linux.run(["ip", "link", "add", "name", h.peer, "type", "veth", "peer", "name", h.ifname, "netns", h.netns])
-        _linux.disable_ipv6([h.peer])
-        _linux.run(["ip", "link", "set", "dev", h.peer, "master", br, "up"])
-        _linux.run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/{prefixlen}", "dev", h.ifname])
-        _linux.run(["ip", "-n", h.netns, "link", "set", "dev", h.ifname, "up"])
-        _linux.run(["ip", "-n", h.netns, "link", "set", "dev", "lo", "up"])
-
-
-def _make_dirs(layout: Layout) -> None:
-    RUN_ROOT.mkdir(mode=0o700, parents=True, exist_ok=True)
-    workdir = Path(layout.workdir)
-    workdir.mkdir(mode=0o700)
-    Path(layout.job_dir).mkdir()
-    Path(layout.shared_path).mkdir(parents=True, exist_ok=True)
-    for h in layout.hosts:
-        for sub in ("tmp", "job"):
-            d = Path(h.hostdir) / sub
-            d.mkdir(parents=True)
-        os.chmod(Path(h.hostdir) / "tmp", 0o1777)
-    lines = ["127.0.0.1\tlocalhost"] + [f"{h.address}\t{h.name}" for h in layout.hosts]
-    Path(layout.hosts_file).write_text("\n".join(lines) + "\n")
 
 
 def up(
@@ -1021,8 +630,8 @@ def up(
         raise UsageError(f"hosts must be 1..{MAX_HOSTS}, not {hosts}")
     if shared is not None and Path(shared).exists() and not Path(shared).is_dir():
         raise UsageError(f"shared storage {shared} is not a directory")
-    prefix = _new_prefix(set(_linux.link_names()), set(_linux.netns_names()))
-    layout = _layout(prefix, hosts, shared, rendezvous_host, etcd, subnet)
+    prefix = new_prefix(set(_linux.link_names()), set(_linux.netns_names()))
+    layout = make_layout(prefix, hosts, shared, rendezvous_host, etcd, subnet)
     cluster = Cluster(
         layout,
         {h.name: HostState() for h in layout.hosts},
@@ -1030,35 +639,10 @@ def up(
         owned=True,  # until up returns: a failure or an interrupt half-way still tears down
     )
     try:
-        _make_dirs(layout)
-        if not detached:
-            cluster._owner_r, cluster._owner_w = os.pipe()
-        _plumb(layout)
-        caps = {kind: _linux.qdisc_supported(kind, layout.bridge) for kind in ("netem", "tbf")}
-        cluster.layout = dataclasses.replace(layout, capabilities=caps)
-        cluster._boot(layout.hosts)
-        if etcd:
-            cluster._start_etcd()
-        cluster.save()
+        cluster.start(owner_pipe=not detached)
     except BaseException:
         cluster.down()
         raise
     if detached:
         cluster.detach()
     return cluster
-
-
-def _software_under_tmp() -> list[str]:
-    """Folders every host must still see after its private /tmp hides the machine's: the Python that
-    runs the harness and its venv, and the checkout gpuguard is imported from (a CI clone or a venv
-    under /tmp would otherwise vanish inside the hosts: "nsenter: failed to execute ...")."""
-    candidates = {
-        os.path.realpath(sys.prefix),
-        os.path.realpath(sys.base_prefix),
-        os.path.dirname(os.path.realpath(sys.executable)),
-        os.path.dirname(os.path.dirname(os.path.realpath(__file__))),  # the gpuguard package (the checkout)
-        os.path.realpath(os.getcwd()),
-    }
-    keep = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
-    # the outermost folders only: a bind of /tmp/ci/.venv inside a bind of /tmp/ci adds nothing
-    return [p for p in keep if not any(p != q and p.startswith(q + "/") for q in keep) and p != "/tmp"]

@@ -59,6 +59,18 @@ def _kill_pidfile(path: Path) -> None:
         pass
 
 
+def _worker_argv(
+    strategy: str, fault: str, boundary: str, job: Path, *, seed: int, workers: int, ckpt_every: int | None = None
+) -> list[str]:
+    """`-m gpuguard.transitions.real_worker ...`: one worker's arguments (the last rank is the victim)."""
+    argv = ["-m", "gpuguard.transitions.real_worker", "--strategy", strategy, "--job-dir", str(job)]
+    argv += ["--steps", str(STEPS)]
+    if ckpt_every is not None:
+        argv += ["--ckpt-every", str(ckpt_every)]
+    argv += ["--fault", fault, "--boundary", boundary, "--fault-step", str(FAULT_STEP)]
+    return argv + ["--victim", str(workers - 1), "--seed", str(seed)]
+
+
 def run_job(
     strategy: str, fault: str, boundary: str, job: Path, *, seed: int, timeout_s: float, workers: int = WORKERS
 ) -> tuple[int, str]:
@@ -75,26 +87,7 @@ def run_job(
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id=transitions-{port}",
         "--monitor-interval=0.1",
-        "-m",
-        "gpuguard.transitions.real_worker",
-        "--strategy",
-        strategy,
-        "--job-dir",
-        str(job),
-        "--steps",
-        str(STEPS),
-        "--ckpt-every",
-        str(CKPT_EVERY),
-        "--fault",
-        fault,
-        "--boundary",
-        boundary,
-        "--fault-step",
-        str(FAULT_STEP),
-        "--victim",
-        str(workers - 1),
-        "--seed",
-        str(seed),
+        *_worker_argv(strategy, fault, boundary, job, seed=seed, workers=workers, ckpt_every=CKPT_EVERY),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", PG_TIMEOUT_ENV: "20"}
     if strategy == "restart-all":
@@ -142,24 +135,7 @@ def run_plain_job(
                 subprocess.Popen(
                     [
                         sys.executable,
-                        "-m",
-                        "gpuguard.transitions.real_worker",
-                        "--strategy",
-                        "communicator-only",
-                        "--job-dir",
-                        str(job),
-                        "--steps",
-                        str(STEPS),
-                        "--fault",
-                        fault,
-                        "--boundary",
-                        boundary,
-                        "--fault-step",
-                        str(FAULT_STEP),
-                        "--victim",
-                        str(workers - 1),
-                        "--seed",
-                        str(seed),
+                        *_worker_argv("communicator-only", fault, boundary, job, seed=seed, workers=workers),
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -150,7 +150,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         return BACKEND_NAME
 
-    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+    def guard(self, what: str, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`; an etcd failure becomes torch's RendezvousConnectionError naming `what`."""
         try:
             return fn(*args)
         except (EtcdUnavailable, EtcdRequestFailed) as exc:
@@ -189,7 +190,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return state, kv.mod_revision
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        kvs = range_kvs(self._guard("get_state", self.conn.range, self.key, "rendezvous get_state"))
+        kvs = range_kvs(self.guard("get_state", self.conn.range, self.key, "rendezvous get_state"))
         return self._decode(kvs[0]) if kvs else None
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
@@ -205,7 +206,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         def go(lease: int) -> dict[str, Any]:
             return self.conn.txn("rendezvous set_state", [cmp], [put_op(self.key, value, lease)], [range_op(self.key)])
 
-        got = self._guard("set_state", self.lease.attached, go)
+        got = self.guard("set_state", self.lease.attached, go)
         if got.get("succeeded"):
             self._remember(mac_of(value))  # torch's own state: nothing to validate
             return state, int(got["header"]["revision"]), True
@@ -228,7 +229,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return deleted
 
     def _delete_range(self, key: bytes, range_end: bytes | None) -> int:
-        return int(self._guard("prune", lambda: self.conn.delete(key, "rendezvous prune", range_end=range_end)))
+        return int(self.guard("prune", lambda: self.conn.delete(key, "rendezvous prune", range_end=range_end)))
 
     def depart(self, node: str, members: set[str], closed_ttl: int) -> bool:
         """Record that `node` has shut down; the last of `members` to do so removes the run's keys.
@@ -237,30 +238,28 @@ class EtcdRendezvousBackend(RendezvousBackend):
         revoked: the store keys, the departures and the lease key go with it. True when it cleaned.
         """
         marks = self.base + b"departed/"
-        self._guard(
+        self.guard(
             "depart",
             self.lease.attached,
             lambda lease: self.conn.txn(
                 "rendezvous depart", [], [put_op(marks + quote(node, safe="").encode(), b"1", lease)]
             ),
         )
-        got = self._guard(
-            "depart", lambda: self.conn.range(marks, "rendezvous departures", prefix=True, keys_only=True)
-        )
+        got = self.guard("depart", lambda: self.conn.range(marks, "rendezvous departures", prefix=True, keys_only=True))
         gone = {kv.key[len(marks) :].decode(errors="replace") for kv in range_kvs(got)}
         if not {quote(m, safe="") for m in members} <= gone:
             return False
-        kvs = range_kvs(self._guard("depart", self.conn.range, self.key, "rendezvous state"))
+        kvs = range_kvs(self.guard("depart", self.conn.range, self.key, "rendezvous state"))
         if kvs and closed_ttl > 0:
-            short = self._guard("depart", self.conn.grant, closed_ttl, "closed-state lease")
-            self._guard(
+            short = self.guard("depart", self.conn.grant, closed_ttl, "closed-state lease")
+            self.guard(
                 "depart",
                 self.conn.txn,
                 "rendezvous keep closed state",
                 [compare(self.key, "MOD", kvs[0].mod_revision)],
                 [put_op(self.key, kvs[0].value, short)],
             )
-        self._guard("depart", self.lease.revoke)
+        self.guard("depart", self.lease.revoke)
         return True
 
 
@@ -299,6 +298,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     _gpuguard_backend: EtcdRendezvousBackend
     _gpuguard_closed_ttl: int = 60
+
+    def attach(self, backend: EtcdRendezvousBackend, closed_ttl: int) -> None:
+        """The backend this handler prunes and departs through, and the TTL of a closed round's keys."""
+        self._gpuguard_backend = backend
+        self._gpuguard_closed_ttl = closed_ttl
 
     @property
     def use_agent_store(self) -> bool:
@@ -384,7 +388,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     store = EtcdStore(
         conn, base + b"store/", lease=lease, timeout=timedelta(seconds=_conf_float(params, "store_timeout"))
     )
-    backend._guard("connect", lease.id)
+    backend.guard("connect", lease.id)
     return backend, store
 
 
@@ -414,6 +418,5 @@ def create_handler(params: RendezvousParameters | None = None) -> Any:
         keep_alive_interval=_conf_int(params, "keep_alive_interval", 5, 1),
         keep_alive_max_attempt=_conf_int(params, "keep_alive_max_attempt", 3, 1),
     )
-    handler._gpuguard_backend = backend
-    handler._gpuguard_closed_ttl = _conf_int(params, "closed_ttl", DEFAULTS["closed_ttl"], 0)
+    handler.attach(backend, _conf_int(params, "closed_ttl", DEFAULTS["closed_ttl"], 0))
     return handler

@@ -115,7 +115,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 _TORCH_NAMES = {NodeDesc: (TORCH_MODULE, "_NodeDesc"), RendezvousState: (TORCH_MODULE, "_RendezvousState")}
 
 
-class _TorchNamePickler(pickle._Pickler):  # type: ignore[name-defined]  # pure-Python pickler: save_global is overridable
+class _TorchNamePickler(pickle._Pickler):  # type: ignore[name-defined]  # noqa: SLF001 - the pure-Python pickler: save_global is overridable
     def save_global(self, obj: Any, name: str | None = None) -> None:
         target = _TORCH_NAMES.get(obj)
         if target is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from gpuguard.collectors import kernel_log, logparse, logscan
-from gpuguard.foundation import xid_catalog
+from gpuguard.foundation import gpu_faults
 from tests.support.cli import REPO
 
 DOC = (REPO / "docs" / "log-formats.md").read_text()
@@ -36,7 +36,7 @@ def test_every_event_kind_and_fault_is_documented():
     kinds = _kinds()
     assert {"xid", "gpu_fault", "cuda_error", "rendezvous_error", "config_error"} <= kinds
     assert not [k for k in kinds if k not in CODE], [k for k in kinds if k not in CODE]
-    assert not [f for f in xid_catalog.FAULTS if f not in CODE], [f for f in xid_catalog.FAULTS if f not in CODE]
+    assert not [f for f in gpu_faults.FAULTS if f not in CODE], [f for f in gpu_faults.FAULTS if f not in CODE]
 
 
 def test_the_scanners_keywords_are_documented():

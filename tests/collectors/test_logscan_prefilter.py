@@ -32,7 +32,7 @@ def _events(data: bytes, chunk: int, accelerated: bool) -> list[dict]:
 
 
 def test_every_marker_holds_a_prefilter_pattern():
-    patterns = logscan._PREFILTER_BYTES
+    patterns = logscan.PREFILTER_BYTES
     assert all(any(p in m.encode() for p in patterns) for m in MARKERS)
     assert all(any(p in m for m in MARKERS) for p in PREFILTER), "a pattern outside every marker only costs time"
     assert len(patterns) < len(MARKERS) and len(patterns) <= 64
@@ -43,7 +43,7 @@ def test_a_marker_no_pattern_covers_is_searched_as_it_is():
 
 
 def test_the_decoys_reach_the_parser_and_give_nothing_on_their_own():
-    finder = logscan.bytes_finder(logscan._PREFILTER_BYTES)
+    finder = logscan.bytes_finder(logscan.PREFILTER_BYTES)
     for decoy in DECOYS[: 2 * len(PREFILTER)]:
         data = bytearray(decoy.encode())
         assert finder(data, 0, len(data)), decoy

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuguard.foundation import gpu_faults
 from gpuguard.foundation import xid_catalog as catalog
 from gpuguard.foundation.events import Event
 
@@ -186,8 +187,8 @@ def test_resolution_buckets_per_code_with_their_source():
     assert catalog.lookup(13).source.startswith("NVIDIA Xid catalog")
     assert catalog.lookup(171).source.startswith("gpuguard") and "Xid 48" in catalog.lookup(171).source
     assert all(catalog.lookup(c).resolution in catalog.RESOLUTIONS for c in catalog.all_codes())
-    assert all(f.resolution in catalog.RESOLUTIONS and f.source for f in catalog.FAULTS.values())
-    assert catalog.fault("no_such_fault").severity == "review"
+    assert all(f.resolution in catalog.RESOLUTIONS and f.source for f in gpu_faults.FAULTS.values())
+    assert gpu_faults.fault("no_such_fault").severity == "review"
 
 
 def test_calibration_pending_remap_drain_and_reset_contained_ecc():
