@@ -9,6 +9,7 @@ last page's.
 from __future__ import annotations
 
 import datetime as _dt
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ def _when(t: float) -> str:
 def page_lines(doc: dict[str, Any]) -> list[str]:
     """The status page as plain lines (a `gpuguard.status/1` document in, text out)."""
     led = doc["ledger"]
-    lines = [f"job {doc['job_dir']} at {_when(doc['time'])}"]
+    lines = [f"{doc['job_dir']} at {_when(doc['time'])}"]
     if led["active_generation"] is None:
         lines.append(f"generation     unknown: {led['problem'] or 'no certificate'}")
     else:
@@ -38,9 +39,17 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
             f"               CORRUPT OR UNVERIFIABLE: generation(s) {led['unverified_after_active']} "
             "are stored but do not verify"
         )
+    job = doc["job"]
+    lines.append(f"job            {job['state']}")
+    lines += [f"  {line}" for line in job["evidence"]]
     lines.append(
-        f"state          {doc['state'].upper()}" + (f": {'; '.join(doc['reasons'])}" if doc["reasons"] else "")
+        f"health         {doc['state'].upper()}" + (f": {'; '.join(doc['reasons'])}" if doc["reasons"] else "")
     )
+    resume = doc["resume"]
+    if resume["step"] is None:
+        lines.append(f"resume step    unknown: {resume['problem']}")
+    else:
+        lines.append(f"resume step    {resume['step']}: {resume['source']}")
     members = doc["members"]
     lines.append(f"members        {len(members)}" + (f" ({doc['members_problem']})" if doc["members_problem"] else ""))
     for m in members:
@@ -99,6 +108,35 @@ def _page(job_dir: Path, ledger: str | None, probe_timeout: float) -> dict[str, 
     return status.to_json(facts, status.decide(facts))
 
 
+def _await_job(job_dir: Path, wait_s: float, interval_s: float) -> None:
+    """With --follow, a job dir that is not there yet is waited for (bounded, said once on stderr), so
+    `status --follow` can be started before the job; after `wait_s` the usual one line and 66."""
+    from gpuguard.foundation.errors import NoInputError
+    from gpuguard.foundation.jobdir import require_job_dir
+
+    try:
+        require_job_dir(job_dir)
+        return
+    except NoInputError as exc:
+        if wait_s <= 0:
+            raise
+        first = exc
+    print(
+        safe_line(f"gpu-recover status: {first}; waiting up to {wait_s:g} s for it to appear (Ctrl-C to stop)"),
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+        try:
+            require_job_dir(job_dir)
+            return
+        except NoInputError:
+            continue
+    raise NoInputError(f"{first} after waiting {wait_s:g} s")
+
+
 def register(*, app: typer.Typer) -> None:
     """Add `gpu-recover status` to the app."""
 
@@ -111,17 +149,27 @@ def register(*, app: typer.Typer) -> None:
         follow: bool = typer.Option(False, "--follow", help="Refresh until Ctrl-C."),
         interval: float = typer.Option(2.0, "--interval", min=0.1, metavar="S", help="Seconds between refreshes."),
         count: int = typer.Option(0, "--count", min=0, metavar="N", help="With --follow: stop after N pages."),
+        wait: float = typer.Option(
+            600.0,
+            "--wait",
+            min=0.0,
+            metavar="S",
+            help="With --follow: wait up to S seconds for the job directory to appear (a job not started yet).",
+        ),
         ledger: str | None = typer.Option(None, "--ledger", help="Ledger URL (default: the job dir's)."),
         probe_timeout: float = typer.Option(
             5.0, "--probe-timeout", min=0.1, metavar="S", help="Deadline of each probe (ledger, processes, records)."
         ),
     ) -> int:
-        """Active generation, members alive or gone, the vote, torchrun hazards, audit; safe to resume?
+        """What the job is doing (running, restarting, switching in place, finished, down) and the
+        evidence; members, the vote, torchrun hazards, audit; the resume step; safe to resume?
 
         Exit 0 healthy, 1 warning, 2 critical, 3 unknown.
         """
         import json
 
+        if follow:
+            _await_job(job_dir, wait, interval)
         require_job(job_dir)
         if not follow:
             doc = _page(job_dir, ledger, probe_timeout)

@@ -130,6 +130,25 @@ def read_reports(job_dir: str | os.PathLike[str], generation: int) -> dict[int, 
     return out
 
 
+REFUSED_FILE = "refused.json"
+
+
+def refusal_path(job_dir: str | os.PathLike[str], generation: int) -> Path:
+    """`g<G>/refused.json`: the coordinator's refusal to switch generation G in place."""
+    return inplace_dir(job_dir) / f"g{int(generation)}" / REFUSED_FILE
+
+
+def read_refusal(job_dir: str | os.PathLike[str], generation: int) -> dict[str, Any] | None:
+    """The refusal of generation G's switch (None: none; an unreadable file is a refusal that says so)."""
+    path = refusal_path(job_dir, generation)
+    if not path.exists():
+        return None
+    try:
+        return jobdir.read_json(path)
+    except GpuguardError:
+        return {"reason": f"{path} unreadable"}
+
+
 def request_abort(job_dir: str | os.PathLike[str], generation: int, why: str = "operator") -> Path:
     """An operator's abort of generation `generation`: its members switch in place at the next step."""
     path = inplace_dir(job_dir) / ABORT_FILE

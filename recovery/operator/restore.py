@@ -1,8 +1,9 @@
 """`gpu-recover restore`: pin the newest complete, verified state at or before the committed frontier.
 
 The pin (`restore.json`, `foundation.jobdir.RestorePin`) bounds the next activation only; it never
-moves the frontier forward. The candidates are verified as the runtime will verify them
-(`recovery.snapshots.store.select_restorable`), so the step it names is the step the job resumes from.
+moves the frontier forward. The candidates are verified as the runtime will verify them, by the one rule
+`gpu-recover status` uses too (`recovery.operator.resume`), so the step it names is the step the job
+resumes from.
 """
 
 from __future__ import annotations
@@ -13,13 +14,9 @@ from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, GpuguardError, NoInputError, UsageError
-from gpuguard.generation.frontier import frontier_limit
-from gpuguard.generation.ledger_open import open_ledger
+from gpuguard.generation.job import open_job_ledger
 from gpuguard.recovery.operator.result import ActionResult
-from gpuguard.recovery.snapshots import store as snapshot
-from gpuguard.recovery.snapshots.parts import LAYOUT as SHARDED
-from gpuguard.recovery.snapshots.parts import parts_problem
-from gpuguard.recovery.snapshots.store import SnapshotInfo
+from gpuguard.recovery.operator.resume import ResumePoint, resume_point
 
 
 def restore(
@@ -42,17 +39,18 @@ def restore(
         raise NoInputError(f"{job_dir}: no such job directory")
     if max_tries < 1:
         raise UsageError("--max-tries must be at least 1")
-    frontier, source = _frontier(job_dir)
-    bound = step if frontier is None else (frontier if step is None else min(step, frontier))
     root = jobdir.snapshot_root(job_dir, snapshot_root)
     if not root.is_dir():
         raise NoInputError(f"{root}: no such snapshot root")
-    selection = snapshot.select_restorable(root, bound, max_tries=max_tries, check=runtime_check)
+    point = _resume_point(job_dir, step, max_tries, snapshot_root)
+    selection, bound, frontier = point.selection, point.bound, point.frontier.limit
+    source = point.frontier.source
     details: dict[str, Any] = {
         "frontier": frontier,
         "frontier_source": source,
         "limit": bound,
         "snapshot_root": str(root),
+        "resume": point.to_json(),
         **selection.to_dict(),
     }
     if selection.chosen is None:
@@ -84,7 +82,7 @@ def restore(
     # what the pin changes, in words: the next activation's bound (`activation.restore_bound`)
     change = f"the next generation starts from step {chosen.step}"
     if frontier is None:
-        change += f" (no frontier limit to compare with: {source})"
+        change += f" (no frontier limit to compare with: none ({source}))"
     elif chosen.step < frontier:
         change += f" instead of the frontier limit, step {frontier}"
     else:
@@ -99,22 +97,14 @@ def restore(
     return ActionResult("restore", "done", EXIT_OK, f"pinned {summary}", details)
 
 
-def _frontier(job_dir: Path) -> tuple[int | None, str]:
-    """The newest step the next generation may start from (the runtime's own rule: `frontier_limit`)."""
-    if not jobdir.ledger_dir(job_dir).exists():
-        return None, "none (no ledger: bounded by --step only)"
-
-    with open_ledger(job_dir) as ledger:
-        cert = ledger.active()
-        if cert is None:
-            return None, "none (no active certificate)"
-        committed = ledger.last_committed_by_all(cert.generation) if cert.members else None
-    return frontier_limit(cert, committed), f"generation {cert.generation} (committed by all: {committed})"
-
-
-def runtime_check(info: SnapshotInfo) -> str | None:
-    """What the runtime checks beyond the manifest before it loads a state: a sharded snapshot's
-    every part present, unaltered and together the manifest (`snapshots.parts.parts_problem`). Without it,
-    restore pinned a snapshot with a missing or swapped part, the runtime refused it and resumed a
-    step earlier than the pin said."""
-    return parts_problem(info) if info.layout == SHARDED else None
+def _resume_point(job_dir: Path, step: int | None, max_tries: int, snapshot_root: Path | None) -> ResumePoint:
+    """`resume.resume_point` without the pin on disk (restore chooses the next pin); the ledger wherever
+    the job keeps it (the directory or the etcd URL in `ledger.url`)."""
+    if not any(p.exists() for p in (jobdir.ledger_dir(job_dir), jobdir.ledger_url_path(job_dir))):
+        return resume_point(
+            job_dir, None, step=step, honour_pin=False, snapshot_root=snapshot_root, max_tries=max_tries
+        )
+    with open_job_ledger(job_dir) as ledger:
+        return resume_point(
+            job_dir, ledger, step=step, honour_pin=False, snapshot_root=snapshot_root, max_tries=max_tries
+        )

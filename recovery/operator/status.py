@@ -8,11 +8,14 @@ host is "unknown: on another host"), the dead-versus-slow vote (`doctor.job_obse
 fenced commits and refused activations from the ledger, the last audit entries and the incarnations
 evicted by in-place switches (the certificates' `extra`).
 
-`decide` is pure (facts in, decision out, no I/O): the page's state (healthy / warning / critical /
-unknown, exit 0 / 1 / 2 / 3) and the one line "safe to resume: yes/no, because …". Resuming is safe
-only when the certificate chain checks out to the active generation, nothing past it is stored
-unverified, and every member of the active generation is proved gone: a member on another host,
-one this user cannot read, or a probe that timed out is never a proof of quiescence.
+`decide` is pure (facts in, decision out, no I/O): what the job is doing (`lifecycle`: running,
+restarting (agent alive), switching in place, finished, down, each with the evidence it rests on), the
+page's health (healthy / warning / critical / unknown, exit 0 / 1 / 2 / 3) and the one line "safe to
+resume: yes/no, because …" with the step a resume starts from (`recovery.operator.resume`, the rule
+`restore` uses too). Resuming is safe only when the certificate chain checks out to the active
+generation, nothing past it is stored unverified, and every member of the active generation is proved
+gone: a member on another host, one this user cannot read, or a probe that timed out is never a proof
+of quiescence; and no torchrun agent of the job is alive to restart it on its own.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,9 +35,28 @@ from gpuguard.diagnostics.vote import load_config, vote
 from gpuguard.doctor.job_observation import observe_job
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK, EXIT_UNKNOWN, EXIT_WARNING, DataError, GpuguardError
 from gpuguard.foundation.identity import ALIVE_STATES, GONE_STATES, process_status
-from gpuguard.foundation.jobdir import iter_incarnations
+from gpuguard.foundation.inplace_files import abort_requested, read_refusal, read_reports
+from gpuguard.foundation.jobdir import iter_incarnations, ledger_dir, ledger_url_path
+from gpuguard.foundation.observations import CLOSED
+from gpuguard.foundation.steplog import safe_incarnation
 from gpuguard.generation.job import open_job_ledger
 from gpuguard.recovery.operator import audit
+from gpuguard.recovery.operator.lifecycle import (
+    DOWN,
+    FINISHED,
+    NOT_STARTED,
+    RESTARTING,
+    RUNNING,
+    STARTING,
+    SWITCHING,
+    Lifecycle,
+    MemberLiveness,
+    MemberRecord,
+    SwitchEvidence,
+    lifecycle,
+    ranks,
+)
+from gpuguard.recovery.operator.resume import resume_point
 
 SCHEMA = "gpuguard.status/1"
 AUDIT_TAIL = 5
@@ -43,26 +65,6 @@ _LEVEL = {HEALTHY: 0, WARN: 1, UNKNOWN: 2, CRIT: 3}
 EXIT_BY_STATE = {HEALTHY: EXIT_OK, WARN: EXIT_WARNING, CRIT: EXIT_CRITICAL, UNKNOWN: EXIT_UNKNOWN}
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class MemberLiveness:
-    rank: int
-    incarnation: str
-    host: str
-    pid: int
-    state: str  # alive | gone | unknown
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "incarnation": self.incarnation,
-            "host": self.host,
-            "pid": self.pid,
-            "state": self.state,
-            "detail": self.detail,
-        }
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,14 @@ class StatusFacts:
     evicted: tuple[Mapping[str, Any], ...] = ()
     unreadable_incarnations: tuple[str, ...] = ()  # why each unreadable incarnation record could not be read
     incarnations_problem: str | None = None  # the records could not be scanned at all (timed out)
+    agents: tuple[int, ...] | None = None  # live torchrun agents of the job on this host (None: not read)
+    new_workers: tuple[tuple[int, int], ...] = ()  # (rank, pid): live workers no member of the active generation
+    records: Mapping[int, MemberRecord] = field(default_factory=dict)  # member rank -> its step log in G
+    switch: SwitchEvidence = SwitchEvidence()
+    resume_step: int | None = None  # the step the next activation starts from (`recovery.operator.resume`)
+    resume_source: str | None = None
+    resume: Mapping[str, Any] | None = None  # `ResumePoint.to_json()`
+    resume_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class Decision:
     safe_to_resume: bool
     because: str
     reasons: tuple[str, ...] = field(default_factory=tuple)  # why the state is not healthy
+    job: Lifecycle = Lifecycle("unknown", ())
 
     @property
     def exit_code(self) -> int:
@@ -111,30 +122,52 @@ class Decision:
 # --- the decision (pure) -----------------------------------------------------------------------
 
 
-def decide(facts: StatusFacts) -> Decision:
-    """The page's state and "safe to resume"; a pure function of the facts."""
-    reasons: list[tuple[str, str]] = []  # (state, why)
-    alive = [m for m in facts.members if m.state == "alive"]
-    gone = [m for m in facts.members if m.state == "gone"]
-    unsure = [m for m in facts.members if m.state not in ("alive", "gone")]
-    gen = facts.generation
+def job_lifecycle(facts: StatusFacts) -> Lifecycle:
+    """What the job is doing, with the evidence (`lifecycle.lifecycle` over the gathered facts)."""
+    return lifecycle(
+        facts.generation,
+        facts.members,
+        records=facts.records,
+        agents=None if facts.hazards_problem else facts.agents,
+        new_workers=facts.new_workers,
+        switch=facts.switch,
+        problem=facts.ledger_problem if facts.generation is None else facts.members_problem,
+    )
 
+
+# the health each lifecycle state gives the page, and why (None: the state says nothing is wrong)
+_STATE_HEALTH: dict[str, tuple[str, str] | None] = {
+    RUNNING: None,
+    FINISHED: None,
+    NOT_STARTED: None,
+    STARTING: (WARN, "torchrun is starting the workers"),
+    RESTARTING: (WARN, "torchrun is restarting the workers"),
+    SWITCHING: (WARN, "the survivors are switching generation in place"),
+    DOWN: (CRIT, "the job is down"),
+    "unknown": (UNKNOWN, "what the job is doing cannot be told from here"),
+}
+
+
+def decide(facts: StatusFacts) -> Decision:
+    """The job's lifecycle state, the page's health and "safe to resume"; a pure function of the facts."""
+    job = job_lifecycle(facts)
+    reasons: list[tuple[str, str]] = []  # (state, why)
     if facts.unverified_after_active:
         reasons.append((CRIT, f"generation(s) {list(facts.unverified_after_active)} are stored but do not verify"))
     if facts.ledger_problem:
         reasons.append((UNKNOWN, f"ledger: {facts.ledger_problem}"))
     if facts.members_problem:
         reasons.append((UNKNOWN, f"members: {facts.members_problem}"))
-    if gone and alive:
-        reasons.append((CRIT, f"{len(gone)} member(s) of generation {gen} gone while {len(alive)} alive"))
-    elif gone and not alive and not unsure:
-        reasons.append((CRIT, f"every member of generation {gen} is gone: the job is down"))
-    elif unsure and not alive and not gone:
-        reasons.append((UNKNOWN, f"no member of generation {gen} can be checked from here"))
+    health = _STATE_HEALTH.get(job.state)
+    if health is not None and not (facts.ledger_problem or facts.members_problem):
+        level, why = health
+        reasons.append((level, f"{why}: {job.evidence[0]}" if job.evidence else why))
     verdict = (facts.vote or {}).get("verdict")
-    if verdict in ("dead", "hung"):
+    # the vote judges live ranks: a finished job, or one torchrun is (re)starting, has no pace to judge
+    live = job.state not in (FINISHED, RESTARTING, STARTING, NOT_STARTED)
+    if live and verdict in ("dead", "hung"):
         reasons.append((CRIT, f"vote: {verdict}: {(facts.vote or {}).get('reason', '')}".rstrip(": ")))
-    elif verdict == "slow":
+    elif live and verdict == "slow":
         reasons.append((WARN, f"vote: slow: {(facts.vote or {}).get('reason', '')}".rstrip(": ")))
     if facts.vote_problem and facts.vote is None and "timed out" in facts.vote_problem:
         reasons.append((UNKNOWN, f"vote: {facts.vote_problem}"))
@@ -158,14 +191,20 @@ def decide(facts: StatusFacts) -> Decision:
         reasons.append((UNKNOWN, f"incarnation records: {facts.incarnations_problem}"))
 
     state = max((s for s, _ in reasons), key=_LEVEL.__getitem__, default=HEALTHY)
-    safe, because = _safe_to_resume(facts, alive, unsure)
-    return Decision(state, safe, because, tuple(why for _, why in reasons))
+    safe, because = _safe_to_resume(facts, job)
+    return Decision(state, safe, because, tuple(why for _, why in reasons), job)
 
 
-def _safe_to_resume(
-    facts: StatusFacts, alive: Sequence[MemberLiveness], unsure: Sequence[MemberLiveness]
-) -> tuple[bool, str]:
+def _resume_words(facts: StatusFacts) -> str:
+    if facts.resume_step is None:
+        return f"the resume step is unknown ({facts.resume_problem or 'not read'})"
+    return f"resume from step {facts.resume_step} ({facts.resume_source})"
+
+
+def _safe_to_resume(facts: StatusFacts, job: Lifecycle) -> tuple[bool, str]:
     gen = facts.generation
+    alive = [m for m in facts.members if m.state == "alive"]
+    unsure = [m for m in facts.members if m.state not in ("alive", "gone")]
     if facts.unverified_after_active:
         return False, (
             f"generation(s) {list(facts.unverified_after_active)} are stored but do not verify: "
@@ -175,11 +214,17 @@ def _safe_to_resume(
         return False, f"there is no verified active generation ({facts.ledger_problem or 'no certificate'})"
     if facts.members_problem:
         return False, f"the members' liveness is unknown ({facts.members_problem})"
-    if alive:
-        ranks = ", ".join(str(m.rank) for m in alive[:8]) + (" …" if len(alive) > 8 else "")
+    if job.state in (RESTARTING, STARTING):
         return False, (
-            f"{len(alive)} member(s) of generation {gen} are still alive (rank {ranks}): the job is running; "
-            "a second copy would split it (stop it first: `gpu-recover abort --include-active`)"
+            f"torchrun is {'re' if job.state == RESTARTING else ''}starting the job itself "
+            f"({job.evidence[-1]}); a second copy would split it; it will {_resume_words(facts)}"
+        )
+    if job.state == SWITCHING:
+        return False, "the survivors are switching to the next generation in place; a second copy would split it"
+    if alive:
+        return False, (
+            f"{len(alive)} member(s) of generation {gen} are still alive (rank {ranks([m.rank for m in alive])}): "
+            "the job is running; a second copy would split it (stop it first: `gpu-recover abort --include-active`)"
         )
     if unsure:
         first = unsure[0]
@@ -194,8 +239,12 @@ def _safe_to_resume(
         return False, f"the job's workers on this host could not be checked ({facts.hazards_problem})"
     if not facts.members:
         return True, f"generation {gen} has no members (nothing has run yet)"
-    step = f"; resume from step {facts.frontier_step}" if facts.frontier_step is not None else ""
-    return True, f"every member of generation {gen} is gone and the certificate chain checks out{step}"
+    if job.state == FINISHED:
+        return True, f"the job finished cleanly in generation {gen}; a new run would {_resume_words(facts)}"
+    return (
+        True,
+        f"every member of generation {gen} is gone and the certificate chain checks out; {_resume_words(facts)}",
+    )
 
 
 # --- gathering (I/O, each probe with a deadline) -----------------------------------------------
@@ -280,23 +329,55 @@ def _read_ledger(job_dir: Path, url: str | None, timeout_s: float) -> dict[str, 
         return out
 
 
-def _read_vote(job_dir: Path) -> dict[str, Any] | None:
+def _read_vote(job_dir: Path) -> tuple[dict[str, Any] | None, dict[tuple[int, str], MemberRecord]]:
+    """The vote over the step records, and each (rank, incarnation)'s step log: closed cleanly or not."""
     records, observations = observe_job(job_dir)
+    logs = {
+        (r, s.incarnation): MemberRecord(s.phase.kind == CLOSED, s.steps[-1].step if s.steps else None)
+        for r, s in records.ranks.items()
+    }
     if not observations:
-        return None
+        return None, logs
     job = vote(observations, load_config(None))
-    return {
+    doc = {
         "verdict": job.verdict,
         "reason": job.reason,
         "counts": dict(job.counts),
         "culprits": list(job.culprits),
         "ranks": len(observations),
     }
+    return doc, logs
 
 
-def _read_hazards(job_dir: Path) -> tuple[tuple[Mapping[str, Any], ...], int]:
-    assessment = assess_facts(gather_torchrun(job_dir), now=time.time())
-    return tuple(h.to_json() for h in assessment.hazards), assessment.live_workers
+def _read_hazards(
+    job_dir: Path,
+) -> tuple[tuple[Mapping[str, Any], ...], int, tuple[int, ...], dict[str, tuple[int, int]]]:
+    """torchrun's hazards, live workers, live agents of the job here, and live workers by incarnation id."""
+    facts = gather_torchrun(job_dir)
+    assessment = assess_facts(facts, now=time.time())
+    workers = {w.incarnation_id: (w.rank, w.pid) for w in facts.workers if w.alive}
+    agents = tuple(sorted({a.pid for a in facts.agents}))
+    return tuple(h.to_json() for h in assessment.hazards), assessment.live_workers, agents, workers
+
+
+def _read_switch(job_dir: Path, generation: int) -> SwitchEvidence:
+    """The in-place switch files of generation G (the directory transport; with etcd they live in etcd)."""
+    reports = read_reports(job_dir, generation)
+    refused = read_refusal(job_dir, generation)
+    return SwitchEvidence(
+        reported=tuple(sorted(reports)),
+        refused=None if refused is None else str(refused.get("reason", "refused")),
+        abort_requested=abort_requested(job_dir, generation),
+        committed={r: rep.committed_step for r, rep in reports.items()},
+    )
+
+
+def _read_resume(job_dir: Path, url: str | None, timeout_s: float) -> dict[str, Any]:
+    """The step the next activation starts from (`resume.resume_point`: the rule restore uses too)."""
+    if url is None and not any(p.exists() for p in (ledger_dir(job_dir), ledger_url_path(job_dir))):
+        return resume_point(job_dir, None).to_json()
+    with open_job_ledger(job_dir, url, timeout=timeout_s) as led:
+        return resume_point(job_dir, led).to_json()
 
 
 def _read_incarnations(job_dir: Path) -> tuple[str, ...]:
@@ -337,7 +418,9 @@ def gather(
     hazards = _bounded(lambda: _read_hazards(path), probe_timeout_s)
     tail = _bounded(lambda: _read_audit(path), probe_timeout_s)
     records = _bounded(lambda: _read_incarnations(path), probe_timeout_s)
+    resume = _bounded(lambda: _read_resume(path, ledger_url, probe_timeout_s), probe_timeout_s)
     facts: dict[str, Any] = {"job_dir": str(path), "time": now}
+    cert = None
     try:
         led = ledger()
         facts["ledger_url"] = led["url"]
@@ -356,22 +439,40 @@ def gather(
             )
             here = _here()
             members = _bounded(lambda: tuple(liveness(m, here) for m in cert.members), probe_timeout_s)
+            switch = _bounded(lambda: _read_switch(path, cert.generation), probe_timeout_s)
             try:
                 facts["members"] = members()
             except Exception as exc:  # noqa: BLE001 - the page shows what failed
                 facts["members_problem"] = _problem(exc)
+            try:
+                facts["switch"] = switch()
+            except Exception:  # noqa: BLE001 - no readable switch file is no switch evidence
+                pass
     except Exception as exc:  # noqa: BLE001
         facts["ledger_problem"] = _problem(exc)
     try:
-        facts["vote"] = votes()
+        facts["vote"], logs = votes()
         if facts["vote"] is None:
             facts["vote_problem"] = "no step records under ranks/"
+        if cert is not None:
+            facts["records"] = {
+                m.rank: logs[(m.rank, safe_incarnation(m.incarnation.id))]
+                for m in cert.members
+                if (m.rank, safe_incarnation(m.incarnation.id)) in logs
+            }
     except Exception as exc:  # noqa: BLE001
         facts["vote_problem"] = _problem(exc)
     try:
-        facts["hazards"], facts["live_workers"] = hazards()
+        facts["hazards"], facts["live_workers"], facts["agents"], workers = hazards()
+        member_ids = {m.incarnation.id for m in cert.members} if cert is not None else set()
+        facts["new_workers"] = tuple(sorted(w for inc, w in workers.items() if inc not in member_ids))
     except Exception as exc:  # noqa: BLE001
         facts["hazards_problem"] = _problem(exc)
+    try:
+        point = resume()
+        facts.update(resume=point, resume_step=point["step"], resume_source=point["source"])
+    except Exception as exc:  # noqa: BLE001
+        facts["resume_problem"] = _problem(exc)
     try:
         facts["audit_tail"] = tail()
     except Exception as exc:  # noqa: BLE001
@@ -394,6 +495,13 @@ def to_json(facts: StatusFacts, decision: Decision) -> dict[str, Any]:
         "safe_to_resume": decision.safe_to_resume,
         "because": decision.because,
         "reasons": list(decision.reasons),
+        "job": decision.job.to_json(),
+        "resume": {
+            "step": facts.resume_step,
+            "source": facts.resume_source,
+            "problem": facts.resume_problem,
+            **{k: v for k, v in (facts.resume or {}).items() if k not in ("step", "source")},
+        },
         "ledger": {
             "url": facts.ledger_url,
             "active_generation": facts.generation,

@@ -12,6 +12,7 @@ import psutil
 from gpuguard.generation.job import init_job, open_job_ledger
 from gpuguard.generation.records import Incarnation, Member
 from gpuguard.recovery.operator import audit
+from gpuguard.recovery.operator.lifecycle import MemberRecord, SwitchEvidence
 from gpuguard.recovery.operator.status import MemberLiveness, StatusFacts, decide
 from tests.support.cli import run_cli
 from tests.support.generation import child
@@ -19,7 +20,16 @@ from tests.support.processes import reap, spawn
 
 
 def facts(**kw) -> StatusFacts:
-    base = {"job_dir": "/j", "time": 0.0, "generation": 3, "digest": "d" * 64, "frontier_step": 40}
+    base = {
+        "job_dir": "/j",
+        "time": 0.0,
+        "generation": 3,
+        "digest": "d" * 64,
+        "frontier_step": 40,
+        "agents": (),
+        "resume_step": 40,
+        "resume_source": "snapshot of step 40",
+    }
     return StatusFacts(**{**base, **kw})
 
 
@@ -32,8 +42,9 @@ def test_every_member_gone_is_safe_to_resume_and_critical():
     assert d.safe_to_resume and d.state == "critical" and d.exit_code == 2
     assert d.line() == (
         "safe to resume: yes, because every member of generation 3 is gone and the certificate chain checks out; "
-        "resume from step 40"
+        "resume from step 40 (snapshot of step 40)"
     )
+    assert d.job.state == "down"
 
 
 def test_a_running_healthy_job_is_healthy_and_not_safe_to_resume():
@@ -66,7 +77,8 @@ def test_no_certificate_is_unknown_and_not_safe():
 def test_a_partial_failure_is_critical():
     d = decide(facts(members=(m(0, "gone"), m(1, "alive")), vote={"verdict": "dead", "reason": "rank 0 dead"}))
     assert d.state == "critical" and not d.safe_to_resume
-    assert any("gone while 1 alive" in r for r in d.reasons) and any(r.startswith("vote: dead") for r in d.reasons)
+    assert d.job.state == "down" and any("rank 1 alive; rank 0 gone" in r for r in d.reasons)
+    assert any(r.startswith("vote: dead") for r in d.reasons)
 
 
 def test_slow_vote_and_warning_hazards_are_warnings():
@@ -197,3 +209,64 @@ def test_a_silent_ledger_is_bounded_by_the_probe_deadline(tmp_path):
     assert doc["ledger"]["active_generation"] is None and doc["ledger"]["problem"] == "timed out after 1 s"
     assert doc["safe_to_resume"] is False
     assert elapsed < 15, elapsed
+
+
+# --- the job's lifecycle, state by state (pure) ----------------------------------------------------
+
+
+def test_members_gone_with_the_agent_alive_is_a_restart_not_a_resume():
+    d = decide(facts(members=(m(0, "gone"), m(1, "gone")), agents=(4242,), new_workers=((0, 7), (1, 8))))
+    assert d.job.state == "restarting (agent alive)" and d.state == "warning" and d.exit_code == 1
+    assert not d.safe_to_resume and "a second copy would split it" in d.because and "resume from step 40" in d.because
+    assert "2 new worker(s) started by the agent, not yet in a generation (rank 0, 1)" in d.job.evidence
+    assert "torchrun agent pid 4242 alive" in d.job.evidence
+
+
+def test_every_member_closed_cleanly_is_finished_and_healthy():
+    closed = {0: MemberRecord(True, 14), 1: MemberRecord(True, 14)}
+    d = decide(facts(members=(m(0, "gone"), m(1, "gone")), records=closed, vote={"verdict": "dead", "reason": "x"}))
+    assert d.job.state == "finished" and d.state == "healthy" and d.exit_code == 0 and d.safe_to_resume
+    assert "every member closed its step log in generation 3 at step 14" in d.job.evidence
+    assert d.because.startswith("the job finished cleanly in generation 3; a new run would resume from step 40")
+
+
+def test_one_member_without_a_clean_close_is_down():
+    records = {0: MemberRecord(True, 14), 1: MemberRecord(False, 13)}
+    d = decide(facts(members=(m(0, "gone"), m(1, "gone")), records=records))
+    assert d.job.state == "down" and d.state == "critical"
+    assert "rank 1 ended without closing its step log (no clean exit)" in d.job.evidence
+
+
+def test_survivor_reports_are_a_switch_in_place():
+    sw = SwitchEvidence(reported=(1, 2), committed={1: 9, 2: 9})
+    d = decide(facts(members=(m(0, "gone"), m(1, "alive"), m(2, "alive")), switch=sw))
+    assert d.job.state == "switching in place" and d.state == "warning" and not d.safe_to_resume
+    assert "in-place reports of generation 3 from rank 1, 2" in d.job.evidence
+    refused = decide(facts(members=(m(0, "gone"), m(1, "alive")), switch=SwitchEvidence((1,), refused="TP group")))
+    assert refused.job.state == "down" and any("was refused: TP group" in e for e in refused.job.evidence)
+
+
+def test_every_member_alive_is_running_and_an_unreadable_process_table_is_said():
+    d = decide(facts(members=(m(0, "alive"),), agents=None))
+    assert d.job.state == "running" and "torchrun agents: unknown" in d.job.evidence[-1]
+    assert decide(facts(generation=0, frontier_step=0, agents=(7,))).job.state == "starting (agent alive)"
+    assert decide(facts(generation=0, frontier_step=0)).job.state == "not started"
+
+
+def test_follow_waits_for_a_job_dir_that_does_not_exist_yet(tmp_path):
+    import threading
+
+    jd = tmp_path / "later"
+    timer = threading.Timer(1.5, lambda: init_job(jd))
+    timer.start()
+    try:
+        r = run_cli("gpu-recover", "status", "--job-dir", str(jd), "--follow", "--count", "1", "--interval", "0.2")
+    finally:
+        timer.cancel()
+    assert r.returncode == 0, r.stderr
+    assert "no such directory); waiting up to 600 s for it to appear" in r.stderr and "not started" in r.stdout
+    never = run_cli("gpu-recover", "status", "--job-dir", str(tmp_path / "never"), "--follow", "--wait", "0.5")
+    assert never.returncode == 66 and never.stderr.strip().endswith("after waiting 0.5 s")
+    assert (
+        run_cli("gpu-recover", "status", "--job-dir", str(tmp_path / "never")).returncode == 66
+    )  # no --follow: no wait
