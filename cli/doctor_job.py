@@ -51,9 +51,9 @@ def render(doc: dict[str, Any]):  # -> rich renderable
         f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
         f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
     )
-    extra = _impact_line(doc)
-    if extra:
-        head.append(f"\n{safe_text(extra)}")
+    for extra in (_impact_line(doc), _post_mortem_line(doc)):
+        if extra:
+            head.append(f"\n{safe_text(extra)}")
     table = Table(show_edge=False, pad_edge=False)
     for col in ("rank", "verdict", "phase", "age", "own p50/p99", "compute", "last steps", "why"):
         table.add_column(col, overflow="fold" if col == "why" else "ellipsis", no_wrap=col != "why")
@@ -66,7 +66,7 @@ def render(doc: dict[str, Any]):  # -> rich renderable
             phase = f"coll {r.get('collective_seq')}"
         elif r.get("step", -1) >= 0:
             phase = f"{phase} {r['step']}"
-        mark = " *" if r.get("culprit") else ""
+        mark = _mark(r)
         table.add_row(
             str(r["rank"]),
             Text(r["verdict"] + mark, _COLOR.get(r["verdict"], "")),
@@ -94,6 +94,26 @@ def _superseded_lines(doc: dict[str, Any], limit: int = 16) -> list[str]:
     if len(old) > limit:
         lines.append(f"earlier generation: ... {len(old) - limit} more (--json lists them)")
     return lines
+
+
+def _mark(rank: dict[str, Any]) -> str:
+    """' (culprit)', ' (victim of rank 3)' or nothing: who is to blame, next to the verdict."""
+    if rank.get("culprit"):
+        return " (culprit)"
+    if rank.get("blocked_by"):
+        return f" (victim of rank {', '.join(str(b) for b in rank['blocked_by'][:4])})"
+    return ""
+
+
+def _post_mortem_line(doc: dict[str, Any]) -> str:
+    """When ranks were read from logs: the time they were judged as of (the logs' newest line)."""
+    pm = doc.get("post_mortem")
+    if not pm:
+        return ""
+    if pm.get("as_of") is None:
+        return "post-mortem: the logs carry no timestamps: ages are the files' ages"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pm["as_of"]))
+    return f"post-mortem: ranks {_span(tuple(pm['ranks']))} judged from their logs as of {when}, the last line"
 
 
 def _impact_line(doc: dict[str, Any]) -> str:
@@ -126,10 +146,12 @@ def _print_human(doc: dict[str, Any]) -> None:
     )
     if _impact_line(doc):
         print(safe_text(_impact_line(doc)))
+    if _post_mortem_line(doc):
+        print(safe_text(_post_mortem_line(doc)))
     top = per["p99"] * 1.5 or 1.0
     shown, hidden = _rows_to_show(doc["ranks"])
     for r in shown:
-        mark = " (culprit)" if r.get("culprit") else ""
+        mark = _mark(r)
         print(
             safe_text(
                 f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "

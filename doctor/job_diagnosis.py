@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuguard.collectors.log_steps import LogStepSpec
+from gpuguard.collectors.log_steps import LOG_INCARNATION, LogJob, LogStepSpec, read_log_job, watchdog_words
 from gpuguard.collectors.step_records import JobRecords
 from gpuguard.diagnostics.jobstats import distribution
 from gpuguard.diagnostics.vote import JobVerdict, load_config, to_json, vote
+from gpuguard.diagnostics.watchdog import judge_timeouts
 from gpuguard.doctor.job_observation import observe_job_generations
 from gpuguard.foundation.errors import DataError, NoInputError
 
@@ -77,16 +78,21 @@ def assess(
     for p in launcher_logs:
         if not p.is_file():
             raise NoInputError(f"{p}: no such torchrun log")
+    log_job = read_log_job(logs, log_spec) if logs else None
     records, observations, superseded = observe_job_generations(
         path,
         window=window,
         logs=logs,
         log_spec=log_spec,
+        log_job=log_job,
         node_reports=reports,
         launcher_logs=launcher_logs,
         outlier_cap_k=cfg.outlier_cap_k,
     )
     job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
+    if log_job is not None and log_job.timeouts:  # a post-mortem: the watchdog's own verdict counts
+        from_logs = {r for r, s in records.ranks.items() if s.incarnation == LOG_INCARNATION}
+        job = judge_timeouts(job, {r: t for r, t in log_job.timeouts.items() if r in from_logs})
     periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
     computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
     doc = to_json(
@@ -101,7 +107,18 @@ def assess(
         rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in recent if s.interval_s]
     if records.skipped_files:
         doc["skipped_files"] = list(records.skipped_files)
+    doc["post_mortem"] = None if log_job is None else post_mortem_json(log_job)
     return JobDiagnosis(job, doc, records)
+
+
+def post_mortem_json(log_job: LogJob) -> dict[str, Any]:
+    """What the logs' ranks were judged as of, and each rank's watchdog evidence."""
+    return {
+        "as_of": log_job.end_wall,
+        "ranks": sorted(log_job.ranks),
+        "untimed_steps": log_job.untimed_steps,
+        "watchdog": [{"rank": r, "words": watchdog_words(t), **t} for r, t in sorted(log_job.timeouts.items())],
+    }
 
 
 def watch(

@@ -310,8 +310,10 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                     raise ValueError("header is not an object")
                 if not header:
                     header = h
+                elif isinstance(h.get("generation"), int):  # an in-place switch reopens the log: the newest counts
+                    header = {**header, "generation": h["generation"]}
                 w, m = _f(str(h.get("wall", 0))), _f(str(h.get("mono", 0)))
-                if phase.kind == STARTING:
+                if phase.kind in (STARTING, CLOSED):  # after a close, a new header opens the next generation's log
                     phase = Phase(STARTING, since_wall=w, since_mono=m)
             else:
                 t = line[2:].split(" ")

@@ -247,9 +247,11 @@ def test_step_times_from_an_ordinary_log(tmp_path: Path) -> None:
     ms = LogStepSpec.compile(r"it (?P<step>\d+) took (?P<step_ms>\d+)ms", default_rank=5)
     log.write_text("it 1 took 250ms\nit 2 took 300ms\n")
     assert [s.compute_s for s in read_log_steps([log], ms)[5].steps] == [0.25, 0.3]
-    for bad in ("(", r"step (\d+)", r"(?P<step>\d+)"):
+    for bad in ("(", r"step (\d+)"):
         with pytest.raises(DataError):
             LogStepSpec.compile(bad)
+    log.write_text("2026-11-29 10:00:00,000 it 1\n2026-11-29 10:00:02,500 it 2\n")  # the lines' own time
+    assert [s.compute_s for s in read_log_steps([log], LogStepSpec.compile(r"it (?P<step>\d+)"))[0].steps] == [2.5]
     spec_file.write_text("pattern: [unclosed")
     with pytest.raises(DataError):
         LogStepSpec.from_yaml(spec_file)
