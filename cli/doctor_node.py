@@ -193,9 +193,10 @@ def _render_human(doc: dict[str, Any]) -> None:
     if drain:
         import shlex
 
-        out.print(
-            f"drain: {escape(shlex.join(drain['command']))}" + (f" ({drain['result']})" if drain.get("result") else "")
-        )
+        for command in drain.get("commands") or [drain["command"]]:
+            out.print(f"drain: {escape(shlex.join(command))}")
+        if drain.get("result"):
+            out.print(f"drain: {escape(str(drain['result']))}")
 
 
 def _read_summary(doc: dict[str, Any]) -> str:
@@ -330,6 +331,7 @@ def sweep_options(
     output_option: Sequence[str] = (),
     drain: bool = False,
     run_drain: bool = False,
+    drain_via: str = "slurm",
     node: str | None = None,
     nvml_timeout: float = 10.0,
     timeout: float = 10.0,
@@ -339,6 +341,8 @@ def sweep_options(
     if webhook_retries < 0 or webhook_retries > 10:
         raise UsageError("--webhook-retries must be between 0 and 10")
     output_options = _parse_options(output_option)
+    if drain_via not in ("slurm", "kubernetes"):
+        raise UsageError(f"--drain-via {drain_via!r}: expected slurm or kubernetes")
     from gpuguard.doctor.publish import PublishOptions
     from gpuguard.doctor.sweep import default_state_dir
     from gpuguard.doctor.sweeper import SweepOptions
@@ -359,6 +363,7 @@ def sweep_options(
         ),
         drain=drain,
         run_drain=run_drain,
+        drain_via=drain_via,
         node=node,
         nvml_timeout=nvml_timeout,
         timeout=timeout,
@@ -382,7 +387,8 @@ def sweep_cmd(
     if doc.get("drain") and out_fmt in ("npd", "nagios"):
         import shlex
 
-        print(f"gpu-doctor: drain: {shlex.join(doc['drain']['command'])}", file=sys.stderr)
+        for command in doc["drain"].get("commands") or [doc["drain"]["command"]]:
+            print(f"gpu-doctor: drain: {shlex.join(command)}", file=sys.stderr)
     if quiet and doc["exit_code"] == EXIT_OK:
         return EXIT_OK  # healthy: the textfile, the webhook and the state are written; stdout stays empty
     return _render(doc, out_fmt)
@@ -514,11 +520,19 @@ def sweep_option(name: str) -> Any:
         "output_option": lambda: typer.Option(
             [], "--output-option", metavar="NAME.KEY=VALUE", help="An option for an output plugin (repeatable)."
         ),
-        "drain": lambda: typer.Option(False, "--drain", help="On a drain verdict, print the Slurm drain command."),
+        "drain": lambda: typer.Option(False, "--drain", help="On a drain verdict, print the drain command."),
         "run_drain": lambda: typer.Option(
             False, "--run-drain", help="On a drain verdict, run it (implies --drain; once per drain verdict)."
         ),
-        "node": lambda: typer.Option(None, "--node", metavar="NAME", help="Slurm node name (default: host)."),
+        "drain_via": lambda: typer.Option(
+            "slurm",
+            "--drain-via",
+            metavar="slurm|kubernetes",
+            help="scontrol drain, or kubectl taint gpuguard.io/gpu-health=drain:NoSchedule + reason annotation.",
+        ),
+        "node": lambda: typer.Option(
+            None, "--node", metavar="NAME", help="Slurm / Kubernetes node name (default: host)."
+        ),
         "nvml_timeout": lambda: typer.Option(10.0, "--nvml-timeout", metavar="S"),
         "timeout": lambda: typer.Option(10.0, "--timeout", metavar="S", help="Deadline of one kernel-log read."),
     }
@@ -548,6 +562,7 @@ def _sweep_command() -> Callable[..., int]:
         output_option: list[str] = opt("output_option"),
         drain: bool = opt("drain"),
         run_drain: bool = opt("run_drain"),
+        drain_via: str = opt("drain_via"),
         node: str | None = opt("node"),
         json_: bool = typer.Option(False, "--json", help="Print the gpuguard.node/1 JSON document."),
         fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd|nagios", help="Output format."),

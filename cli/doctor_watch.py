@@ -86,6 +86,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         output_option: list[str] = opt("output_option"),
         drain: bool = opt("drain"),
         run_drain: bool = opt("run_drain"),
+        drain_via: str = opt("drain_via"),
         node: str | None = opt("node"),
         json_: bool = typer.Option(False, "--json", help="One gpuguard.node/1 document per line."),
         fmt: str | None = typer.Option(None, "--format", metavar="human|json|npd", help="Line format."),

@@ -1,4 +1,5 @@
-"""The sweep's action: drain this node in Slurm (`gpu-doctor sweep --drain / --run-drain`).
+"""The sweep's action: drain this node in Slurm or Kubernetes (`gpu-doctor sweep --drain / --run-drain
+[--drain-via slurm|kubernetes]`).
 
 Why in the doctor and not with the operator's actions: the drain is what the sweep (and the watcher)
 does with a `drain` verdict, and the doctor sits below `recovery/`, so it must not reach up into the
@@ -7,10 +8,18 @@ operator's room for it. `gpu-recover` (the operator) imports it from here.
 The command is an argv, never a shell line; a node that carries a reason someone else set (an
 admin's drain, a maintenance) is left alone; every outcome is one line (`drained`, `not run: ...`,
 `failed: ...`), never an exception.
+
+In Kubernetes (`kubectl`, never through a shell) the drain taints the node
+`gpuguard.io/gpu-health=drain:NoSchedule` (no new pods; running ones finish, as a Slurm drain lets running
+jobs finish; a pod that tolerates the taint, like the gpu-doctor DaemonSet itself, stays schedulable) and
+annotates it with the reason (`gpuguard.io/drain-reason`, the text Slurm's Reason= gets). The same rules:
+a node cordoned by someone else, or whose reason annotation is not gpu-doctor's, is left alone; without
+`kubectl` on PATH it says so and runs nothing.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -108,18 +117,109 @@ def drain_node(node: str, summary: str, *, timeout_s: float = 10.0) -> DrainResu
     return result("failed", EXIT_CRITICAL, f"failed: exit {proc.returncode} {err[0] if err else ''}".strip())
 
 
+TAINT_KEY = "gpuguard.io/gpu-health"
+TAINT = f"{TAINT_KEY}=drain:NoSchedule"
+REASON_ANNOTATION = "gpuguard.io/drain-reason"
+MAX_NODE_JSON = 4 << 20  # a Node object is a few KiB; more is not one
+
+
+def kubernetes_commands(node: str, summary: str) -> list[list[str]]:
+    """The taint and the annotation as argvs (`kubectl taint ... --overwrite`, `kubectl annotate ... --overwrite`)."""
+    reason = f"{DRAIN_PREFIX} {summary}"[:REASON_MAX].replace("\n", " ")
+    return [
+        ["kubectl", "taint", "nodes", node, TAINT, "--overwrite"],
+        ["kubectl", "annotate", "nodes", node, f"{REASON_ANNOTATION}={reason}", "--overwrite"],
+    ]
+
+
+def foreign_hold(node_json: str) -> str | None:
+    """Why the node is someone else's to keep out of service (`kubectl get node -o json`), or None.
+
+    Cordoned (`spec.unschedulable`) without gpuguard's annotation: an admin's cordon, a `kubectl drain`
+    for maintenance. gpuguard's own taint or annotation: ours, the drain may be set again."""
+    try:
+        doc = json.loads(node_json)
+    except ValueError:
+        return "its description is not JSON"
+    if not isinstance(doc, dict):
+        return "its description is not a Node object"
+    spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    notes = meta.get("annotations") if isinstance(meta.get("annotations"), dict) else {}
+    ours = str(notes.get(REASON_ANNOTATION, "")).startswith(DRAIN_PREFIX)
+    if spec.get("unschedulable") and not ours:
+        return "cordoned by someone else"
+    theirs = notes.get(REASON_ANNOTATION)
+    if theirs and not ours:
+        return f"{REASON_ANNOTATION} set by someone else ({str(theirs)[:60]})"
+    return None
+
+
+def drain_kubernetes_node(node: str, summary: str, *, timeout_s: float = 10.0) -> DrainResult:
+    """Taint and annotate `node` with `kubernetes_commands`, after `foreign_hold` found nobody else's hold."""
+    commands = kubernetes_commands(node, summary)
+    details: dict[str, Any] = {"node": node, "command": commands[0], "commands": commands}
+
+    def result(outcome: str, code: int, text: str) -> DrainResult:
+        return DrainResult(outcome, code, text, details)
+
+    exe = shutil.which("kubectl")
+    if exe is None:
+        return result("failed", EXIT_CRITICAL, "not run: kubectl is not installed")
+    try:
+        got = _kubectl(exe, ["get", "node", node, "-o", "json"], timeout_s)
+        if got.returncode != 0:
+            err = (got.stderr or "").strip().splitlines()
+            return result("failed", EXIT_CRITICAL, f"failed: kubectl get node: {err[0] if err else got.returncode}")
+        if len(got.stdout or "") > MAX_NODE_JSON:
+            return result("failed", EXIT_CRITICAL, "failed: kubectl get node: the answer is too large for a Node")
+        theirs = foreign_hold(got.stdout or "")
+        if theirs is not None:
+            return result("refused", EXIT_REFUSED, f"not run: node {theirs}")
+        for argv in commands:
+            proc = _kubectl(exe, argv[1:], timeout_s)
+            if proc.returncode != 0:
+                err = (proc.stderr or "").strip().splitlines()
+                return result(
+                    "failed",
+                    EXIT_CRITICAL,
+                    f"failed: kubectl {argv[1]}: exit {proc.returncode} {err[0] if err else ''}".strip(),
+                )
+    except subprocess.TimeoutExpired:
+        return result("timeout", EXIT_TEMPFAIL, f"failed: kubectl timed out after {timeout_s:g} s")
+    except OSError as exc:
+        return result("failed", EXIT_CRITICAL, f"failed: {exc}")
+    return result("done", EXIT_OK, "drained")
+
+
+def _kubectl(exe: str, args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [exe, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def local_node_name() -> str:
     """This host's short name: the Slurm node name when `--node` is not given."""
     return socket.gethostname().split(".")[0]
 
 
-def drain_record(node: str, summary: str, *, run: bool, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The document's `drain` section for a drain verdict: the command, and with `run` what running it did."""
-    return {
-        "command": drain_command(node, summary),
-        "ran": run,
-        "result": drain_node(node, summary, timeout_s=timeout_s).summary if run else None,
-    }
+DRAIN_VIA = ("slurm", "kubernetes")
+
+
+def drain_record(node: str, summary: str, *, run: bool, via: str = "slurm", timeout_s: float = 10.0) -> dict[str, Any]:
+    """The document's `drain` section for a drain verdict: the command(s), and with `run` what running them did."""
+    if via == "kubernetes":
+        commands = kubernetes_commands(node, summary)
+        ran = drain_kubernetes_node(node, summary, timeout_s=timeout_s).summary if run else None
+    else:
+        commands = [drain_command(node, summary)]
+        ran = drain_node(node, summary, timeout_s=timeout_s).summary if run else None
+    return {"via": via, "command": commands[0], "commands": commands, "ran": run, "result": ran}
 
 
 def identity_note(identity: Mapping[str, Any], serials: Sequence[str] = ()) -> str:

@@ -58,7 +58,7 @@ def publish(doc: Mapping[str, Any], previous: str | None, options: PublishOption
     verdict = str(doc.get("verdict"))
     if webhook and webhook_due(verdict, previous):
         left = max(0.1, deadline - time.monotonic())
-        payload = builtin.webhook_payload(doc, resolved=verdict == "healthy")
+        payload = builtin.webhook_payload(doc)
         results.append(
             run_safely(
                 GROUP,

@@ -39,7 +39,8 @@ class SweepOptions:
     publish: PublishOptions = field(default_factory=PublishOptions)
     drain: bool = False  # put the drain command in the document on a drain verdict
     run_drain: bool = False  # run it
-    node: str | None = None  # the Slurm node name; None: this host's short name
+    drain_via: str = "slurm"  # slurm (scontrol) | kubernetes (kubectl taint + annotate)
+    node: str | None = None  # the Slurm / Kubernetes node name; None: this host's short name
     nvml_timeout: float = 10.0
     timeout: float = 10.0
     create_parents: bool = False  # the default state directory may be created with its parents
@@ -109,6 +110,6 @@ def sweep_locked(
             warn(f"output {r.name} failed: {r.message}")
     if (options.drain or options.run_drain) and verdict.verdict == "drain":
         node = options.node or local_node_name()
-        doc["drain"] = drain_record(node, drain_reason(verdict), run=options.run_drain)
+        doc["drain"] = drain_record(node, drain_reason(verdict), run=options.run_drain, via=options.drain_via)
     doc["duration_s"] = round(time.monotonic() - started, 4)
     return doc

@@ -175,7 +175,7 @@ class Watcher:
             reason = drain_reason(verdict)
             node = sw.node or local_node_name()
             ran = sw.run_drain and self.drained_for != verdict.summary  # once per drain verdict, not per line
-            doc["drain"] = drain_record(node, reason, run=ran)
+            doc["drain"] = drain_record(node, reason, run=ran, via=sw.drain_via)
             if ran:
                 self.drained_for = verdict.summary
         self.emit(doc)

@@ -11,7 +11,6 @@ Lazy imports (start-up time): prometheus_client and requests, only when that out
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -110,21 +109,40 @@ def nagios_text(doc: Mapping[str, Any]) -> tuple[int, str]:
     return code, "\n".join(lines)
 
 
-def webhook_payload(doc: Mapping[str, Any], *, resolved: bool = False) -> dict[str, Any]:
-    """An Alertmanager-compatible (version 4) payload, with the full document under `gpuguard`."""
-    verdict = doc.get("verdict", "unknown")
-    node = doc.get("node") or "unknown"
-    status = "resolved" if resolved else "firing"
-    labels = {
-        "alertname": "GpuNodeHealth",
-        "severity": SEVERITY.get(verdict, "warning"),
-        "node": node,
+ALERT_NAME = "GpuNodeHealth"
+ALERT_SEVERITIES = ("warning", "critical")  # the severities a node alert fires with (SEVERITY's non-info values)
+
+
+def alert_labels(node: str, severity: str) -> dict[str, str]:
+    """An alert's identity: the node and the severity, never the verdict, the boot or the evidence (which
+    change while the problem lasts): the post that resolves an alert carries exactly the labels it fired with."""
+    return {"alertname": ALERT_NAME, "node": node, "severity": severity}
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def webhook_payload(doc: Mapping[str, Any], *, now: float | None = None) -> list[dict[str, Any]]:
+    """The body of Alertmanager's `POST /api/v2/alerts` (a JSON array of postable alerts) for one document.
+
+    Each post says the whole state, so no sender needs to remember the last one: the node's alert at its
+    verdict's severity fires (no `endsAt`: Alertmanager keeps it for its `resolve_timeout` and every sweep or
+    watcher judgement posts it again), and the node's alert at every other severity is resolved (`endsAt`
+    now): a healthy node resolves whatever fired, and a node that went from degraded (warning) to drain
+    (critical) leaves no warning behind."""
+    t = time.time() if now is None else now
+    verdict = str(doc.get("verdict", "unknown"))
+    node = str(doc.get("node") or "unknown")
+    severity = SEVERITY.get(verdict, "warning")
+    identity = doc.get("identity") or {}
+    annotations = {
+        "summary": str(doc.get("summary", "")),
+        "description": str(doc.get("action", "")),
         "verdict": verdict,
     }
-    identity = doc.get("identity") or {}
     if identity.get("boot_id"):
-        labels["boot_id"] = str(identity["boot_id"])
-    annotations = {"summary": str(doc.get("summary", "")), "description": str(doc.get("action", ""))}
+        annotations["boot_id"] = str(identity["boot_id"])
     if identity.get("evidence_from"):
         annotations["evidence"] = f"{identity['evidence_from']} .. {identity.get('evidence_to')}"
     serials = [
@@ -134,30 +152,18 @@ def webhook_payload(doc: Mapping[str, Any], *, resolved: bool = False) -> dict[s
     ]
     if serials:
         annotations["gpu_serials"] = ", ".join(serials)
-    fingerprint = hashlib.sha256(f"{node}|{verdict}|{doc.get('summary')}".encode()).hexdigest()[:16]
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    alert = {
-        "status": status,
-        "labels": labels,
-        "annotations": annotations,
-        "startsAt": now,
-        "endsAt": now if resolved else "0001-01-01T00:00:00Z",
-        "generatorURL": "",
-        "fingerprint": fingerprint,
-    }
-    return {
-        "version": "4",
-        "receiver": "gpu-doctor",
-        "status": status,
-        "alerts": [alert],
-        "groupLabels": {"alertname": "GpuNodeHealth"},
-        "commonLabels": labels,
-        "commonAnnotations": annotations,
-        "externalURL": "",
-        "truncatedAlerts": 0,
-        "groupKey": f'{{}}:{{node="{node}"}}',
-        "gpuguard": dict(doc),
-    }
+    alerts = []
+    for sev in ALERT_SEVERITIES:
+        alert: dict[str, Any] = {
+            "labels": alert_labels(node, sev),
+            "annotations": annotations,
+            "startsAt": _rfc3339(t),
+            "generatorURL": "",
+        }
+        if sev != severity:
+            alert["endsAt"] = _rfc3339(t)  # resolved: not (or no longer) at this severity
+        alerts.append(alert)
+    return alerts
 
 
 def prometheus_registry(doc: Mapping[str, Any]) -> Any:
@@ -342,7 +348,7 @@ def write_textfile(path: str, doc: Mapping[str, Any], *, what: str = "prometheus
 
 
 def post_webhook(
-    url: str, payload: Mapping[str, Any], *, timeout: float = 5.0, retries: int = 2, budget: float = 15.0
+    url: str, payload: Mapping[str, Any] | list[Any], *, timeout: float = 5.0, retries: int = 2, budget: float = 15.0
 ) -> str:
     """POST with a per-try timeout, bounded retries and a total budget; raise UnavailableError when spent.
 
@@ -439,7 +445,7 @@ class NodeProblemDetectorOutput(Output):
 
 class WebhookOutput(Output):
     name = "webhook"
-    description = "Alertmanager-compatible POST (url=, timeout=, retries=, budget=)"
+    description = "Alertmanager v2 POST /api/v2/alerts (url=, timeout=, retries=, budget=)"
 
     def emit(self, document: Mapping[str, Any]) -> str:
         url = self.options.get("url")
@@ -451,7 +457,4 @@ class WebhookOutput(Output):
             budget = float(self.options.get("budget", 15))
         except ValueError as exc:
             raise UsageError(f"webhook output: bad option ({exc})") from None
-        resolved = document.get("verdict") == "healthy"
-        return post_webhook(
-            url, webhook_payload(document, resolved=resolved), timeout=timeout, retries=retries, budget=budget
-        )
+        return post_webhook(url, webhook_payload(document), timeout=timeout, retries=retries, budget=budget)
