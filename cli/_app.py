@@ -280,18 +280,40 @@ def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def attach_examples(command: Any, prog: str) -> None:
+def attach_examples(command: Any, prog: str) -> Any:
     """Give every command of the tree its `Examples:` epilog from `EXAMPLES` (one table, so every
     --help has examples and a test can check each one names real subcommands and options)."""
 
     def walk(cmd: Any, path: str) -> None:
         lines = EXAMPLES.get(path)
         if lines and not cmd.epilog:
-            cmd.epilog = "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+            cmd.epilog = "\b\nExamples:\n" + "\n".join(f"  {part}" for line in lines for part in example_lines(line))
         for sub_name, sub in (getattr(cmd, "commands", None) or {}).items():
             walk(sub, f"{path} {sub_name}")
 
     walk(command, prog)
+    return command
+
+
+EXAMPLE_WIDTH = 76  # click indents the epilog by 2 and we by 2 more: an example fits 80 columns
+
+
+def example_lines(line: str, width: int = EXAMPLE_WIDTH) -> list[str]:
+    """One example as printed under `Examples:` (click does not reflow it): a `# comment` that does not
+    fit beside its command goes on the line above it, and a command longer than `width` is continued
+    with ` \\` before an option (copy-pasteable into a shell, never broken inside a quoted argument)."""
+    if len(line) <= width:
+        return [line]
+    command, sep, comment = line.partition("  #")
+    out = [f"#{comment}"] if sep else []
+    parts: list[str] = []
+    for word in command.rstrip().split(" --"):
+        if parts and len(parts[-1]) + len(word) + 3 <= width - 2:
+            parts[-1] += " --" + word
+        else:
+            parts.append(word if not parts else "--" + word)
+    out += [("    " if i else "") + p + (" \\" if i < len(parts) - 1 else "") for i, p in enumerate(parts)]
+    return out
 
 
 def entry(app: typer.Typer, prog: str) -> Callable[[], NoReturn]:
@@ -316,8 +338,12 @@ def stdout_is_terminal() -> bool:
 
 
 def console(stderr: bool = False):  # -> rich.console.Console, imported lazily
+    """The rich console of human output. NO_COLOR (https://no-color.org, any value) turns off every
+    escape sequence, bold and underline included: rich's own NO_COLOR handling drops colour only."""
     from rich.console import Console
 
+    if os.environ.get("NO_COLOR"):
+        return Console(stderr=stderr, highlight=False, color_system=None)
     return Console(stderr=stderr, highlight=False)
 
 
@@ -381,9 +407,9 @@ def require_job(job_dir: Path | None) -> Path:
 # tests/cli/test_cli_habits.py checks every command has some and each names real subcommands and options.
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "gpu-doctor": (
-        "gpu-doctor diagnose node                     # this node's GPUs: Xid, ECC, NVML",
+        "gpu-doctor diagnose node                     # Xid, ECC, NVML on this node",
         "gpu-doctor diagnose job --job-dir /ckpt/job  # is a rank dead or only slow?",
-        "gpu-doctor logs /var/log/kern.log            # explain the GPU events in a log",
+        "gpu-doctor logs /var/log/kern.log            # the GPU events in a log",
         "gpu-doctor completion bash > /etc/bash_completion.d/gpu-doctor",
     ),
     "gpu-doctor diagnose": (

@@ -9,13 +9,15 @@ records); 64 usage, 65 bad config, 66 job directory missing. Plans: 0, or 64 on 
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from gpuguard.cli._app import emit_json, job_dir_option, safe_text, stdout_is_terminal
+from gpuguard.cli._app import emit_json, job_dir_option, safe_line, safe_text, stdout_is_terminal
+from gpuguard.cli._text import NARROW, columns, echo, echo_lines, lines_for
 from gpuguard.foundation.errors import EXIT_OK, EXIT_UNKNOWN, NoInputError
 
 _COLOR = {"healthy": "green", "slow": "yellow", "hung": "red", "dead": "bold red", "unknown": "magenta"}
@@ -37,10 +39,18 @@ def sparkline(values: list[float], top: float) -> str:
     return "".join(_BARS[min(len(_BARS) - 1, int(v / top * (len(_BARS) - 1)))] for v in values)
 
 
-def render(doc: dict[str, Any]):  # -> rich renderable
+def render(doc: dict[str, Any], width: int | None = None):  # -> rich renderable
+    """The verdict and a table of ranks at `NARROW` columns and more; below, the plain lines broken
+    between words (`plain_lines`): a table squeezed to 80 columns folds its cells mid-number."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+
+    if width is not None and width < NARROW:
+        lines = lines_for(plain_lines(doc), width)
+        head = Text(lines[0], no_wrap=True)
+        head.stylize(_COLOR.get(doc["verdict"], ""), 4, 4 + len(doc["verdict"]))
+        return Group(head, *(Text(line, no_wrap=True) for line in lines[1:]))
 
     per = doc["cohort_step_s"]["period"]
     comp = doc["cohort_step_s"]["compute"]
@@ -131,40 +141,41 @@ def _rows_to_show(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
     return shown, len(good) - len(keep)
 
 
-def _print_human(doc: dict[str, Any]) -> None:
-    """A table on a terminal; plain lines (one per rank, nothing cut off) when piped."""
-    if stdout_is_terminal():
-        from gpuguard.cli._app import console
-
-        console().print(render(doc))
-        return
+def plain_lines(doc: dict[str, Any]) -> list[str]:
+    """The verdict as plain lines: one per rank shown (control characters escaped; not yet wrapped)."""
     per, comp = doc["cohort_step_s"]["period"], doc["cohort_step_s"]["compute"]
-    print(safe_text(f"job {doc['verdict'].upper()}: {doc['reason']}"))
-    print(
+    lines = [safe_line(f"job {doc['verdict'].upper()}: {doc['reason']}")]
+    lines.append(
         f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
         f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s"
     )
-    if _impact_line(doc):
-        print(safe_text(_impact_line(doc)))
-    if _post_mortem_line(doc):
-        print(safe_text(_post_mortem_line(doc)))
+    lines += [safe_line(extra) for extra in (_impact_line(doc), _post_mortem_line(doc)) if extra]
     top = per["p99"] * 1.5 or 1.0
     shown, hidden = _rows_to_show(doc["ranks"])
     for r in shown:
-        mark = _mark(r)
-        print(
-            safe_text(
-                f"rank {r['rank']}: {r['verdict']}{mark} [{r.get('phase', '-')} step {r.get('step', -1)}, "
+        lines.append(
+            safe_line(
+                f"rank {r['rank']}: {r['verdict']}{_mark(r)} [{r.get('phase', '-')} step {r.get('step', -1)}, "
                 f"{r.get('phase_age_s', 0):.1f}s, process {r.get('process', '?')}] "
                 f"{sparkline(r.get('recent_periods_s', [])[-30:], top)} {r['reason']}"
             )
         )
     if hidden:
-        print(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
-    for line in _superseded_lines(doc):
-        print(safe_text(line))
-    for step in doc["next_steps"]:
-        print(safe_text(f"next: {step}"))
+        lines.append(f"... {hidden} more healthy rank(s) not shown (--json lists every rank)")
+    lines += [safe_line(line) for line in _superseded_lines(doc)]
+    lines += [safe_line(f"next: {step}") for step in doc["next_steps"]]
+    return lines
+
+
+def _print_human(doc: dict[str, Any]) -> None:
+    """A table on a wide terminal; plain lines (one per rank, broken between words to the width) otherwise."""
+    width = columns()
+    if stdout_is_terminal() and (width is None or width >= NARROW):
+        from gpuguard.cli._app import console
+
+        console().print(render(doc, width))
+        return
+    echo_lines(plain_lines(doc))
 
 
 def diagnose_job(
@@ -262,16 +273,28 @@ def watch_job(
             if as_json:
                 print(_json.dumps(doc, default=str), flush=True)
             elif live is not None:
-                live.update(render(doc))
+                from rich.console import Group
+                from rich.text import Text
+
+                refreshed = Text(f"refreshed {time.strftime('%H:%M:%S')}, every {interval:g} s (Ctrl-C ends)")
+                live.update(Group(render(doc, columns()), refreshed))
             else:
-                bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
-                print(f"{time.strftime('%H:%M:%S')} {doc['verdict']} {bad or 'all healthy'}", flush=True)
+                echo(f"{time.strftime('%H:%M:%S')} {_watch_summary(doc)}")
+                sys.stdout.flush()
     except KeyboardInterrupt:
         pass
     finally:
         if live is not None:
             live.stop()
     return code
+
+
+def _watch_summary(doc: dict[str, Any]) -> str:
+    """One line per check when piped: the verdict and the ranks that are not healthy, or finished."""
+    if doc.get("finished"):  # the reason says so ("finished: all N ranks closed ...")
+        return safe_line(doc["reason"])
+    bad = ", ".join(f"{r['rank']}:{r['verdict']}" for r in doc["ranks"] if r["verdict"] != "healthy")
+    return safe_line(f"{doc['verdict']} {bad or 'all healthy'}")
 
 
 def plan_checkpoint(
@@ -297,15 +320,15 @@ def plan_checkpoint(
         emit_json(p.to_json())
         return EXIT_OK
     mode = "sync" if p.background_s == 0 else f"async ({p.blocking_s:g} s blocking, {p.background_s:g} s background)"
-    print(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
-    print(f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s")
-    print(
+    echo(f"checkpoint every {p.interval_s:.0f} s ({p.interval_s / 60:.1f} min)  [{mode}]")
+    echo(f"  failure rate {p.failures_per_hour:.4g}/h (job MTBF {p.job_mtbf_hours * 60:.1f} min), cost {p.cost_s:g} s")
+    echo(
         f"  expected overhead at the optimum: {p.overhead_fraction * 100:.1f} % "
         f"(checkpointing {p.checkpoint_overhead_fraction * 100:.1f} % + rework {p.rework_fraction * 100:.1f} %)"
     )
-    print(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
+    echo(f"  Daly's refinement: {p.interval_daly_s:.0f} s")
     for note in p.notes:
-        print(f"  note: {note}")
+        echo(f"  note: {note}")
     return EXIT_OK
 
 
@@ -325,30 +348,30 @@ def plan_layout(
         emit_json(p.to_json())
         return EXIT_OK
     c = p.coords
-    print(f"{p.world} = {dp} (dp) × {pp} (pp) × {tp} (tp); {p.order}")
-    print(f"rank {failed_rank}: tp index {c['tp']}, pp stage {c['pp']}, dp replica {c['dp']}")
-    print(f"  TP group ({tp}): {_span(p.tp_group)}")
-    print(f"  PP group ({pp}): {_span(p.pp_group)}")
-    print(f"  DP group ({dp}): {_span(p.dp_group)}")
-    print(f"  DP replica ({len(p.replica)} ranks): {_span(p.replica)}")
+    echo(f"{p.world} = {dp} (dp) × {pp} (pp) × {tp} (tp); {p.order}")
+    echo(f"rank {failed_rank}: tp index {c['tp']}, pp stage {c['pp']}, dp replica {c['dp']}")
+    echo(f"  TP group ({tp}): {_span(p.tp_group)}")
+    echo(f"  PP group ({pp}): {_span(p.pp_group)}")
+    echo(f"  DP group ({dp}): {_span(p.dp_group)}")
+    echo(f"  DP replica ({len(p.replica)} ranks): {_span(p.replica)}")
     h, s = p.hot_spare, p.shrink
-    print(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
+    echo(f"hot spare: 1 GPU restores {h['restores']}; state from {h['state_from']}; batch and LR unchanged")
     if s["possible"]:
-        print(
+        echo(
             f"shrink: lose the whole replica ({s['gpus_lost']} GPUs, {s['healthy_gpus_idled']} of them healthy): "
             f"world {p.world} → {s['world_after']}, dp {dp} → {s['dp_after']}, throughput {s['throughput_after']}"
         )
     else:
-        print("shrink: impossible (dp = 1: there is no other replica)")
-    print(f"  why: {s['why_not_tp_or_pp']}")
+        echo("shrink: impossible (dp = 1: there is no other replica)")
+    echo(f"  why: {s['why_not_tp_or_pp']}")
     batch = s["batch"]
     if isinstance(batch, dict):
         for k, v in batch.items():
-            print(f"  batch ({k.replace('_', ' ')}): {v}")
+            echo(f"  batch ({k.replace('_', ' ')}): {v}")
     else:
-        print(f"  batch: {batch}")
+        echo(f"  batch: {batch}")
     for note in p.notes:
-        print(f"  note: {note}")
+        echo(f"  note: {note}")
     return EXIT_OK
 
 
@@ -368,15 +391,13 @@ def plan_collective(
     if as_json:
         emit_json(p.to_json())
         return EXIT_OK
-    print(
-        f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s"
-    )
-    print(
+    echo(f"all-reduce of {p.nbytes:.4g} B over {p.ranks} ranks at {p.bandwidth_bytes_s:.4g} B/s, α = {p.latency_s:g} s")
+    echo(
         f"  ring: {p.ring_s * 1e3:.3f} ms (bandwidth {p.ring_bandwidth_term_s * 1e3:.3f} ms + "
         f"latency {p.ring_latency_term_s * 1e3:.3f} ms)"
     )
-    print(f"  tree: {p.tree_s * 1e3:.3f} ms")
-    print(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
+    echo(f"  tree: {p.tree_s * 1e3:.3f} ms")
+    echo(f"  best: {p.best}; ring wins above {p.crossover_bytes:.4g} B")
     return EXIT_OK
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpuguard.cli._app import safe_text  # every log-derived string is escaped in human output
+from gpuguard.cli._text import NARROW, columns, wrap
 from gpuguard.foundation.errors import (
     EXIT_CRITICAL,
     EXIT_OK,
@@ -53,7 +54,11 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     def logs(
         files: list[str] = typer.Argument(..., metavar="FILE|-", help="Log files to explain; '-' reads stdin."),
         as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.events/1 JSON document."),
-        min_severity: str = typer.Option("info", "--min-severity", help="Hide events below: info, warning, critical."),
+        min_severity: str = typer.Option(
+            "info",
+            "--min-severity",
+            help="Hide events below: info, warning, critical.",
+        ),
     ) -> int:
         """Explain logs: kernel Xid/SXid, NCCL, watchdog, gloo, torchrun and CUDA errors, with a diagnosis each.
 
@@ -233,7 +238,7 @@ def run_logs(paths: list[str], *, as_json: bool, min_severity: str = "info") -> 
     events = (e for e in _scan(opened, stats) if _LEVEL.get(e.severity, 0) >= floor)
     if as_json:
         _write_json(events, summary, stats)
-    elif sys.stdout.isatty():
+    elif sys.stdout.isatty() and (columns() or NARROW) >= NARROW:  # below, a table folds its cells mid-token
         _write_rich(events, summary, stats)
     else:
         _write_plain(events, summary, stats)
@@ -279,14 +284,15 @@ def brief(event: Any) -> str:
 
 
 def _write_plain(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:
+    """One line per event and its diagnosis under it, each broken between words to the width."""
     out = sys.stdout
+    width = columns()
     for event in events:
         summary.add(event)
         where = safe_text(event.source or "-")
-        out.write(
-            f"{where}:{event.line}: {safe_text(event.severity)} {safe_text(event.kind)} {safe_text(brief(event))}\n"
-        )
-        out.write(f"    {safe_text(event.diagnosis)}\n")
+        head = f"{where}:{event.line}: {safe_text(event.severity)} {safe_text(event.kind)} {safe_text(brief(event))}"
+        for line in (*wrap(head, width, 4), *wrap(f"    {safe_text(event.diagnosis)}", width, 4)):
+            out.write(line + "\n")
     _plain_summary(summary, stats)
 
 
@@ -301,7 +307,7 @@ def _unreadable_note(stats: list[dict[str, Any]]) -> str | None:
 
 
 def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
-    out = sys.stdout
+    out = _Wrapped(sys.stdout, columns())
     note = _unreadable_note(stats)
     if note:
         sys.stderr.write(note + "\n")
@@ -317,6 +323,18 @@ def _plain_summary(summary: _Summary, stats: list[dict[str, Any]]) -> None:
     for gpu, res in summary.gpus().items():
         ident = f" [{res['uuid']}]" if res.get("uuid") else ""
         out.write(safe_text(f"  GPU {gpu}{ident}: {res['severity']} - {res['action']} ({res['reason']})") + "\n")
+
+
+class _Wrapped:
+    """`write` of whole lines, each broken between words to `width` (`cli._text.wrap`)."""
+
+    def __init__(self, out: Any, width: int | None) -> None:
+        self.out, self.width = out, width
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            for part in wrap(line, self.width):
+                self.out.write(part + "\n")
 
 
 def _write_rich(events: Iterator[Any], summary: _Summary, stats: list[dict[str, Any]]) -> None:

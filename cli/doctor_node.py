@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuguard.cli._app import emit_json
+from gpuguard.cli._text import echo
 from gpuguard.foundation.env import STATE_DIR_ENV
 from gpuguard.foundation.errors import EXIT_OK, GpuguardError, UsageError, from_os_error
 
@@ -406,13 +407,13 @@ def plugins_cmd(
         emit_json({"schema": "gpuguard.plugins/1", "plugins": [p.to_json() for p in found]})
         return EXIT_OK
     if not found:
-        print("no plugins installed")
+        echo("no plugins installed")
     for p in found:
         origin = f"{p.distribution} {p.version}" if p.distribution else "?"
         line = f"{p.group:<20} {p.name:<14} {p.status:<7} {p.target}  ({origin})"
         if p.error:
             line += f"  error: {p.error}"
-        print(line)
+        echo(line, hang=4)
     return EXIT_OK
 
 

@@ -25,6 +25,7 @@ from gpuguard.cli._app import (
     safe_line,
     stdout_is_terminal,
 )
+from gpuguard.cli._text import NARROW, columns, echo, echo_lines, lines_for, short
 from gpuguard.foundation.env import LEDGER_ENV, SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import EXIT_CRITICAL, EXIT_OK
 
@@ -56,17 +57,18 @@ def _when(t: float) -> str:
 
 
 def _emit_text(title: str, lines: list[str]) -> None:
-    """A rich panel on a terminal, plain lines when piped; control characters and newlines from records escaped."""
+    """A rich panel on a terminal, plain lines when piped; control characters and newlines from records
+    escaped; lines broken between words to the width (`cli._text`), inside the panel's borders too."""
     title, lines = safe_line(title), [safe_line(line) for line in lines]
+    width = columns()
     if stdout_is_terminal():
         from rich.panel import Panel
         from rich.text import Text
 
-        console().print(Panel(Text("\n".join(lines)), title=title, expand=False))
+        inner = lines_for(lines, None if width is None else width - 4)
+        console().print(Panel(Text("\n".join(inner), no_wrap=True), title=title, expand=False))
     else:
-        typer.echo(title)
-        for line in lines:
-            typer.echo(f"  {line}")
+        echo_lines([title, *(f"  {line}" for line in lines)])
 
 
 def _switch_lines(extra: Mapping[str, Any]) -> list[str]:
@@ -106,7 +108,7 @@ def _ownership_lines(cert: Any) -> list[str]:
         counts = ", ".join(f"rank {r} {n}" for r, n in list(by_rank.items())[:16])
         lines.append(
             f"               frontier snapshot: v{omap.get('version')}, world {omap.get('world_size')}, "
-            f"{omap.get('objects')} chunks ({counts}), digest {str(omap.get('digest'))[:16]}"
+            f"{omap.get('objects')} chunks ({counts}), digest {short(omap.get('digest'))}"
         )
     reshard = extra.get("reshard")
     if isinstance(reshard, Mapping):
@@ -122,7 +124,7 @@ def _ownership_lines(cert: Any) -> list[str]:
     if isinstance(held, Mapping):  # an in-place switch with sharded state (docs/formats/inplace.md)
         lines.append(
             f"state          in the survivors' memory: {held.get('chunks')} chunks ({held.get('replicated')} held by "
-            f"more than one), digest {str(extra.get('sharded_state_digest'))[:16]}…; lost ranks {list(held.get('lost') or [])}: "
+            f"more than one), digest {short(extra.get('sharded_state_digest'))}; lost ranks {list(held.get('lost') or [])}: "
             "every shard they held has a surviving replica, moved peer to peer to the new world"
         )
     return lines
@@ -158,7 +160,7 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
         f"generation     {cert.generation} (parent {cert.parent_generation if cert.parent_generation is not None else '-'})",
         f"reason         {cert.reason}",
         f"activated      {_when(cert.activation_time)} by {cert.issued_by}",
-        f"frontier       step {f.step}, state {f.state_manifest_digest or '(none)'}",
+        f"frontier       step {f.step}, state {short(f.state_manifest_digest) if f.state_manifest_digest else '(none)'}",
     ]
     if f.collective_seq:
         lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
@@ -179,7 +181,7 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
             tag = "  (new incarnation, admitted)"
         gpu = f" gpu {i.gpu_uuid}" if i.gpu_uuid else ""
         lines.append(f"  rank {m.rank:<4} {i.id[:12]} {i.host} pid {i.pid}{gpu}{tag}")
-    lines.append(f"digest         {cert.digest()}")
+    lines.append(f"digest         {short(cert.digest())} (--json: whole)")
     return lines
 
 
@@ -208,10 +210,10 @@ def init_cmd(
             }
         )
     else:
-        typer.echo(
+        echo(
             safe_line(
                 f"initialized job {g.job_id}: ledger {result.ledger.url}, key {key_path(job_dir)} (0600), "
-                f"generation 0 {g.digest()[:16]}"
+                f"generation 0 {short(g.digest())}"
             )
         )
     return EXIT_OK
@@ -315,25 +317,34 @@ def history_cmd(
             }
         )
         return EXIT_CRITICAL if beyond else EXIT_OK
-    typer.echo(safe_line(f"ledger {led.url}: active generation {chain[-1].generation}"))
-    typer.echo(
-        f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'round':>5}  {'members':>7}  {'step':>8}  "
-        "quiescence  digest"
-    )
+    echo(safe_line(f"ledger {led.url}: active generation {chain[-1].generation}"))
+    width = columns()
+    table = width is None or width >= NARROW
+    if table:
+        echo(
+            f"{'gen':>4}  {'activated':<23}  {'reason':<14}  {'switch':<8}  {'round':>5}  {'members':>7}  {'step':>8}  "
+            "quiescence  digest"
+        )
     for c in chain:
         q = c.quiescence + (" FORCED" if c.forced else "")
         switch = str((c.extra or {}).get("switch") or "-")
         rnd = _rendezvous_round(c.extra)
         shown_round = "-" if rnd is None else str(rnd)
-        typer.echo(
-            safe_line(
+        if table:
+            row = (
                 f"{c.generation:>4}  {_when(c.activation_time):<23}  {c.reason[:14]:<14}  {switch[:8]:<8}  "
-                f"{shown_round:>5}  {len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {c.digest()[:16]}"
+                f"{shown_round:>5}  {len(c.members):>7}  {c.frontier.step:>8}  {q:<10}  {short(c.digest())}"
             )
-        )
+        else:  # one line per generation, broken between words below the table's width
+            rest = "" if rnd is None else f", round {rnd}"
+            row = (
+                f"{c.generation:>4}  {_when(c.activation_time)}  {c.reason} ({switch}{rest}), {len(c.members)} members, "
+                f"step {c.frontier.step}, quiescence {q}, {short(c.digest())}"
+            )
+        echo(safe_line(row), hang=6)
     if beyond:
-        typer.echo(_beyond_line(beyond))
-    typer.echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")
+        echo(_beyond_line(beyond))
+    echo(f"fenced commits: {led.fenced_count()}, refused activations: {len(led.refusals())}")
     return EXIT_CRITICAL if beyond else EXIT_OK
 
 
@@ -459,9 +470,9 @@ def verify_cmd(
         )
     else:
         for f in report.findings:
-            typer.echo(safe_line(f"FAIL {f}"))
+            echo(safe_line(f"FAIL {f}"))
         for note in report.notes:
-            typer.echo(safe_line(f"note: {note}"))
+            echo(safe_line(f"note: {note}"))
         what = f"generation {generation}" if generation is not None else f"{len(report.checked)} generation(s)"
         extra = (
             (
@@ -471,7 +482,7 @@ def verify_cmd(
             if deep_stats
             else ""
         )
-        typer.echo(safe_line(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}"))
+        echo(safe_line(("verified " if report.ok else "verification FAILED: ") + f"{what} in {led.url}{extra}"))
     return EXIT_OK if report.ok else EXIT_CRITICAL
 
 
@@ -499,18 +510,18 @@ def explain_cmd(
         emit_json({"schema": EXPLAIN_SCHEMA, "ledger": led.url, "refusals": [r.to_dict() for r in refusals]})
         return EXIT_OK
     if not refusals:
-        typer.echo(safe_line(f"no refused activation recorded in {led.url}"))
+        echo(safe_line(f"no refused activation recorded in {led.url}"))
         return EXIT_OK
     for r in refusals:
-        typer.echo(
+        echo(
             safe_line(
                 f"{_when(r.time)}: activation of generation {r.generation} (parent {r.parent_generation}, "
-                f"reason {r.reason}, issued by {r.issued_by}, certificate {r.certificate_digest[:16]}) was refused:"
+                f"reason {r.reason}, issued by {r.issued_by}, certificate {short(r.certificate_digest)}) was refused:"
             )
         )
         for v in r.violations:
             who = f" rank {v.member}:" if v.member is not None else ""
-            typer.echo(safe_line(f"  rule {v.rule}:{who} {v.message}"))
+            echo(safe_line(f"  rule {v.rule}:{who} {v.message}"))
     return EXIT_OK
 
 

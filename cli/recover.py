@@ -18,6 +18,8 @@ import typer
 
 from gpuguard.cli import recover_demo, recover_status
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, require_job, safe_line, safe_text
+from gpuguard.cli._text import say as say_wrapped
+from gpuguard.cli._text import short
 from gpuguard.foundation.env import SNAPSHOT_ROOT_ENV
 from gpuguard.foundation.errors import EXIT_OK
 
@@ -47,7 +49,7 @@ def _emit(result: Any, as_json: bool) -> int:
     out = console()
 
     def say(text: str) -> None:
-        out.print(safe_line(text), markup=False, soft_wrap=True)
+        say_wrapped(out, safe_line(text))
 
     say(f"{result.action}: {result.outcome}: {result.summary}")
     for key in ("evidence", "would_terminate", "left_alone", "unverified", "findings", "notes"):
@@ -157,12 +159,14 @@ def rendezvous_cmd(
             ]
             for b in result.details["rounds"]:
                 bound = (
-                    f"generation {b['generation']}, certificate {b['digest'][:16]}"
+                    f"generation {b['generation']}, certificate {short(b['digest'])}"
                     if b["status"] == "certified"
                     else b["status"]
                 )
                 lines.append(f"    round {b['round']}: {bound}")
-            console().print("\n".join(safe_line(line) for line in lines), markup=False, soft_wrap=True)
+            out = console()
+            for line in lines:
+                say_wrapped(out, safe_line(line))
             return EXIT_OK
         return _emit(result, True)
     return _act(
@@ -240,8 +244,8 @@ def runbook_list(as_json: bool = _JSON) -> int:
         return EXIT_OK
     out = console()
     for b in books:
-        out.print(safe_line(f"{b.name}: {' -> '.join(s.name for s in b.steps)}"), markup=False, soft_wrap=True)
-        out.print(safe_line(f"  {' '.join(b.description.split())}"), markup=False, soft_wrap=True)
+        say_wrapped(out, safe_line(f"{b.name}: {' -> '.join(s.name for s in b.steps)}"))
+        say_wrapped(out, safe_line(f"  {' '.join(b.description.split())}"))
     return EXIT_OK
 
 
@@ -313,7 +317,7 @@ def runbook_show(
         lines += [f"  {line}" for line in _step_lines(i, s)]
     out = console()
     for line in lines:
-        out.print(safe_line(line), markup=False, soft_wrap=True)
+        say_wrapped(out, safe_line(line))
     return EXIT_OK
 
 
@@ -340,15 +344,13 @@ def runbook_run(
 
     def progress(rep: Any) -> None:
         mark = " (resumed)" if rep.resumed else ""
-        out.print(
-            safe_line(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}"), markup=False, soft_wrap=True
-        )
+        say_wrapped(out, safe_line(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}"))
 
     report = runbooks.run(book, job_dir, dry_run=dry_run, yes=yes, confirm=_confirm(), run_id=run_id, progress=progress)
     if as_json:
         emit_json(report.to_json())
     else:
-        out.print(safe_line(f"runbook {book.name} run {report.run_id}: {report.outcome}"), markup=False, soft_wrap=True)
+        say_wrapped(out, safe_line(f"runbook {book.name} run {report.run_id}: {report.outcome}"))
     return report.exit_code
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from gpuguard.cli._app import console, emit_json, job_dir_option, require_job, safe_line, stdout_is_terminal
+from gpuguard.cli._text import echo_lines, lines_for, short
 
 
 def _when(t: float) -> str:
@@ -31,7 +32,7 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"generation     unknown: {led['problem'] or 'no certificate'}")
     else:
         lines.append(
-            f"generation     {led['active_generation']} (certificate {led['certificate_digest']}, "
+            f"generation     {led['active_generation']} (certificate {short(led['certificate_digest'])}, "
             f"frontier step {led['frontier_step']}) in {led['url']}"
         )
     if led["unverified_after_active"]:
@@ -176,9 +177,7 @@ def register(*, app: typer.Typer) -> None:
             if as_json:
                 emit_json(doc)
             else:
-                out = console()
-                for line in page_lines(doc):
-                    out.print(line, markup=False, soft_wrap=True, highlight=False)
+                echo_lines(page_lines(doc))
             return int(doc["exit_code"])
         code, n, live = 3, 0, None
         try:
@@ -194,9 +193,10 @@ def register(*, app: typer.Typer) -> None:
                 if as_json:
                     print(json.dumps(doc, default=str), flush=True)
                 elif live is not None:
-                    live.update(Text("\n".join(page_lines(doc))))
+                    live.update(Text("\n".join(lines_for(page_lines(doc))), no_wrap=True))
                 else:
-                    print("\n".join(page_lines(doc)) + "\n", flush=True)
+                    echo_lines([*page_lines(doc), ""])
+                    sys.stdout.flush()
                 if count and n >= count:
                     break
                 time.sleep(interval)

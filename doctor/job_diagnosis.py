@@ -108,6 +108,11 @@ def assess(
     if records.skipped_files:
         doc["skipped_files"] = list(records.skipped_files)
     doc["post_mortem"] = None if log_job is None else post_mortem_json(log_job)
+    # every rank closed its log: the job ended (a healthy vote would otherwise read "progressing" for ever)
+    doc["finished"] = bool(observations) and all(o.closed for o in observations)
+    if doc["finished"]:
+        done = f"finished: all {len(observations)} ranks closed their step logs cleanly"
+        doc["reason"] = done if job.verdict == "healthy" else f"{done}; {job.reason}"
     return JobDiagnosis(job, doc, records)
 
 

@@ -8,22 +8,14 @@ them; times a command measures itself are numbers (README, "Exit codes")."""
 from __future__ import annotations
 
 import json
-import pickle
 import re
-import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuguard.foundation.errors import RefusedError
-from gpuguard.generation.job import open_job_ledger
-from gpuguard.generation.keys import load_key, sign
-from gpuguard.generation.records import Member
-from tests.support import contract_job as jh
 from tests.support.cli import run_cli
-from tests.support.generation import child, members
+from tests.support.cli_job import build_job, write_dumps
 from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
 
 # Fields one document of a schema may have and another of the same schema not: sweep's `outputs`
@@ -48,7 +40,6 @@ LEDGER_TIMES = ("activation_time", "start_time")
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory) -> dict[str, tuple[int, Any]]:
     tmp = tmp_path_factory.mktemp("schemas")
-    jd = tmp / "job"
     docs: dict[str, tuple[int, Any]] = {}
 
     def doc(name: str, *args: str) -> None:
@@ -56,20 +47,8 @@ def documents(tmp_path_factory) -> dict[str, tuple[int, Any]]:
         assert r.stdout.strip(), f"{name}: no JSON (exit {r.returncode}): {r.stderr}"
         docs[name] = (r.returncode, json.loads(r.stdout))
 
-    doc("generation init", "gpu-generation", "init", "--job-dir", str(jd), "--job-id", "schemas")
-    led = open_job_ledger(jd, None)
-    cert = led.require_active()
-    mem = members(2)
-    for _ in range(2):
-        nxt = child(cert, mem, key=led.key, step=cert.frontier.step, extra={"switch": "restart"})
-        led.activate(nxt)
-        for m in mem:
-            led.record_commit(nxt.generation, cert.frontier.step + 10, m.rank, m.incarnation.id)
-        cert = nxt
-    new_inc = replace(cert.members[1].incarnation, id=uuid.uuid4().hex, pid=4242)
-    bad = replace(child(cert, (cert.members[0], Member(1, new_inc)), key=led.key), admitted=(), signature="")
-    with pytest.raises(RefusedError):
-        led.activate(bad.with_signature(sign(load_key(jd), bad.signing_bytes())))
+    jd, init = build_job(tmp)
+    docs["generation init"] = (0, init)
     j = ("--job-dir", str(jd))
     doc("generation show", "gpu-generation", "show", *j)
     doc("generation history", "gpu-generation", "history", *j)
@@ -88,11 +67,7 @@ def documents(tmp_path_factory) -> dict[str, tuple[int, Any]]:
     doc("sweep", "gpu-doctor", "sweep", *node, "--state-dir", str(tmp / "state"))
     doc("logs", "gpu-doctor", "logs", str(SAMPLE_LOG))
     doc("plugins", "gpu-doctor", "plugins")
-    dumps = tmp / "dumps"
-    dumps.mkdir()
-    for rank in range(2):
-        entries = [jh.fr_entry(1), jh.fr_entry(2, sizes=((4,),) if rank else ((8,),))]
-        (dumps / f"rank_{rank}").write_bytes(pickle.dumps(jh.fr_doc(entries, ranks=range(2)), protocol=2))
+    dumps = write_dumps(tmp)
     doc("contract", "gpu-doctor", "contract", str(dumps))
     return docs
 

@@ -268,7 +268,7 @@ def test_a_restart_binds_its_round_to_the_generation_activated_in_it(job):
         assert st["rounds"][-1]["round"] == 0 and st["rounds"][-1]["generation"] == 1
     r = run_cli("gpu-recover", "rendezvous", "--state", "--job-dir", str(job.job_dir), timeout=30)
     assert r.returncode == 0, r.stderr
-    assert f"round {rnd}: generation 2, certificate {digests[2][:16]}" in r.stdout and "at etcd " in r.stdout
+    assert f"round {rnd}: generation 2, certificate {digests[2][:12]}" in r.stdout and "at etcd " in r.stdout
     code = (
         "import sys, json; from pathlib import Path; from gpuguard.recovery.rendezvous import state as R; "
         f"ep = R.find_endpoint(job_dir=Path({str(job.job_dir)!r})); st, b = R.read_with_rounds(ep); "
