@@ -165,8 +165,7 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> int:
     """
     import typer
 
-    command = typer.main.get_command(app)
-    attach_examples(command, prog)
+    command = prepare(typer.main.get_command(app), prog)
     return run_guarded(lambda: _run(command, prog, argv), prog)
 
 
@@ -278,6 +277,13 @@ def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+def prepare(command: Any, prog: str) -> Any:
+    """The click tree as the user sees it: every --help with its examples and its values named."""
+    from gpuguard.cli._params import name_values
+
+    return name_values(attach_examples(command, prog))
 
 
 def attach_examples(command: Any, prog: str) -> Any:

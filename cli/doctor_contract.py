@@ -34,7 +34,9 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
     def contract(
         paths: list[str] = typer.Argument(..., metavar="PATH...", help="Per-rank dumps, or directories holding them."),
         as_json: bool = typer.Option(False, "--json", help="Print a gpuguard.contract/1 JSON document."),
-        pg: str = typer.Option(None, "--pg", help="Check only this process group (name or description)."),
+        pg: str = typer.Option(
+            None, "--pg", metavar="NAME", help="Check only this process group (name or description)."
+        ),
         world_size: int = typer.Option(
             None, "--world-size", min=1, help="Expected ranks 0..N-1 (finds missing dumps of the last ranks)."
         ),

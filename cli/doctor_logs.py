@@ -57,6 +57,7 @@ def register(*, app: typer.Typer, diagnose: typer.Typer, watch: typer.Typer, pla
         min_severity: str = typer.Option(
             "info",
             "--min-severity",
+            metavar="info|warning|critical",
             help="Hide events below: info, warning, critical.",
         ),
     ) -> int:

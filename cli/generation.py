@@ -44,6 +44,7 @@ EXPLAIN_SCHEMA = "gpuguard.generation-explain/1"
 LEDGER_OPTION = typer.Option(
     None,
     "--ledger",
+    metavar="URL",
     envvar=LEDGER_ENV,
     show_envvar=True,
     help="Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or what init recorded).",

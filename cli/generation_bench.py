@@ -23,10 +23,15 @@ def register(*, app: typer.Typer) -> None:
         real: bool = typer.Option(False, "--real", help="Run a representative subset as real torchrun/gloo jobs."),
         as_json: bool = typer.Option(False, "--json", help="Print the gpuguard.bench/1 document."),
         strategy: list[str] = typer.Option(
-            [], "--strategy", help="restart-all, communicator-only or gpuguard (repeatable; default all)."
+            [],
+            "--strategy",
+            metavar="restart-all|communicator-only|gpuguard",
+            help="restart-all, communicator-only or gpuguard (repeatable; default all).",
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the deterministic mini-training."),
-        layout: list[str] = typer.Option([], "--layout", help="dp or zero1 (repeatable; default both)."),
+        layout: list[str] = typer.Option(
+            [], "--layout", metavar="dp|zero1", help="dp or zero1 (repeatable; default both)."
+        ),
     ) -> int:
         """Every fault at every boundary against every strategy; semantic failures first."""
         from gpuguard.transitions import report

@@ -18,6 +18,7 @@ import typer
 
 from gpuguard.cli import recover_demo, recover_status
 from gpuguard.cli._app import console, emit_json, entry, job_dir_option, make_app, require_job, safe_line, safe_text
+from gpuguard.cli._params import RUNBOOK_METAVAR
 from gpuguard.cli._text import say as say_wrapped
 from gpuguard.cli._text import short
 from gpuguard.foundation.env import SNAPSHOT_ROOT_ENV
@@ -116,17 +117,20 @@ def rendezvous_cmd(
     endpoint: str | None = typer.Option(
         None,
         "--rdzv-endpoint",
+        metavar="HOST:PORT",
         help="torchrun's --rdzv-endpoint: HOST[:PORT] (c10d) or HOST:PORT[,HOST:PORT...] (etcd, gpuguard backend).",
     ),
     run_id: str | None = typer.Option(None, "--run-id", help="torchrun's --rdzv-id (default: from the agent)."),
     backend: str | None = typer.Option(
         None,
         "--rdzv-backend",
+        metavar="c10d|gpuguard",
         help="c10d or gpuguard (default: the live agent's; else gpuguard for several endpoints, c10d for one).",
     ),
     rdzv_conf: str | None = typer.Option(
         None,
         "--rdzv-conf",
+        metavar="KEY=VALUE,...",
         help="gpuguard backend: torchrun's --rdzv-conf (key_prefix, protocol, ca_cert, ...; default: the live agent's).",
     ),
     expect_round: int | None = typer.Option(
@@ -211,7 +215,7 @@ def verify_cmd(
     job_dir: Path = job_dir_option(),
     newer_than: int | None = typer.Option(None, "--newer-than", help="Wait for a generation newer than N."),
     timeout: float = typer.Option(60.0, "--timeout", min=0.0, help="Seconds to wait for the certificate."),
-    ledger: str | None = typer.Option(None, "--ledger", help="Ledger URL (default: the job dir)."),
+    ledger: str | None = typer.Option(None, "--ledger", metavar="URL", help="Ledger URL (default: the job dir)."),
     as_json: bool = _JSON,
 ) -> int:
     """Wait for the new generation's certificate (bounded) and verify it."""
@@ -263,7 +267,7 @@ def _step_json(s: Any) -> dict[str, Any]:
 
 def _step_lines(i: int, s: Any) -> list[str]:
     """One step as a person reads it: what it does, when, with which arguments, and on failure."""
-    lines = [f"{i}. {s.name}: {s.action}"]
+    lines = [f"{i}. {s.name}" if s.name == s.action else f"{i}. {s.name}: {s.action}"]
     lines.append(f"     when:       {s.when}" if s.when else "     when:       always")
     if s.argv:
         import shlex
@@ -280,14 +284,14 @@ def _step_lines(i: int, s: Any) -> list[str]:
         label = f"{key[:-2].replace('_', ' ')} (s)" if key.endswith("_s") else key.replace("_", " ")
         lines.append(f"     {label + ':':<11} {shown}")
     if s.newer_than:
-        lines.append(f"     waits for:  a generation newer than step {s.newer_than}'s")
+        lines.append(f"     waits for:  a generation newer than the one active at step {s.newer_than}")
     lines.append(f"     on failure: {'stop the run' if s.on_failure == 'stop' else 'continue with the next step'}")
     return lines
 
 
 @runbook_app.command("show")
 def runbook_show(
-    name: str = typer.Argument(..., help="Built-in runbook name or YAML file."),
+    name: str = typer.Argument(..., metavar=RUNBOOK_METAVAR, help="Built-in runbook name or YAML file."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw runbook (gpuguard.runbooks/1)."),
 ) -> int:
     """Validate and print a runbook: its steps, their conditions and arguments (--json: the raw form)."""
@@ -323,7 +327,7 @@ def runbook_show(
 
 @runbook_app.command("run")
 def runbook_run(
-    name: str = typer.Argument(..., help="Built-in runbook name or YAML file."),
+    name: str = typer.Argument(..., metavar=RUNBOOK_METAVAR, help="Built-in runbook name or YAML file."),
     job_dir: Path = job_dir_option(),
     run_id: str | None = typer.Option(None, "--run-id", help="Resume this run (default: the newest unfinished one)."),
     new: bool = typer.Option(False, "--new", help="Start a new run even if one is unfinished."),
@@ -344,7 +348,8 @@ def runbook_run(
 
     def progress(rep: Any) -> None:
         mark = " (resumed)" if rep.resumed else ""
-        say_wrapped(out, safe_line(f"  {rep.name}: {rep.action}: {rep.outcome}{mark}: {rep.summary}"))
+        what = rep.name if rep.name == rep.action else f"{rep.name} ({rep.action})"  # not "abort: abort: ..."
+        say_wrapped(out, safe_line(f"  {what}: {rep.outcome}{mark}: {rep.summary}"))
 
     report = runbooks.run(book, job_dir, dry_run=dry_run, yes=yes, confirm=_confirm(), run_id=run_id, progress=progress)
     if as_json:

@@ -237,6 +237,7 @@ def register(*, app: typer.Typer) -> None:
         rdzv_endpoint: str | None = typer.Option(
             None,
             "--rdzv-endpoint",
+            metavar="HOST:PORT",
             help="etcd v3 HOST:PORT[,...]: rendezvous on --rdzv-backend=gpuguard instead of c10d (restart scenario).",
         ),
         scenario: Scenario = typer.Option(

@@ -157,7 +157,7 @@ def register(*, app: typer.Typer) -> None:
             metavar="S",
             help="With --follow: wait up to S seconds for the job directory to appear (a job not started yet).",
         ),
-        ledger: str | None = typer.Option(None, "--ledger", help="Ledger URL (default: the job dir's)."),
+        ledger: str | None = typer.Option(None, "--ledger", metavar="URL", help="Ledger URL (default: the job dir's)."),
         probe_timeout: float = typer.Option(
             5.0, "--probe-timeout", min=0.1, metavar="S", help="Deadline of each probe (ledger, processes, records)."
         ),

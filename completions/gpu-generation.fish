@@ -2,8 +2,14 @@
 function __gpuguard_path_gpu_generation
     set -l path ""
     set -l known /bench /bench/transitions /completion /explain /history /init /show /verify
+    set -l valued --generation --job-dir --job-id --layout --ledger --seed --snapshot-root --strategy --timeout
+    set -l prev ""
     for w in (commandline -opc)[2..-1]
-        string match -q -- '-*' $w; and continue
+        if string match -q -- '-*' $w; or contains -- $prev $valued
+            set prev "$w"
+            continue
+        end
+        set prev "$w"
         if contains -- "$path/$w" $known
             set path "$path/$w"
         end
@@ -28,46 +34,47 @@ complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench'"
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l help -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l json -d 'Print the gpuguard.bench/1 document.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l layout -r -F -d 'dp or zero1 (repeatable; default both).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l layout -x -a 'dp zero1' -d 'dp or zero1 (repeatable; default both).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l real -d 'Run a representative subset as real torchrun/gloo jobs.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l seed -r -F -d 'Seed of the deterministic mini-training.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l strategy -r -F -d 'restart-all, communicator-only or gpuguard (repeatable; default all).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l seed -x -d 'Seed of the deterministic mini-training.'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -l strategy -x -a 'restart-all communicator-only gpuguard' -d 'restart-all, communicator-only or gpuguard (repeatable; default all).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/bench/transitions'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/completion'" -l help -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/completion'" -s h -d 'Show the help and exit.'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/completion'" -a 'bash zsh fish'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l all -d 'Every recorded refusal, not only the latest.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l generation -r -F -d 'Explain the refusals of this generation (default: the latest).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l generation -x -d 'Explain the refusals of this generation (default: the latest).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l help -d 'Show the help and exit.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l json -d 'Print a JSON document instead of text.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l ledger -r -F -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l timeout -r -F -d 'Seconds to wait for the ledger (etcd).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/explain'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l help -d 'Show the help and exit.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l json -d 'Print a JSON document instead of text.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l ledger -r -F -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l timeout -r -F -d 'Seconds to wait for the ledger (etcd).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/history'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l help -d 'Show the help and exit.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l job-id -r -F -d 'Job id (default: the job directorys name).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l job-id -x -d 'Job id (default: the job directorys name).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l json -d 'Print a JSON document instead of text.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l ledger -r -F -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l timeout -r -F -d 'Seconds to wait for the ledger (etcd).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/init'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l help -d 'Show the help and exit.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l json -d 'Print a JSON document instead of text.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l ledger -r -F -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l timeout -r -F -d 'Seconds to wait for the ledger (etcd).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l deep -d 'Also re-hash the checkpoint files against their manifests.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l generation -r -F -d 'Verify only this generation.'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l generation -x -d 'Verify only this generation.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l help -d 'Show the help and exit.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l job-dir -r -F -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l json -d 'Print a JSON document instead of text.'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l ledger -r -F -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l snapshot-root -r -F -d 'With --deep: where the jobs snapshots/ and checkpoints/ live (shared s'
-complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l timeout -r -F -d 'Seconds to wait for the ledger (etcd).'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l snapshot-root -x -a '(__fish_complete_directories)' -d 'With --deep: where the jobs snapshots/ and checkpoints/ live (shared s'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -s h -d 'Show the help and exit.'

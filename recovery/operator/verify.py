@@ -37,7 +37,7 @@ def verify(
                 report = verify_ledger(ledger, load_key(job_dir), generation=cert.generation)
                 break
         if time.monotonic() >= end:
-            want = "active certificate" if newer_than is None else f"a generation newer than {newer_than}"
+            want = "active certificate" if newer_than is None else f"generation newer than {newer_than}"
             raise UnavailableError(f"no {want} within {timeout_s:g} s")
         sleep(poll_s)
     details = {

@@ -20,13 +20,11 @@ import subprocess
 import termios
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import typer
 
-from gpuguard.cli import _app, doctor, generation, recover
-from tests.support.cli import BIN, REAL_LOGS, run_cli
+from gpuguard.cli import _app
+from tests.support.cli import BIN, REAL_LOGS, every_command, run_cli
 from tests.support.cli_job import build_job, write_dumps, write_steps
 from tests.support.node import SAMPLE_LOG, SAMPLE_NVML
 
@@ -209,16 +207,7 @@ def test_a_token_is_never_split(tmp_path: Path):
     assert all(p.startswith(" " * 15) for p in parts[1:])  # continuations hang under the value column
 
 
-def _commands(cmd: Any, path: str) -> list[tuple[str, Any]]:
-    subs = getattr(cmd, "commands", None) or {}
-    return [(path, cmd), *(c for name, sub in subs.items() for c in _commands(sub, f"{path} {name}"))]
-
-
-HELPS = [
-    pair
-    for prog, app in (("gpu-doctor", doctor.app), ("gpu-generation", generation.app), ("gpu-recover", recover.app))
-    for pair in _commands(_app.attach_examples(typer.main.get_command(app), prog), prog)
-]
+HELPS = every_command()
 
 
 @pytest.mark.parametrize("path", [p for p, _ in HELPS])

@@ -44,3 +44,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def every_command() -> list[tuple[str, object]]:
+    """(path as typed, click command) of every command of the three console scripts, as `run` prepares
+    them (examples attached, values named): for the tests that check every --help."""
+    import typer
+
+    from gpuguard.cli import _app, doctor, generation, recover
+
+    out: list[tuple[str, object]] = []
+
+    def walk(cmd: object, path: str) -> None:
+        out.append((path, cmd))
+        for name, sub in (getattr(cmd, "commands", None) or {}).items():
+            walk(sub, f"{path} {name}")
+
+    for prog, app in (("gpu-doctor", doctor.app), ("gpu-generation", generation.app), ("gpu-recover", recover.app)):
+        walk(_app.prepare(typer.main.get_command(app), prog), prog)
+    return out

@@ -42,10 +42,10 @@ def test_list_shows_descriptions_and_show_reads_as_prose(cli):
     r = cli("gpu-recover", "runbook", "show", "hang")
     lines = r.stdout.splitlines()
     assert lines[0] == "runbook hang (builtin:hang)"
-    assert "  1. diagnose: diagnose" in lines and "       when:       always" in lines
+    assert "  1. diagnose" in lines and "       when:       always" in lines
     assert "       init timeout (s): 60" in lines and "       grace (s):  10" in lines
-    assert "  2. abort: abort" in lines and "       include active: true" in lines
-    assert "       waits for:  a generation newer than step diagnose's" in lines
+    assert "  2. abort" in lines and "       include active: true" in lines
+    assert "       waits for:  a generation newer than the one active at step diagnose" in lines
     assert "       on failure: stop the run" in lines
     assert "{'" not in r.stdout and "':" not in r.stdout  # no dict reprs
     raw = json.loads(cli("gpu-recover", "runbook", "show", "hang", "--json").stdout)
