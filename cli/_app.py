@@ -474,6 +474,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "gpu-doctor plan collective --ranks 64 --bytes 1e9 --bandwidth 50e9 --latency 5e-6",
     ),
     "gpu-doctor plan layout": ("gpu-doctor plan layout --tp 8 --pp 4 --dp 16 --failed-rank 17 --json",),
+    "gpu-doctor picture": (
+        "gpu-doctor picture --job-dir /ckpt/job              # heatmap and restart timeline",
+        "gpu-doctor picture --job-dir /ckpt/job --export perfetto > trace.json",
+        "gpu-doctor picture --job-dir /ckpt/job --plot steps.svg",
+    ),
     "gpu-doctor plugins": ("gpu-doctor plugins", "gpu-doctor plugins --json"),
     "gpu-doctor completion": (
         "gpu-doctor completion bash > /etc/bash_completion.d/gpu-doctor",

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import typer
 
-from gpuguard.cli import doctor_contract, doctor_job, doctor_logs, doctor_node, doctor_torchrun, doctor_watch
+from gpuguard.cli import (
+    doctor_contract,
+    doctor_job,
+    doctor_logs,
+    doctor_node,
+    doctor_picture,
+    doctor_torchrun,
+    doctor_watch,
+)
 from gpuguard.cli._app import make_app
 
 app = make_app(
@@ -25,5 +33,5 @@ app.add_typer(diagnose_app, name="diagnose")
 app.add_typer(watch_app, name="watch")
 app.add_typer(plan_app, name="plan")
 
-for _module in (doctor_node, doctor_logs, doctor_job, doctor_contract, doctor_torchrun, doctor_watch):
+for _module in (doctor_node, doctor_logs, doctor_job, doctor_contract, doctor_torchrun, doctor_watch, doctor_picture):
     _module.register(app=app, diagnose=diagnose_app, watch=watch_app, plan=plan_app)

@@ -129,15 +129,14 @@ def _mtime(root: Path, names: list[str]) -> float:
     return out
 
 
-def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
-    """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
-    root = ranks_dir(job_dir)
+def _segment_groups(root: Path) -> tuple[dict[tuple[int, str], list[str]], list[str]]:
+    """{(rank, incarnation): its segment names, oldest first} and the `.steplog` names that are not one."""
     groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
     skipped: list[str] = []
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
-        return JobRecords(str(job_dir), {}, ())
+        return {}, []
     for name in names:
         parsed = parse_segment_name(name)
         if parsed is None:
@@ -146,11 +145,19 @@ def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> 
             continue
         rank, inc, segment = parsed
         groups.setdefault((rank, inc), []).append((segment, name))
+    return {key: [name for _, name in sorted(segs)] for key, segs in groups.items()}, skipped
+
+
+def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
+    """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
+    root = ranks_dir(job_dir)
+    if not root.is_dir():
+        return JobRecords(str(job_dir), {}, ())
+    groups, skipped = _segment_groups(root)
     per_rank: dict[int, list[RankSeries]] = {}
     bad: dict[int, list[tuple[float, str, list[str]]]] = {}  # rank -> (mtime, reason, files) per unusable group
     budget = max(64 * 1024, max_steps * BYTES_PER_STEP)
-    for (rank, inc), segs in groups.items():
-        names_in = [name for _, name in sorted(segs)]
+    for (rank, inc), names_in in groups.items():
         lines, files, error = _tail_lines(root, names_in, budget)
         if error:
             bad.setdefault(rank, []).append((_mtime(root, names_in), error, names_in))
@@ -179,3 +186,25 @@ def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> 
         ranks.pop(rank, None)
         unusable[rank] = why
     return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)), dict(sorted(unusable.items())))
+
+
+def read_history(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> tuple[RankSeries, ...]:
+    """Every incarnation of every rank, one series per generation it wrote (an in-place switch reopens
+    the log under a new header: the lines are split there), oldest first: what the pictures and the
+    trace draw. The same bounds as `read_job` (each incarnation's tail); an unreadable one is left out."""
+    root = ranks_dir(job_dir)
+    groups, _ = _segment_groups(root)
+    budget = max(64 * 1024, max_steps * BYTES_PER_STEP)
+    out: list[RankSeries] = []
+    for (rank, inc), names in groups.items():
+        lines, files, _error = _tail_lines(root, names, budget)
+        runs: list[list[str]] = []
+        for line in lines:
+            if line.startswith("H ") or not runs:
+                runs.append([])
+            runs[-1].append(line)
+        for run in runs:
+            series = decode_lines(run, rank=rank, incarnation=inc, max_steps=max_steps)
+            if series.steps or series.last_wall:
+                out.append(replace(series, files=tuple(files)))
+    return tuple(sorted(out, key=lambda s: (s.start_wall, s.rank, s.generation)))
