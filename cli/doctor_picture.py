@@ -65,8 +65,14 @@ def timeline_lines(phases: list[Any], width: int | None) -> list[str]:
         mine = [p for p in phases if p.generation == gen]
         t0, t1 = min(p.start for p in mine), max(p.end for p in mine)
         span = max(t1 - t0, 1e-9)
-        restart = mine[0].phase.startswith("down")
-        what = f"restart into generation {gen}" if restart else f"start of generation {gen}"
+        first = mine[0].phase
+        what = (
+            f"in-place switch into generation {gen}"
+            if first == "down_inplace"
+            else f"restart into generation {gen}"
+            if first.startswith("down")
+            else f"start of generation {gen}"
+        )
         lines.append(f"{what}: {t1 - t0:.2f} s to the first step's end")
         for p in mine:
             a = int((p.start - t0) / span * bar_w)

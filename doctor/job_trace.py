@@ -5,7 +5,10 @@ Why: "where did the 16 s of recovery go" and "which rank is slow" are answered f
 The recovery phases come from what the job already writes: the previous generation's last step record
 (the failure, at the latest), each new worker's process start (torchrun detected the failure and
 respawned it), and the activation record's wall times (`coord/activation-g<N>.json`: runtime built,
-store connected, certificate, state restored, process group ready), up to the first step's end.
+store connected, certificate, state restored, process group ready), up to the first step's end. An
+in-place switch has no restart: its phases are the lowest rank's switch record's
+(`coord/inplace/switch-g<N>-r<rank>.json`: detect, reported, evicted, certified, restored, group
+ready, first commit), after the failed rank's last record.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, NamedTuple
 from gpuguard.collectors.step_records import read_history
 from gpuguard.foundation.boundedread import read_json
 from gpuguard.foundation.errors import GpuguardError
-from gpuguard.foundation.jobdir import activation_path, ledger_dir, ledger_url_path
+from gpuguard.foundation.jobdir import activation_path, inplace_dir, ledger_dir, ledger_url_path
 from gpuguard.foundation.observations import RankSeries
 from gpuguard.generation.job import open_job_ledger
 
@@ -28,6 +31,15 @@ MAX_ACTIVATION_BYTES = 64 * 1024
 PHASE_NAMES = {
     "down": "down: torchrun detects, respawns",
     "down_and_import": "down, respawn, import torch",
+    "down_inplace": "down: until a survivor detects it",
+    "reported": "survivors report",
+    "evicted": "evict the failed ranks",
+    "frontier": "agree on the frontier",
+    "certified": "certificate",
+    "decided": "switch decided",
+    "group_ready": "new process group",
+    "resharded": "reshard the state",
+    "first_commit": "first commit",
     "runtime_created": "import torch, build the runtime",
     "activate_called": "model setup, until activate()",
     "attempt_known": "read the attempt",
@@ -89,11 +101,15 @@ def _generations(job_dir: Path) -> tuple[Generation, ...]:
 
 def _activation(job_dir: Path, generation: int) -> dict[str, float]:
     """The activation record's phase wall times, {} when there is none or it is not one."""
-    path = activation_path(job_dir, generation)
+    return _phases_of(activation_path(job_dir, generation), "an activation record")
+
+
+def _phases_of(path: Path, what: str) -> dict[str, float]:
+    """The `phases` wall times of a JSON record, {} when there is none or it is not one."""
     if not path.is_file():
         return {}
     try:
-        doc = read_json(path, max_bytes=MAX_ACTIVATION_BYTES, what="an activation record")
+        doc = read_json(path, max_bytes=MAX_ACTIVATION_BYTES, what=what)
     except (GpuguardError, OSError):  # a torn, foreign or unreadable file: no phases, the picture stands
         return {}
     phases = doc.get("phases") if isinstance(doc, dict) else None
@@ -112,7 +128,11 @@ def recovery_phases(series: tuple[RankSeries, ...], activations: dict[int, dict[
         before = [s.last_wall for s in series if s.generation < gen and s.last_wall]
         last = max(before, default=0.0)
         down = "down"
-        if before and marks.get("process_start", last + 1) <= last:
+        if "detect" in marks:  # in place: the survivors' logs go on; the failed rank's stopped first
+            parent = max((s.generation for s in series if s.generation < gen), default=None)
+            before = [min(s.last_wall for s in series if s.generation == parent)] if parent is not None else []
+            last, down = (before[0], "down_inplace") if before else (0.0, down)
+        elif before and marks.get("process_start", last + 1) <= last:
             # psutil's create time is only as exact as the boot time's whole second: a process start
             # before the old generation's last record is that error; down and the import are one span
             marks = {k: v for k, v in marks.items() if k != "process_start"}
@@ -128,12 +148,20 @@ def recovery_phases(series: tuple[RankSeries, ...], activations: dict[int, dict[
     return out
 
 
+def _switch(job_dir: Path, generation: int) -> dict[str, float]:
+    """An in-place switch's phase wall times from its lowest rank's switch record (inplace.md), {} if none."""
+    records = sorted(inplace_dir(job_dir).glob(f"switch-g{int(generation)}-r*.json"))
+    for path in sorted(records, key=lambda p: (len(p.name), p.name))[:1]:
+        return _phases_of(path, "a switch record")
+    return {}
+
+
 def read_job_history(job_dir: str | os.PathLike[str]) -> JobHistory:
     path = Path(job_dir)
     series = read_history(path)
     generations = _generations(path)
     gens = {g.generation for g in generations} | {s.generation for s in series}
-    activations = {g: _activation(path, g) for g in sorted(gens)}
+    activations = {g: _activation(path, g) or _switch(path, g) for g in sorted(gens)}
     return JobHistory(str(path), series, generations, tuple(recovery_phases(series, activations)))
 
 

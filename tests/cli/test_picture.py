@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.diagnostics.lateness import lateness_grid
+from gpuguard.doctor.job_trace import recovery_phases
 from gpuguard.foundation.observations import RankSeries, StepSample
 from tests.support.cli import run_cli
 
@@ -111,3 +112,43 @@ def test_a_straggler_is_late_by_its_own_extra_compute(base, extra, ranks, slow):
 def test_a_step_a_rank_has_no_record_of_is_none():
     grid = lateness_grid([_series(0, [1.0, 1.0]), _series(1, [1.0])], last=10)
     assert grid.late == ((0.0, 0.0), (0.0, None))
+
+
+def _ran(rank: int, generation: int, start: float, end: float) -> RankSeries:
+    steps = (StepSample(0, end, end, 0.1, 0.0),)
+    return RankSeries(
+        rank, f"i{rank}g{generation}", generation=generation, start_wall=start, last_wall=end, steps=steps
+    )
+
+
+def test_restart_phases_run_from_the_old_generations_last_record_to_the_first_step():
+    series = (_ran(0, 1, 0.0, 10.0), _ran(1, 1, 0.0, 9.0), _ran(0, 2, 14.5, 20.0), _ran(1, 2, 14.6, 21.0))
+    marks = {"process_start": 11.0, "runtime_created": 13.0, "certificate": 14.0, "pg_ready": 14.4}
+    spans = recovery_phases(series, {1: {}, 2: marks})
+    assert [(p.phase, p.start, p.end) for p in spans] == [
+        ("down", 10.0, 11.0),
+        ("runtime_created", 11.0, 13.0),
+        ("certificate", 13.0, 14.0),
+        ("pg_ready", 14.0, 14.4),
+        ("first_step", 14.4, 20.0),
+    ]
+    # a process start before the old generation's last record (psutil's create time is only as exact as
+    # the boot time's second): down and the import are one span, never a negative one
+    spans = recovery_phases(series, {2: {**marks, "process_start": 9.5}})
+    assert [(p.phase, p.start, p.end) for p in spans][:2] == [
+        ("down_and_import", 10.0, 13.0),
+        ("certificate", 13.0, 14.0),
+    ]
+
+
+def test_in_place_phases_start_at_the_failed_ranks_last_record():
+    series = (_ran(0, 1, 0.0, 10.4), _ran(1, 1, 0.0, 10.0), _ran(0, 2, 10.4, 11.0))
+    marks = {"detect": 10.2, "reported": 10.25, "certified": 10.3, "first_commit": 10.5}
+    spans = recovery_phases(series, {2: marks})
+    assert [(p.phase, p.start) for p in spans] == [
+        ("down_inplace", 10.0),
+        ("reported", 10.2),
+        ("certified", 10.25),
+        ("first_commit", 10.3),
+        ("first_step", 10.5),
+    ]
