@@ -40,6 +40,7 @@ class Report:
     time: float
     # sharded state only: step -> chunk key -> [dtype, global shape, local sizes, sum (16 hex digits)]
     chunks: Mapping[int, Mapping[str, list[Any]]] = field(default_factory=dict)
+    suspects: tuple[int, ...] = ()  # ranks this survivor's peer heartbeat found silent (the evidence)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class Report:
             "failure": self.failure,
             "time": self.time,
             **({"chunks": {str(k): dict(v) for k, v in sorted(self.chunks.items())}} if self.chunks else {}),
+            **({"suspects": sorted(self.suspects)} if self.suspects else {}),
         }
 
     @classmethod
@@ -72,7 +74,14 @@ class Report:
             str(d.get("failure", "")),
             float(d["time"]),
             _chunks(d.get("chunks", {})),
+            _ranks(d.get("suspects", [])),
         )
+
+
+def _ranks(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, list) or len(raw) > 1_000_000 or not all(type(r) is int and r >= 0 for r in raw):
+        raise ValueError("suspects is not a list of ranks")
+    return tuple(raw)
 
 
 def _chunks(raw: Any) -> dict[int, dict[str, list[Any]]]:

@@ -82,13 +82,16 @@ PROOF_GONE = "process gone"  # pid + start time no longer a live process, seen o
 PROOF_KILLED = "killed, process gone"  # SIGKILLed by the coordinator on its host, then seen gone
 PROOF_LEASE = "lease expired, self-fenced"  # its etcd lease expired: it fenced itself before (docs/formats/leases.md)
 PROOF_REPORTED = "reported, left its group"  # a survivor: it tore the old group down and joins the new one
-PROOFS = (PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED)
+# every place it could write to refuses its generation (docs/fencing.md): it may still run, nothing it does is seen
+PROOF_FENCED = "fenced: every sink compares the generation"
+PROOFS = (PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED, PROOF_FENCED)
 
 
 def quiescence_proofs(cert: Certificate, parent: Certificate | None) -> list[Violation]:
     """When a certificate says how each old incarnation was proved quiet (`extra.quiescence_by`),
     every parent member needs one accepted proof: a lease that expired is one (its holder fenced
-    itself first), a member nobody could account for is not."""
+    itself first), and so is fencing (every sink it could write to compares the generation and
+    refuses it: docs/fencing.md); a member nobody could account for is not."""
     by = cert.extra.get("quiescence_by")
     if by is None or parent is None:
         return []

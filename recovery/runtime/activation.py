@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
-from gpuguard.generation.rules import PROOF_GONE, PROOF_LEASE
+from gpuguard.generation.rules import PROOF_FENCED, PROOF_GONE, PROOF_LEASE
 from gpuguard.recovery.snapshots.store import Rejection, Selection
 
 MAX_UNRESTORABLE_SKIPS = 8  # states skipped as unrestorable before the coordinator takes what is left
@@ -82,21 +82,30 @@ def choose_frontier(parent: Certificate | None, committed_by_all: int | None, se
 
 
 def quiescence(
-    parent: Certificate | None, hellos: Iterable[Hello], lease_expired: frozenset[str] = frozenset()
+    parent: Certificate | None,
+    hellos: Iterable[Hello],
+    lease_expired: frozenset[str] = frozenset(),
+    fenced: frozenset[str] = frozenset(),
 ) -> tuple[str, tuple[str, ...]]:
     """`proved` when every parent incarnation was seen gone (pid + create time) by a member on its
-    host, or (across hosts, etcd ledger) its lease expired, which it fenced itself before; else
-    `unknown`, naming the ones nobody could vouch for."""
-    q, evidence, _ = quiescence_proofs(parent, hellos, lease_expired)
+    host, or (across hosts, etcd ledger) its lease expired, which it fenced itself before, or it is
+    fenced (every sink it could write to refuses its generation: docs/fencing.md); else `unknown`,
+    naming the ones nobody could vouch for."""
+    q, evidence, _ = quiescence_proofs(parent, hellos, lease_expired, fenced)
     return q, evidence
 
 
 def quiescence_proofs(
-    parent: Certificate | None, hellos: Iterable[Hello], lease_expired: frozenset[str] = frozenset()
+    parent: Certificate | None,
+    hellos: Iterable[Hello],
+    lease_expired: frozenset[str] = frozenset(),
+    fenced: frozenset[str] = frozenset(),
 ) -> tuple[str, tuple[str, ...], dict[str, str]]:
     """`quiescence` plus, per old incarnation id, the proof that held (`rules.PROOFS`): what the
     certificate records as `extra.quiescence_by`. A process seen alive on its host is never proved
-    quiet by a lease (a live process outranks a missing key)."""
+    quiet by a lease or by fencing (a live process outranks a missing key: it could still hold a
+    resource no sink guards, its GPU). `fenced`: incarnations no member can see whose every sink
+    refuses their generation: quiet without waiting for their lease (docs/fencing.md)."""
     if parent is None or not parent.members:
         return "proved", ("no previous members",), {}
     gone: set[str] = set()
@@ -117,6 +126,9 @@ def quiescence_proofs(
         elif inc.id in lease_expired:
             evidence.append(f"rank {m.rank} incarnation {inc.id} on {inc.host}: {PROOF_LEASE}")
             by[inc.id] = PROOF_LEASE
+        elif inc.id in fenced:
+            evidence.append(f"rank {m.rank} incarnation {inc.id} on {inc.host}: {PROOF_FENCED}")
+            by[inc.id] = PROOF_FENCED
         else:
             unknown.append(
                 f"rank {m.rank} incarnation {inc.id} on {inc.host}: no member on that host to check it "
@@ -233,6 +245,7 @@ class ActivationFacts:
     restart_count: int = 0
     rendezvous_round: int | None = None  # the torchrun rendezvous round the members were started in
     lease_expired: frozenset[str] = frozenset()  # parent incarnations whose etcd lease expired (fenced first)
+    fenced: frozenset[str] = frozenset()  # parent incarnations no member can see, every sink refusing them
     rendezvous_participants: tuple[str, ...] = ()  # the round's agents (torch's node names), group-rank order
 
 
@@ -256,7 +269,7 @@ def plan_activation(facts: ActivationFacts) -> ActivationPlan:
     for hosts no member is on, from expired leases."""
     parent = facts.parent
     choice = choose_frontier(parent, facts.committed_by_all, facts.selection)
-    q, evidence, by = quiescence_proofs(parent, facts.hellos, facts.lease_expired)
+    q, evidence, by = quiescence_proofs(parent, facts.hellos, facts.lease_expired, facts.fenced)
     extra: dict[str, Any] = {
         "switch": "restart",
         "attempt": facts.attempt_token,

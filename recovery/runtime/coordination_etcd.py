@@ -13,7 +13,7 @@ holds at most two generations' reports (about 2 x ranks keys), whatever the job'
 
 Every write a stale incarnation could make is one transaction that compares what makes it
 legitimate: a report of G needs `P/active == G` and the writer's own lease key; a store address
-of G needs `P/active == G` and the lease key too. Fenced writes are counted in `fenced_writes`.
+of G needs `P/active == G` and the lease key too; so does a refusal of G. Fenced writes are counted in `fenced_writes`.
 
 The group store. Generation G+1's rank 0 serves a c10d TCPStore on its own address (the one it
 reaches etcd from) and publishes it under `P/inplace/g<G+1>/store`; the others read it from etcd
@@ -189,7 +189,10 @@ class EtcdCoordination:
             return 0
 
     def record_refusal(self, generation: int, doc: dict[str, Any]) -> None:
-        self.client.put(self._gkey(generation, "refused"), json.dumps(doc), "refusal write")
+        """Only while `generation` is active and the writer's lease lives: a stale coordinator's refusal
+        is fenced like its report (docs/fencing.md)."""
+        compares = [self._active_is(generation), *self._lease_alive()]
+        self._put_if(self._gkey(generation, "refused"), json.dumps(doc), compares, "refusal write")
 
     def refusal(self, generation: int) -> dict[str, Any] | None:
         raw = self._get(self._gkey(generation, "refused"))

@@ -238,6 +238,7 @@ class InPlaceRuntime(Runtime):
             failure,
             time.time(),
             sums,
+            (self.peers.suspect,) if self.peers.suspect is not None else (),
         )
         ctx = self.context
         ctx.require_lease(f"report of generation {generation}")

@@ -29,12 +29,13 @@ class PeerWatch:
     def __init__(self, ctx: Context, config: peer_hb.HeartbeatConfig | None, timeout_s: float) -> None:
         self.ctx, self.config, self.timeout_s = ctx, config, timeout_s
         self.suspicion: str | None = None  # set by the detector thread: why this generation is over
+        self.suspect: int | None = None  # the rank it found silent
         self._hb: peer_hb.PeerHeartbeat | None = None
 
     def start(self) -> str | None:
         """Start watching the generation the group just formed for (None), or say why not."""
         self.stop()
-        self.suspicion = None
+        self.suspicion, self.suspect = None, None
         ctx = self.ctx
         if self.config is None or ctx.world_size < 2 or ctx.generation is None:
             return None
@@ -100,7 +101,7 @@ class PeerWatch:
     def _on_suspect(self, rank: int, silent_s: float) -> None:
         """(detector thread) End this generation: record why, wake the blocked collective."""
         hb = self._hb
-        self.suspicion = f"no heartbeat from rank {rank} for {silent_s:.2f} s"
+        self.suspicion, self.suspect = f"no heartbeat from rank {rank} for {silent_s:.2f} s", rank
         if hb is None or rank not in hb.peers:
             return
         peer_ip, own_ip = hb.peers[rank].address[0], hb.sock.getsockname()[0]

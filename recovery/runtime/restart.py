@@ -93,7 +93,7 @@ class RestartCoordinator:
                 f"the ledger holds {len(ledger.generations())} certificate(s) but no valid "
                 "genesis: wrong signing key or tampered ledger"
             )
-        expired = self._await_leases(parent, hellos)
+        expired, fenced = self._quiet_remote(parent, hellos)
         phases["leases"] = time.time()
         committed = ledger.last_committed_by_all(parent.generation) if parent.members else None
         pin = _restore_pin(ctx)  # `gpu-recover restore` chose a state: never past it
@@ -117,6 +117,7 @@ class RestartCoordinator:
                 restart_count=ctx.launch.restart_count,
                 rendezvous_round=attempt.round if attempt else None,
                 lease_expired=expired,
+                fenced=fenced,
                 rendezvous_participants=attempt.participants if attempt else (),
             )
         )
@@ -155,23 +156,17 @@ class RestartCoordinator:
             ctx.forget_ledger()
         return ctx.ledger()
 
-    def _await_leases(self, parent: Any, hellos: tuple[Hello, ...]) -> frozenset[str]:
-        """Old incarnations on hosts no member is on (a lost host): wait, bounded, for their etcd
-        leases to expire; each fenced itself before it could (docs/formats/leases.md)."""
+    def _quiet_remote(self, parent: Any, hellos: tuple[Hello, ...]) -> tuple[frozenset[str], frozenset[str]]:
+        """Old incarnations on hosts no member is on (a lost host): (those whose lease already
+        expired, those proved quiet by fencing). Next to an etcd ledger every sink such an
+        incarnation could write to refuses its generation (docs/fencing.md), so nothing waits for its
+        lease: it may still run until it fences itself, and nothing it does is seen."""
         ctx = self.ctx
         remote = unvouched(parent, hellos)
-        if not remote or ctx.lease is None:
-            return frozenset()
-        # gone at most TTL (+ etcd's expiry sweep, ~0.5 s) after its holder's last keepalive
-        bound = 2 * ctx.lease_timing.ttl_s + 1.0
-        deadline = time.monotonic() + bound
+        if not remote or ctx.lease is None:  # one host (a directory ledger): the hellos vouch for all
+            return frozenset(), frozenset()
         expired = ctx.coord.expired(remote)
-        while len(expired) < len(remote) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            expired = ctx.coord.expired(remote)
-        if len(expired) < len(remote):
-            ctx.log(f"lease still held after {bound:.0f} s: {sorted(set(remote) - expired)}")
-        return expired
+        return expired, frozenset(remote) - expired
 
     def _restorable(self, bound: int, check: Callable[[SnapshotInfo], str | None]) -> Selection:
         """The newest verified state at or below `bound` that passes `check` (on the chain), skipping (a

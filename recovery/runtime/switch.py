@@ -20,7 +20,7 @@ from typing import Any, Literal
 from gpuguard.foundation.identity import GONE_STATES
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
-from gpuguard.generation.rules import PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED
+from gpuguard.generation.rules import PROOF_FENCED, PROOF_GONE, PROOF_KILLED, PROOF_LEASE, PROOF_REPORTED
 from gpuguard.recovery.snapshots.store import Selection
 
 OPERATOR_ABORT = "operator abort"  # the failure text of a switch an operator asked for (`request_abort`)
@@ -187,6 +187,10 @@ class EvictionFacts:
     grace_s: float  # how long a member on this host may take to report before it is killed
     lease_expired: frozenset[str] = frozenset()  # remote incarnations whose lease expired (each fenced itself first)
     remote_wait_s: float = REMOTE_WAIT_S  # how long to wait for a remote member (with leases: past its TTL)
+    # every sink a remote member could write to refuses an older generation (etcd ledger and coordination:
+    # docs/fencing.md): a remote member that is silent (suspected by a survivor's heartbeat, or no report
+    # within the grace) is evicted as fenced at once, never waited for until its lease expires
+    fenced_sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,9 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
     reported (kept) or is awaited, and after max(grace, remote_wait_s) the switch gives up — unless
     its lease expired: it fenced itself before that could happen (recovery.runtime.lease), so it is dead,
     whether it reported first or not (a reporter that is gone now would only make G+1 fail to form).
+    With `fenced_sinks` (every sink refuses an older generation: docs/fencing.md) a remote member
+    that has not reported is dead as soon as a survivor's heartbeat names it silent, or the grace
+    passed: it may still run until its lease fences it, and nothing it does is seen.
     """
     dead: list[int] = []
     killed: list[int] = []
@@ -236,6 +243,7 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
     evidence: list[str] = []
     proof: dict[str, str] = {}
     host = facts.host
+    suspected = {r for rep in facts.reports.values() for r in rep.suspects}
     for m in facts.members:
         inc, rep = m.incarnation, facts.reports.get(m.rank)
         if rep is not None and rep.incarnation_id != inc.id:
@@ -254,6 +262,16 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
             dead.append(m.rank)
             evidence.append(f"rank {m.rank} incarnation {inc.id}: pid {inc.pid} on {inc.host}: {PROOF_LEASE}")
             proof[inc.id] = PROOF_LEASE
+        elif (
+            st == "remote"
+            and rep is None
+            and facts.fenced_sinks
+            and (m.rank in suspected or facts.waited_s > facts.grace_s)
+        ):
+            why = "silent to its heartbeat watchers" if m.rank in suspected else f"no report within {facts.grace_s:g} s"
+            dead.append(m.rank)
+            evidence.append(f"rank {m.rank} incarnation {inc.id} on {inc.host}: {why}; {PROOF_FENCED}")
+            proof[inc.id] = PROOF_FENCED
         elif st == "stopped" or overdue:
             why = "stopped (SIGSTOP)" if st == "stopped" else f"no report within {facts.grace_s:g} s"
             said = f"rank {m.rank} incarnation {inc.id}: {why}, killed (pid {inc.pid} on {host} gone)"

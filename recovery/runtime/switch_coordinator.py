@@ -80,6 +80,7 @@ class SwitchCoordinator:
                 lease_expired=ctx.coord.expired(m.incarnation.id for m in parent.members if m.incarnation.host != host),
                 # a remote member's lease is gone at most TTL (+ etcd's expiry sweep) after its last beat
                 remote_wait_s=max(5.0, 2 * ctx.lease_timing.ttl_s + 1.0) if ctx.lease else 5.0,
+                fenced_sinks=ctx.coord.kind == "etcd",  # ledger, reports, store and frontier compare the generation
             )
         )
         for kill in eviction.kill:
