@@ -28,10 +28,8 @@ def normalize(value: Any) -> Any:
         if not math.isfinite(value):
             raise ValueError(f"non-finite number {value!r} has no canonical form")
         return int(value) if value.is_integer() else value
-    if t is list or t is tuple:
-        if all(type(v) in _PLAIN for v in value):
-            return list(value)
-        return [normalize(v) for v in value]
+    if t is list or t is tuple:  # one comprehension, no second pass: 100,000-member tables go through here
+        return [v if type(v) in _PLAIN else normalize(v) for v in value]
     if t is dict or isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
