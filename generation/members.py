@@ -20,10 +20,10 @@ member chunks at all.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
 import socket
 import uuid
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -123,15 +123,15 @@ class ChunkRef:
         return cls(sha, count, need(d, "first_rank", int, w))
 
 
-def _entry(m: Member, first_rank: int) -> list[Any]:
-    inc = m.incarnation
-    return [m.rank - first_rank, inc.id, inc.host, inc.pid, encode_time(inc.start_time), inc.gpu_uuid]
-
-
 def _encode(members: Sequence[Member], max_bytes: int) -> list[tuple[ChunkRef, Blob]]:
     """One chunk, or halves when its bytes are over `max_bytes` (only with very long names)."""
     first = members[0].rank
-    b = blob(canonical_bytes({"schema": MEMBERS_SCHEMA, "members": [_entry(m, first) for m in members]}))
+    entries = [
+        [m.rank - first, i.id, i.host, i.pid, encode_time(i.start_time), i.gpu_uuid]
+        for m in members
+        for i in (m.incarnation,)
+    ]
+    b = blob(canonical_bytes({"schema": MEMBERS_SCHEMA, "members": entries}))
     if len(b.data) > max_bytes and len(members) > 1:
         half = len(members) // 2
         return _encode(members[:half], max_bytes) + _encode(members[half:], max_bytes)
@@ -139,9 +139,10 @@ def _encode(members: Sequence[Member], max_bytes: int) -> list[tuple[ChunkRef, B
 
 
 def ends_chunk(incarnation_id: str, mask: int = BOUNDARY_MASK) -> bool:
-    """The content-defined boundary: a chunk may end after this incarnation (the writer's rule)."""
-    h = hashlib.sha256(incarnation_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(h[:4], "big") & mask == 0
+    """The content-defined boundary: a chunk ends after an incarnation whose id's CRC-32 has the
+    `mask` bits zero (the writer's rule, not checked by readers; CRC-32: a fast, fixed function,
+    where Python's own string hash differs from process to process)."""
+    return zlib.crc32(incarnation_id.encode("utf-8", "surrogatepass")) & mask == 0
 
 
 def split_members(

@@ -14,8 +14,9 @@ work the same for every caller: a certificate read from a ledger loads its chunk
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -228,9 +229,10 @@ class Certificate:
         return sha256_hex(self.canonical())
 
     def with_signature(self, signature: str) -> Certificate:
-        signed = replace(self, signature=signature)
-        if "_encoded_body" in self.__dict__:  # the same body: encoded once
-            signed.__dict__["_encoded_body"] = self.__dict__["_encoded_body"]
+        """The same certificate signed: a copy that keeps what was encoded (members, body, ranks),
+        since the signature is part of none of them."""
+        signed = copy.copy(self)
+        object.__setattr__(signed, "signature", signature)
         return signed
 
     @cached_property

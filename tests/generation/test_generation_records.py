@@ -116,3 +116,20 @@ def test_from_dict_refuses_wrong_types_and_unknown_fields():
         with pytest.raises(ValueError):
             Certificate.from_dict(bad)
     assert KEY
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_value, spaced=st.booleans(), unsorted=st.booleans())
+def test_parse_canonical_accepts_exactly_the_canonical_bytes(value, spaced, unsorted):
+    """Whatever way a value is written, it parses only when written exactly as `canonical_bytes` does."""
+    import json
+
+    text = json.dumps(
+        value, sort_keys=not unsorted, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=False
+    ).encode()
+    try:
+        back = parse_canonical(text)
+    except ValueError:
+        assert text != canonical_bytes(value)
+    else:
+        assert text == canonical_bytes(value) == canonical_bytes(back)
