@@ -331,7 +331,8 @@ def frontier_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
                 "ranks": ranks,
                 "design": "per-rank-step",
                 "steps": steps,
-                "records": n * steps,
+                "records": ranks * steps,
+                "records_read": n * steps,
                 "seconds": round(s * (ranks / n), 3),
                 "committed_by_all": got,
             }
