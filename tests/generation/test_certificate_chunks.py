@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError
+from gpuguard.foundation.etcd import EtcdRequestTooLarge
 from gpuguard.generation.canonical import parse_canonical
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.chunks import CHUNK_MAX_BYTES
@@ -254,19 +255,18 @@ def test_10240_members_activate_on_etcd_and_read_back(tmp_path, etcd_url):
     assert verify_ledger(open_ledger(tmp_path, url, key=KEY), KEY).ok
     inline = replace(g1, schema=INLINE_SCHEMA)
     assert len(encode_certificate(inline)) > 1_572_864  # what used to be sent: over etcd's request limit
-    with pytest.raises(DataError, match=r"request limit \(--max-request-bytes"):
+    with pytest.raises(EtcdRequestTooLarge, match="request limit"):
         fresh._create(3, encode_certificate(inline))
 
 
 @pytest.mark.etcd
-def test_a_request_etcd_refuses_by_size_names_the_limit(tmp_path, etcd_url):
+def test_a_request_too_large_for_etcd_is_one_clear_error_naming_the_limit(tmp_path, etcd_url):
     led = open_ledger(tmp_path, etcd_ledger_url(etcd_url), key=KEY)
     led.initialize(genesis())
-    with pytest.raises(DataError, match=r"larger than its request limit \(--max-request-bytes, 1572864 bytes"):
-        led._append("refusals", {"note": "x" * 1_600_000})  # past the client's own check: etcd's answer
     huge = replace(child(led.require_active(), members(1)), issued_by="x" * 1_600_000)
-    with pytest.raises(DataError, match="request limit"):
+    with pytest.raises(EtcdRequestTooLarge, match=r"request limit of 1,572,864 bytes \(--max-request-bytes") as err:
         led.activate(huge.with_signature(sign(KEY, huge.signing_bytes())))
+    assert err.value.exit_code == 65 and "\n" not in str(err.value)
     assert led.generations() == [0]
 
 
