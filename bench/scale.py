@@ -5,7 +5,7 @@
 Starts a throwaway etcd on loopback unless $GPUGUARD_TEST_ETCD names one (every row works under a
 prefix of its own and deletes it). Ranks are simulated: certificates of synthetic members, client
 threads that commit like ranks, or a load generator that writes the ledger's own keys and values
-over etcd's JSON gateway. Each row is `{"metric", "ranks", "design", "ok", "seconds", ...}`:
+through the project's etcd client. Each row is `{"metric", "ranks", "design", "ok", "seconds", ...}`:
 
 - `activation`: issue + `Ledger.activate` of a generation of N members on etcd, then an in-place
   switch that drops one replica (8 ranks). `design` `chunked` (certificate /2) and `inline` (the
@@ -26,14 +26,11 @@ Add a metric: one function `(Bench, ranks) -> list[row]` and one line in METRICS
 
 from __future__ import annotations
 
-import base64
 import http.client
-import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -51,6 +48,7 @@ from ledger import etcd_server  # noqa: E402
 from scale_scenarios import KEY, genesis, started, table  # noqa: E402
 
 from gpuguard.foundation.errors import GpuguardError  # noqa: E402
+from gpuguard.foundation.etcd import MAX_TXN_OPS, EtcdClient, put_op  # noqa: E402
 from gpuguard.generation.keys import sign  # noqa: E402
 from gpuguard.generation.ledger import dumps_record, encode_certificate  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
@@ -69,63 +67,40 @@ QUOTA_BYTES = 2 << 30  # etcd's default backend quota
 
 # ---------------------------------------------------------------------- etcd, over its JSON gateway
 class Gateway:
-    """etcd's v3 JSON gateway for the load generator, the metrics and the clean-up: one keep-alive
-    connection per thread (what a rank's client holds), no proxy, no client library in between."""
+    """The project's etcd client (`foundation.etcd.EtcdClient`, one connection per thread, as a
+    rank holds) for the load generator, the leases and the clean-up; etcd's `/metrics` over plain
+    HTTP (the client speaks only the v3 API)."""
 
     def __init__(self, url: str) -> None:
         u = urlsplit(url)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 2379
-        self._local = threading.local()
-
-    def _conn(self) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        return conn
-
-    def request(self, method: str, path: str, body: Any = None) -> bytes:
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in (0, 1):
-            conn = self._conn()
-            try:
-                conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
-                resp = conn.getresponse()
-                out = resp.read()
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                self._local.conn = None
-                if attempt:
-                    raise
-                continue
-            if resp.status != 200:
-                raise RuntimeError(f"etcd {path}: HTTP {resp.status}: {out[:200]!r}")
-            return out
-        raise AssertionError("unreachable")
-
-    def post(self, path: str, body: Any) -> dict[str, Any]:
-        return json.loads(self.request("POST", f"/v3/{path}", body) or b"{}")
+        self.client = EtcdClient([(self.host, self.port)], timeout=60.0)
 
     def put_many(self, kvs: list[tuple[str, bytes]]) -> None:
         """Puts in transactions of at most 128 operations (etcd's --max-txn-ops) and ~1 MiB."""
         batch: list[dict[str, Any]] = []
         size = 0
         for key, value in kvs:
-            if batch and (len(batch) >= 128 or size + len(value) > 1 << 20):
-                self.post("kv/txn", {"success": batch})
+            if batch and (len(batch) >= MAX_TXN_OPS or size + len(value) > 1 << 20):
+                self.client.txn("load", [], batch)
                 batch, size = [], 0
-            batch.append({"request_put": {"key": _b64(key), "value": _b64(value)}})
+            batch.append(put_op(key, value))
             size += len(value) + len(key)
         if batch:
-            self.post("kv/txn", {"success": batch})
+            self.client.txn("load", [], batch)
 
     def delete_prefix(self, prefix: str) -> None:
-        end = bytearray(prefix.encode())
-        end[-1] += 1
-        self.post("kv/deleterange", {"key": _b64(prefix), "range_end": _b64(bytes(end))})
+        self.client.delete(prefix, "clean-up", prefix=True)
 
     def metrics(self) -> dict[str, float]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
         out = {}
-        for line in self.request("GET", "/metrics").decode().splitlines():
+        for line in text.splitlines():
             if line and not line.startswith("#") and "{" not in line:
                 name, _, value = line.partition(" ")
                 try:
@@ -133,10 +108,6 @@ class Gateway:
                 except ValueError:
                     pass
         return out
-
-
-def _b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
 WRITES = "etcd_server_proposals_committed_total"
@@ -454,24 +425,26 @@ def keepalive_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
 
 
 def _keepalive_capacity(b: Bench, leases: int, seconds: float) -> dict[str, float]:
-    ids = [int(b.gateway.post("lease/grant", {"TTL": int(DEFAULT_TTL_S), "ID": 0})["ID"]) for _ in range(leases)]
+    """Keepalives as the runtime sends them (`EtcdClient.keepalive`), from 16 threads, for `seconds`."""
+    client = b.gateway.client
+    ids = [client.grant(int(DEFAULT_TTL_S)) for _ in range(leases)]
     done: list[float] = []
     stop = time.perf_counter() + seconds
 
-    def client(k: int) -> None:
+    def beat(k: int) -> None:
         i = k
         while time.perf_counter() < stop:
             t = time.perf_counter()
-            b.gateway.post("lease/keepalive", {"ID": ids[i % leases]})
+            assert client.keepalive(ids[i % leases]) > 0
             done.append(time.perf_counter() - t)
             i += 16
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(client, range(16)))
+        list(pool.map(beat, range(16)))
     wall = time.perf_counter() - t0
     for lease in ids:
-        b.gateway.post("kv/lease/revoke", {"ID": lease})
+        client.revoke(lease)
     return {
         "requests_per_s": len(done) / wall,
         "p50_ms": round(statistics.median(done) * 1e3, 2),
@@ -525,7 +498,7 @@ def main() -> int:
         rows = run(bench, metrics, sizes)
     notes = [
         f"{os.cpu_count()} CPUs, shared: figures are upper bounds (the best of 2 runs for decisions below 100,000)",
-        "etcd on loopback, default settings; the load generator writes the ledger's own keys over the JSON gateway",
+        "etcd on loopback, default settings; the load generator writes the ledger's own keys (foundation.etcd client)",
         f"targets: activation of 100,000 members <= {ACTIVATION_TARGET_S:g} s, decisions <= {DECISION_TARGET_S:g} s, "
         f"<= {WRITES_PER_STEP_TARGET} etcd writes per training step for the whole job",
         "projected: computed from the rate measured at a smaller size (linear, or ranks² for `before`)",
