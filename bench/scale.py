@@ -315,6 +315,39 @@ def frontier_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     finally:
         led.close()
         b.gateway.delete_prefix(b.prefix(url))
+    return rows + _frontier_record_rows(b, ranks)
+
+
+def _frontier_record_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """Today's design: one frontier record per generation, raised in place at each snapshot step
+    (`Ledger.record_frontier`); the read is one key whatever the job's length."""
+    url, led, _, members = _started_ledger(b, ranks)
+    rows: list[dict[str, Any]] = []
+    try:
+        for steps in (10, 1_000, 100_000):
+            assert led.record_frontier(1, steps, members[0].incarnation.id, "barrier")
+            fresh = open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=120.0)
+            fresh.require_active().member_table.load()
+            s, got = best(lambda: fresh.last_committed_by_all(1), 3)  # noqa: B023 - called right here
+            fresh.close()
+            assert got == steps, (got, steps)
+            rows.append(
+                {
+                    "metric": "frontier_read",
+                    "ranks": ranks,
+                    "design": "frontier-record",
+                    "steps": steps,
+                    "records": 1,
+                    "records_read": 1,
+                    "seconds": round(s, 4),
+                    "committed_by_all": got,
+                }
+            )
+        for row in rows:
+            row["ok"] = rows[-1]["seconds"] <= 1.5 * rows[0]["seconds"] + 0.05
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
     return rows
 
 
@@ -366,7 +399,43 @@ def commit_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     }
     if sample < ranks:
         row["projected"] = True
-    return [row]
+    return [row, _frontier_commit_row(b, ranks)]
+
+
+FRONTIER_STEPS = 100  # training steps of the simulated job in the frontier-record rows
+SNAPSHOT_EVERY = 10  # a snapshot (and a frontier record) every 10 steps, as the issue's target job
+
+
+def _frontier_commit_row(b: Bench, ranks: int) -> dict[str, Any]:
+    """Today's design over `FRONTIER_STEPS` steps of every rank: a commit is the rank's own step
+    record (no etcd request); rank 0 raises the frontier record at each snapshot step. The writes
+    are etcd's own count (/metrics), whatever the ranks number."""
+    url, led, _, members = _started_ledger(b, ranks)
+    try:
+        before = b.gateway.metrics()
+        t0 = time.perf_counter()
+        for step in range(1, FRONTIER_STEPS + 1):
+            if step % SNAPSHOT_EVERY == 0:
+                assert led.record_frontier(1, step, members[0].incarnation.id, "barrier")
+        wall = time.perf_counter() - t0
+        after = b.gateway.metrics()
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    writes = after.get(WRITES, 0) - before.get(WRITES, 0)
+    keys = after.get(KEYS, 0) - before.get(KEYS, 0)
+    return {
+        "metric": "commit_path",
+        "ranks": ranks,
+        "design": "frontier-record",
+        "ok": writes / FRONTIER_STEPS <= WRITES_PER_STEP_TARGET,
+        "seconds": round(wall / FRONTIER_STEPS, 5),  # etcd time per training step, rank 0's writer thread
+        "etcd_writes_per_rank_step": round(writes / FRONTIER_STEPS / ranks, 6),
+        "etcd_writes_per_step": round(writes / FRONTIER_STEPS, 3),
+        "new_keys": keys,
+        "steps": FRONTIER_STEPS,
+        "snapshot_every": SNAPSHOT_EVERY,
+    }
 
 
 def growth_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
@@ -399,7 +468,41 @@ def growth_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     }
     if n < ranks:
         row["projected"] = True
-    return [row]
+    return [row, _frontier_growth_row(b, ranks)]
+
+
+def _frontier_growth_row(b: Bench, ranks: int) -> dict[str, Any]:
+    """Today's design: keys after `FRONTIER_STEPS` steps of a job with a snapshot every
+    `SNAPSHOT_EVERY` (one frontier key, replaced in place), and the bytes etcd holds per hour of
+    1 step/s before compaction (the old revisions of that one key)."""
+    url, led, _, members = _started_ledger(b, ranks)
+    try:
+        before = b.gateway.metrics()
+        t0 = time.perf_counter()
+        for step in range(SNAPSHOT_EVERY, FRONTIER_STEPS + 1, SNAPSHOT_EVERY):
+            assert led.record_frontier(1, step, members[0].incarnation.id, "barrier")
+        wall = time.perf_counter() - t0
+        after = b.gateway.metrics()
+        rec = led.frontier_record(1)
+        assert rec is not None
+        record = len(dumps_record(rec.to_dict()))
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    keys = after.get(KEYS, 0) - before.get(KEYS, 0)
+    per_hour = record * 3600 / SNAPSHOT_EVERY  # revisions kept until etcd compacts them
+    return {
+        "metric": "etcd_growth",
+        "ranks": ranks,
+        "design": "frontier-record",
+        "ok": keys <= 1,
+        "seconds": round(wall, 4),  # the writes of those 100 steps
+        "keys_after_100_steps": keys,
+        "record_bytes": record,
+        "bytes_per_hour": round(per_hour),
+        "bytes_per_hour_after_compaction": 0,
+        "steps_per_s": 1,
+    }
 
 
 def keepalive_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
