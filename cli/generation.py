@@ -34,7 +34,8 @@ app = make_app(
     "Generation certificates: membership (incarnations) + commit frontier + state digest + ownership, certified together.",
 )
 
-# One schema name per document shape (the certificate inside keeps its own, gpuguard.certificate/1).
+# One schema name per document shape (the certificate inside keeps its own, gpuguard.certificate/2, shown
+# with its parts read in: Certificate.expanded_dict).
 INIT_SCHEMA = "gpuguard.generation-init/1"
 SHOW_SCHEMA = "gpuguard.generation-show/1"
 HISTORY_SCHEMA = "gpuguard.generation-history/1"
@@ -154,7 +155,7 @@ def _layout_text(layout: Mapping[str, Any]) -> str:
     return " x ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp") if k in layout) or str(dict(layout))
 
 
-def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
+def _cert_lines(cert: Any, parent: Any = None, shown: int | None = None) -> list[str]:
     f = cert.frontier
     lines = [
         f"job            {cert.job_id}",
@@ -169,11 +170,16 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
     lines += _switch_lines(cert.extra or {})
     forced = "  FORCED: quiescence of the old generation was not established" if cert.forced else ""
     lines.append(f"parent retired quiescence {cert.quiescence}{forced}")
-    lines += [f"               - {e}" for e in cert.quiescence_evidence]
-    lines.append(f"members        {len(cert.members)}")
+    evidence = cert.quiescence_evidence
+    lines += [f"               - {e}" for e in (evidence if shown is None else evidence[:shown])]
+    if shown is not None and len(evidence) > shown:
+        lines.append(f"               ... {len(evidence) - shown} more lines of evidence (--json for all)")
+    count = len(cert.members)  # from the chunk references: no member chunk read yet
+    lines.append(f"members        {count}")
     admitted = set(cert.admitted)
-    parent_rank = {p.incarnation.id: p.rank for p in parent.members} if parent is not None else {}
-    for m in cert.members:
+    listed = cert.member_table.first(shown) if shown is not None else tuple(cert.members)
+    parent_rank = {p.incarnation.id: p.rank for p in parent.members} if parent is not None and listed else {}
+    for m in listed:
         i = m.incarnation
         tag = ""
         if i.id in parent_rank and parent_rank[i.id] != m.rank:
@@ -182,6 +188,8 @@ def _cert_lines(cert: Any, parent: Any = None) -> list[str]:
             tag = "  (new incarnation, admitted)"
         gpu = f" gpu {i.gpu_uuid}" if i.gpu_uuid else ""
         lines.append(f"  rank {m.rank:<4} {i.id[:12]} {i.host} pid {i.pid}{gpu}{tag}")
+    if len(listed) < count:
+        lines.append(f"  ... {count - len(listed)} more (--members N, or --json for all)")
     lines.append(f"digest         {short(cert.digest())} (--json: whole)")
     return lines
 
@@ -207,7 +215,7 @@ def init_cmd(
                 "ledger": result.ledger.url,
                 "key": str(key_path(job_dir)),
                 "digest": g.digest(),
-                "certificate": g.to_dict(),
+                "certificate": g.expanded_dict(),
             }
         )
     else:
@@ -226,6 +234,9 @@ def show_cmd(
     ledger: str | None = LEDGER_OPTION,
     timeout: float = TIMEOUT_OPTION,
     as_json: bool = JSON_OPTION,
+    members: int = typer.Option(
+        256, "--members", min=0, help="List at most this many members (text; only their chunks are read)."
+    ),
 ) -> int:
     """The active generation: members and incarnations, frontier, state digest, why the parent retired."""
     from gpuguard.generation.job import open_job_ledger
@@ -243,12 +254,12 @@ def show_cmd(
                 "signature_checked": led.key is not None,
                 "rendezvous_round": _rendezvous_round(cert.extra),
                 "unverified_after_active": beyond,
-                "certificate": cert.to_dict(),
+                "certificate": cert.expanded_dict(),
             }
         )
     else:
         parent = led.get(cert.parent_generation) if cert.parent_generation is not None else None
-        lines = _cert_lines(cert, parent)
+        lines = _cert_lines(cert, parent, members)
         if led.key is None:
             lines.append("warning: no signing key in the job directory: signatures were not checked")
         title = f"active generation {cert.generation} — {led.url}"

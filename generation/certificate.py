@@ -81,6 +81,18 @@ def check(
     ]
 
 
+def check_header(cert: Certificate, *, parent: Certificate | None, key: bytes) -> list[Violation]:
+    """The rules a member checks before it follows a stored certificate: those of the signed header
+    (which names the member table and the body by digest). They read no member chunk, so 100,000
+    members admitting themselves do not each read the whole table; the rules over the table were
+    checked by the activator before it signed, and `verify` re-checks them all (`check_stored`)."""
+    return [
+        *rules.signature(cert, key),
+        *rules.chain_continuity(cert, parent),
+        *rules.quiescence(cert),
+    ]
+
+
 def check_stored(cert: Certificate, *, parent: Certificate | None, key: bytes) -> list[Violation]:
     """The rules a stored certificate must still satisfy when re-verified later (no commit/state view)."""
     return [

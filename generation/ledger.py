@@ -2,7 +2,8 @@
 
 The logic every backend shares lives here (walking and verifying the chain, the activation
 rules, fencing, the commit frontier); a backend only provides a few storage primitives:
-exclusive creation of generation N, reading it, and append-only logs. `open_ledger` picks the
+exclusive creation of generation N, reading it, a content-addressed chunk store (a `/2`
+certificate's member table and body, stored before it) and append-only logs. `open_ledger` picks the
 backend from a URL: none -> `<job-dir>/ledger/` (directory), `etcd://host:port/prefix` -> etcd.
 
 The active generation is the highest generation reachable from generation 0 through an
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from gpuguard.foundation.errors import DataError, NoInputError, RefusedError
 from gpuguard.generation import rules
 from gpuguard.generation.canonical import canonical_bytes, parse_canonical
 from gpuguard.generation.certificate import check
+from gpuguard.generation.chunks import Blob, ChunkLoader
 from gpuguard.generation.records import Certificate, CommitRecord, Violation, encode_time
 
 LEDGER_SCHEMA = "gpuguard.ledger/1"
@@ -107,9 +109,12 @@ class Refusal:
         )
 
 
-def decode_certificate(raw: bytes) -> Certificate:
-    """Bytes of a stored certificate -> Certificate; ValueError says why they are not one."""
-    return Certificate.from_dict(parse_canonical(raw.rstrip(b"\n")))
+def decode_certificate(raw: bytes, load: ChunkLoader | None = None, where: str = "") -> Certificate:
+    """Bytes of a stored certificate -> Certificate; ValueError says why they are not one.
+
+    A `/2` certificate reads its member table and body through `load` when they are first used
+    (`Ledger.decode` passes the ledger's chunk store); without it, using them is a DataError."""
+    return Certificate.from_dict(parse_canonical(raw.rstrip(b"\n")), load=load, where=where)
 
 
 def encode_certificate(cert: Certificate) -> bytes:
@@ -171,6 +176,26 @@ class Ledger(ABC):
         """Replace the frontier record only while `generation` is active and the record is still the
         one `token` names; False otherwise (one transaction, or under a lock)."""
 
+    @abstractmethod
+    def _read_chunk(self, sha256: str) -> bytes | None:
+        """The stored chunk named `sha256` (unchecked: `chunks.fetch` checks it), None if absent."""
+
+    @abstractmethod
+    def _write_chunks(self, chunks: Sequence[Blob]) -> None:
+        """Store chunks (each under its digest) durably, before the certificate naming them is created."""
+
+    @abstractmethod
+    def _chunk_stamps(self) -> dict[str, int]:
+        """Every stored chunk -> when it was last written (etcd: mod revision; directory: mtime, ns)."""
+
+    @abstractmethod
+    def _gen_stamp(self, generation: int) -> int | None:
+        """When generation N's certificate was created, on the chunks' scale (None: not stored)."""
+
+    @abstractmethod
+    def _delete_chunk(self, sha256: str, stamp: int) -> bool:
+        """Delete a chunk only while it was last written at `stamp`; True if deleted."""
+
     def _append_if_active(self, generation: int, log: str, record: dict[str, Any]) -> bool:
         """Append while `generation` is active. Backends with transactions close the check-then-write
         window; the directory backend checks just before its single append (a commit that slips in
@@ -188,12 +213,19 @@ class Ledger(ABC):
         self.close()
 
     # -- the chain ------------------------------------------------------------------------
+    def record_name(self, generation: int) -> str:
+        return f"{self.url} generation {generation}"
+
+    def decode(self, raw: bytes, generation: int) -> Certificate:
+        """Stored bytes of `generation` -> its certificate, whose parts load from this ledger's chunks."""
+        return decode_certificate(raw, self._read_chunk, self.record_name(generation))
+
     def _valid_next(self, raw: bytes, parent: Certificate | None) -> Certificate | None:
+        expected = 0 if parent is None else parent.generation + 1
         try:
-            cert = decode_certificate(raw)
+            cert = self.decode(raw, expected)
         except ValueError:
             return None
-        expected = 0 if parent is None else parent.generation + 1
         if cert.generation != expected or rules.chain_continuity(cert, parent):
             return None
         if self.key is not None and rules.signature(cert, self.key):
@@ -238,7 +270,7 @@ class Ledger(ABC):
         if raw is None:
             raise NoInputError(f"{self.url}: no generation {generation}")
         try:
-            return decode_certificate(raw)
+            return self.decode(raw, generation)
         except ValueError as exc:
             raise DataError(f"{self.url}: generation {generation}: {exc}") from None
 
@@ -281,12 +313,21 @@ class Ledger(ABC):
             lost = [
                 Violation("compare-and-swap", f"generation {cert.generation} was activated by another issuer first")
             ]
+            self._store_chunks(cert, parent)
             # the refusal a lost race records travels with the attempt (etcd: the txn's failure branch)
             if not self._create(cert.generation, encode_certificate(cert), self._refusal(cert, lost).to_dict()):
                 self._refuse(cert, lost, recorded=True)
         if violations:
             self._refuse(cert, violations)
         self.active()
+
+    def _store_chunks(self, cert: Certificate, parent: Certificate | None) -> None:
+        """Every chunk `cert` names and its parent does not (those are stored already): content
+        addressing shares what two generations have in common."""
+        have = set(parent.chunk_refs()) if parent is not None else set()
+        todo = {b.sha256: b for b in cert.chunks() if b.sha256 not in have}
+        if todo:
+            self._write_chunks(list(todo.values()))
 
     @staticmethod
     def _refusal(cert: Certificate, violations: list[Violation]) -> Refusal:
@@ -316,6 +357,33 @@ class Ledger(ABC):
     def refusals(self) -> list[Refusal]:
         records, _ = parse_lines(self._read_log("refusals"))
         return [Refusal.from_dict(r) for r in records if r.get("schema") == REFUSAL_SCHEMA]
+
+    # -- chunks no certificate names --------------------------------------------------------
+    def unreferenced_chunks(self) -> dict[str, int]:
+        """Chunks that no stored certificate names, written before the active generation's
+        certificate (digest -> stamp): left by an activation that lost its race or failed
+        between its chunks and its transaction. A chunk written after the active certificate may
+        belong to an activation under way (the activator stores, or re-writes, every chunk its
+        parent does not name *after* it read that parent), so it is kept."""
+        active = self.active()
+        cut = None if active is None else self._gen_stamp(active.generation)
+        if cut is None:
+            return {}
+        named: set[str] = set()
+        for n in self.generations():
+            raw = self._read(n)
+            try:
+                named.update(self.decode(raw, n).chunk_refs() if raw is not None else ())
+            except ValueError:
+                continue  # an unreadable certificate: nothing of it can be used or verified
+        return {sha: stamp for sha, stamp in self._chunk_stamps().items() if sha not in named and stamp < cut}
+
+    def prune_chunks(self, *, dry_run: bool = False) -> list[str]:
+        """Delete `unreferenced_chunks()` (each only if not re-written since it was listed)."""
+        found = self.unreferenced_chunks()
+        if dry_run:
+            return sorted(found)
+        return sorted(sha for sha, stamp in found.items() if self._delete_chunk(sha, stamp))
 
     # -- commits and fencing --------------------------------------------------------------
     def record_commit(self, generation: int, step: int, rank: int, incarnation_id: str) -> bool:

@@ -4,7 +4,8 @@ Activation of generation N: write the certificate to a unique temp file, fsync i
 `os.link` it to `gen-N.json`. link(2) is atomic and fails with EEXIST when the name exists, so
 exactly one racer creates generation N, and the final name only ever points at a complete,
 fsynced file (a crash leaves at most a stray temp file, which readers ignore). The directory is
-fsynced after the link so the new name survives a power loss before `activate` returns.
+fsynced after the link so the new name survives a power loss before `activate` returns. The
+chunks a `/2` certificate names (`chunks/<sha256>`) are stored the same way, before it.
 
 Logs (`commits-<G>.log`, `fenced.log`, `refusals.log`) are append-only: one `O_APPEND` write per
 record, one JSON line each; a torn last line is ignored by readers. They are *not* fsynced per
@@ -20,13 +21,14 @@ import fcntl
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation.boundedread import CERTIFICATE_BYTES, LEDGER_LOG_BYTES, read_bytes, read_lines
 from gpuguard.foundation.errors import NoInputError, from_os_error
 from gpuguard.foundation.jobdir import atomic_write_bytes
+from gpuguard.generation.chunks import CHUNK_READ_BYTES, Blob, is_sha256
 from gpuguard.generation.ledger import Ledger, dumps_record, new_temp_name
 from gpuguard.generation.records import Certificate
 
@@ -51,6 +53,18 @@ def warn_many_hosts(hosts: Iterable[str], log: Callable[[str], None] | None = No
     )
     (log or (lambda m: print(m, file=sys.stderr, flush=True)))(msg)
     return True
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """A new file (never an existing one), fully written and fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class DirectoryLedger(Ledger):
@@ -100,14 +114,7 @@ class DirectoryLedger(Ledger):
         try:
             if generation == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_new(tmp, data)
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -121,12 +128,81 @@ class DirectoryLedger(Ledger):
         except OSError as exc:
             raise from_os_error(exc, str(final)) from None
 
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+    def _fsync_dir(self, path: Path | None = None) -> None:
+        fd = os.open(self.root if path is None else path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    # -- chunks: <root>/chunks/<sha256>, created once each, like a certificate ---------------
+    def chunk_path(self, sha256: str) -> Path:
+        return self.root / "chunks" / sha256
+
+    def _read_chunk(self, sha256: str) -> bytes | None:
+        try:
+            return read_bytes(
+                self.chunk_path(sha256), max_bytes=CHUNK_READ_BYTES, what="a certificate chunk", follow_links=False
+            )
+        except NoInputError:
+            return None
+
+    def _write_chunks(self, chunks: Sequence[Blob]) -> None:
+        """Each chunk through a temp file, fsync and link(2), as a certificate; one that exists is
+        kept (same name, same bytes) and its mtime renewed, so pruning leaves it alone. The
+        directory is fsynced before the certificate that names the chunks is created."""
+        folder = self.root / "chunks"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for chunk in chunks:
+                final = self.chunk_path(chunk.sha256)
+                try:
+                    os.utime(final, follow_symlinks=False)
+                    continue
+                except FileNotFoundError:
+                    pass
+                tmp = folder / new_temp_name()
+                _write_new(tmp, chunk.data)
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    pass  # a racer stored the same bytes under the same name
+                finally:
+                    os.unlink(tmp)
+            self._fsync_dir(folder)
+            self._fsync_dir()
+        except OSError as exc:
+            raise from_os_error(exc, str(folder)) from None
+
+    def _chunk_stamps(self) -> dict[str, int]:
+        try:
+            entries = list(os.scandir(self.root / "chunks"))
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise from_os_error(exc, str(self.root / "chunks")) from None
+        return {e.name: e.stat(follow_symlinks=False).st_mtime_ns for e in entries if is_sha256(e.name)}
+
+    def _gen_stamp(self, generation: int) -> int | None:
+        try:
+            return self.gen_path(generation).stat(follow_symlinks=False).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def _delete_chunk(self, sha256: str, stamp: int) -> bool:
+        """Unlink unless re-written since it was listed (an activator renews a chunk it reuses; the
+        window between this stat and the unlink is the directory backend's: prune while no
+        activation that could reuse an orphan is under way, e.g. from the activator itself)."""
+        path = self.chunk_path(sha256)
+        try:
+            if path.stat(follow_symlinks=False).st_mtime_ns != stamp:
+                return False
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, str(path)) from None
 
     def _log_path(self, log: str) -> Path:
         return self.root / f"{log}.log"

@@ -12,17 +12,19 @@ Keys under the prefix P:
   P/active               "N", the active generation
   P/frontier/<G, 12 digits>  the frontier record of generation G (one key, raised in place)
   P/log/<log>/<time_ns>-<uuid>   append-only records (commits-<G> of older runtimes, fenced, refusals)
+  P/chunks/<sha256>      a chunk of a certificate's member table or body, named by its SHA-256
 
-Activation of N is one transaction: compare `P/gen/N`'s create revision with 0 and `P/active`
-with "N-1" (its create revision with 0 for the genesis), then put both. Exactly one racer's
-transaction succeeds.
+Activation of N is its chunks (one put each, before), then one transaction: compare `P/gen/N`'s
+create revision with 0 and `P/active` with "N-1" (its create revision with 0 for the genesis),
+then put both. Exactly one racer's transaction succeeds. A request over etcd's size limit is
+`EtcdRequestTooLarge` (exit 65), which names the limit and the size (`foundation.etcd`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gpuguard.foundation.etcd import (
@@ -31,12 +33,14 @@ from gpuguard.foundation.etcd import (
     Endpoint,
     EtcdClient,
     EtcdUrl,
+    b64,
     compare,
     parse_etcd_url,
     prefix_end,
     put_op,
     range_kvs,
 )
+from gpuguard.generation.chunks import Blob
 from gpuguard.generation.ledger import Ledger, dumps_record
 
 
@@ -122,6 +126,37 @@ class EtcdLedger(Ledger):
             ],
             [put_op(gen, data), put_op(active, str(generation))],
             [] if refusal is None else [put_op(self._log_key("refusals"), dumps_record(refusal))],
+        )
+        return bool(result.get("succeeded", False))
+
+    # -- chunks: P/chunks/<sha256> ---------------------------------------------------------
+    def _chunk_key(self, sha256: str) -> str:
+        return self._key("chunks", sha256)
+
+    def _read_chunk(self, sha256: str) -> bytes | None:
+        kv = self.client.get(self._chunk_key(sha256), "chunk read")
+        return None if kv is None else kv.value
+
+    def _write_chunks(self, chunks: Sequence[Blob]) -> None:
+        """One put per chunk (each well under etcd's request limit), all before the activation's
+        transaction. A put of a chunk that exists writes the same bytes (the same digest) and
+        renews its mod revision, which keeps it from `prune_chunks`."""
+        for chunk in chunks:
+            self.client.put(self._chunk_key(chunk.sha256), chunk.data, "chunk put")
+
+    def _chunk_stamps(self) -> dict[str, int]:
+        kvs = self._range(self._key("chunks", ""), "chunk list", keys_only=True)
+        return {kv.key.decode(errors="replace").rsplit("/", 1)[-1]: kv.mod_revision for kv in kvs}
+
+    def _gen_stamp(self, generation: int) -> int | None:
+        kv = self.client.get(self._gen_key(generation), "certificate read")
+        return None if kv is None else kv.create_revision
+
+    def _delete_chunk(self, sha256: str, stamp: int) -> bool:
+        """One transaction: delete only while its mod revision is still `stamp` (not re-written)."""
+        key = self._chunk_key(sha256)
+        result = self.client.txn(
+            "chunk prune", [compare(key, "MOD", stamp)], [{"request_delete_range": {"key": b64(key)}}]
         )
         return bool(result.get("succeeded", False))
 

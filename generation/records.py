@@ -3,128 +3,65 @@
 All are frozen dataclasses with `to_dict()` / `from_dict()` for the canonical encoding. A
 logical rank is an index; an incarnation is one process instance; a member is the pair. A
 restarted rank 3 is a new incarnation, hence a new member.
+
+A certificate is written in one of two schemas (docs/formats/certificate.md): `/2`, which every
+issuer writes, signs a small header that names the member table and the body (admitted ranks,
+quiescence evidence, extra) by the digests of their chunks, stored beside it
+(`generation.members`, `generation.body`); `/1`, the old form with everything inline, is still
+read and verified, never written. Either way `cert.members`, `.admitted`, `.extra` and `.ranks`
+work the same for every caller: a certificate read from a ledger loads its chunks on first use.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
-from gpuguard.foundation.identity import own_start_time
+from gpuguard.generation.body import LazyMapping, LazySequence, StoredBody, encode_body, stored_fields
 from gpuguard.generation.canonical import canonical_bytes, normalize, sha256_hex
+from gpuguard.generation.chunks import Blob, ChunkLoader, is_sha256
+from gpuguard.generation.fields import decode_time, encode_time, freeze, is_int, need, only, thaw
+from gpuguard.generation.members import ChunkRef, Incarnation, Member, MemberTable
 
-CERTIFICATE_SCHEMA = "gpuguard.certificate/1"
+__all__ = [
+    "CERTIFICATE_SCHEMA",
+    "INLINE_SCHEMA",
+    "QUIESCENCE",
+    "Certificate",
+    "CommitRecord",
+    "Frontier",
+    "Incarnation",
+    "Member",
+    "Violation",
+    "decode_time",
+    "encode_time",
+]
+
+CERTIFICATE_SCHEMA = "gpuguard.certificate/2"  # members and body by chunk digest: what every issuer writes
+INLINE_SCHEMA = "gpuguard.certificate/1"  # everything inline: read and verified, never written
 QUIESCENCE = ("proved", "rolled_back", "unknown")
 
-
-def encode_time(t: float) -> str:
-    """A time as a decimal string: exact round-trip, no float in the canonical bytes."""
-    return repr(float(t))
-
-
-def decode_time(s: Any) -> float:
-    if not isinstance(s, str):
-        raise ValueError(f"time must be a decimal string, got {type(s).__name__}")
-    return float(s)
-
-
-def _freeze(value: Any) -> Any:
-    """Deep-freeze a JSON-like value so a frozen record cannot be mutated through it."""
-    if isinstance(value, Mapping):
-        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _need(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in d:
-        raise ValueError(f"{where}: missing field {key!r}")
-    v = d[key]
-    if not isinstance(v, kind) or (isinstance(v, bool) and kind is int):
-        raise ValueError(f"{where}: field {key!r} has the wrong type ({type(v).__name__})")
-    return v
-
-
-def _only(d: Mapping[str, Any], fields: set[str], where: str) -> None:
-    """Refuse unknown or missing fields: a renamed key must not silently become a default."""
-    extra, missing = sorted(set(d) - fields), sorted(fields - set(d))
-    if extra:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(extra)}")
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
-
-
-@dataclass(frozen=True)
-class Incarnation:
-    """One process instance. Two processes never share an id, even on the same rank number."""
-
-    id: str
-    host: str
-    pid: int
-    start_time: float
-    gpu_uuid: str | None = None
-
-    @classmethod
-    def current(cls, gpu_uuid: str | None = None) -> Incarnation:
-        """This process: a fresh random id, hostname, pid and the OS's process start time."""
-        return cls(uuid.uuid4().hex, socket.gethostname(), os.getpid(), own_start_time(), gpu_uuid)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "host": self.host,
-            "pid": self.pid,
-            "start_time": encode_time(self.start_time),
-            "gpu_uuid": self.gpu_uuid,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Incarnation:
-        w = "incarnation"
-        _only(d, {"id", "host", "pid", "start_time", "gpu_uuid"}, w)
-        gpu = d.get("gpu_uuid")
-        if gpu is not None and not isinstance(gpu, str):
-            raise ValueError(f"{w}: gpu_uuid must be a string or null")
-        return cls(
-            _need(d, "id", str, w),
-            _need(d, "host", str, w),
-            _need(d, "pid", int, w),
-            decode_time(_need(d, "start_time", str, w)),
-            gpu,
-        )
-
-
-@dataclass(frozen=True)
-class Member:
-    """A logical rank held by one incarnation in one generation."""
-
-    rank: int
-    incarnation: Incarnation
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "incarnation": self.incarnation.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Member:
-        _only(d, {"rank", "incarnation"}, "member")
-        return cls(
-            _need(d, "rank", int, "member"),
-            Incarnation.from_dict(_need(d, "incarnation", Mapping, "member")),
-        )
+_COMMON = {
+    "schema",
+    "job_id",
+    "generation",
+    "parent_generation",
+    "parent_certificate_digest",
+    "reason",
+    "frontier",
+    "quiescence",
+    "forced",
+    "ownership_map_version",
+    "activation_time",
+    "issued_by",
+    "signature",
+}
+_INLINE = {"members", "admitted", "quiescence_evidence", "extra"}
+_CHUNKED = {"member_chunks", "body_chunks"}
 
 
 @dataclass(frozen=True)
@@ -136,7 +73,7 @@ class Frontier:
     collective_seq: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "collective_seq", _freeze(dict(self.collective_seq)))
+        object.__setattr__(self, "collective_seq", freeze(dict(self.collective_seq)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,69 +85,138 @@ class Frontier:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Frontier:
         w = "frontier"
-        _only(d, {"step", "state_manifest_digest", "collective_seq"}, w)
-        seq = _need(d, "collective_seq", Mapping, w)
+        only(d, {"step", "state_manifest_digest", "collective_seq"}, w)
+        seq = need(d, "collective_seq", Mapping, w)
         for k, v in seq.items():
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{w}: collective_seq[{k!r}] must be an integer")
-        return cls(_need(d, "step", int, w), _need(d, "state_manifest_digest", str, w), dict(seq))
+        return cls(need(d, "step", int, w), need(d, "state_manifest_digest", str, w), dict(seq))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Certificate:
     """A generation certificate: membership + commit frontier + state, bound by one signature.
 
     `admitted` lists the ranks whose incarnation is new in this generation (a reused rank
-    number with a new process is admitted explicitly, never taken for the old member).
+    number with a new process is admitted explicitly, never taken for the old member). Two
+    certificates are equal when their canonical bytes are.
     """
 
     job_id: str
     generation: int
     parent_generation: int | None
     parent_certificate_digest: str
-    members: tuple[Member, ...]
+    members: Sequence[Member]
     reason: str
     frontier: Frontier
     quiescence: str
-    quiescence_evidence: tuple[str, ...] = ()
+    quiescence_evidence: Sequence[str] = ()
     forced: bool = False
     ownership_map_version: int = 0
     activation_time: float = 0.0
     issued_by: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     signature: str = ""
-    admitted: tuple[int, ...] = ()
+    admitted: Sequence[int] = ()
+    schema: str = CERTIFICATE_SCHEMA
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "members", tuple(self.members))
-        object.__setattr__(self, "quiescence_evidence", tuple(self.quiescence_evidence))
-        object.__setattr__(self, "admitted", tuple(self.admitted))
-        object.__setattr__(self, "extra", _freeze(normalize(dict(self.extra))))
+        if self.schema not in (CERTIFICATE_SCHEMA, INLINE_SCHEMA):
+            raise ValueError(f"certificate: unknown schema {self.schema!r}")
+        if not isinstance(self.members, MemberTable):
+            object.__setattr__(self, "members", MemberTable(self.members))
+        if not isinstance(self.quiescence_evidence, LazySequence):
+            object.__setattr__(self, "quiescence_evidence", tuple(self.quiescence_evidence))
+        if not isinstance(self.admitted, LazySequence):
+            object.__setattr__(self, "admitted", tuple(self.admitted))
+        if not isinstance(self.extra, LazyMapping):
+            object.__setattr__(self, "extra", freeze(normalize(dict(self.extra))))
+
+    # -- the parts stored beside a /2 certificate ---------------------------------------------
+    @property
+    def member_table(self) -> MemberTable:
+        assert isinstance(self.members, MemberTable)
+        return self.members
+
+    def _stored_body(self) -> StoredBody | None:
+        """The body this certificate was read with, while none of its three fields was replaced."""
+        e, a, q = self.extra, self.admitted, self.quiescence_evidence
+        if isinstance(e, LazyMapping) and isinstance(a, LazySequence) and isinstance(q, LazySequence):
+            if a.body is e.body and q.body is e.body:
+                return e.body
+        return None
+
+    @cached_property
+    def _encoded_body(self) -> tuple[Blob, ...]:
+        return encode_body(self.admitted, self.quiescence_evidence, self.extra)
+
+    @property
+    def body_refs(self) -> tuple[str, ...]:
+        stored = self._stored_body()
+        return stored.refs if stored is not None else tuple(b.sha256 for b in self._encoded_body)
+
+    def unload(self) -> None:
+        """Forget the parts read from the ledger (they are read again when used); see `MemberTable.unload`."""
+        self.__dict__.pop("ranks", None)
+        self.member_table.unload()
+        stored = self._stored_body()
+        if stored is not None:
+            stored.unload()
+
+    def chunk_refs(self) -> tuple[str, ...]:
+        """The digest of every chunk this certificate binds (none for `/1`), without reading any."""
+        if self.schema == INLINE_SCHEMA:
+            return ()
+        return (*(r.sha256 for r in self.member_table.refs), *self.body_refs)
+
+    def chunks(self) -> tuple[Blob, ...]:
+        """Every chunk to store before this certificate (none for `/1`): member table, then body."""
+        if self.schema == INLINE_SCHEMA:
+            return ()
+        stored = self._stored_body()
+        body = stored.blobs() if stored is not None else self._encoded_body
+        return (*self.member_table.blobs(), *body)
 
     # -- encoding --------------------------------------------------------------------------
     def unsigned_dict(self) -> dict[str, Any]:
         """Every field but the signature: what the HMAC covers."""
-        return {
-            "schema": CERTIFICATE_SCHEMA,
+        d: dict[str, Any] = {
+            "schema": self.schema,
             "job_id": self.job_id,
             "generation": self.generation,
             "parent_generation": self.parent_generation,
             "parent_certificate_digest": self.parent_certificate_digest,
-            "members": [m.to_dict() for m in self.members],
-            "admitted": list(self.admitted),
             "reason": self.reason,
             "frontier": self.frontier.to_dict(),
             "quiescence": self.quiescence,
-            "quiescence_evidence": list(self.quiescence_evidence),
             "forced": self.forced,
             "ownership_map_version": self.ownership_map_version,
             "activation_time": encode_time(self.activation_time),
             "issued_by": self.issued_by,
-            "extra": _thaw(self.extra),
+        }
+        if self.schema == INLINE_SCHEMA:
+            d.update(self._inline_parts())
+        else:
+            d["member_chunks"] = self.member_table.to_list()
+            d["body_chunks"] = list(self.body_refs)
+        return d
+
+    def _inline_parts(self) -> dict[str, Any]:
+        return {
+            "members": [m.to_dict() for m in self.members],
+            "admitted": list(self.admitted),
+            "quiescence_evidence": list(self.quiescence_evidence),
+            "extra": thaw(self.extra),
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The stored form: what the digest covers (a `/2` header names its parts by digest)."""
         return {**self.unsigned_dict(), "signature": self.signature}
+
+    def expanded_dict(self) -> dict[str, Any]:
+        """Every field with the parts read in (members, admitted, evidence, extra), for people and
+        tools: `gpu-generation show --json`. Not a stored form."""
+        return {**self.to_dict(), **self._inline_parts()}
 
     def signing_bytes(self) -> bytes:
         return canonical_bytes(self.unsigned_dict())
@@ -223,66 +229,75 @@ class Certificate:
         return sha256_hex(self.canonical())
 
     def with_signature(self, signature: str) -> Certificate:
-        return replace(self, signature=signature)
+        """The same certificate signed: a copy that keeps what was encoded (members, body, ranks),
+        since the signature is part of none of them."""
+        signed = copy.copy(self)
+        object.__setattr__(signed, "signature", signature)
+        return signed
 
-    @property
-    def ranks(self) -> dict[int, Incarnation]:
-        return {m.rank: m.incarnation for m in self.members}
+    @cached_property
+    def ranks(self) -> Mapping[int, Incarnation]:
+        return MappingProxyType({m.rank: m.incarnation for m in self.members})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Certificate):
+            return NotImplemented
+        return self is other or self.canonical() == other.canonical()
+
+    __hash__ = None  # type: ignore[assignment]
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Certificate:
+    def from_dict(cls, d: Mapping[str, Any], *, load: ChunkLoader | None = None, where: str = "") -> Certificate:
+        """A certificate from its stored form. A `/2` one reads its member table and body through
+        `load` (sha256 -> bytes) when they are first used, each chunk checked against its digest."""
         w = "certificate"
-        if d.get("schema") != CERTIFICATE_SCHEMA:
-            raise ValueError(f"{w}: schema is {d.get('schema')!r}, expected {CERTIFICATE_SCHEMA!r}")
+        schema = d.get("schema")
+        if schema not in (CERTIFICATE_SCHEMA, INLINE_SCHEMA):
+            raise ValueError(f"{w}: schema is {schema!r}, expected {CERTIFICATE_SCHEMA!r} or {INLINE_SCHEMA!r}")
         parent = d.get("parent_generation")
-        if parent is not None and (not isinstance(parent, int) or isinstance(parent, bool)):
+        if parent is not None and not is_int(parent):
             raise ValueError(f"{w}: parent_generation must be an integer or null")
-        evidence = _need(d, "quiescence_evidence", list, w)
-        admitted = _need(d, "admitted", list, w)
-        if not all(isinstance(e, str) for e in evidence):
-            raise ValueError(f"{w}: quiescence_evidence must be strings")
-        if not all(isinstance(a, int) and not isinstance(a, bool) for a in admitted):
-            raise ValueError(f"{w}: admitted must be integers")
-        _only(
-            d,
-            {
-                "schema",
-                "job_id",
-                "generation",
-                "parent_generation",
-                "parent_certificate_digest",
-                "members",
-                "admitted",
-                "reason",
-                "frontier",
-                "quiescence",
-                "quiescence_evidence",
-                "forced",
-                "ownership_map_version",
-                "activation_time",
-                "issued_by",
-                "extra",
-                "signature",
-            },
-            w,
-        )
+        if schema == INLINE_SCHEMA:
+            only(d, _COMMON | _INLINE, w)
+            evidence, admitted = need(d, "quiescence_evidence", list, w), need(d, "admitted", list, w)
+            if not all(isinstance(e, str) for e in evidence):
+                raise ValueError(f"{w}: quiescence_evidence must be strings")
+            if not all(is_int(a) for a in admitted):
+                raise ValueError(f"{w}: admitted must be integers")
+            members: Sequence[Member] = tuple(Member.from_dict(m) for m in need(d, "members", list, w))
+            parts: dict[str, Any] = {
+                "quiescence_evidence": tuple(evidence),
+                "admitted": tuple(admitted),
+                "extra": dict(need(d, "extra", Mapping, w)),
+            }
+        else:
+            only(d, _COMMON | _CHUNKED, w)
+            chunks = need(d, "member_chunks", list, w)
+            if not all(isinstance(r, Mapping) for r in chunks):
+                raise ValueError(f"{w}: member_chunks must be objects")
+            refs = [ChunkRef.from_dict(r) for r in chunks]
+            body = need(d, "body_chunks", list, w)
+            if not body or not all(is_sha256(b) for b in body):
+                raise ValueError(f"{w}: body_chunks must be one or more SHA-256 digests (64 lowercase hex)")
+            members = MemberTable.stored(refs, load, where)
+            admitted_, evidence_, extra_ = stored_fields(StoredBody(body, load, where))
+            parts = {"quiescence_evidence": evidence_, "admitted": admitted_, "extra": extra_}
         return cls(
-            job_id=_need(d, "job_id", str, w),
-            generation=_need(d, "generation", int, w),
+            job_id=need(d, "job_id", str, w),
+            generation=need(d, "generation", int, w),
             parent_generation=parent,
-            parent_certificate_digest=_need(d, "parent_certificate_digest", str, w),
-            members=tuple(Member.from_dict(m) for m in _need(d, "members", list, w)),
-            reason=_need(d, "reason", str, w),
-            frontier=Frontier.from_dict(_need(d, "frontier", Mapping, w)),
-            quiescence=_need(d, "quiescence", str, w),
-            quiescence_evidence=tuple(evidence),
-            forced=_need(d, "forced", bool, w),
-            ownership_map_version=_need(d, "ownership_map_version", int, w),
-            activation_time=decode_time(_need(d, "activation_time", str, w)),
-            issued_by=_need(d, "issued_by", str, w),
-            extra=dict(_need(d, "extra", Mapping, w)),
-            signature=_need(d, "signature", str, w),
-            admitted=tuple(admitted),
+            parent_certificate_digest=need(d, "parent_certificate_digest", str, w),
+            members=members,
+            reason=need(d, "reason", str, w),
+            frontier=Frontier.from_dict(need(d, "frontier", Mapping, w)),
+            quiescence=need(d, "quiescence", str, w),
+            forced=need(d, "forced", bool, w),
+            ownership_map_version=need(d, "ownership_map_version", int, w),
+            activation_time=decode_time(need(d, "activation_time", str, w)),
+            issued_by=need(d, "issued_by", str, w),
+            signature=need(d, "signature", str, w),
+            schema=schema,
+            **parts,
         )
 
 
@@ -325,11 +340,11 @@ class CommitRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CommitRecord:
         w = "commit record"
-        _only(d, {"g", "s", "r", "i", "t"}, w)
+        only(d, {"g", "s", "r", "i", "t"}, w)
         return cls(
-            _need(d, "g", int, w),
-            _need(d, "s", int, w),
-            _need(d, "r", int, w),
-            _need(d, "i", str, w),
-            decode_time(_need(d, "t", str, w)),
+            need(d, "g", int, w),
+            need(d, "s", int, w),
+            need(d, "r", int, w),
+            need(d, "i", str, w),
+            decode_time(need(d, "t", str, w)),
         )

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuguard.foundation.errors import DataError
 from gpuguard.generation import rules
 from gpuguard.generation.certificate import check_stored
-from gpuguard.generation.ledger import Ledger, decode_certificate
-from gpuguard.generation.records import Certificate
+from gpuguard.generation.ledger import Ledger
+from gpuguard.generation.records import Certificate, Violation
 
 
 @dataclass(frozen=True)
@@ -77,18 +78,16 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
             found.append(Finding(name, "chain", f"generation {n} is missing: the chain is broken"))
         else:
             try:
-                cert = decode_certificate(raw)
+                cert = ledger.decode(raw, n)
             except ValueError as exc:
                 found.append(Finding(name, "encoding", f"unreadable certificate ({exc}): truncated or tampered"))
         if cert is not None:
             if cert.generation != n:
                 found.append(Finding(name, "chain", f"record holds generation {cert.generation}, stored as {n}"))
-            violations = check_stored(cert, parent=parent, key=key)
-            if parent is not None:
-                committed = _committed(ledger, parent.generation)
-                violations += rules.frontier_committed(cert, parent, committed)
-            found += [Finding(name, v.rule, v.message, v.member) for v in violations]
+            found += [Finding(name, v.rule, v.message, v.member) for v in _violations(ledger, cert, parent, key)]
             report.certificates[n] = cert
+        if parent is not None:
+            parent.unload()  # checked against its child: two generations' parts in memory at a time
         if generation is None or n == generation:
             report.checked.append(n)
             report.findings += found
@@ -110,6 +109,21 @@ def verify_ledger(ledger: Ledger, key: bytes, *, generation: int | None = None) 
         if stray:
             report.notes.append(f"{len(stray)} temp file(s) from interrupted writers (ignored): {', '.join(stray[:3])}")
     return report
+
+
+def _violations(ledger: Ledger, cert: Certificate, parent: Certificate | None, key: bytes) -> list[Violation]:
+    """Every stored rule. The rules past signature and chain read the member tables and bodies of
+    the certificate and its parent: a chunk that is missing or altered is an `encoding` violation."""
+    try:
+        cert.member_table.load()
+        list(cert.admitted)
+        violations = check_stored(cert, parent=parent, key=key)
+    except DataError as exc:
+        head = [*rules.signature(cert, key), *rules.chain_continuity(cert, parent)]
+        return [*head, Violation("encoding", f"member table or body unreadable: {exc}")]
+    if parent is not None:
+        violations += rules.frontier_committed(cert, parent, _committed(ledger, parent.generation))
+    return violations
 
 
 def _committed(ledger: Ledger, generation: int) -> int | None:

@@ -2,9 +2,11 @@
 
 Before its first collective in a generation a member proves, from the ledger alone, that the
 certificate it is about to follow is the one the coordinator issued (same digest), is signed
-with the job's key, chains onto its parent under the stored-certificate rules
-(`generation.certificate.check_stored`), and admits this very incarnation (on the rank it will
-take, when the caller knows it). Without the signing key nothing can be verified, so a member
+with the job's key, chains onto its parent (`generation.certificate.check_header`: the signed
+header names the member table by digest, so the rules over the whole table, checked by the
+activator before it signed, hold for it), and admits this very incarnation. On the restart path
+the caller knows its rank, and only the member-table chunk that holds that rank is read
+(`MemberTable.at_rank`): a rank of a 100,000-member job reads one chunk, not the table. Without the signing key nothing can be verified, so a member
 without it refuses: a forged ledger entry must never be followed.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuguard.generation.certificate import check_stored
+from gpuguard.generation.certificate import check_header
 from gpuguard.generation.records import Certificate
 from gpuguard.recovery.runtime.refusals import ActivationRefused
 
@@ -33,13 +35,16 @@ def admitted_certificate(
     if digest is not None and cert.digest() != digest:
         raise ActivationRefused(f"generation {generation} in the ledger is not the certificate the coordinator issued")
     parent = ledger.get(cert.parent_generation) if cert.parent_generation is not None else None
-    violations = check_stored(cert, parent=parent, key=ledger.key)
+    violations = check_header(cert, parent=parent, key=ledger.key)
     if violations:
         raise ActivationRefused(
             f"certificate of generation {generation} fails rule {violations[0].rule}: {violations[0].message}"
         )
-    member = next((m for m in cert.members if m.incarnation.id == incarnation_id), None)
-    if member is None or (rank is not None and member.rank != rank):
+    if rank is not None:
+        member = cert.member_table.at_rank(rank)
+    else:  # in place: a survivor finds its new rank by its incarnation
+        member = next((m for m in cert.members if m.incarnation.id == incarnation_id), None)
+    if member is None or member.incarnation.id != incarnation_id or (rank is not None and member.rank != rank):
         where = f" on rank {rank}" if rank is not None else ""
         raise ActivationRefused(f"certificate of generation {generation} does not admit this incarnation{where}")
     return cert

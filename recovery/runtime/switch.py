@@ -311,7 +311,8 @@ def admit_survivors(layout: Layout, eviction: Eviction) -> Admission:
     shrink = shrink_layout(layout, eviction.lost)
     if shrink.layout is None:
         return Admission(None, refused=shrink.refused)
-    return Admission(shrink.layout, tuple(r for r in eviction.kept if r in shrink.kept_ranks))
+    inside = set(shrink.kept_ranks)
+    return Admission(shrink.layout, tuple(r for r in eviction.kept if r in inside))
 
 
 def certified_manifest(selection: Selection, frontier: int) -> str:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuguard.generation.canonical import canonical_bytes, parse_canonical
 from gpuguard.generation.ledger import decode_certificate, encode_certificate
-from gpuguard.generation.records import Certificate, Frontier, Incarnation, Member
-from tests.support.generation import KEY, child, genesis, members
+from gpuguard.generation.records import INLINE_SCHEMA, Certificate, Frontier, Incarnation, Member
+from tests.support.generation import KEY, child, chunk_store, genesis, members
 
 
 def test_canonical_is_sorted_compact_and_integral():
@@ -37,9 +39,10 @@ def test_certificate_roundtrip_keeps_digest_and_has_no_float_times():
     g1 = child(g0, members(3), step=0, extra={"switch": "restart", "phases": {"abort_s": 0.25}})
     raw = encode_certificate(g1)
     assert b'"activation_time":"' in raw
-    back = decode_certificate(raw)
+    back = decode_certificate(raw, chunk_store(g1))
     assert back == g1 and back.digest() == g1.digest()
     assert back.extra["phases"]["abort_s"] == 0.25
+    assert tuple(back.members) == tuple(g1.members) and back.admitted == g1.admitted == (0, 1, 2)
 
 
 json_leaf = st.one_of(
@@ -92,12 +95,15 @@ def test_certificate_roundtrip_property(step, ranks, host, t, seq, extra):
         "sig",
         tuple(range(ranks)),
     )
-    back = Certificate.from_dict(parse_canonical(cert.canonical()))
+    back = Certificate.from_dict(parse_canonical(cert.canonical()), load=chunk_store(cert))
     assert back.canonical() == cert.canonical()
+    assert tuple(back.members) == mem and dict(back.extra) == dict(cert.extra) and back.admitted == cert.admitted
+    inline = replace(cert, schema=INLINE_SCHEMA)  # the old form: everything inline, no chunk to read
+    assert Certificate.from_dict(parse_canonical(inline.canonical())).canonical() == inline.canonical()
 
 
 def test_from_dict_refuses_wrong_types_and_unknown_fields():
-    d = child(genesis(), members(1)).to_dict()
+    d = replace(child(genesis(), members(1)), schema=INLINE_SCHEMA).to_dict()
     for mutate in (
         lambda x: x.update(generation="1"),
         lambda x: x.update(bogus=1),
@@ -110,3 +116,20 @@ def test_from_dict_refuses_wrong_types_and_unknown_fields():
         with pytest.raises(ValueError):
             Certificate.from_dict(bad)
     assert KEY
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_value, spaced=st.booleans(), unsorted=st.booleans())
+def test_parse_canonical_accepts_exactly_the_canonical_bytes(value, spaced, unsorted):
+    """Whatever way a value is written, it parses only when written exactly as `canonical_bytes` does."""
+    import json
+
+    text = json.dumps(
+        value, sort_keys=not unsorted, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=False
+    ).encode()
+    try:
+        back = parse_canonical(text)
+    except ValueError:
+        assert text != canonical_bytes(value)
+    else:
+        assert text == canonical_bytes(value) == canonical_bytes(back)

@@ -100,6 +100,12 @@ def started(
     )
 
 
+def chunk_store(*certs: Certificate) -> Callable[[str], bytes | None]:
+    """The chunks `certs` name, by digest: what a ledger holds beside them (a loader for `from_dict`)."""
+    store = {b.sha256: b.data for c in certs for b in c.chunks()}
+    return store.get
+
+
 def snapshot_info(step: int, digest: str | None = "m") -> SnapshotInfo:
     """A snapshot of `step` found on disk (not read: the path need not exist), manifest digest `digest`."""
     return SnapshotInfo(step, Path(f"/x/step-{step}"), "snapshots", 1, "s", digest)

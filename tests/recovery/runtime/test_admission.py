@@ -76,7 +76,11 @@ def test_the_runtime_verifies_certificates_in_one_place_only():
     module of the runtime checks a stored certificate by itself (a second copy is how one path
     once lost the key check)."""
     runtime = REPO / "recovery" / "runtime"
-    elsewhere = {p.name: _calls(p, "check_stored") for p in runtime.glob("*.py") if p.name != "admission.py"}
+    elsewhere = {
+        p.name: _calls(p, "check_stored") + _calls(p, "check_header")
+        for p in runtime.glob("*.py")
+        if p.name != "admission.py"
+    }
     assert {k: v for k, v in elsewhere.items() if v} == {}
     assert _calls(runtime / "runtime.py", "admitted_certificate")
     assert _calls(runtime / "inplace.py", "admitted_certificate")
@@ -105,3 +109,32 @@ def test_the_in_place_runtime_touches_no_private_member_of_the_runtime():
         and not n.attr.startswith("__")
     }
     assert used - own == set()
+
+
+def test_a_rank_of_a_large_job_is_admitted_reading_one_member_chunk(tmp_path: Path):
+    """At 100,000 members every rank admits itself at once: each must read one chunk of the member
+    table, not the table (which would be ranks x table bytes for the ledger to serve)."""
+    ledger = open_ledger(tmp_path)
+    ledger.key = KEY
+    g0 = genesis()
+    ledger.activate(g0)
+    table = tuple(Member(r, incarnation(pid=1000 + r)) for r in range(20_000))
+    g1 = child(g0, table)
+    ledger.activate(g1)
+    ledger = open_ledger(tmp_path)  # what a rank opens: nothing of the table in memory
+    ledger.key = KEY
+    reads: list[str] = []
+    original = ledger._read_chunk
+
+    def counting(sha256: str) -> bytes | None:
+        reads.append(sha256)
+        return original(sha256)
+
+    ledger._read_chunk = counting  # type: ignore[method-assign]
+    assert len(g1.member_table.refs) > 4
+    cert = admitted_certificate(ledger, 1, incarnation_id=table[12_345].incarnation.id, rank=12_345)
+    member_chunks = {r.sha256 for r in cert.member_table.refs}
+    assert len([sha for sha in reads if sha in member_chunks]) == 1
+    reads.clear()
+    with pytest.raises(ActivationRefused, match="on rank 7"):
+        admitted_certificate(ledger, 1, incarnation_id=table[12_345].incarnation.id, rank=7)

@@ -4,7 +4,8 @@ Three training hosts (gpuguard.testhosts: own network, PID, mount and UTS namesp
 in-place worker each, on real gloo over the hosts' links, with the ledger and every piece of switch
 coordination in a real etcd on the control host (no shared filesystem, no shared process table).
 One host is powered off, partitioned or frozen after step MARK. The survivors must certify
-generation 2 without an operator, with the lost incarnation proved quiet by its expired lease,
+generation 2 without an operator, with the lost incarnation proved quiet without a probe of its
+host (every sink refuses its generation, docs/fencing.md; or its lease had expired by then),
 resume at the certified step and end equal to the single-process oracle; a partitioned or frozen
 host that comes back must have fenced itself (exit 4) without one more commit, and `gpu-generation
 verify --ledger etcd://...` must accept the chain. An operator's abort, sent from the control host, reaches
@@ -22,6 +23,7 @@ import pytest
 from gpuguard.examples.inplace_hosts import HostJob
 from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
+from gpuguard.generation.rules import PROOF_FENCED, PROOF_LEASE
 from gpuguard.testhosts import preflight, up
 
 pytestmark = pytest.mark.timeout(300)  # start-up waits up to 150 s on a loaded machine; a run takes ~25 s
@@ -31,7 +33,9 @@ STEPS, MARK = 16, 6
 # TTL 3 s fenced healthy workers when two busy loops shared these 2 cores with the job (a keepalive
 # slower than TTL/6 = 0.5 s); 4 s passed under the same load: docs/formats/leases.md
 TTL, PG_TIMEOUT = 4.0, 3.0
-LEASE_PROOF = "lease expired, self-fenced"
+# a lost host's incarnation is evicted after the grace (or at once when a heartbeat names it); whether
+# its lease expired before that depends on the machine's load: either proof needs no probe of its host
+REMOTE_PROOFS = (PROOF_FENCED, PROOF_LEASE)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +112,10 @@ def test_a_lost_host_is_fenced_by_its_lease_and_the_survivors_switch_in_place(ca
     victim_id = next(m["id"] for m in g1["members"] if m["host"] == victim)
     assert g2["extra"]["switch"] == "in-place" and g2["quiescence"] == "proved"
     assert sorted(m["host"] for m in g2["members"]) == sorted(HOSTS[r] for r in survivors)
-    assert g2["extra"]["quiescence_by"][victim_id] == LEASE_PROOF
+    proof = g2["extra"]["quiescence_by"][victim_id]
+    assert proof in REMOTE_PROOFS
     assert list(g2["extra"]["evicted"]["dead"]) == [lost]
-    assert any(LEASE_PROOF in e and victim_id in e for e in g2["evidence"])
+    assert any(proof in e and victim_id in e for e in g2["evidence"])
     assert g2["frontier"] == switches[survivors[0]][0]["frontier_step"] >= MARK - 1
 
     # the lost incarnation: no commit after its host was faulted, never one in generation 2
@@ -152,8 +157,9 @@ def test_an_operators_abort_travels_through_etcd_and_every_host_switches(can_mak
 
 def test_the_peer_heartbeat_notices_a_powered_off_host_long_before_the_collective_timeout(can_make_hosts, tmp_path):
     """GPUGUARD_PEER_HEARTBEAT on, a 30 s collective timeout: the survivors hear h1 go silent (no
-    reset reaches them), break their connections to it and switch in place within about a lease
-    TTL, not 30 s; the certificate still proves h1 quiet by its expired lease."""
+    reset reaches them), break their connections to it and switch in place at once, not after 30 s
+    nor after h1's lease: the certificate proves h1 quiet by fencing (every sink refuses its
+    generation, docs/fencing.md), not by its expired lease."""
     long_timeout, lost, survivors = 30.0, 0, [1, 2]
     with up(len(HOSTS)) as c:
         job = _launch(c, tmp_path, lost, long_timeout, extra_env={PEER_HEARTBEAT_ENV: "0.1"})
@@ -174,14 +180,14 @@ def test_the_peer_heartbeat_notices_a_powered_off_host_long_before_the_collectiv
     assert any("no heartbeat from rank 0" in logs[r] for r in survivors), logs
     assert not any("Timed out" in logs[r] for r in survivors), logs
     _resumed_on_the_oracle(results, switches, survivors)
-    for r in survivors:  # fault -> first commit in generation 2: about a lease TTL (the quiescence proof), not 30 s
+    for r in survivors:  # fault -> first commit in generation 2: bench/hosts.py has the figure
         assert switches[r][0]["phases"]["first_commit"] - t_fault < long_timeout / 3, switches[r][0]["phases"]
     assert verified == 0 and report["ok"], report
     assert ledger["generations"] == [0, 1, 2]
     g1, g2 = ledger["history"][1], ledger["history"][2]
     victim_id = next(m["id"] for m in g1["members"] if m["host"] == "h1")
     assert g2["extra"]["switch"] == "in-place" and g2["quiescence"] == "proved"
-    assert g2["extra"]["quiescence_by"][victim_id] == LEASE_PROOF
+    assert g2["extra"]["quiescence_by"][victim_id] == PROOF_FENCED  # named silent: no wait for its lease
     assert list(g2["extra"]["evicted"]["dead"]) == [lost]
     assert all(i != victim_id for _, i, _ in ledger["commits"]["2"])
     assert all(len(pids) <= 1 for pids in left.values()), left

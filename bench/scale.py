@@ -1,0 +1,620 @@
+"""The certified path at 1,000, 10,000 and 100,000 ranks (issue 29), against a real etcd.
+
+    python bench/scale.py [--json] [--quick] [--sizes 1000,10000] [--only activation,inplace_decision]
+
+Starts a throwaway etcd on loopback unless $GPUGUARD_TEST_ETCD names one (every row works under a
+prefix of its own and deletes it). Ranks are simulated: certificates of synthetic members, client
+threads that commit like ranks, or a load generator that writes the ledger's own keys and values
+through the project's etcd client. Each row is `{"metric", "ranks", "design", "ok", "seconds", ...}`:
+
+- `activation`: issue + `Ledger.activate` of a generation of N members on etcd, then an in-place
+  switch that drops one replica (8 ranks). `design` `chunked` (certificate /2) and `inline` (the
+  /1 certificate every member inline, as before: refused past etcd's request limit).
+- `inplace_decision` / `restart_decision`: the pure decisions of the two coordinators
+  (recovery/runtime/switch.py, activation.py) and the certificate issue + check, compute only.
+  `design` `before` reruns the in-place decision with the quadratic admission main had.
+- `frontier_read`, `commit_path`, `etcd_growth`, `keepalive_load`: the per-rank-step ledger as it is
+  (`record_commit` per rank-step, `last_committed_by_all`, one lease per rank), design `per-rank-step`.
+  A figure that would take too long to measure at a size is computed from the measured rate and
+  flagged `projected: true`.
+
+`ok` says whether the issue's target holds (activation of 100,000 members <= 10 s; decisions <= 5 s;
+<= 0.25 etcd writes per training step for the whole job; growth that does not depend on the job's
+length; keepalives within what the etcd served here). A row whose code failed has `crashed`.
+Add a metric: one function `(Bench, ranks) -> list[row]` and one line in METRICS.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scale_scenarios as sn  # noqa: E402
+from _common import emit, wants_json  # noqa: E402
+from ledger import etcd_server  # noqa: E402
+from scale_scenarios import KEY, genesis, started, table  # noqa: E402
+
+from gpuguard.foundation.errors import GpuguardError  # noqa: E402
+from gpuguard.foundation.etcd import MAX_TXN_OPS, EtcdClient, put_op  # noqa: E402
+from gpuguard.generation.keys import sign  # noqa: E402
+from gpuguard.generation.ledger import dumps_record, encode_certificate  # noqa: E402
+from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
+from gpuguard.generation.records import INLINE_SCHEMA, Certificate, CommitRecord, Member  # noqa: E402
+from gpuguard.recovery.runtime import switch  # noqa: E402
+from gpuguard.recovery.runtime.lease import DEFAULT_TTL_S  # noqa: E402
+
+SIZES = (1_000, 10_000, 100_000)
+QUICK_SIZES = (64, 512)
+ETCD_REQUEST_LIMIT = 3 << 19  # etcd's default --max-request-bytes
+ACTIVATION_TARGET_S = 10.0  # issue 29: a 100,000-member generation activates in <= 10 s
+DECISION_TARGET_S = 5.0  # issue 29: the in-place decision at 100,000 ranks <= 5 s (2 s compute)
+WRITES_PER_STEP_TARGET = 0.25  # issue 29: etcd writes per training step, for the whole job
+QUOTA_BYTES = 2 << 30  # etcd's default backend quota
+
+
+# ---------------------------------------------------------------------- etcd, over its JSON gateway
+class Gateway:
+    """The project's etcd client (`foundation.etcd.EtcdClient`, one connection per thread, as a
+    rank holds) for the load generator, the leases and the clean-up; etcd's `/metrics` over plain
+    HTTP (the client speaks only the v3 API)."""
+
+    def __init__(self, url: str) -> None:
+        u = urlsplit(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 2379
+        self.client = EtcdClient([(self.host, self.port)], timeout=60.0)
+
+    def put_many(self, kvs: list[tuple[str, bytes]]) -> None:
+        """Puts in transactions of at most 128 operations (etcd's --max-txn-ops) and ~1 MiB."""
+        batch: list[dict[str, Any]] = []
+        size = 0
+        for key, value in kvs:
+            if batch and (len(batch) >= MAX_TXN_OPS or size + len(value) > 1 << 20):
+                self.client.txn("load", [], batch)
+                batch, size = [], 0
+            batch.append(put_op(key, value))
+            size += len(value) + len(key)
+        if batch:
+            self.client.txn("load", [], batch)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.client.delete(prefix, "clean-up", prefix=True)
+
+    def metrics(self) -> dict[str, float]:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, _, value = line.partition(" ")
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+        return out
+
+
+WRITES = "etcd_server_proposals_committed_total"
+DB_IN_USE = "etcd_mvcc_db_total_size_in_use_in_bytes"
+KEYS = "etcd_debugging_mvcc_keys_total"
+
+
+# ---------------------------------------------------------------------- the job, simulated
+@dataclass
+class Bench:
+    url: str  # http://host:port
+    quick: bool
+    gateway: Gateway
+    capacity: dict[str, float]  # keepalives/s this etcd served, measured once
+
+    def ledger_url(self) -> str:
+        return f"etcd://{urlsplit(self.url).netloc}/bench-scale-{uuid.uuid4().hex}"
+
+    def prefix(self, ledger_url: str) -> str:
+        return urlsplit(ledger_url).path
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    """The fastest of `repeat` runs (a shared machine only ever adds time)."""
+    runs = [timed(fn) for _ in range(repeat)]
+    return min(r[0] for r in runs), runs[-1][1]
+
+
+# ---------------------------------------------------------------------- metrics, one function each
+def activation_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    rows = []
+    members = table(ranks)
+    for design in ("chunked", "inline"):
+        url = b.ledger_url()
+        led = open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=30.0)
+        row: dict[str, Any] = {"metric": "activation", "ranks": ranks, "design": design}
+        try:
+            led.initialize(genesis())
+            parent = led.require_active()
+            t0 = time.perf_counter()
+            cert = started(parent, members)
+            if design == "inline":
+                cert = replace(cert, schema=INLINE_SCHEMA)
+                cert = cert.with_signature(sign(KEY, cert.signing_bytes()))
+            header = encode_certificate(cert)
+            chunks = cert.chunks()
+            issue_s = time.perf_counter() - t0
+            before = b.gateway.metrics()
+            try:
+                led.activate(cert)
+                error = None
+            except GpuguardError as exc:
+                error = str(exc)
+            seconds = time.perf_counter() - t0
+            after = b.gateway.metrics()
+            row.update(
+                ok=error is None and seconds <= ACTIVATION_TARGET_S,
+                seconds=round(seconds, 3),
+                issue_seconds=round(issue_s, 3),
+                certificate_bytes=len(header),
+                chunks=len(chunks),
+                chunk_bytes=sum(len(c.data) for c in chunks),
+                request_bytes_max=max([len(header), *(len(c.data) for c in chunks)]),
+                etcd_writes=int(after.get(WRITES, 0) - before.get(WRITES, 0)),
+            )
+            if error is not None:
+                row["error"] = error
+            else:
+                row.update(_switch_after(led, cert, members))
+        finally:
+            led.close()
+            b.gateway.delete_prefix(b.prefix(url))
+        rows.append(row)
+    return rows
+
+
+def _switch_after(led: Any, parent: Certificate, members: list[Member]) -> dict[str, Any]:
+    """An in-place switch that drops one replica (8 ranks) mid-table: what it stores on top."""
+    cut = (len(members) // 16) * 8
+    kept = [Member(i, m.incarnation) for i, m in enumerate(members[:cut] + members[cut + 8 :])]
+    load_s, _ = timed(lambda: led.require_active().member_table.load())  # the coordinator read it to decide
+    t = time.perf_counter()
+    nxt = started(parent, kept, reason="scale-down")
+    led.activate(nxt)
+    shared = set(parent.chunk_refs())
+    new = [c for c in nxt.chunks() if c.sha256 not in shared]
+    return {
+        "parent_read_seconds": round(load_s, 3),
+        "switch_seconds": round(time.perf_counter() - t, 3),
+        "switch_new_chunks": len(new),
+        "switch_new_bytes": sum(len(c.data) for c in new) + len(encode_certificate(nxt)),
+        "switch_shared_chunks": len(nxt.chunk_refs()) - len(new),
+    }
+
+
+def inplace_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    sc = sn.in_place(ranks)
+    repeat = 1 if ranks >= 100_000 else 2
+    decide_s, plan = best(lambda: sn.decide_in_place(sc), repeat)
+    cert_s, (cert, violations) = best(lambda: sn.certify(sc.parent, plan, "proved", plan.frontier), repeat)
+    rows = [
+        {
+            "metric": "inplace_decision",
+            "ranks": ranks,
+            "design": "current",
+            "ok": not violations and decide_s + cert_s <= DECISION_TARGET_S,
+            "seconds": round(decide_s + cert_s, 3),
+            "decision_seconds": round(decide_s, 3),
+            "certificate_seconds": round(cert_s, 3),
+            "members_after": len(plan.members),
+            "certificate_bytes": len(encode_certificate(cert)),
+        }
+    ]
+    before: dict[str, Any] = {"metric": "inplace_decision", "ranks": ranks, "design": "before"}
+    if ranks <= 10_000:
+        s, _ = timed(lambda: sn.decide_in_place(sc, sn.admit_as_before))
+        before.update(ok=s + cert_s <= DECISION_TARGET_S, seconds=round(s + cert_s, 3), decision_seconds=round(s, 3))
+    else:  # quadratic: from the 10,000-rank figure of the same admission, scaled by ranks²
+        small = sn.in_place(10_000)
+        t = timed(lambda: sn.admit_as_before(small.layout, switch.decide_eviction(small.facts)))[0]
+        s = decide_s + t * (ranks / 10_000) ** 2
+        before.update(ok=s <= DECISION_TARGET_S, seconds=round(s, 1), decision_seconds=round(s, 1), projected=True)
+    return rows + [before]
+
+
+def restart_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    sc = sn.restart(ranks)
+    repeat = 1 if ranks >= 100_000 else 2
+    decide_s, plan = best(lambda: sn.decide_restart(sc), repeat)
+    cert_s, (cert, violations) = best(
+        lambda: sn.certify(sc.parent, plan, plan.quiescence, plan.choice.frontier), repeat
+    )
+    return [
+        {
+            "metric": "restart_decision",
+            "ranks": ranks,
+            "design": "current",
+            "ok": not violations and plan.quiescence == "proved" and decide_s + cert_s <= DECISION_TARGET_S,
+            "seconds": round(decide_s + cert_s, 3),
+            "decision_seconds": round(decide_s, 3),
+            "certificate_seconds": round(cert_s, 3),
+            "certificate_bytes": len(encode_certificate(cert)),
+            "body_bytes": sum(len(c.data) for c in cert.chunks()) - sum(len(c.data) for c in cert.member_table.blobs()),
+        }
+    ]
+
+
+def _commit_records(prefix: str, members: list[Member], steps: range) -> list[tuple[str, bytes]]:
+    """The commit records `Ledger.record_commit` writes, under its keys (docs/formats/ledger.md)."""
+    out = []
+    t0 = time.time_ns()
+    for s in steps:
+        for m in members:
+            rec = CommitRecord(1, s, m.rank, m.incarnation.id, time.time())
+            out.append((f"{prefix}/log/commits-1/{t0 + len(out):020d}-{uuid.uuid4().hex}", dumps_record(rec.to_dict())))
+    return out
+
+
+def _started_ledger(b: Bench, ranks: int) -> tuple[str, Any, Certificate, list[Member]]:
+    url = b.ledger_url()
+    led = open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=60.0)
+    led.initialize(genesis())
+    members = table(ranks)
+    cert = started(led.require_active(), members)
+    led.activate(cert)
+    return url, led, cert, members
+
+
+def frontier_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """`last_committed_by_all` after `steps` steps of every rank: it reads every record of the generation."""
+    measured = ranks <= (512 if b.quick else 10_000)
+    n = ranks if measured else (512 if b.quick else 10_000)
+    url, led, _, members = _started_ledger(b, n)
+    rows = []
+    try:
+        written = 0
+        for steps in (1, 4) if b.quick or n > 1_000 else (1, 10):
+            b.gateway.put_many(_commit_records(b.prefix(url), members, range(written + 1, steps + 1)))
+            written = steps
+            fresh = open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=120.0)
+            fresh.require_active().member_table.load()
+            s, got = timed(lambda: fresh.last_committed_by_all(1))  # noqa: B023 - called right here
+            fresh.close()
+            row = {
+                "metric": "frontier_read",
+                "ranks": ranks,
+                "design": "per-rank-step",
+                "steps": steps,
+                "records": ranks * steps,
+                "records_read": n * steps,
+                "seconds": round(s * (ranks / n), 3),
+                "committed_by_all": got,
+            }
+            if not measured:
+                row["projected"] = True  # linear in records: measured at `n` ranks, scaled
+            rows.append(row)
+        for row in rows:  # the issue's target: the read must not depend on the job's length
+            row["ok"] = rows[-1]["seconds"] <= 1.5 * rows[0]["seconds"] + 0.05
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    return rows + _frontier_record_rows(b, ranks)
+
+
+def _frontier_record_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """Today's design: one frontier record per generation, raised in place at each snapshot step
+    (`Ledger.record_frontier`); the read is one key whatever the job's length."""
+    url, led, _, members = _started_ledger(b, ranks)
+    rows: list[dict[str, Any]] = []
+    try:
+        for steps in (10, 1_000, 100_000):
+            assert led.record_frontier(1, steps, members[0].incarnation.id, "barrier")
+            fresh = open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=120.0)
+            fresh.require_active().member_table.load()
+            s, got = best(lambda: fresh.last_committed_by_all(1), 3)  # noqa: B023 - called right here
+            fresh.close()
+            assert got == steps, (got, steps)
+            rows.append(
+                {
+                    "metric": "frontier_read",
+                    "ranks": ranks,
+                    "design": "frontier-record",
+                    "steps": steps,
+                    "records": 1,
+                    "records_read": 1,
+                    "seconds": round(s, 4),
+                    "committed_by_all": got,
+                }
+            )
+        for row in rows:
+            row["ok"] = rows[-1]["seconds"] <= 1.5 * rows[0]["seconds"] + 0.05
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    return rows
+
+
+def commit_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """`record_commit` per rank-step from client threads (one ledger each, like ranks): the rate this
+    etcd sustains, the writes per step, and how long one step of every rank takes at that rate."""
+    sample = min(ranks, 256 if b.quick else 1_000)
+    threads = 8 if b.quick else 16
+    url, led, cert, members = _started_ledger(b, ranks)
+    latencies: list[float] = []
+    try:
+        ledgers = [open_ledger(tempfile.gettempdir(), url, key=KEY, timeout=60.0) for _ in range(threads)]
+        for each in ledgers:  # each rank has read the active certificate before it trains
+            each.require_active().member_table.load()
+        before = b.gateway.metrics()
+
+        def rank_client(k: int) -> None:  # one ledger (one connection) per client, as per rank
+            for m in members[k:sample:threads]:
+                t = time.perf_counter()
+                assert ledgers[k].record_commit(1, 1, m.rank, m.incarnation.id)
+                latencies.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(rank_client, range(threads)))
+        wall = time.perf_counter() - t0
+        after = b.gateway.metrics()
+        for each in ledgers:
+            each.close()
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    rate = sample / wall
+    writes = (after.get(WRITES, 0) - before.get(WRITES, 0)) / sample
+    q = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [latencies[0]] * 99
+    row = {
+        "metric": "commit_path",
+        "ranks": ranks,
+        "design": "per-rank-step",
+        "ok": writes * ranks <= WRITES_PER_STEP_TARGET,
+        "seconds": round(ranks / rate, 3),  # one training step of every rank, at the measured rate
+        "rank_steps_per_s": round(rate, 1),
+        "p50_ms": round(q[49] * 1e3, 2),
+        "p99_ms": round(q[98] * 1e3, 2),
+        "etcd_writes_per_rank_step": round(writes, 3),
+        "etcd_writes_per_step": round(writes * ranks, 1),
+        "client_threads": threads,
+        "commits_measured": sample,
+    }
+    if sample < ranks:
+        row["projected"] = True
+    return [row, _frontier_commit_row(b, ranks)]
+
+
+FRONTIER_STEPS = 100  # training steps of the simulated job in the frontier-record rows
+SNAPSHOT_EVERY = 10  # a snapshot (and a frontier record) every 10 steps, as the issue's target job
+
+
+def _frontier_commit_row(b: Bench, ranks: int) -> dict[str, Any]:
+    """Today's design over `FRONTIER_STEPS` steps of every rank: a commit is the rank's own step
+    record (no etcd request); rank 0 raises the frontier record at each snapshot step. The writes
+    are etcd's own count (/metrics), whatever the ranks number."""
+    url, led, _, members = _started_ledger(b, ranks)
+    try:
+        before = b.gateway.metrics()
+        t0 = time.perf_counter()
+        for step in range(1, FRONTIER_STEPS + 1):
+            if step % SNAPSHOT_EVERY == 0:
+                assert led.record_frontier(1, step, members[0].incarnation.id, "barrier")
+        wall = time.perf_counter() - t0
+        after = b.gateway.metrics()
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    writes = after.get(WRITES, 0) - before.get(WRITES, 0)
+    keys = after.get(KEYS, 0) - before.get(KEYS, 0)
+    return {
+        "metric": "commit_path",
+        "ranks": ranks,
+        "design": "frontier-record",
+        "ok": writes / FRONTIER_STEPS <= WRITES_PER_STEP_TARGET,
+        "seconds": round(wall / FRONTIER_STEPS, 5),  # etcd time per training step, rank 0's writer thread
+        "etcd_writes_per_rank_step": round(writes / FRONTIER_STEPS / ranks, 6),
+        "etcd_writes_per_step": round(writes / FRONTIER_STEPS, 3),
+        "new_keys": keys,
+        "steps": FRONTIER_STEPS,
+        "snapshot_every": SNAPSHOT_EVERY,
+    }
+
+
+def growth_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """What one step of every rank adds to etcd (keys, bytes in use), and per hour at 1 step/s."""
+    n = min(ranks, 512 if b.quick else 10_000)
+    url = b.ledger_url()
+    try:
+        records = _commit_records(b.prefix(url), table(n), range(1, 2))
+        before = b.gateway.metrics()
+        s, _ = timed(lambda: b.gateway.put_many(records))
+        after = b.gateway.metrics()
+    finally:
+        b.gateway.delete_prefix(b.prefix(url))
+    per_record = sum(len(k) + len(v) for k, v in records) / n
+    keys = (after.get(KEYS, 0) - before.get(KEYS, 0)) / n
+    in_use = (after.get(DB_IN_USE, 0) - before.get(DB_IN_USE, 0)) / n
+    per_hour = max(in_use, per_record) * ranks * 3600
+    row = {
+        "metric": "etcd_growth",
+        "ranks": ranks,
+        "design": "per-rank-step",
+        "ok": False,  # one new key per rank-step, never pruned: it grows with the job's length
+        "seconds": round(s * ranks / n, 3),
+        "keys_per_rank_step": round(keys, 2),
+        "record_bytes": round(per_record, 1),
+        "db_bytes_per_rank_step": round(in_use, 1),
+        "bytes_per_hour": round(per_hour),
+        "hours_to_2GiB_quota": round(QUOTA_BYTES / per_hour, 2),
+        "steps_per_s": 1,
+    }
+    if n < ranks:
+        row["projected"] = True
+    return [row, _frontier_growth_row(b, ranks)]
+
+
+def _frontier_growth_row(b: Bench, ranks: int) -> dict[str, Any]:
+    """Today's design: keys after `FRONTIER_STEPS` steps of a job with a snapshot every
+    `SNAPSHOT_EVERY` (one frontier key, replaced in place), and the bytes etcd holds per hour of
+    1 step/s before compaction (the old revisions of that one key)."""
+    url, led, _, members = _started_ledger(b, ranks)
+    try:
+        before = b.gateway.metrics()
+        t0 = time.perf_counter()
+        for step in range(SNAPSHOT_EVERY, FRONTIER_STEPS + 1, SNAPSHOT_EVERY):
+            assert led.record_frontier(1, step, members[0].incarnation.id, "barrier")
+        wall = time.perf_counter() - t0
+        after = b.gateway.metrics()
+        rec = led.frontier_record(1)
+        assert rec is not None
+        record = len(dumps_record(rec.to_dict()))
+    finally:
+        led.close()
+        b.gateway.delete_prefix(b.prefix(url))
+    keys = after.get(KEYS, 0) - before.get(KEYS, 0)
+    per_hour = record * 3600 / SNAPSHOT_EVERY  # revisions kept until etcd compacts them
+    return {
+        "metric": "etcd_growth",
+        "ranks": ranks,
+        "design": "frontier-record",
+        "ok": keys <= 1,
+        "seconds": round(wall, 4),  # the writes of those 100 steps
+        "keys_after_100_steps": keys,
+        "record_bytes": record,
+        "bytes_per_hour": round(per_hour),
+        "bytes_per_hour_after_compaction": 0,
+        "steps_per_s": 1,
+    }
+
+
+def keepalive_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
+    """One lease per rank, renewed every TTL/3 (recovery/runtime/lease.py): what etcd must serve,
+    against what it served here (measured once: leases kept alive as fast as 16 clients can)."""
+    if not b.capacity:
+        b.capacity.update(_keepalive_capacity(b, 64 if b.quick else 512, 1.5 if b.quick else 4.0))
+    need = ranks / (DEFAULT_TTL_S / 3)
+    return [
+        {
+            "metric": "keepalive_load",
+            "ranks": ranks,
+            "design": "lease-per-rank",
+            "ok": b.capacity["requests_per_s"] >= need,
+            "seconds": b.capacity["seconds"],
+            "ttl_s": DEFAULT_TTL_S,
+            "requests_per_s": round(need, 1),
+            "served_per_s": round(b.capacity["requests_per_s"], 1),
+            "p50_ms": b.capacity["p50_ms"],
+            "leases_measured": b.capacity["leases"],
+        }
+    ]
+
+
+def _keepalive_capacity(b: Bench, leases: int, seconds: float) -> dict[str, float]:
+    """Keepalives as the runtime sends them (`EtcdClient.keepalive`), from 16 threads, for `seconds`."""
+    client = b.gateway.client
+    ids = [client.grant(int(DEFAULT_TTL_S)) for _ in range(leases)]
+    done: list[float] = []
+    stop = time.perf_counter() + seconds
+
+    def beat(k: int) -> None:
+        i = k
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            assert client.keepalive(ids[i % leases]) > 0
+            done.append(time.perf_counter() - t)
+            i += 16
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(beat, range(16)))
+    wall = time.perf_counter() - t0
+    for lease in ids:
+        client.revoke(lease)
+    return {
+        "requests_per_s": len(done) / wall,
+        "p50_ms": round(statistics.median(done) * 1e3, 2),
+        "leases": leases,
+        "seconds": round(wall, 3),
+    }
+
+
+METRICS: dict[str, Callable[[Bench, int], list[dict[str, Any]]]] = {
+    "activation": activation_rows,
+    "inplace_decision": inplace_rows,
+    "restart_decision": restart_rows,
+    "frontier_read": frontier_rows,
+    "commit_path": commit_rows,
+    "etcd_growth": growth_rows,
+    "keepalive_load": keepalive_rows,
+}
+
+
+def run(b: Bench, metrics: list[str], sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name in metrics:
+        for ranks in sizes:
+            try:
+                rows += METRICS[name](b, ranks)
+            except Exception as exc:  # noqa: BLE001 - one broken row is reported, the others still run
+                tail = traceback.format_exc().strip().splitlines()[-3:]
+                rows.append(
+                    {"metric": name, "ranks": ranks, "ok": False, "seconds": None, "crashed": f"{exc!r}", "where": tail}
+                )
+    return rows
+
+
+def _arg(name: str) -> str | None:
+    argv = sys.argv[1:]
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv[1:]
+    sizes = tuple(int(s) for s in _arg("--sizes").split(",")) if _arg("--sizes") else (QUICK_SIZES if quick else SIZES)
+    only = _arg("--only")
+    metrics = only.split(",") if only else list(METRICS)
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        print(f"bench/scale.py: unknown metric(s) {', '.join(unknown)} (known: {', '.join(METRICS)})", file=sys.stderr)
+        return 64
+    t0 = time.perf_counter()
+    with etcd_server() as url:
+        bench = Bench(url, quick, Gateway(url), {})
+        rows = run(bench, metrics, sizes)
+    notes = [
+        f"{os.cpu_count()} CPUs, shared: figures are upper bounds (the best of 2 runs for decisions below 100,000)",
+        "etcd on loopback, default settings; the load generator writes the ledger's own keys (foundation.etcd client)",
+        f"targets: activation of 100,000 members <= {ACTIVATION_TARGET_S:g} s, decisions <= {DECISION_TARGET_S:g} s, "
+        f"<= {WRITES_PER_STEP_TARGET} etcd writes per training step for the whole job",
+        "projected: computed from the rate measured at a smaller size (linear, or ranks² for `before`)",
+        f"total {time.perf_counter() - t0:.1f} s",
+    ]
+    if wants_json():
+        emit("scale", rows, True, notes)
+    else:  # one table per metric: each has its own columns
+        for name in metrics:
+            emit(f"scale: {name}", [r for r in rows if r["metric"] == name], False)
+        emit("scale", [], False, notes)
+    return 1 if any("crashed" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
