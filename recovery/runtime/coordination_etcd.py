@@ -259,7 +259,8 @@ class EtcdCoordination:
                 pass
         if self._hostdir is not None:
             self._hostdir.unregister(self._incarnation_id)
-            self._hostdir.close()
+            if not isinstance(self.heartbeat, HostHeartbeat) or self.heartbeat.stopped:
+                self._hostdir.close()  # (a beat thread still in a keepalive keeps its descriptors)
             self._hostdir = None
         if self._beat_client is not None:
             self._beat_client.close()

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuguard.foundation.env import HOST_LEASE_DIR_ENV
 from gpuguard.foundation.errors import DataError, UnavailableError
 from gpuguard.foundation.identity import same_process
 from gpuguard.recovery.runtime.lease import WATCH_PERIOD_S, Heartbeat, LeaseTiming, now
 
-HOST_LEASE_DIR_ENV = "GPUGUARD_HOST_LEASE_DIR"  # where host directories are made (default /dev/shm)
 STATE_VERSION = 1
 MAX_STATE_BYTES = 4096
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -302,6 +302,18 @@ class HostHeartbeat(Heartbeat):
     @property
     def renewer(self) -> bool:
         return self.renewer_fd is not None
+
+    def stop(self) -> None:
+        """Stop and wait for the beat thread (a keepalive in flight ends within its timeout), so the
+        flock is handed over and no file is touched after `HostDir.close`."""
+        super().stop()
+        beat = self._threads[0]
+        if beat.is_alive() and beat is not threading.current_thread():
+            beat.join(self.timing.call_timeout_s + 1.0)
+
+    @property
+    def stopped(self) -> bool:
+        return not self._threads[0].is_alive()
 
     def _beat(self) -> None:
         try:
