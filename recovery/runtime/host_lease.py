@@ -318,11 +318,14 @@ class HostHeartbeat(Heartbeat):
     def _beat(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.renewer_fd is None:
-                    self.renewer_fd = self.hostdir.try_lock("renewer.lock")
-                st = self.host_state()
-                if st is not None:
-                    self._turn(st)
+                try:
+                    if self.renewer_fd is None:
+                        self.renewer_fd = self.hostdir.try_lock("renewer.lock")
+                    st = self.host_state()
+                    if st is not None:
+                        self._turn(st)
+                except OSError:  # a full or broken host directory: no renewal recorded, the watchdogs fence
+                    self.failures += 1
                 self._stop.wait(WATCH_PERIOD_S)
         finally:
             self._release()

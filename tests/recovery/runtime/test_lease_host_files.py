@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError, UnavailableError
-from gpuguard.recovery.runtime.host_lease import HostDir, HostState, boot_id, fresh, join
+from gpuguard.foundation.identity import own_start_time
+from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, HostState, boot_id, fresh, join
 from gpuguard.recovery.runtime.lease import LeaseTiming
 
 TIMING = LeaseTiming(3.0)
@@ -123,3 +127,43 @@ def test_the_first_rank_grants_and_the_next_joins_the_same_lease(tmp_path):
     os.close(fd_c)
     a.close()
     b.close()
+
+
+def _heartbeat(d: HostDir, timing: LeaseTiming, fenced: list[str], keepalive=lambda: True) -> HostHeartbeat:
+    lease, fd = join(d, lambda: 7, timing)
+    return HostHeartbeat(d, lease, keepalive, timing, fenced.append, renewer_fd=fd, forget=lambda key: None)
+
+
+def test_a_renewer_that_cannot_write_the_state_counts_failures_and_its_ranks_fence(tmp_path):
+    d = HostDir.for_lease("scope", tmp_path)
+    fenced: list[str] = []
+    hb = _heartbeat(d, LeaseTiming(0.6), fenced).start()
+    # the beat thread's temp file name taken by a directory: the renewal cannot be recorded
+    (d.path / f".state.json.{os.getpid()}.{hb._threads[0].ident}.tmp").mkdir()
+    try:
+        deadline = time.monotonic() + 5.0
+        while not fenced and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fenced and hb.failures >= 1, (fenced, hb.failures)
+    finally:
+        hb.stop()
+        d.close()
+
+
+def test_a_renewer_keeps_the_host_state_fresh_and_prunes_a_gone_rank(tmp_path):
+    d = HostDir.for_lease("scope", tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    d.register("dead", "P/lease/dead", gone.pid, time.time() - 5)
+    d.register("me", "P/lease/me", os.getpid(), own_start_time())
+    forgotten: list[str] = []
+    timing = LeaseTiming(0.6)
+    lease, fd = join(d, lambda: 7, timing)
+    hb = HostHeartbeat(d, lease, lambda: True, timing, [].append, renewer_fd=fd, forget=forgotten.append).start()
+    try:
+        time.sleep(1.0)
+        assert hb.valid() and hb.beats >= 3 and hb.age() <= timing.margin_s
+        assert forgotten == ["P/lease/dead"] and [m[0] for m in d.members()] == ["me"]
+    finally:
+        hb.stop()
+        d.close()
