@@ -54,8 +54,9 @@ from gpuguard.foundation.etcd import (
 )
 from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.inplace_files import Report
-from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, join
+from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, Member, join
 from gpuguard.recovery.runtime.lease import Heartbeat, LeaseTiming
+from gpuguard.recovery.runtime.lease import now as lease_clock
 
 ABORT_POLL_S = 0.2  # an abort request is read at most this often (not once per step)
 
@@ -135,7 +136,8 @@ class EtcdCoordination:
         key = self._key("lease", incarnation_id)
         pid = int(info.get("pid", os.getpid()))
         start = float(info.get("start_time", own_start_time()))
-        hostdir.register(incarnation_id, key, pid, start)  # before the key: a dead rank's key is always found
+        member = Member(key, pid, start, lease_clock())
+        hostdir.register(incarnation_id, member)  # before the key: a dead rank's key is always found
         self.client.put(key, json.dumps({**info, **timing.to_dict()}), "lease key", lease=lease)
         self._lease, self._lease_key, self._hostdir, self._incarnation_id = lease, key, hostdir, incarnation_id
         # its own client (connections of its own), each keep-alive bounded by the keepalive timeout
@@ -148,7 +150,14 @@ class EtcdCoordination:
             beat.delete(dead_key, "lease key of a rank gone from this host")
 
         self.heartbeat = HostHeartbeat(
-            hostdir, lease, keepalive, timing, on_fence, renewer_fd=renewer_fd, forget=forget
+            hostdir,
+            lease,
+            keepalive,
+            timing,
+            on_fence,
+            renewer_fd=renewer_fd,
+            forget=forget,
+            member=(incarnation_id, member),
         ).start()
         self._beat_client = beat
         return self.heartbeat

@@ -14,15 +14,16 @@ What changes, and why the fence still holds (docs/formats/leases.md, "The host l
 - a renewer that dies releases its flock: another rank of the host takes over within
   `WATCH_PERIOD_S`; a renewer that is frozen keeps its flock, so a rank that sees the renewal
   overdue renews once itself (one at a time, under a second flock);
-- a *single* dead rank on a live host no longer loses its lease (its host-mates renew it): the
-  renewer deletes the key of every rank of the host whose process is gone (pid + start time, its
-  own process table), so the key still disappears, on a proof taken on the rank's own host.
+- a *single* dead or frozen rank on a live host no longer loses its lease (its host-mates renew
+  it): the renewer deletes the key of every rank of the host whose process is gone (pid + start
+  time, its own process table) or whose watchdog has not run for the margin (its `tick`), and a
+  rank fences itself when it has not run for the margin, so a missing key still proves it quiet.
 
 Files in the host directory (0700, the job's and this host's own; every file 0600, no link followed):
   renewer.lock             flock held by the renewer for as long as it renews
   backup.lock              flock held by a rank renewing because the renewer is overdue (one keepalive)
   state.json               HostState, replaced atomically (write a temp file, rename)
-  members/<incarnation>    {"key", "pid", "start_time"}: the ranks whose keys ride on the lease
+  members/<incarnation>    {"key", "pid", "start_time", "tick"}: the ranks whose keys ride on the lease
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from gpuguard.recovery.runtime.lease import WATCH_PERIOD_S, Heartbeat, LeaseTimi
 
 STATE_VERSION = 1
 MAX_STATE_BYTES = 4096
+TICK_S = 4 * WATCH_PERIOD_S  # how often a rank records that it runs (its member file's `tick`)
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -112,6 +114,17 @@ class HostState:
         return cls(lease, float(last_ok), float(ttl), boot, by)
 
 
+@dataclass(frozen=True)
+class Member:
+    """A rank whose key rides on the host lease: its key, its process, and when its watchdog last
+    ran (`tick`, the host's `now()`, written before the rank relies on it: see `HostHeartbeat`)."""
+
+    key: str
+    pid: int
+    start_time: float
+    tick: float
+
+
 class HostDir:
     """The host directory: made 0700 once, opened without following links, read with a size cap."""
 
@@ -153,9 +166,9 @@ class HostDir:
         return fd
 
     # -- the members ----------------------------------------------------------------------------
-    def register(self, incarnation_id: str, key: str, pid: int, start_time: float) -> None:
-        doc = {"key": key, "pid": pid, "start_time": start_time}
-        _replace_at(self.members_fd, _member_name(incarnation_id), json.dumps(doc).encode())
+    def register(self, incarnation_id: str, member: Member) -> None:
+        """Write (or refresh: the `tick`) this rank's member file."""
+        _replace_at(self.members_fd, _member_name(incarnation_id), json.dumps(member.__dict__).encode())
 
     def unregister(self, incarnation_id: str) -> None:
         try:
@@ -163,15 +176,15 @@ class HostDir:
         except FileNotFoundError:
             pass
 
-    def members(self) -> Iterator[tuple[str, str, int, float]]:
-        """(file name, key, pid, start time) of each registered rank; unreadable files are skipped."""
+    def members(self) -> Iterator[tuple[str, Member]]:
+        """(file name, member) of each registered rank; unreadable files are skipped."""
         for name in os.listdir(self.members_fd):
             if name.startswith(".") or not _SAFE_NAME.match(name):
                 continue
             raw = _read_at(self.members_fd, name)
             try:
                 doc = json.loads(raw or b"")
-                yield name, str(doc["key"]), int(doc["pid"]), float(doc["start_time"])
+                yield name, Member(str(doc["key"]), int(doc["pid"]), float(doc["start_time"]), float(doc["tick"]))
             except (ValueError, KeyError, TypeError):
                 continue
 
@@ -279,14 +292,18 @@ class HostHeartbeat(Heartbeat):
         *,
         renewer_fd: int | None,
         forget: Callable[[str], Any],
+        member: tuple[str, Member],
         clock: Callable[[], float] = now,
     ) -> None:
         super().__init__(keepalive, timing, on_fence, clock=clock)
         self.hostdir, self.lease, self.forget = hostdir, lease, forget
         self.renewer_fd = renewer_fd
+        self.incarnation_id, self.member = member
+        self.last_tick = self.member.tick  # never newer than the tick in the member file
         self.boot = boot_id()
         self.backups = 0  # keepalives this rank sent because the renewer was overdue
         self._retry_at = -1e18
+        self._forgotten: set[str] = set()  # keys this rank deleted (a frozen rank's: once)
 
     def host_state(self) -> HostState | None:
         """The host's state, if it is still about this rank's lease (else: never valid again)."""
@@ -298,6 +315,46 @@ class HostHeartbeat(Heartbeat):
     def age(self) -> float:
         st = self.host_state()
         return float("inf") if st is None else self.clock() - st.last_ok
+
+    def stalled(self) -> float:
+        """How long this process has not run its watchdog (frozen, or starved)."""
+        return self.clock() - self.last_tick
+
+    def problem(self) -> str | None:
+        """Why this rank may not write, or None: the host's keepalive, or its own run, is too old."""
+        margin = self.timing.margin_s
+        if self.fenced is not None:
+            return self.fenced
+        if self.stalled() > margin:
+            return f"this process did not run for {self.stalled():.2f} s (margin {margin:g} s)"
+        if self.age() > margin:
+            return f"no host lease keepalive for {self.age():.2f} s (margin {margin:g} s)"
+        return None
+
+    def valid(self) -> bool:
+        return self.problem() is None
+
+    def require(self, what: str) -> None:
+        why = self.problem()
+        if why is not None:
+            self.fence(f"{what}: {why}")
+
+    def _watch(self) -> None:
+        """Every 50 ms: fence on `problem()`, else record this run (file first, then memory, so the
+        renewer reading a tick older than the margin knows this rank fences before its next write)."""
+        while not self._stop.wait(WATCH_PERIOD_S):
+            t = self.clock()
+            why = self.problem()
+            if why is not None:
+                self._fence_quietly(why)
+                return
+            if t - self.last_tick < TICK_S:
+                continue
+            try:
+                self.hostdir.register(self.incarnation_id, replace(self.member, tick=t))
+            except OSError:
+                continue  # not recorded: the renewer may take this rank for frozen, and it fences
+            self.last_tick = t
 
     @property
     def renewer(self) -> bool:
@@ -347,7 +404,8 @@ class HostHeartbeat(Heartbeat):
                 st2 = self.host_state()
                 if st2 is not None and self.clock() - st2.last_ok > self.timing.interval_s + self.timing.retry_s:
                     self.backups += 1
-                    self._renew(st2)
+                    if self._renew(st2):
+                        self._prune()  # the overdue renewer's own key among them, if it is frozen
             finally:
                 os.close(fd)
 
@@ -374,16 +432,21 @@ class HostHeartbeat(Heartbeat):
         return False
 
     def _prune(self) -> None:
-        """Delete the key of every host-mate whose process is gone: its lease no longer expires by
-        itself (this host renews it), so the key goes on the proof its own host can give."""
-        for name, key, pid, start in list(self.hostdir.members()):
-            if same_process(pid, start):
+        """Delete the key of every host-mate whose process is gone, or whose watchdog has not run
+        for longer than the margin (it fences itself before its next write, `problem()`): its lease
+        no longer expires by itself (this host renews it), so its key goes on a proof its own host
+        gives. A frozen rank's file stays (its key goes): it is pruned again once it is gone."""
+        for name, m in list(self.hostdir.members()):
+            gone = not same_process(m.pid, m.start_time)
+            if not gone and (m.key in self._forgotten or self.clock() - m.tick <= self.timing.margin_s):
                 continue
             try:
-                self.forget(key)
+                self.forget(m.key)
             except Exception:  # noqa: BLE001 - etcd unreachable now: the next beat tries again
                 continue
-            self.hostdir.unregister(name)
+            self._forgotten.add(m.key)
+            if gone:
+                self.hostdir.unregister(name)
 
     def _release(self) -> None:
         fd, self.renewer_fd = self.renewer_fd, None

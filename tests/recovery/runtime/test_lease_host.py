@@ -179,14 +179,25 @@ def test_a_frozen_host_loses_the_lease_for_every_rank_which_fence_on_waking(host
         assert p.wait(10) == 4
 
 
-def test_a_frozen_renewer_keeps_its_flock_but_a_host_mate_renews_for_it(host):
+@pytest.mark.parametrize("who", ["renewer", "another rank"])
+def test_a_rank_frozen_alone_loses_its_key_fences_on_waking_and_nobody_else_fences(host, who):
     h = host(3)
     time.sleep(TTL / 3 + 0.3)
     renewer = h.renewer()
-    h.procs[renewer].send_signal(signal.SIGSTOP)
-    time.sleep(3 * TTL)
-    assert h.alive() == set(h.procs)
-    assert h.coord.expired(h.procs) == frozenset()  # the stopped rank's process exists: its key stays
+    victim = renewer if who == "renewer" else next(i for i in h.procs if i != renewer)
+    h.procs[victim].send_signal(signal.SIGSTOP)  # a renewer keeps its flock: a host-mate renews for it
+    deadline = time.monotonic() + 3 * TTL
+    while h.coord.expired(h.procs) != {victim} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # its host-mates deleted its key (it did not run for the margin) and still hold theirs
+    assert h.coord.expired(h.procs) == frozenset({victim})
+    time.sleep(TTL)
+    assert h.alive() == set(h.procs) and h.coord.expired(h.procs) == frozenset({victim})
+    h.procs[victim].send_signal(signal.SIGCONT)
+    said = h.line(victim, 10.0)
+    assert said["event"] == "fenced" and "did not run for" in said["why"], said
+    assert h.procs[victim].wait(10) == 4
     done = h.stop_all()
-    assert sum(d["backups"] for d in done.values()) >= 2  # renewals sent while the renewer was overdue
-    assert not any(d["event"] == "fenced" for d in done.values())
+    assert all(d["event"] == "done" and d["valid"] for d in done.values()), done
+    if who == "renewer":
+        assert sum(d["backups"] for d in done.values()) >= 2  # renewals sent while the renewer was overdue

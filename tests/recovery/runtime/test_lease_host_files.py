@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -14,8 +15,8 @@ from hypothesis import strategies as st
 
 from gpuguard.foundation.errors import DataError, UnavailableError
 from gpuguard.foundation.identity import own_start_time
-from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, HostState, boot_id, fresh, join
-from gpuguard.recovery.runtime.lease import LeaseTiming
+from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, HostState, Member, boot_id, fresh, join
+from gpuguard.recovery.runtime.lease import LeaseFenced, LeaseTiming, now
 
 TIMING = LeaseTiming(3.0)
 
@@ -65,7 +66,7 @@ def test_freshness_needs_this_boot_this_ttl_and_a_keepalive_within_the_margin():
 def test_the_directory_and_its_files_are_private(tmp_path):
     d = HostDir.for_lease("scope", tmp_path)
     d.write_state(HostState(1, 2.0, 3.0, boot_id(), os.getpid()))
-    d.register("inc/../x", "P/lease/x", os.getpid(), 1.0)  # an odd id becomes a safe name
+    d.register("inc/../x", Member("P/lease/x", os.getpid(), 1.0, 2.0))  # an odd id becomes a safe name
     fd = d.try_lock("renewer.lock")
     assert fd is not None and d.try_lock("renewer.lock") is None  # flock: one holder
     os.close(fd)
@@ -73,7 +74,7 @@ def test_the_directory_and_its_files_are_private(tmp_path):
     for f in [*d.path.iterdir(), *(d.path / "members").iterdir()]:
         if f.is_file():
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
-    assert [m[1] for m in d.members()] == ["P/lease/x"]
+    assert [m.key for _, m in d.members()] == ["P/lease/x"]
     d.close()
 
 
@@ -129,9 +130,11 @@ def test_the_first_rank_grants_and_the_next_joins_the_same_lease(tmp_path):
     b.close()
 
 
-def _heartbeat(d: HostDir, timing: LeaseTiming, fenced: list[str], keepalive=lambda: True) -> HostHeartbeat:
+def _heartbeat(d: HostDir, timing: LeaseTiming, fenced: list[str], forget=lambda key: None) -> HostHeartbeat:
     lease, fd = join(d, lambda: 7, timing)
-    return HostHeartbeat(d, lease, keepalive, timing, fenced.append, renewer_fd=fd, forget=lambda key: None)
+    me = Member("P/lease/me", os.getpid(), own_start_time(), now())
+    d.register("me", me)
+    return HostHeartbeat(d, lease, lambda: True, timing, fenced.append, renewer_fd=fd, forget=forget, member=("me", me))
 
 
 def test_a_renewer_that_cannot_write_the_state_counts_failures_and_its_ranks_fence(tmp_path):
@@ -150,20 +153,35 @@ def test_a_renewer_that_cannot_write_the_state_counts_failures_and_its_ranks_fen
         d.close()
 
 
-def test_a_renewer_keeps_the_host_state_fresh_and_prunes_a_gone_rank(tmp_path):
+def test_a_renewer_keeps_the_host_state_fresh_and_prunes_a_gone_or_stalled_rank(tmp_path):
     d = HostDir.for_lease("scope", tmp_path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    d.register("dead", "P/lease/dead", gone.pid, time.time() - 5)
-    d.register("me", "P/lease/me", os.getpid(), own_start_time())
+    d.register("dead", Member("P/lease/dead", gone.pid, time.time() - 5, now()))
+    d.register("stalled", Member("P/lease/stalled", os.getpid(), own_start_time(), now() - 0.31))  # past the margin
+    d.register("running", Member("P/lease/running", os.getpid(), own_start_time(), now() + 60))
     forgotten: list[str] = []
     timing = LeaseTiming(0.6)
-    lease, fd = join(d, lambda: 7, timing)
-    hb = HostHeartbeat(d, lease, lambda: True, timing, [].append, renewer_fd=fd, forget=forgotten.append).start()
+    hb = _heartbeat(d, timing, [], forget=forgotten.append).start()
     try:
         time.sleep(1.0)
         assert hb.valid() and hb.beats >= 3 and hb.age() <= timing.margin_s
-        assert forgotten == ["P/lease/dead"] and [m[0] for m in d.members()] == ["me"]
+        assert forgotten.count("P/lease/dead") == 1 and "P/lease/stalled" in forgotten, forgotten
+        assert "P/lease/running" not in forgotten and "P/lease/me" not in forgotten  # it ticks: it runs
+        assert sorted(name for name, _ in d.members()) == ["me", "running", "stalled"]  # a live process's file stays
     finally:
         hb.stop()
         d.close()
+
+
+def test_a_rank_that_did_not_run_for_the_margin_fences_though_its_host_renews(tmp_path):
+    d = HostDir.for_lease("scope", tmp_path)
+    fenced: list[str] = []
+    hb = _heartbeat(d, LeaseTiming(0.6), fenced)  # threads not started: as if frozen since it joined
+    time.sleep(0.35)
+    d.write_state(replace(d.read_state(), last_ok=now()))  # a host-mate renewed just now
+    assert hb.age() < 0.1 and not hb.valid()
+    with pytest.raises(LeaseFenced, match="did not run for"):
+        hb.require("commit of step 3")
+    assert len(fenced) == 1
+    d.close()
