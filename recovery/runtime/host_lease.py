@@ -361,16 +361,16 @@ class HostHeartbeat(Heartbeat):
         return self.renewer_fd is not None
 
     def stop(self) -> None:
-        """Stop and wait for the beat thread (a keepalive in flight ends within its timeout), so the
+        """Stop and wait for both threads (a keepalive in flight ends within its timeout), so the
         flock is handed over and no file is touched after `HostDir.close`."""
         super().stop()
-        beat = self._threads[0]
-        if beat.is_alive() and beat is not threading.current_thread():
-            beat.join(self.timing.call_timeout_s + 1.0)
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(self.timing.call_timeout_s + 1.0)
 
     @property
     def stopped(self) -> bool:
-        return not self._threads[0].is_alive()
+        return not any(t.is_alive() for t in self._threads)
 
     def _beat(self) -> None:
         try:
