@@ -13,8 +13,10 @@ through the project's etcd client. Each row is `{"metric", "ranks", "design", "o
 - `inplace_decision` / `restart_decision`: the pure decisions of the two coordinators
   (recovery/runtime/switch.py, activation.py) and the certificate issue + check, compute only.
   `design` `before` reruns the in-place decision with the quadratic admission main had.
-- `frontier_read`, `commit_path`, `etcd_growth`, `keepalive_load`: the per-rank-step ledger as it is
-  (`record_commit` per rank-step, `last_committed_by_all`, one lease per rank), design `per-rank-step`.
+- `frontier_read`, `commit_path`, `etcd_growth`: the per-rank-step ledger as it is
+  (`record_commit` per rank-step, `last_committed_by_all`), design `per-rank-step`.
+- `keepalive_load`: design `lease-per-host` (one lease per host of 8 ranks, one renewer:
+  recovery/runtime/host_lease.py) beside `lease-per-rank` (one lease per rank, as before).
   A figure that would take too long to measure at a size is computed from the measured rate and
   flagged `projected: true`.
 
@@ -47,6 +49,7 @@ from _common import emit, wants_json  # noqa: E402
 from ledger import etcd_server  # noqa: E402
 from scale_scenarios import KEY, genesis, started, table  # noqa: E402
 
+from gpuguard.foundation.env import HOST_LEASE_DIR_ENV  # noqa: E402
 from gpuguard.foundation.errors import GpuguardError  # noqa: E402
 from gpuguard.foundation.etcd import MAX_TXN_OPS, EtcdClient, put_op  # noqa: E402
 from gpuguard.generation.keys import sign  # noqa: E402
@@ -54,7 +57,8 @@ from gpuguard.generation.ledger import dumps_record, encode_certificate  # noqa:
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 from gpuguard.generation.records import INLINE_SCHEMA, Certificate, CommitRecord, Member  # noqa: E402
 from gpuguard.recovery.runtime import switch  # noqa: E402
-from gpuguard.recovery.runtime.lease import DEFAULT_TTL_S  # noqa: E402
+from gpuguard.recovery.runtime.coordination_etcd import EtcdCoordination  # noqa: E402
+from gpuguard.recovery.runtime.lease import DEFAULT_TTL_S, LeaseTiming  # noqa: E402
 
 SIZES = (1_000, 10_000, 100_000)
 QUICK_SIZES = (64, 512)
@@ -113,6 +117,8 @@ class Gateway:
 WRITES = "etcd_server_proposals_committed_total"
 DB_IN_USE = "etcd_mvcc_db_total_size_in_use_in_bytes"
 KEYS = "etcd_debugging_mvcc_keys_total"
+RENEWED = "etcd_debugging_lease_renewed_total"
+RANKS_PER_HOST = 8  # keepalive_load's lease-per-host design: one renewer for this many ranks
 
 
 # ---------------------------------------------------------------------- the job, simulated
@@ -506,25 +512,58 @@ def _frontier_growth_row(b: Bench, ranks: int) -> dict[str, Any]:
 
 
 def keepalive_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
-    """One lease per rank, renewed every TTL/3 (recovery/runtime/lease.py): what etcd must serve,
-    against what it served here (measured once: leases kept alive as fast as 16 clients can)."""
+    """Keepalives etcd must serve, against what it served here (measured once: leases kept alive
+    as fast as 16 clients can). `lease-per-rank`: the design before issue 29 (every rank renews
+    its own lease every TTL/3). `lease-per-host`: recovery/runtime/host_lease.py, RANKS_PER_HOST
+    ranks per host; the keepalives one host sends per interval are measured once (real
+    `EtcdCoordination.hold_lease` holders on this etcd, counted by etcd itself)."""
     if not b.capacity:
         b.capacity.update(_keepalive_capacity(b, 64 if b.quick else 512, 1.5 if b.quick else 4.0))
-    need = ranks / (DEFAULT_TTL_S / 3)
+        b.capacity.update(_host_keepalives(b, 2.0 if b.quick else 6.0))
+    interval = DEFAULT_TTL_S / 3
+    needs = {
+        "lease-per-rank": ranks / interval,
+        "lease-per-host": -(-ranks // RANKS_PER_HOST) * b.capacity["per_host_per_interval"] / interval,
+    }
     return [
         {
             "metric": "keepalive_load",
             "ranks": ranks,
-            "design": "lease-per-rank",
+            "design": design,
             "ok": b.capacity["requests_per_s"] >= need,
             "seconds": b.capacity["seconds"],
             "ttl_s": DEFAULT_TTL_S,
+            "ranks_per_host": RANKS_PER_HOST if design == "lease-per-host" else 1,
             "requests_per_s": round(need, 1),
             "served_per_s": round(b.capacity["requests_per_s"], 1),
             "p50_ms": b.capacity["p50_ms"],
             "leases_measured": b.capacity["leases"],
+            **({"per_host_per_interval": b.capacity["per_host_per_interval"]} if design == "lease-per-host" else {}),
         }
+        for design, need in needs.items()
     ]
+
+
+def _host_keepalives(b: Bench, seconds: float) -> dict[str, float]:
+    """RANKS_PER_HOST holders of one host lease (TTL 1.5 s, to count enough intervals quickly) for
+    `seconds`: etcd's renewals per keepalive interval (`etcd_debugging_lease_renewed_total`)."""
+    timing = LeaseTiming(1.5)
+    url = b.ledger_url()
+    with tempfile.TemporaryDirectory() as base:
+        os.environ[HOST_LEASE_DIR_ENV] = base
+        try:
+            holders = [EtcdCoordination.from_url(url) for _ in range(RANKS_PER_HOST)]
+            for i, c in enumerate(holders):
+                c.hold_lease(f"bench-{i}", {"rank": i}, timing, lambda why: None)
+            before = b.gateway.metrics().get(RENEWED, 0.0)
+            time.sleep(seconds)
+            renewed = b.gateway.metrics().get(RENEWED, 0.0) - before
+            for c in holders:
+                c.close()
+        finally:
+            del os.environ[HOST_LEASE_DIR_ENV]
+    b.gateway.delete_prefix(b.prefix(url))
+    return {"per_host_per_interval": round(renewed / (seconds / timing.interval_s), 2)}
 
 
 def _keepalive_capacity(b: Bench, leases: int, seconds: float) -> dict[str, float]:

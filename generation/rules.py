@@ -80,7 +80,10 @@ def quiescence(cert: Certificate) -> list[Violation]:
 
 PROOF_GONE = "process gone"  # pid + start time no longer a live process, seen on its own host
 PROOF_KILLED = "killed, process gone"  # SIGKILLed by the coordinator on its host, then seen gone
-PROOF_LEASE = "lease expired, self-fenced"  # its etcd lease expired: it fenced itself before (docs/formats/leases.md)
+# its lease key is gone: its host's lease expired (it fenced itself before), or its host's renewer saw
+# its process gone or not running for the fence margin (it fences before its next write; docs/formats/
+# leases.md, "The host lease"); the string is kept: certificates carry it
+PROOF_LEASE = "lease expired, self-fenced"
 PROOF_REPORTED = "reported, left its group"  # a survivor: it tore the old group down and joins the new one
 # every place it could write to refuses its generation (docs/fencing.md): it may still run, nothing it does is seen
 PROOF_FENCED = "fenced: every sink compares the generation"

@@ -116,7 +116,12 @@ class Context:
         if self.coord.kind == "etcd":  # other hosts cannot see this process: its lease speaks for it
             self.lease = self.coord.hold_lease(
                 self.incarnation.id,
-                {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
+                {
+                    "rank": self.rank,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "start_time": self.incarnation.start_time,
+                },
                 self.lease_timing,
                 self.fenced,
             )
@@ -193,5 +198,5 @@ class Context:
             self.fault_hook(point, step)
 
     def close(self) -> None:
-        """Give the lease back: a clean exit frees it at once."""
+        """Leave the host's lease: a clean exit deletes this incarnation's key at once."""
         self.coord.close()

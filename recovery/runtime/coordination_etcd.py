@@ -5,7 +5,7 @@ Keys under the etcd ledger's prefix P (docs/formats/inplace.md, docs/formats/lea
   P/inplace/g<G>/refused                       the coordinator's refusal
   P/inplace/g<G>/store                         "host:port" of generation G's group store
   P/inplace/abort                              an operator's abort request
-  P/lease/<incarnation>                        attached to that incarnation's lease
+  P/lease/<incarnation>                        attached to its host's lease (recovery.runtime.host_lease)
 
 Bounded: once generation G+1 is active nobody reads generation G-1's keys any more, so the
 coordinator that activates G+1 deletes every `P/inplace/g<k>/` with k < G (`prune`): the keyspace
@@ -34,6 +34,7 @@ Lazy imports (start-up time): torch.distributed, only where it is used.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Iterable
@@ -51,7 +52,9 @@ from gpuguard.foundation.etcd import (
     put_op,
     range_kvs,
 )
+from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.inplace_files import Report
+from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, Member, join
 from gpuguard.recovery.runtime.lease import Heartbeat, LeaseTiming
 from gpuguard.recovery.runtime.lease import now as lease_clock
 
@@ -88,6 +91,8 @@ class EtcdCoordination:
         self._abort_seen: tuple[float, dict[str, Any] | None] = (-1e9, None)
         self._store: Any = None  # the TCPStore this process serves for its generation
         self._beat_client: EtcdClient | None = None
+        self._hostdir: HostDir | None = None
+        self._incarnation_id = ""
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
@@ -122,20 +127,38 @@ class EtcdCoordination:
 
     # -- leases -----------------------------------------------------------------------------
     def hold_lease(self, incarnation_id: str, info: dict[str, Any], timing: LeaseTiming, on_fence: Any) -> Heartbeat:
-        """Grant this incarnation's lease, attach `P/lease/<id>` to it, start the heartbeat."""
+        """Join this host's lease (`recovery.runtime.host_lease`: granted by its first rank, renewed by
+        one rank at a time), attach `P/lease/<id>` to it, start the heartbeat and the self-fence."""
         ttl = max(1, round(timing.ttl_s))
-        granted_at = lease_clock()  # before the request: etcd's countdown starts after it
-        lease = self.client.grant(ttl, "lease grant")
+        scope = f"{','.join(f'{h}:{p}' for h, p in self.where.endpoints)}|{self.prefix}|{timing.ttl_s!r}"
+        hostdir = HostDir.for_lease(scope)
+        lease, renewer_fd = join(hostdir, lambda: self.client.grant(ttl, "lease grant"), timing)
         key = self._key("lease", incarnation_id)
+        pid = int(info.get("pid", os.getpid()))
+        start = float(info.get("start_time", own_start_time()))
+        member = Member(key, pid, start, lease_clock())
+        hostdir.register(incarnation_id, member)  # before the key: a dead rank's key is always found
         self.client.put(key, json.dumps({**info, **timing.to_dict()}), "lease key", lease=lease)
-        self._lease, self._lease_key = lease, key
+        self._lease, self._lease_key, self._hostdir, self._incarnation_id = lease, key, hostdir, incarnation_id
         # its own client (connections of its own), each keep-alive bounded by the keepalive timeout
         beat = EtcdClient.from_url(self.where, timeout=timing.call_timeout_s)
 
         def keepalive() -> bool:
             return beat.keepalive(lease) > 0  # -1: etcd says the lease is gone (already expired)
 
-        self.heartbeat = Heartbeat(keepalive, timing, on_fence, granted_at=granted_at).start()
+        def forget(dead_key: str) -> None:
+            beat.delete(dead_key, "lease key of a rank gone from this host")
+
+        self.heartbeat = HostHeartbeat(
+            hostdir,
+            lease,
+            keepalive,
+            timing,
+            on_fence,
+            renewer_fd=renewer_fd,
+            forget=forget,
+            member=(incarnation_id, member),
+        ).start()
         self._beat_client = beat
         return self.heartbeat
 
@@ -234,13 +257,20 @@ class EtcdCoordination:
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=left))
 
     def close(self) -> None:
+        """Leave the host lease: this rank's key goes at once (no TTL wait for anyone); the lease
+        stays with its host-mates, or expires a TTL after the last of them stopped renewing."""
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self._lease is not None:
+        if self._lease_key is not None:
             try:
-                self.client.revoke(self._lease)  # a clean exit frees the key at once (no TTL wait for anyone)
-            except GpuguardError:  # the lease expires by itself anyway
+                self.client.delete(self._lease_key, "lease key")
+            except GpuguardError:  # the renewer prunes it, or the lease expires by itself
                 pass
+        if self._hostdir is not None:
+            self._hostdir.unregister(self._incarnation_id)
+            if not isinstance(self.heartbeat, HostHeartbeat) or self.heartbeat.stopped:
+                self._hostdir.close()  # (a beat thread still in a keepalive keeps its descriptors)
+            self._hostdir = None
         if self._beat_client is not None:
             self._beat_client.close()
         self.client.close()

@@ -1,8 +1,10 @@
 """The incarnation's lease and its self-fence: why an expired lease proves a worker can no longer write.
 
 A worker on another host cannot be probed (no shared process table), so the coordinator needs
-another proof that it is quiet. Each incarnation holds an etcd lease (TTL `ttl_s`) and renews it
-every `interval_s` (TTL/3). `last_ok` is taken on this host's monotonic clock *before* the
+another proof that it is quiet. Each incarnation's key rides on an etcd lease (TTL `ttl_s`),
+renewed every `interval_s` (TTL/3): its host's, shared by the host's ranks and renewed by one of
+them (`recovery.runtime.host_lease.HostHeartbeat`, a `Heartbeat` whose `last_ok` is the host's);
+this module holds the rule each rank fences by. `last_ok` is taken on this host's monotonic clock *before* the
 keepalive that succeeded is sent, so etcd's own countdown started after it. If no keepalive
 succeeded for `margin_s` (TTL/2) the worker fences itself (`on_fence`: stop writing, exit) —
 strictly before etcd can expire the lease (at the earliest `last_ok + ttl_s`). So once the lease

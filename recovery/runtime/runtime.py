@@ -21,7 +21,8 @@ Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protoco
 - snapshots every k steps in a background thread (DCP); a SIGTERM from the agent lets an in-flight
   snapshot finish first (bounded), so a survivor's last snapshot is not lost: RPO one step;
 - fencing: commits and snapshot writes stamped with an older generation are dropped and counted;
-- across hosts (an etcd ledger): each incarnation holds an etcd lease and fences itself (exit 4)
+- across hosts (an etcd ledger): each incarnation's key rides on its host's etcd lease (one per host,
+  `recovery.runtime.host_lease`) and it fences itself (exit 4)
   before it can expire (`recovery.runtime.lease`), so the next coordinator proves an incarnation on
   a lost host quiet by its expired lease; snapshots live under `GPUGUARD_SNAPSHOT_ROOT` (the
   cluster's shared checkpoint storage) so that a new rank 0 on another host finds them;

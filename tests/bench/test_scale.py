@@ -59,3 +59,5 @@ def test_quick_run_has_every_row_in_the_schema(etcd_url):
         commit = by[("commit_path", n, "per-rank-step", None)]
         assert commit["etcd_writes_per_rank_step"] >= 1 and not commit["ok"]  # today's baseline: a write per rank-step
         assert by[("keepalive_load", n, "lease-per-rank", None)]["requests_per_s"] == n / 2
+        host = by[("keepalive_load", n, "lease-per-host", None)]  # 8 ranks, one renewer: about 1/8 of that
+        assert 0.5 <= host["per_host_per_interval"] <= 1.5 and host["requests_per_s"] <= n / 2 / 5, host
