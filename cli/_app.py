@@ -174,7 +174,7 @@ def run_guarded(call: Callable[[], int], prog: str) -> int:
     The one runner of the Typer path (`run`) and the fast path (`cli._fast`)."""
     guarded = None
     if sys.stdout is not None and not isinstance(sys.stdout, _GuardedStdout):
-        guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
+        guarded = sys.stdout = _GuardedStdout(sys.stdout)
     try:
         code = call()
         if guarded is not None:

@@ -165,7 +165,7 @@ def _load(target: str) -> Callable[..., Any]:
     from importlib import import_module
 
     module, _, name = target.partition(":")
-    return getattr(import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(import_module(module), name)
 
 
 def try_fast(prog: str, argv: list[str]) -> int | None:

@@ -140,7 +140,7 @@ def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
 
     bar = Progress(transient=True)
     task = bar.add_task("reading dumps", total=total)
-    started = []
+    started: list[bool] = []
 
     def advance(n: int) -> None:
         if not started:  # start the refresh thread only after the reader pool has forked

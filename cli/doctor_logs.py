@@ -21,7 +21,7 @@ import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from gpuguard.cli._app import safe_text  # every log-derived string is escaped in human output
 from gpuguard.cli._text import NARROW, columns, wrap
@@ -143,7 +143,9 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
             progress.start()
         for path, fh, size in opened:
             task = progress.add_task(path, total=size) if progress is not None and size else None
-            on_progress = (lambda n, t=task: progress.advance(t, n)) if task is not None else None
+            on_progress = (
+                (lambda n, t=task: progress.advance(t, n)) if task is not None and progress is not None else None
+            )
             count = 0
             try:
                 small = size is not None and size <= logwrap.MAX_BYTES
@@ -164,13 +166,14 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
                         }
                     )
                     continue
-                scan = LogScan(_Chained(head, fh) if head else fh, source=path, on_progress=on_progress)
+                scan = LogScan(cast(BinaryIO, _Chained(head, fh)) if head else fh, source=path, on_progress=on_progress)
                 for event in scan:
                     count += 1
                     yield event
             except (OSError, EOFError, zlib.error) as exc:  # EOFError / zlib.error / BadGzipFile: a bad .gz
                 if is_corrupt_archive(exc):
                     raise DataError(f"{path}: compressed log is truncated or corrupt ({exc})") from None
+                assert isinstance(exc, OSError)  # is_corrupt_archive took EOFError and zlib.error
                 raise from_os_error(exc, path) from None
             stats.append(
                 {

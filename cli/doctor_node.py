@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from gpuguard.cli._app import emit_json
 from gpuguard.cli._text import echo
@@ -41,6 +41,10 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.
 _UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
 
 
+@overload
+def parse_since(text: str, now: float | None = None) -> float: ...
+@overload
+def parse_since(text: None, now: float | None = None) -> None: ...
 def parse_since(text: str | None, now: float | None = None) -> float | None:
     """`90s`, `30m`, `2h`, `7d`, `1w` ago, or an ISO-8601 time -> Unix time; UsageError otherwise."""
     if text is None:
@@ -241,7 +245,7 @@ def _read_summary(doc: dict[str, Any]) -> str:
 # Commands
 
 
-def _parse_options(pairs: list[str]) -> dict[str, dict[str, str]]:
+def _parse_options(pairs: Sequence[str]) -> dict[str, dict[str, str]]:
     """`--output-option webhook.url=http://...` -> {"webhook": {"url": ...}}."""
     out: dict[str, dict[str, str]] = {}
     for pair in pairs:

@@ -106,7 +106,7 @@ def _ownership_lines(cert: Any) -> list[str]:
     lines = [f"ownership map  version {cert.ownership_map_version}"]
     omap = extra.get("ownership_map")
     if isinstance(omap, Mapping):
-        by_rank = omap.get("by_rank") if isinstance(omap.get("by_rank"), Mapping) else {}
+        by_rank = br if isinstance(br := omap.get("by_rank"), Mapping) else {}
         counts = ", ".join(f"rank {r} {n}" for r, n in list(by_rank.items())[:16])
         lines.append(
             f"               frontier snapshot: v{omap.get('version')}, world {omap.get('world_size')}, "
@@ -420,7 +420,7 @@ def _deep_check(
                     notes.append(f"state of generation {n} ({digest[:16]}…) is no longer stored")
                 continue
             path, m = manifests[digest]
-            advance = (lambda b: progress_cm.advance(task, b)) if progress_cm else None
+            advance = (lambda b: progress_cm.advance(task, b)) if progress_cm and task is not None else None
             for problem in verify_manifest(m, path.parent, progress=advance):
                 findings.append(Finding(str(path), "frontier-state", problem))
             stats["manifests"] += 1

@@ -322,6 +322,7 @@ def read_file(
         except (OSError, EOFError, zlib.error) as exc:
             if is_corrupt_archive(exc):
                 raise DataError(f"kernel log {path}: compressed log is truncated or corrupt ({exc})") from None
+            assert isinstance(exc, OSError)  # is_corrupt_archive took EOFError and zlib.error
             raise from_os_error(exc, f"kernel log {path}") from None
         finally:
             close_log(fh)

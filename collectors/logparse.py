@@ -221,7 +221,7 @@ class LogParser:
         line_no, text, found = pending
         return [self._event(found, line_no, text)]
 
-    def feed(self, line: str | bytes, line_no: int) -> list[Event]:
+    def feed(self, line: str | bytes | bytearray, line_no: int) -> list[Event]:
         """Events completed by this line (usually zero or one; a flushed multi-line event may precede)."""
         parts, bad = _records(line)
         if bad is not None:

@@ -9,6 +9,7 @@ docs/log-formats.md, "Launcher and process lines" (old `ERROR:torch.distributed.
 from __future__ import annotations
 
 import signal as _signal
+from typing import Any
 
 from gpuguard.collectors.logrule import ABSORBED, Found, ParseState, Rule, hw_fault, lazy_re
 from gpuguard.collectors.logrules_comm import rank_of
@@ -57,7 +58,7 @@ def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         code = int(m["code"])
         sig = signal_name(code)
-        fields = {
+        fields: dict[str, Any] = {
             "local_rank": int(m["lr"]),
             "exitcode": code,
             "signal": sig,
@@ -69,7 +70,7 @@ def _worker_failure(text: str, line_no: int, state: ParseState) -> Found | None:
     if m is not None:
         code = int(m["code"])
         sig = signal_name(code)
-        fields: dict = {"local_rank": None, "exitcode": code, "signal": sig, "pid": int(m["pid"]), "summary": True}
+        fields = {"local_rank": None, "exitcode": code, "signal": sig, "pid": int(m["pid"]), "summary": True}
         if state.summary and 0 < line_no - state.summary_line <= 4:
             fields.update({k: v for k, v in state.summary.items()})
         if state.root_cause_line and 0 < line_no - state.root_cause_line <= 8:
@@ -399,7 +400,7 @@ def _cuda_assert(text: str, line_no: int, state: ParseState) -> Found | None:
     m = _ASSERT.search(text)
     if m is None:
         return None
-    fields = {
+    fields: dict[str, Any] = {
         "file": m["file"],
         "source_line": int(m["line"]) if m["line"] else None,
         "kernel": (m["kernel"] or "").strip()[-200:] or None,

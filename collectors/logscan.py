@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from gpuguard.collectors.logparse import MARKERS, MAX_LINE, LogParser
 from gpuguard.foundation.events import Event
@@ -463,7 +463,7 @@ def read_log(path: str | os.PathLike[str], *, source: str | None = None) -> tupl
                 "rejoined": True,
                 "unreadable_lines": unreadable,
             }
-        scan = LogScan(_Chained(head, fh), source=name)
+        scan = LogScan(cast(BinaryIO, _Chained(head, fh)), source=name)  # duck-typed: read/readinto
         events = list(scan)
         return events, {
             "lines": scan.next_line - 1,

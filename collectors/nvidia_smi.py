@@ -112,7 +112,8 @@ def block_fields(lines: list[tuple[int, str]]) -> dict[tuple[str, ...], str]:
             stack.append((indent, text.strip()))
             continue
         key, value = m["key"].strip(), m["value"].strip()
-        out[(*(name for _, name in stack), key)] = value
+        path = (*(name for _, name in stack), key)  # a name: mypy misreads d[(*a, b)] as 3.11's d[*a, b]
+        out[path] = value
         if not value:  # "Key :" with nothing after it opens a section too
             stack.append((indent, key))
     return out

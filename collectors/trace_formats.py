@@ -97,6 +97,7 @@ def from_fr(path: Path, doc: Any, fmt: str, interner: Interner) -> Loaded:
     status = _pg_status(doc.get("pg_status"), path)
 
     fast = _fast_stream(entries, status, interner, path)
+    p2p: list[tuple[Any, ...]]
     if fast is not None:
         streams, p2p, skipped, ids = [fast], [], 0, {str(entries[0].get("pg_id")): fast.pg}
     else:
@@ -134,7 +135,7 @@ def _general_streams(
             else:
                 p2p.append(rec)
         rows = keep
-    groups: dict[tuple[str, str, Any], list[tuple]] = {}
+    groups: dict[tuple[str, str, Any, int], list[tuple]] = {}
     if rows and all(r[1] == rows[0][1] for r in rows):
         groups[rows[0][1]] = rows
     else:
@@ -516,6 +517,8 @@ def _pg_status(st: Any, path: Path) -> dict[str, tuple[int, int]]:
 
 
 def from_gpuguard(path: Path, doc: dict, interner: Interner) -> Loaded:
+    rank: Any  # checked by _need below, which mypy does not see narrowing
+    entries: Any
     rank, gen, entries = doc.get("rank"), doc.get("generation", 0), doc.get("entries")
     _need(type(rank) is int and rank >= 0, path, "'rank' is not a non-negative integer")
     _need(type(gen) is int, path, "'generation' is not an integer")

@@ -11,6 +11,7 @@ that output runs.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,9 +78,13 @@ def publish(doc: Mapping[str, Any], previous: str | None, options: PublishOption
                 results.append(run_safely(GROUP, name, _budget_spent))
                 continue
             opts = dict(options.output_options.get(name, {}))
-            results.append(run_safely(GROUP, name, lambda cls=cls, opts=opts: cls(opts).emit(doc)))
+            results.append(run_safely(GROUP, name, functools.partial(_emit, cls, opts, doc)))
     return results
 
 
 def _budget_spent() -> str:
     raise UnavailableError("output budget spent before this plugin ran")
+
+
+def _emit(cls: Any, opts: dict[str, Any], doc: Mapping[str, Any]) -> Any:
+    return cls(opts).emit(doc)

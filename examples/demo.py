@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +60,7 @@ def torchrun_argv(
     max_restarts: int,
     port: int,
     run_id: str,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
     etcd_endpoint: str | None = None,
 ) -> list[str]:
     """The torchrun command line of the demo job (also used by the tests and the benchmark).

@@ -257,7 +257,7 @@ def run_node_loss(
         ref = reference(steps)
         for r in survivors:
             path = results / f"{r}.json"
-            doc = json.loads(path.read_text()) if path.exists() else None
+            doc = json.loads(path.read_text()) if path.exists() else {}  # {}: falsy, as below
             res.survivors.append(
                 {
                     "rank_before": r,

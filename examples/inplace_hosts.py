@@ -110,7 +110,7 @@ class HostJob(HostJobBase):
     def result(self, rank: int) -> dict[str, Any] | None:
         path = self.outside(self.hosts[rank]) / "results" / f"{rank}.json"
         try:
-            return json.loads(path.read_text())  # type: ignore[no-any-return]
+            return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
 

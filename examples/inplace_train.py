@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -320,7 +320,7 @@ class Cluster:
         self.kill_all()
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values: Sequence[float]) -> float | None:
 
     return statistics.median(values) if values else None
 

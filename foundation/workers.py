@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -58,7 +58,9 @@ class _Worker:
     since: float = 0.0
 
 
-def map_with_deadlines(fn: Callable[[int], R], deadlines: Sequence[float], *, jobs: int = 1) -> Iterator[Done[R]]:
+def map_with_deadlines(
+    fn: Callable[[int], R], deadlines: Sequence[float], *, jobs: int = 1
+) -> Generator[Done[R], None, None]:
     """`fn(i)` for every index of `deadlines`, in `jobs` forked worker processes, in completion order.
 
     An item still running `deadlines[i]` seconds after it started gets its worker killed (SIGKILL:

@@ -11,6 +11,7 @@ Lazy imports (start-up time): prometheus_client and requests, only when that out
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -371,8 +372,8 @@ def post_webhook(
         per_try = min(timeout, left)
         try:
             resp = call_with_deadline(
-                lambda per_try=per_try: requests.post(
-                    url, data=body, headers={"Content-Type": "application/json"}, timeout=per_try
+                functools.partial(
+                    requests.post, url, data=body, headers={"Content-Type": "application/json"}, timeout=per_try
                 ),
                 per_try,
                 name="gpuguard-webhook",

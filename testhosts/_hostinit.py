@@ -19,6 +19,7 @@ import select
 import signal
 import socket
 import sys
+from typing import Any
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -48,7 +49,7 @@ def _bind_fd(fd: int, target: str) -> None:
     _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
 
 
-def _setup(spec: dict[str, object]) -> None:
+def _setup(spec: dict[str, Any]) -> None:
     # Open every source before the first overmount hides it.
     fds = {key: os.open(str(spec[key]), O_PATH | os.O_DIRECTORY) for key in ("tmp_src", "job_src")}
     shared_src = spec.get("shared_src")

@@ -288,7 +288,7 @@ def netns_inode(netns: str) -> str | None:
 
 def kill_in_netns(netns_ids: set[str]) -> list[int]:
     """SIGKILL every process whose network namespace is one of `netns_ids` (`net:[inode]`)."""
-    killed = []
+    killed: list[int] = []
     if not netns_ids:
         return killed
     me = os.getpid()

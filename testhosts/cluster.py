@@ -60,7 +60,7 @@ FREEZE_TIMEOUT_S = 5.0
 ROLES = ("rendezvous", "control")
 
 
-class HostPopen(subprocess.Popen):  # type: ignore[type-arg]
+class HostPopen(subprocess.Popen):
     """A process on a host. `pid` is nsenter's; signals go to the command itself (`inner_pid`).
 
     nsenter does not forward signals, so Popen.terminate()/kill() would stop only nsenter and
@@ -390,7 +390,7 @@ class Cluster:
             members = _linux.members(st.pid_ns)
             # nsenter (outside the PID namespace) stops itself when its command stops, and waits
             # for a SIGCONT before it resumes its command: continue those parents too.
-            parents = {_linux.ppid(p) for p in members} - set(members) - {None, 0}
+            parents = {pp for p in members if (pp := _linux.ppid(p))} - set(members)  # not None, not 0
             for pid in [*members, *(p for p in parents if _linux.proc_state(p) == "T")]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
@@ -566,7 +566,7 @@ class Cluster:
     def _teardown(self) -> None:
         deadline = time.monotonic() + KILL_TIMEOUT_S
         inits = []
-        netns_ids = {_linux.netns_inode(h.netns) for h in self.hosts} - {None}
+        netns_ids = {ns for h in self.hosts if (ns := _linux.netns_inode(h.netns)) is not None}
         for h in self.hosts:
             st = self.states[h.name]
             if st.init_pid and _linux.is_alive(st.init_pid, st.init_start):

@@ -65,9 +65,9 @@ class Certified(_Base):
 
     def __init__(self) -> None:
         super().__init__()
-        self.job: Path | None = None
+        self.job: Path  # setup() makes the job dir and the ledger, before any other call
         self.key = b""
-        self.ledger: Ledger | None = None
+        self.ledger: Ledger
         self.handles: dict[str, Ledger] = {}  # per incarnation: each process has its own view
         self.written: dict[tuple[int, int], dict[int, list[ObjectSpec]]] = {}
         self.rejected: list[str] = []
@@ -228,6 +228,7 @@ class Certified(_Base):
         return True
 
     def late_shard(self, sim: Sim, item: Late) -> None:
+        assert item.state is not None  # every checkpoint-shard Late carries the writer's state (Sim)
         directory = self._ckpt_dir(sim, item.generation, item.step)
         self._write_shard(
             sim, directory, item.state, sim.schedule.world, item.rank, generation=item.generation, late=True

@@ -146,7 +146,7 @@ def update_slots(state: TrainState, grad: Sequence[int], slots: Iterable[int]) -
     params = list(state.params)
     mom = list(state.momentum)
     for j in slots:
-        m = mom[j] if mom[j] is not None else 0
+        m = mom[j] or 0  # None: no momentum yet
         m = (3 * m + grad[j] + noise(step_rng, j)) % MOD
         mom[j] = m
         params[j] = (params[j] - m) % MOD

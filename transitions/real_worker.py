@@ -29,6 +29,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -295,7 +296,7 @@ def train_comm_only(a: argparse.Namespace) -> int:
     )
     holder = Holder(a.seed)
     generation = 1
-    extra = {"incarnation": f"pid{os.getpid()}", "generation": generation}
+    extra: dict[str, Any] = {"incarnation": f"pid{os.getpid()}", "generation": generation}
 
     def join() -> None:
         dist.init_process_group(

@@ -75,7 +75,9 @@ def run_one(schedule: Schedule, strategy: str, workdir: str | Path | None = None
         semantic_failure=not verdict.ok,
         detail=verdict.detail,
         recovery_s=s.latency_s(sim, joined) if recovered else None,
-        steps_lost=max(0, schedule.progress_at_fault - sim.resume_step) if recovered else None,
+        steps_lost=max(0, schedule.progress_at_fault - sim.resume_step)
+        if recovered and sim.resume_step is not None
+        else None,
         sync_ops_per_step=sim.sync_ops / steps,
         sync_s_per_step=sim.sync_s / steps,
         fenced=sum(1 for e in outcome.effects if not e.accepted),

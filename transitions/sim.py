@@ -193,6 +193,7 @@ class Sim:
         self._advance(p, None)
 
     def _advance(self, p: Proc, value: Any, error: BaseException | None = None) -> None:
+        assert p.program is not None  # _spawn gave it one before its first _advance
         try:
             p.waiting = p.program.throw(error) if error is not None else p.program.send(value)
         except StopIteration:

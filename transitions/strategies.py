@@ -126,7 +126,7 @@ class _Base:
     kills_all_on_fault = False
 
     def __init__(self) -> None:
-        self.ckpt: _PlainCheckpoint | None = None
+        self.ckpt: _PlainCheckpoint  # made by setup(), before any other call
 
     def initial_procs(self, sim: Sim) -> list[Proc]:
         w = sim.schedule.world
@@ -163,6 +163,7 @@ class _Base:
         return None  # there is no ledger: the rendezvous round is torchrun's business
 
     def late_shard(self, sim: Sim, item: Late) -> None:
+        assert item.state is not None  # every checkpoint-shard Late carries the writer's state (Sim)
         ghost = Proc(item.rank, new_incarnation(item.rank), item.generation, sim.schedule.world, item.state, 0)
         self.ckpt.write(sim, ghost, late=True, generation=item.generation)
 

@@ -136,7 +136,7 @@ class _Parser:
         if tok == ("kw", "in", tok[2]):
             self.take()
             return ("cmp", "in", left, self.operand())
-        if tok[0] == "kw" and tok[1] == "not" and self.peek(1) is not None and self.peek(1)[1] == "in":
+        if tok[0] == "kw" and tok[1] == "not" and (nxt := self.peek(1)) is not None and nxt[1] == "in":
             self.take()
             self.take()
             return ("cmp", "not in", left, self.operand())

@@ -154,7 +154,7 @@ def builtin_names() -> list[str]:
 def locate(name_or_file: str) -> tuple[str, str]:
     """(text, source) of a built-in runbook name or a YAML file path."""
     if _NAME.match(name_or_file) and name_or_file in builtin_names():
-        res = resources.files("gpuguard.recovery.operator").joinpath(BUILTIN_DIR, f"{name_or_file}.yaml")
+        res = resources.files("gpuguard.recovery.operator").joinpath(BUILTIN_DIR).joinpath(f"{name_or_file}.yaml")
         return res.read_text(), f"builtin:{name_or_file}"
     path = Path(name_or_file)
     if not path.exists():
@@ -247,7 +247,11 @@ def _validate_step(raw: Any, index: int, earlier: list[str], err: Callable[[str]
             raise err(f"{where}: field 'args.{key}': wrong type {type(value).__name__}")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not (0 <= value < 1e9):
             raise err(f"{where}: field 'args.{key}': must be a finite number >= 0")  # NaN, inf, -1 s
-        if key == "ranks" and not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+        if (
+            key == "ranks"
+            and isinstance(value, list)
+            and not all(isinstance(r, int) and not isinstance(r, bool) for r in value)
+        ):
             raise err(f"{where}: field 'args.ranks': must be a list of integers")
     argv = raw.get("argv")
     if action == "command":
@@ -370,7 +374,7 @@ def unfinished_run(job_dir: Path, runbook: str) -> str | None:
             open_runs[rec.run_id] = rec.time
         else:
             open_runs.pop(rec.run_id, None)
-    return max(open_runs, key=open_runs.get) if open_runs else None
+    return max(open_runs, key=lambda run_id: open_runs[run_id]) if open_runs else None
 
 
 def run(

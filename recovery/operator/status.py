@@ -274,7 +274,7 @@ def _bounded(fn: Callable[[], T], timeout_s: float) -> Callable[[], T]:
             raise _Timeout(f"timed out after {timeout_s:g} s")
         if "error" in box:
             raise box["error"]
-        return box["value"]  # type: ignore[no-any-return]
+        return box["value"]
 
     return get
 

@@ -115,7 +115,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 _TORCH_NAMES = {NodeDesc: (TORCH_MODULE, "_NodeDesc"), RendezvousState: (TORCH_MODULE, "_RendezvousState")}
 
 
-class _TorchNamePickler(pickle._Pickler):  # type: ignore[name-defined]  # noqa: SLF001 - the pure-Python pickler: save_global is overridable
+_PurePickler: Any = pickle._Pickler  # noqa: SLF001 - the pure-Python pickler: save_global is overridable (typeshed lists none of its save hooks)
+
+
+class _TorchNamePickler(_PurePickler):
     def save_global(self, obj: Any, name: str | None = None) -> None:
         target = _TORCH_NAMES.get(obj)
         if target is None:
@@ -154,7 +157,7 @@ def load_state(data: bytes) -> RendezvousState:
     problem = _shape_problem(state)
     if problem:
         raise DataError(f"rendezvous state is not a _RendezvousState: {problem}")
-    return state  # type: ignore[no-any-return]
+    return state
 
 
 def _is_node(value: Any) -> bool:
@@ -598,15 +601,16 @@ def _inject_and_wait(
                 break
             if time.monotonic() > end:
                 raise UnavailableError("could not inject the wait_list entry before the deadline (state kept changing)")
-            state, token = read_state(client, ep.run_id)
-            if state is None:
+            fresh, token = read_state(client, ep.run_id)
+            if fresh is None:
                 raise NoInputError(f"rendezvous state for {ep.run_id!r} disappeared")
+            state = fresh
         while time.monotonic() < end:
-            state, token = read_state(client, ep.run_id)
-            if state is not None and state.round != start_round:
-                seen.append(state.round)
+            latest, token = read_state(client, ep.run_id)
+            if latest is not None and latest.round != start_round:
+                seen.append(latest.round)
                 result = TriggerResult(
-                    "triggered", start_round, state.round, round(time.monotonic() - injected_at, 3), rounds_seen=seen
+                    "triggered", start_round, latest.round, round(time.monotonic() - injected_at, 3), rounds_seen=seen
                 )
                 break
             sleep(poll_s)
@@ -619,13 +623,13 @@ def _inject_and_wait(
     settle_end = time.monotonic() + settle_s
     present = True
     while True:
-        state, _ = read_state(client, ep.run_id)
-        if state is None:
+        latest, _ = read_state(client, ep.run_id)
+        if latest is None:
             present = False
         else:
-            if state.round != seen[-1]:
-                seen.append(state.round)
-            present = node in state.wait_list
+            if latest.round != seen[-1]:
+                seen.append(latest.round)
+            present = node in latest.wait_list
         now = time.monotonic()
         if now >= settle_end and (not present or now >= end):
             break

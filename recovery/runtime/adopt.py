@@ -121,7 +121,7 @@ class FaultTolerant:
         self._scheduler = built[2] if len(built) > 2 else None
         return self.runtime.activate(self._model, self._optimizer, self._scheduler)
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         from gpuguard.recovery.runtime.runtime import FencedError  # noqa: PLC0415 - lazy, as in __enter__
 
         if isinstance(exc, FencedError):
@@ -131,8 +131,7 @@ class FaultTolerant:
             os._exit(EXIT_REFUSED)  # like the runtime's refusals: nothing of this generation may follow
         if exc is None:
             self.runtime.close()  # outside any `except`: the group's sockets really close
-        self.summary = self._summary()
-        return False
+        self.summary = self._summary()  # returns None: an exception propagates
 
     def _summary(self) -> RunSummary:
         c, rt = self.runtime.counters, self.runtime

@@ -274,8 +274,8 @@ def agree_on_sharded_state(reports: Sequence[Any], frontier: int) -> ShardedAgre
         )
     per_path: dict[str, list[int]] = {}
     for key, (entry, _ranks) in seen.items():
-        have = per_path.setdefault(key.rpartition("@")[0], [0, _numel(entry[1])])
-        have[0] += _numel(entry[2])
+        held = per_path.setdefault(key.rpartition("@")[0], [0, _numel(entry[1])])
+        held[0] += _numel(entry[2])
     short = {p: (h, n) for p, (h, n) in per_path.items() if h < n}
     over = {p: (h, n) for p, (h, n) in per_path.items() if h > n}
     if short:

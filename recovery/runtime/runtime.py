@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import (
@@ -123,6 +123,9 @@ class TrainState:
     model: Any = None  # what the runtime trains: passed in, or what build() made, restored
     optimizer: Any = None
     scheduler: Any = None  # the lr scheduler (build()'s third item), restored
+
+
+_R = TypeVar("_R", bound="Runtime")  # from_env builds the class it is called on (InPlaceRuntime too)
 
 
 class Runtime:
@@ -206,7 +209,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_env(cls, job_dir: str | Path | None = None, **options: Any) -> Runtime:
+    def from_env(cls: type[_R], job_dir: str | Path | None = None, **options: Any) -> _R:
         """Build from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
         env = os.environ
         job_dir = job_dir or env.get(JOB_DIR_ENV)

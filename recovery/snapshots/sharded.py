@@ -94,7 +94,7 @@ def _recording_planner() -> Any:
     what it holds in memory, replicas included."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: PLC0415 - lazy: torch only where used
 
-    class Recording(DefaultSavePlanner):  # type: ignore[misc]
+    class Recording(DefaultSavePlanner):
         held: dict[str, tuple[int, ...]]
 
         def create_local_plan(self) -> Any:
@@ -238,7 +238,7 @@ def save_sharded(
         raise DataError(f"sharded snapshot of step {step}: this member's part failed: {summary['error']}")
     if result is None and reason is not None and not reason.startswith("fenced"):
         raise DataError(f"sharded snapshot of step {step} not published: {reason}")
-    return result  # type: ignore[no-any-return]
+    return result
 
 
 def _complete(

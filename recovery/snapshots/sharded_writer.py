@@ -6,6 +6,7 @@ Lazy imports (start-up time): none here; the save it runs imports torch (`recove
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import queue
@@ -152,7 +153,7 @@ class ShardedSnapshotter:
                     incarnation=self.incarnation,
                     still_current=self.still_current,
                     memory_digest=self.memory_digest,
-                    before_publish=(lambda p, s=step: hook(s, p)) if (hook := self.before_publish) else None,
+                    before_publish=functools.partial(hook, step) if (hook := self.before_publish) else None,
                     ownership_map_version=self.ownership_map_version() if self.ownership_map_version else 0,
                     rng=rng,
                     submit_s=submit_s,
