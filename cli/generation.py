@@ -357,7 +357,7 @@ def _deep_check(
     (a note), but any state still stored must verify.
     """
     from gpuguard.foundation.errors import GpuguardError
-    from gpuguard.generation.manifest import find_manifests, load_manifest, verify_manifest
+    from gpuguard.generation.manifest import find_manifests, legacy_note, load_manifest, verify_manifest
     from gpuguard.generation.verify import Finding
 
     findings: list[Finding] = []
@@ -411,6 +411,8 @@ def _deep_check(
             advance = (lambda b: progress_cm.advance(task, b)) if progress_cm else None
             for problem in verify_manifest(m, path.parent, progress=advance):
                 findings.append(Finding(str(path), "frontier-state", problem))
+            if (legacy := legacy_note(m)) is not None:
+                notes.append(f"{path}: {legacy}")
             stats["manifests"] += 1
             stats["objects"] += len(m.entries)
             stats["bytes"] += sum(e.spec.byte_length for e in m.entries)

@@ -96,6 +96,8 @@ class RankState(ABC):
             ctx.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
         )
         info = certified(selection, frontier.step)
+        if info.warning and ctx.rank == 0:
+            ctx.log(f"restoring step {info.step}: {info.warning}")
         try:
             digest = self.load(ctx, info, cert)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException

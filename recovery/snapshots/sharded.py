@@ -4,7 +4,7 @@ A collective `torch.distributed.checkpoint` save over a dedicated process group 
 chunks (FSDP2 / HSDP shards, or, for a replicated model, the pieces DCP's de-duplication gave it)
 and rank 0's `.metadata`; each rank then writes its part (`recovery.snapshots.parts`); the
 coordinator (rank 0) gathers the part digests, checks the coverage, writes `state.json` and the one
-manifest (`gpuguard.manifest/1`, the same Merkle rule as every manifest), and only then publishes
+manifest (`gpuguard.manifest/2`, the same Merkle rule as every manifest, binding `.metadata`), and only then publishes
 the directory with one rename. A member that dies mid-snapshot leaves an unpublished staging
 directory. Format: docs/formats/sharded-snapshots.md.
 
@@ -30,8 +30,9 @@ from typing import Any
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation import manifest as m
-from gpuguard.generation.dcp_metadata import load_metadata
+from gpuguard.generation.dcp_metadata import METADATA_FILE, decode_metadata, read_metadata_bytes
 from gpuguard.generation.ownership import ShardLayout, layout_from_keys
+from gpuguard.recovery.snapshots.dcp_io import dcp_load
 from gpuguard.recovery.snapshots.digests import (
     combine_contributions,
     digest_contributions,
@@ -194,12 +195,14 @@ def save_sharded(
     ok, result = True, None
     try:
         quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), process_group=group, planner=planner))
-        meta = load_metadata(tmp)
+        raw = read_metadata_bytes(tmp)  # the coordinator's, just written: bound below, decoded here
+        meta = decode_metadata(raw, tmp / METADATA_FILE, forked=False)
         mine = [s for s in m.specs_from_metadata(meta) if m.owner_of(s.file) == rank]
         entries = m.build_entries(mine, tmp, step=step, generation=generation, owners={rank: incarnation})
         part = Part(step, generation, rank, world, incarnation, tuple(entries), getattr(planner, "held", {}), rng)
         write_part(part, tmp)
-        summary: Any = {"digest": part.digest}
+        binding = m.MetadataBinding.of(raw)
+        summary: Any = {"digest": part.digest, "metadata": [binding.digest, binding.size]}
         if memory_digest:
             summary["contrib"] = digest_contributions(state, rank)
     except Exception as exc:  # noqa: BLE001 - this member's part failed: the gather says so
@@ -250,11 +253,17 @@ def _complete(
     ownership_map_version: int,
     incarnation: str,
 ) -> tuple[str, str | None, int]:
-    """The coordinator: every part present and verified, together exactly the metadata, then
-    `state.json` and the manifest: (manifest digest, state digest, bytes written); DataError if not."""
+    """The coordinator: every part present and verified, together exactly the metadata (the
+    `.metadata` every member read, which the manifest binds), then `state.json` and the manifest:
+    (manifest digest, state digest, bytes written); DataError if not."""
     bad = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
     if bad or meta is None:
         raise DataError(f"a member's part failed: {bad[0] if bad else 'the metadata'}")
+    read = {tuple(g["metadata"]) for g in gathered}
+    if len(read) != 1:
+        raise DataError(f"the members read {len(read)} different {METADATA_FILE} files")
+    digest_size = read.pop()
+    binding = m.MetadataBinding(str(digest_size[0]), int(digest_size[1]))
     parts = [read_part(tmp, r) for r in range(len(gathered))]
     for p, g in zip(parts, gathered):
         if p.digest != g["digest"] or p.step != step or p.world_size != len(gathered):
@@ -271,6 +280,7 @@ def _complete(
         entries,
         ownership_map_version,
         {"layout": LAYOUT, "world_size": world, "parts": {str(p.rank): p.digest for p in parts}},
+        binding,
     )
     jobdir.write_snapshot_state(
         tmp,
@@ -321,11 +331,16 @@ def load_sharded_checked(
     info: SnapshotInfo, state: Mapping[str, Any], *, group: Any = None, check: bool = True
 ) -> tuple[dict[str, Any], str | None]:
     """`load_sharded`, and the loaded state's layout-independent digest (None without `check`): the
-    runtime certifies it without a second pass over the state."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - lazy: torch only where used
-
+    runtime certifies it without a second pass over the state. `.metadata` is the one the manifest
+    binds, decoded by the restricted unpickler (`dcp_io`), never by torch."""
     loaded = dict(state)
-    quiet_dcp(lambda: dcp.load(loaded, checkpoint_id=str(info.path), process_group=group))
+    dcp_load(
+        loaded,
+        info.path,
+        metadata_digest=info.metadata_digest,
+        manifest_digest=info.manifest_digest,
+        process_group=group,
+    )
     got = None
     if check:
         got = state_digest_sharded(loaded, group)

@@ -28,6 +28,7 @@ from typing import Any
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation import manifest as m
+from gpuguard.recovery.snapshots.dcp_io import dcp_load, quiet_dcp
 
 KINDS = (jobdir.SNAPSHOTS_DIR, jobdir.CHECKPOINTS_DIR)
 
@@ -70,6 +71,8 @@ class SnapshotInfo:
     state_digest: str | None = None
     manifest_digest: str | None = None
     layout: str | None = None  # the verified manifest's `extra.layout` ("gpuguard.sharded/1"; None: replicated)
+    metadata_digest: str | None = None  # the BLAKE3 of `.metadata` the verified manifest binds
+    warning: str | None = None  # what a restore of it must say (a legacy manifest: `.metadata` bound to nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +83,8 @@ class SnapshotInfo:
             "state_digest": self.state_digest,
             "manifest_digest": self.manifest_digest,
             "layout": self.layout,
+            "metadata_digest": self.metadata_digest,
+            "warning": self.warning,
         }
 
 
@@ -192,6 +197,8 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
         rec.state_digest,
         manifest.digest,
         layout if isinstance(layout, str) else None,
+        None if manifest.metadata is None else manifest.metadata.digest,
+        m.legacy_note(manifest),
     )
 
 
@@ -308,11 +315,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 
 def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, Any]:
-    """Load the snapshot into `template` (a state dict of the right structure, loaded in place)."""
-    import torch.distributed.checkpoint as dcp
-
+    """Load the snapshot into `template` (a state dict of the right structure, loaded in place):
+    `.metadata` checked against the manifest and decoded by the restricted unpickler (`dcp_io`)."""
     state = dict(template)
-    quiet_dcp(lambda: dcp.load(state, checkpoint_id=str(info.path), no_dist=True))
+    dcp_load(state, info.path, metadata_digest=info.metadata_digest, manifest_digest=info.manifest_digest, no_dist=True)
     return state
 
 
@@ -358,16 +364,10 @@ def copy_to_checkpoint(snapshot_root: str | Path, info: SnapshotInfo) -> Snapsho
         info.generation,
         info.state_digest,
         info.manifest_digest,
+        info.layout,
+        info.metadata_digest,
+        info.warning,
     )
-
-
-def quiet_dcp(fn: Callable[[], Any]) -> Any:
-    """(Shared by the sharded writer.) DCP warns 'assuming the intent is to save in a single process' on every no_dist call."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return fn()
 
 
 _publish, _quiet_dcp = publish_dir, quiet_dcp  # the earlier private names, for callers that use them
