@@ -149,7 +149,8 @@ def test_a_hash_dag_metadata_whose_digest_the_manifest_binds_is_refused_within_i
     assert proc.returncode == 0, proc.stderr[-2000:]
     [line] = proc.stdout.splitlines()
     assert line.startswith("REFUSED") and "unreadable DCP metadata" in line and METADATA_FILE in line, line
-    assert float(line.split()[1]) < deadline + 5 and took < deadline + 40
+    # the deadline is the decoder's CPU time: a loaded host stretches the wall time, a hang never ends
+    assert "took more than" in line and float(line.split()[1]) < 10 * deadline and took < deadline + 60
 
 
 FIFO_SCRIPT = """
@@ -247,7 +248,7 @@ def test_a_sharded_snapshot_binds_its_metadata_and_refuses_a_replaced_or_hash_da
     )
     [line] = sharded(tmp_path, "load", marker, timeout=load_deadline(len(dag)) + 90)
     assert line.startswith("REFUSED") and "unreadable DCP metadata" in line, line
-    assert float(line.split()[1]) < load_deadline(len(dag)) + 5
+    assert "took more than" in line and float(line.split()[1]) < 10 * load_deadline(len(dag))
     assert not marker.exists()
 
 
