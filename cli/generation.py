@@ -161,6 +161,10 @@ def _cert_lines(cert: Any, parent: Any = None, shown: int | None = None) -> list
         f"activated      {_when(cert.activation_time)} by {cert.issued_by}",
         f"frontier       step {f.step}, state {f.state_manifest_digest or '(none)'}",
     ]
+    if "soundness" in (cert.extra or {}):
+        from gpuguard.recovery.snapshots.soundness import certificate_line
+
+        lines.append(f"soundness      {certificate_line(cert.extra['soundness'])}")
     if f.collective_seq:
         lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
     lines += _ownership_lines(cert)
@@ -348,6 +352,17 @@ def history_cmd(
     return EXIT_CRITICAL if beyond else EXIT_OK
 
 
+def _soundness_note(manifest: Any) -> tuple[bool, str] | None:
+    """(sound, its line) of a manifest's soundness record; None when it records none."""
+    from gpuguard.recovery.snapshots.soundness import of_extra
+
+    try:
+        verdict = of_extra(manifest.extra)
+    except ValueError as exc:
+        return False, f"unreadable soundness record ({exc})"
+    return None if verdict is None else (verdict.sound, verdict.line())
+
+
 def _deep_check(
     job_dir: Path, certs: dict[int, Any], target: int, show_progress: bool, snapshot_root: Path | None = None
 ) -> tuple[list[Any], dict[str, Any], list[str]]:
@@ -413,6 +428,11 @@ def _deep_check(
                 findings.append(Finding(str(path), "frontier-state", problem))
             if (legacy := legacy_note(m)) is not None:
                 notes.append(f"{path}: {legacy}")
+            sound = _soundness_note(m)
+            if sound is not None and sound[0]:
+                notes.append(f"{path}: step {m.step}: {sound[1]}")
+            elif sound is not None:
+                findings.append(Finding(str(path), "soundness", f"step {m.step}: {sound[1]}"))
             stats["manifests"] += 1
             stats["objects"] += len(m.entries)
             stats["bytes"] += sum(e.spec.byte_length for e in m.entries)

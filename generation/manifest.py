@@ -379,9 +379,11 @@ def build_manifest(
     metadata: Any = None,
     ownership_map_version: int = 0,
     progress: Progress | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of a DCP checkpoint, binding its `.metadata` (metadata decoded from the bytes it
-    binds, with the restricted unpickler, unless given).
+    binds, with the restricted unpickler, unless given); `extra`: the writer's facts about the
+    state (its header's `extra`: a soundness record, a layout).
 
     `owners` maps rank -> Incarnation / Member / incarnation id (the writer of `__<rank>_*.distcp`).
     """
@@ -396,7 +398,7 @@ def build_manifest(
         owners=owners,
         progress=progress,
     )
-    return Manifest(generation, step, tuple(entries), ownership_map_version, metadata=MetadataBinding.of(raw))
+    return Manifest(generation, step, tuple(entries), ownership_map_version, dict(extra or {}), MetadataBinding.of(raw))
 
 
 def write_manifest(manifest: Manifest, checkpoint_dir: str | Path) -> Path:
