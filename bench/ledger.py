@@ -10,6 +10,7 @@ written with torch.distributed.checkpoint into a temp dir that is deleted afterw
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import socket
 import statistics
@@ -267,6 +268,7 @@ def manifest_build(n: int) -> dict:
             )
             storage[MetadataIndex(fqn, torch.Size([0]), 0)] = _StorageInfo("__0_0.distcp", i * item, item)
         meta = Metadata(state_dict_metadata=sdm, storage_data=storage)
+        (root / ".metadata").write_bytes(pickle.dumps(meta))  # the manifest binds the file's bytes
         t = time.perf_counter()
         man = build_manifest(root, step=1, generation=1, owners={0: "inc"}, metadata=meta)
         _ = man.digest

@@ -164,6 +164,10 @@ def _cert_lines(cert: Any, parent: Any = None, shown: int | None = None) -> list
         f"activated      {_when(cert.activation_time)} by {cert.issued_by}",
         f"frontier       step {f.step}, state {short(f.state_manifest_digest) if f.state_manifest_digest else '(none)'}",
     ]
+    if "soundness" in (cert.extra or {}):
+        from gpuguard.recovery.snapshots.soundness import certificate_line
+
+        lines.append(f"soundness      {certificate_line(cert.extra['soundness'])}")
     if f.collective_seq:
         lines.append("collectives    " + ", ".join(f"{k}={v}" for k, v in sorted(f.collective_seq.items())))
     lines += _ownership_lines(cert)
@@ -360,6 +364,17 @@ def history_cmd(
     return EXIT_CRITICAL if beyond else EXIT_OK
 
 
+def _soundness_note(manifest: Any) -> tuple[bool, str] | None:
+    """(sound, its line) of a manifest's soundness record; None when it records none."""
+    from gpuguard.recovery.snapshots.soundness import of_extra
+
+    try:
+        verdict = of_extra(manifest.extra)
+    except ValueError as exc:
+        return False, f"unreadable soundness record ({exc})"
+    return None if verdict is None else (verdict.sound, verdict.line())
+
+
 def _deep_check(
     job_dir: Path, certs: dict[int, Any], target: int, show_progress: bool, snapshot_root: Path | None = None
 ) -> tuple[list[Any], dict[str, Any], list[str]]:
@@ -369,7 +384,7 @@ def _deep_check(
     (a note), but any state still stored must verify.
     """
     from gpuguard.foundation.errors import GpuguardError
-    from gpuguard.generation.manifest import find_manifests, load_manifest, verify_manifest
+    from gpuguard.generation.manifest import find_manifests, legacy_note, load_manifest, verify_manifest
     from gpuguard.generation.verify import Finding
 
     findings: list[Finding] = []
@@ -423,6 +438,13 @@ def _deep_check(
             advance = (lambda b: progress_cm.advance(task, b)) if progress_cm and task is not None else None
             for problem in verify_manifest(m, path.parent, progress=advance):
                 findings.append(Finding(str(path), "frontier-state", problem))
+            if (legacy := legacy_note(m)) is not None:
+                notes.append(f"{path}: {legacy}")
+            sound = _soundness_note(m)
+            if sound is not None and sound[0]:
+                notes.append(f"{path}: step {m.step}: {sound[1]}")
+            elif sound is not None:
+                findings.append(Finding(str(path), "soundness", f"step {m.step}: {sound[1]}"))
             stats["manifests"] += 1
             stats["objects"] += len(m.entries)
             stats["bytes"] += sum(e.spec.byte_length for e in m.entries)

@@ -19,6 +19,10 @@ draw to DIR/fsdp-out/draws-rank<R>.jsonl: a restart at the same world size resto
 RNG from its part of the snapshot, so the restored run draws what an uninterrupted one drew.
 
 `--kill R:S` SIGKILLs rank R (a real signal, once: a marker file) at the start of step S.
+`--hsdp` shards over a (2, world/2) mesh: two replica groups (HSDP). `--data` takes each step's rows
+from a registered data position (`recovery.runtime.data.SampleStream`, 240 samples, 24 a step)
+instead of a generator seeded with the step. `--corrupt` injects a corruption once
+(`examples.corruptions`: `nan:R:S`, `diverge:R:S`, `flip:S`, `lose-data:S`).
 `--final` gathers the full parameters after the last step into DIR/fsdp-out/final.pt (rank 0;
 `gpu-recover demo --scenario fsdp` compares them with `reference`, the same training in one process).
 """
@@ -37,13 +41,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from gpuguard.examples import corruptions
 from gpuguard.examples.demo_train import Faults
+from gpuguard.recovery.runtime.data import SampleStream
 from gpuguard.recovery.runtime.runtime import Runtime
+from gpuguard.recovery.snapshots.soundness import Policy
 
 GLOBAL_BATCH = 24
 POINT = "step-start"
+SOUNDNESS = {  # --soundness: every check (the default), finiteness and non-tensor only, none
+    "full": Policy(),
+    "finite": Policy(replicas=False),
+    "off": Policy(finite=False, replicas=False, non_tensor=False, on_unsound="log"),
+}
 
 
 def mlp() -> torch.nn.Sequential:
@@ -54,22 +67,40 @@ def mlp() -> torch.nn.Sequential:
     )
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The same initial weights at every world size, sharded over the default group (FSDP2)."""
+def build(hsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same initial weights at every world size, sharded over the default group (FSDP2), or
+    with `hsdp` over a (2, world/2) mesh: replicate x shard."""
     model = mlp()
+    mesh = None
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples `ids` of the `--data` dataset: each a function of its id."""
+    pairs = [(torch.Generator().manual_seed(50_000 + i), i) for i in ids]
+    xs = [torch.randn(16, generator=g) for g, _ in pairs]
+    ys = [torch.randn(8, generator=g) for g, _ in pairs]
+    return torch.stack(xs), torch.stack(ys)
+
+
+def train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, data: SampleStream | None = None
+) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
-    n = GLOBAL_BATCH // world
-    loss = torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+    if data is not None:
+        x, y = rows(data.take(rank, world))
+    else:
+        g = torch.Generator().manual_seed(1000 + step)
+        x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+        n = GLOBAL_BATCH // world
+        x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -131,15 +162,27 @@ def main(argv: list[str] | None = None) -> int:
         "so the tests lose at most the snapshot in flight; the runtime's own default is 0.03)",
     )
     ap.add_argument("--final", action="store_true", help="gather the full parameters at the end (fsdp-out/final.pt)")
+    ap.add_argument("--hsdp", action="store_true", help="HSDP: a (2, world/2) mesh, two replica groups")
+    ap.add_argument("--data", action="store_true", help="rows from a registered data position (SampleStream)")
+    ap.add_argument("--corrupt", type=corruptions.parse, action="append", default=[], metavar="KIND:[R:]S")
+    ap.add_argument("--soundness", choices=tuple(SOUNDNESS), default="full", help="the runtime's soundness checks")
     ap.add_argument("--max-seconds", type=float, default=120.0, help="wall-clock limit of this process")
     a = ap.parse_args(argv)
     deadline = time.monotonic() + a.max_seconds
     rank = int(os.environ.get("RANK", "0"))
     faults = Faults(a.job_dir, rank, a.kill)
+    corrupt = corruptions.Corruptions(a.job_dir, rank, a.corrupt)
     rt = Runtime.from_env(
-        a.job_dir, sharded=True, fault_hook=faults, activation_timeout_s=60.0, snapshot_budget=a.snapshot_budget
+        a.job_dir,
+        sharded=True,
+        fault_hook=faults,
+        activation_timeout_s=60.0,
+        snapshot_budget=a.snapshot_budget,
+        soundness=SOUNDNESS[a.soundness],
     )
-    state = rt.activate(build=build)
+    stream = SampleStream(240, GLOBAL_BATCH, seed=1) if a.data else None
+    position = corruptions.Position(stream, corrupt) if stream is not None else None
+    state = rt.activate(build=lambda: build(a.hsdp), data=position)
     model, opt = state.model, state.optimizer
     out = a.job_dir / "fsdp-out"
     if rt.rank == 0:
@@ -160,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             print(f"[fsdp rank {rt.rank}] wall-clock limit at step {step}", file=sys.stderr, flush=True)
             return 2
+        corrupt.before_step(step, rt.flush_snapshots)
         faults(POINT, step)
         draw = torch.rand(4 + rt.rank)  # the global RNG (per rank: its own use), restored from the rank's part
         if not a.no_digests:
@@ -167,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                 out / f"draws-rank{rt.rank}.jsonl",
                 {"generation": state.generation, "step": step, "draw": draw.tolist()},
             )
-        train_step(model, opt, step)
+        train_step(model, opt, step, stream)
+        corrupt.after_update(step, model)
+        if position is not None:
+            position.step = step
         if a.step_sleep:
             time.sleep(a.step_sleep)
         rt.commit(step)

@@ -4,14 +4,16 @@
 
 What a user has before adopting gpuguard: a small decoder-only transformer (token embedding, blocks
 of RMSNorm + causal attention + SwiGLU MLP, output head), `fully_shard` on every block and then on
-the root, AdamW with a linear warm-up (LambdaLR), gradient clipping, and a loop that takes (inputs, labels) from a dataloader-like
-iterator and steps the optimizer. A killed rank ends the job; a restart starts again at step 1.
+the root, AdamW with a linear warm-up (LambdaLR), gradient clipping, and a loop that takes (inputs, labels) from a stateful
+dataloader (`state_dict` / `load_state_dict`, as torchdata's `StatefulDataLoader`) and steps the
+optimizer. A killed rank ends the job; a restart starts again at step 1.
 
 The model, the data and the step live here and `titan_style_train` imports them, so the two
 `main()` functions differ only in the lines adoption changes (README, sharded state, counts them;
-`tests/examples/test_titan_style.py` checks the count). The data is a function of the step (each
-step's global batch is drawn from a generator seeded with the step, split evenly over the ranks):
-the iterator can start at any step at any world size, which is all a resumed loop needs of it.
+`tests/examples/test_titan_style.py` checks the count). The loader reads a dataset of token
+sequences (each a function of its id) in the order of `recovery.runtime.data.SampleStream`'s rule:
+its position is global (epoch, samples taken), so the adopted loop registers it with the runtime
+and a restore at any world size goes on from it (docs/formats/sharded-snapshots.md, "Data position").
 
 `--kill R:S` SIGKILLs rank R at the start of step S, once (a marker file under DIR/faults/).
 `--final` gathers the full parameters after the last step into DIR/final.pt (rank 0).
@@ -36,6 +38,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from gpuguard.examples.demo_train import Faults
 from gpuguard.examples.fsdp_train import POINT, parse_kill
+from gpuguard.recovery.runtime.data import SampleStream
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ModelArgs:
     n_heads: int = 4
     seq_len: int = 16
     global_batch: int = 8  # rows a step, over all ranks (divisible by 1, 2, 4, 8)
+    samples: int = 96  # token sequences in the dataset (12 steps an epoch)
 
 
 class Attention(nn.Module):
@@ -117,22 +121,28 @@ def warmup(step: int, steps: int = 4) -> float:
     return min(1.0, (step + 1) / steps)
 
 
-class TokenBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
-    """A dataloader-like iterator of (inputs, labels) for this rank, from `start_step` on: step s's
-    global batch comes from a generator seeded with s (so it can start at any step), rank r takes
-    rows r*n .. (r+1)*n of it."""
+class TokenLoader(Iterator[tuple[torch.Tensor, torch.Tensor]]):
+    """A stateful dataloader of (inputs, labels) for this rank: each step's global batch of sample
+    ids under `SampleStream`'s rule, this rank's share of it, each sequence generated from its id.
+    `state_dict` / `load_state_dict` are the position's (global: the same on every rank)."""
 
-    def __init__(self, a: ModelArgs = ModelArgs(), *, start_step: int = 1) -> None:
-        self.a, self.step = a, start_step
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+    def __init__(self, a: ModelArgs = ModelArgs(), seed: int = 7919) -> None:
+        self.a, self.stream = a, SampleStream(a.samples, a.global_batch, seed)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(7919 * self.step)
-        self.step += 1
-        tokens = torch.randint(0, self.a.vocab_size, (self.a.global_batch, self.a.seq_len + 1), generator=g)
-        n = self.a.global_batch // self.world
-        mine = tokens[self.rank * n : (self.rank + 1) * n]
+        ids = self.stream.take(dist.get_rank(), dist.get_world_size())
+        rows = [
+            torch.randint(0, self.a.vocab_size, (self.a.seq_len + 1,), generator=torch.Generator().manual_seed(i))
+            for i in ids
+        ]
+        mine = torch.stack(rows)
         return mine[:, :-1], mine[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.stream.load_state_dict(state)
 
 
 def train_step(
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = Faults(a.out, int(os.environ["RANK"]), a.kill)
     dist.init_process_group("gloo")
     model, optimizer, scheduler = build()
-    data = TokenBatches(start_step=1)
+    data = TokenLoader()
     for step in range(1, a.steps + 1):
         faults(POINT, step)
         inputs, labels = next(data)

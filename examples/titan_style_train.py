@@ -4,11 +4,11 @@
         [--kill R:S] [--final]
 
 `main()` is the plain loop's with the lines adoption changes (README, sharded state, counts them):
-the `with fault_tolerant(build, job_dir=...)` block replaces `init_process_group` and `build()`
-(the runtime forms each generation's group, then builds the model, optimizer and lr scheduler on
-it and restores them), the data iterator starts at `run.start_step`, and `run.steps(until=...)`
-replaces the `range` (it commits each finished step; every rank snapshots its shards in the
-background). A SIGKILLed rank
+the `with fault_tolerant(build, job_dir=..., data=data)` block replaces `init_process_group` and
+`build()` (the runtime forms each generation's group, then builds the model, optimizer and lr
+scheduler on it and restores them, and the stateful loader's position with them), and
+`run.steps(until=...)` replaces the `range` (it commits each finished step; every rank snapshots its
+shards, and the loader's position, in the background). A SIGKILLed rank
 (`--kill R:S`) makes torchrun restart the group, and the restarted generation resumes from the
 certified sharded snapshot: its final parameters equal the plain loop's fault-free ones, bitwise at
 the same world size (`tests/examples/test_titan_style.py`). DIR is also the gpuguard job directory.
@@ -20,16 +20,16 @@ import gc
 import os
 
 from gpuguard.examples.demo_train import Faults
-from gpuguard.examples.titan_style_plain import POINT, TokenBatches, build, parse_args, train_step, write_final
+from gpuguard.examples.titan_style_plain import POINT, TokenLoader, build, parse_args, train_step, write_final
 from gpuguard.recovery import fault_tolerant
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     faults = Faults(a.out, int(os.environ["RANK"]), a.kill)
-    with fault_tolerant(build, job_dir=a.out) as run:
+    data = TokenLoader()
+    with fault_tolerant(build, job_dir=a.out, data=data) as run:
         model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
-        data = TokenBatches(start_step=run.start_step)
         for step in run.steps(until=a.steps):
             faults(POINT, step)
             inputs, labels = next(data)

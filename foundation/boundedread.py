@@ -35,6 +35,7 @@ from gpuguard.foundation.errors import DataError, GpuguardError, UnavailableErro
 RECORD_BYTES = 16 << 20  # job-dir records (incarnations, job.json, restore.json, state.json, coord/*): a few KiB
 PART_BYTES = 64 << 20  # a sharded snapshot's part: one rank's objects, a few MiB for 100,000s of chunks
 MANIFEST_BYTES = 256 << 20  # a state manifest: ~400 bytes an object, 600,000 objects
+DCP_METADATA_BYTES = 256 << 20  # a DCP checkpoint's `.metadata` (a pickle): ~300 bytes a chunk, 600,000 chunks
 CERTIFICATE_BYTES = 16 << 20  # one certificate: ~300 bytes a member, 50,000 members
 LEDGER_LOG_BYTES = 256 << 20  # commits-<G>.log, fenced.log, refusals.log: ~150 bytes a record
 AUDIT_LOG_BYTES = 64 << 20  # audit.log: at most 64 KiB a record

@@ -78,6 +78,7 @@ def check(
         *rules.quiescence_proofs(cert, parent),
         *rules.frontier_committed(cert, parent, committed_by_all),
         *rules.frontier_state_verified(cert, manifest_ok),
+        *rules.sound_frontier(cert),
     ]
 
 
@@ -103,4 +104,5 @@ def check_stored(cert: Certificate, *, parent: Certificate | None, key: bytes) -
         *rules.members_admitted(cert, parent),
         *rules.quiescence(cert),
         *rules.quiescence_proofs(cert, parent),
+        *rules.sound_frontier(cert),
     ]

@@ -2,7 +2,13 @@
 
 The restricted unpickler admits only the DCP metadata classes, `torch.Size`, dtypes, layouts,
 memory formats, paths and plain containers: a crafted `.metadata` cannot name `os.system` or any
-other callable. torch is imported only when this module's functions run.
+other callable. The bytes come through the bounded reader (no link, no FIFO, at most
+`DCP_METADATA_BYTES`), their BLAKE3 digest is what a manifest binds (`gpuguard.manifest/2`,
+`generation.manifest.MetadataBinding`), and a load of an untrusted one (`load_metadata(...,
+digest=...)`, every restore) checks that digest first and decodes in a forked worker killed at its
+deadline (`foundation.workers.restricted_loads_within`: a shared-reference dict key is hashed
+without end inside the C unpickler, where nothing in the process can stop it). torch is imported
+only when this module's functions run.
 
 Lazy imports (start-up time): torch (optional: `gpuguard[runtime]`), only when a DCP checkpoint is read.
 """
@@ -13,9 +19,15 @@ import io
 from pathlib import Path
 from typing import Any
 
-from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
+import blake3
+
+from gpuguard.foundation.boundedread import DCP_METADATA_BYTES, read_bytes
+from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.foundation.optional import check_torch, require_torch
 from gpuguard.foundation.unpickle import restricted_loads
+from gpuguard.foundation.workers import restricted_loads_within
+
+METADATA_FILE = ".metadata"
 
 _DCP_METADATA = {
     "Metadata",
@@ -53,18 +65,42 @@ def _resolve(module: str, name: str) -> Any:
     return None
 
 
-def load_metadata(checkpoint_dir: str | Path) -> Any:
-    """The DCP `Metadata` object of a checkpoint directory (restricted unpickling)."""
+def read_metadata_bytes(checkpoint_dir: str | Path) -> bytes:
+    """The raw bytes of a checkpoint's `.metadata`, bounded (no link, no FIFO, at most `DCP_METADATA_BYTES`)."""
+    path = Path(checkpoint_dir) / METADATA_FILE
+    try:
+        return read_bytes(path, max_bytes=DCP_METADATA_BYTES, what="DCP metadata", follow_links=False)
+    except NoInputError:
+        raise NoInputError(f"{path}: not a DCP checkpoint (no {METADATA_FILE})") from None
+
+
+def metadata_digest(data: bytes) -> str:
+    """BLAKE3 of `.metadata`'s bytes, hex: what a manifest binds (the entries' digest style)."""
+    return blake3.blake3(data).hexdigest()
+
+
+def load_metadata(checkpoint_dir: str | Path, *, digest: str | None = None, forked: bool = True) -> Any:
+    """The DCP `Metadata` object of a checkpoint directory (restricted unpickling).
+
+    `digest`: the BLAKE3 the manifest binds; bytes with another digest are refused (DataError naming
+    `.metadata`) before anything decodes them. `forked`: decode in a worker process killed at
+    `unpickle.load_deadline` (every untrusted read); False only for the bytes a writer has just
+    written itself (a fork of a training process per snapshot costs its page tables)."""
     check_torch("reading DCP checkpoint metadata")  # its classes live in torch.distributed.checkpoint
-    path = Path(checkpoint_dir) / ".metadata"
+    path = Path(checkpoint_dir) / METADATA_FILE
+    data = read_metadata_bytes(checkpoint_dir)
+    if digest is not None:
+        got = metadata_digest(data)
+        if got != digest:
+            raise DataError(f"{path}: BLAKE3 {got[:16]}… is not the manifest's {digest[:16]}…: replaced or corrupted")
+    return decode_metadata(data, path, forked=forked)
+
+
+def decode_metadata(data: bytes, path: str | Path, *, forked: bool = True) -> Any:
+    """`.metadata`'s bytes as a DCP `Metadata` (see `load_metadata`); DataError naming `path` if not one."""
+    loads = restricted_loads_within if forked else restricted_loads
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise NoInputError(f"{path}: not a DCP checkpoint (no .metadata)") from None
-    except OSError as exc:
-        raise from_os_error(exc, str(path)) from None
-    try:
-        meta = restricted_loads(data, _resolve, what="DCP metadata")
+        meta = loads(data, _resolve, what="DCP metadata")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is bad input
         raise DataError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})") from None
     if type(meta).__name__ != "Metadata" or not hasattr(meta, "storage_data"):

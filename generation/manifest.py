@@ -3,8 +3,10 @@
 A manifest lists each stored object of a `torch.distributed.checkpoint` checkpoint (tensor chunks
 and non-tensor objects: optimizer param-group scalars, LR-scheduler state, RNG states, the
 data-loader position) with its storage file, byte range and BLAKE3 digest, the owning rank and
-incarnation, the generation and the step. Its digest is the Merkle root over the entries, which
-is what a certificate's frontier names. Verification needs no torch: it re-hashes byte ranges.
+incarnation, the generation and the step, and the BLAKE3 of DCP's own `.metadata` (the pickle that
+says where every object is: `gpuguard.manifest/2`; a `/1` manifest binds it to nothing and is read
+with a note). Its digest is the Merkle root over the header and the entries, which is what a
+certificate's frontier names. Verification needs no torch: it re-hashes byte ranges and `.metadata`.
 
 complete = every object of the ownership map is present exactly once;
 valid    = every digest matches the stored bytes.
@@ -26,12 +28,22 @@ from typing import Any
 import blake3
 
 from gpuguard.foundation.boundedread import MANIFEST_BYTES, open_regular, read_bytes
-from gpuguard.foundation.errors import DataError, NoInputError, from_os_error
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, from_os_error
 from gpuguard.generation.canonical import canonical_bytes, normalize, parse_canonical
-from gpuguard.generation.dcp_metadata import load_metadata, load_scalar
+from gpuguard.generation.dcp_metadata import (
+    METADATA_FILE,
+    decode_metadata,
+    load_scalar,
+    metadata_digest,
+    read_metadata_bytes,
+)
 from gpuguard.generation.merkle import leaf, merkle_root
 
-MANIFEST_SCHEMA = "gpuguard.manifest/1"
+MANIFEST_SCHEMA = "gpuguard.manifest/2"  # what every writer writes: `.metadata` bound (`metadata`)
+LEGACY_SCHEMA = "gpuguard.manifest/1"  # `.metadata` bound to nothing: read (restored with a warning); written
+# only for a checkpoint that has no `.metadata` (the transitions simulator's JSON "shards")
+_HEADER_KEYS = {"schema", "generation", "step", "ownership_map_version", "extra"}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 MANIFEST_FILE = "gpuguard.manifest.json"
 _BIG = 1 << 20  # above this, hash with BLAKE3's threads
 POPULATE_MAX_BYTES = 256 << 20  # data files up to this are mapped in one pass (MAP_POPULATE)
@@ -157,6 +169,34 @@ class ManifestEntry:
         return entry
 
 
+@dataclass(frozen=True)
+class MetadataBinding:
+    """DCP's `.metadata` as a manifest binds it: its size and BLAKE3 (`gpuguard.manifest/2`). torch
+    loads `.metadata` with a plain `pickle.load`; bound, a replaced one is refused before anything
+    decodes it (and even then only the restricted unpickler does: `generation.dcp_metadata`)."""
+
+    digest: str
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": METADATA_FILE, "bytes": self.size, "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> MetadataBinding:
+        if not isinstance(d, dict) or set(d) != {"file", "bytes", "digest"}:
+            raise ValueError("metadata must be {file, bytes, digest}")
+        size, digest = d["bytes"], d["digest"]
+        if d["file"] != METADATA_FILE or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"metadata must name {METADATA_FILE} and its size")
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise ValueError("metadata digest must be 64 lower-case hex digits")
+        return cls(digest, size)
+
+    @classmethod
+    def of(cls, data: bytes) -> MetadataBinding:
+        return cls(metadata_digest(data), len(data))
+
+
 def entries_digest(entries: Iterable[ManifestEntry], header: Mapping[str, Any]) -> str:
     """Merkle root: the header (generation, step, ownership version) first, then every entry by key."""
     ordered = sorted(entries, key=lambda e: (e.key, e.spec.file, e.spec.byte_offset))
@@ -170,15 +210,20 @@ class Manifest:
     entries: tuple[ManifestEntry, ...]
     ownership_map_version: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    metadata: MetadataBinding | None = None  # None: a `gpuguard.manifest/1` document (legacy)
 
     def header(self) -> dict[str, Any]:
-        return {
-            "schema": MANIFEST_SCHEMA,
+        """The first Merkle leaf: everything but the entries (`.metadata`'s binding included)."""
+        head = {
+            "schema": MANIFEST_SCHEMA if self.metadata is not None else LEGACY_SCHEMA,
             "generation": self.generation,
             "step": self.step,
             "ownership_map_version": self.ownership_map_version,
             "extra": dict(self.extra),
         }
+        if self.metadata is not None:
+            head["metadata"] = self.metadata.to_dict()
+        return head
 
     @cached_property
     def digest(self) -> str:
@@ -334,13 +379,17 @@ def build_manifest(
     metadata: Any = None,
     ownership_map_version: int = 0,
     progress: Progress | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """The manifest of a DCP checkpoint (metadata read with the restricted unpickler unless given).
+    """The manifest of a DCP checkpoint, binding its `.metadata` (metadata decoded from the bytes it
+    binds, with the restricted unpickler, unless given); `extra`: the writer's facts about the
+    state (its header's `extra`: a soundness record, a layout).
 
     `owners` maps rank -> Incarnation / Member / incarnation id (the writer of `__<rank>_*.distcp`).
     """
-    if metadata is None:
-        metadata = load_metadata(checkpoint_dir)
+    raw = read_metadata_bytes(checkpoint_dir)
+    if metadata is None:  # the writer's own fresh file: decoded in this process (see `load_metadata`)
+        metadata = decode_metadata(raw, Path(checkpoint_dir) / METADATA_FILE, forked=False)
     entries = build_entries(
         specs_from_metadata(metadata),
         checkpoint_dir,
@@ -349,7 +398,7 @@ def build_manifest(
         owners=owners,
         progress=progress,
     )
-    return Manifest(generation, step, tuple(entries), ownership_map_version)
+    return Manifest(generation, step, tuple(entries), ownership_map_version, dict(extra or {}), MetadataBinding.of(raw))
 
 
 def write_manifest(manifest: Manifest, checkpoint_dir: str | Path) -> Path:
@@ -379,14 +428,20 @@ def load_manifest(path: str | Path) -> Manifest:
         raise NoInputError(f"{path}: no manifest") from None
     try:
         doc = parse_canonical(data.rstrip(b"\n"))
-        if not isinstance(doc, dict) or doc.get("schema") != MANIFEST_SCHEMA:
-            raise ValueError(f"schema is not {MANIFEST_SCHEMA}")
+        if not isinstance(doc, dict) or doc.get("schema") not in (MANIFEST_SCHEMA, LEGACY_SCHEMA):
+            raise ValueError(f"schema is not {MANIFEST_SCHEMA} (or {LEGACY_SCHEMA})")
+        bound = doc["schema"] == MANIFEST_SCHEMA
+        if set(doc) != _HEADER_KEYS | {"entries", "digest"} | ({"metadata"} if bound else set()):
+            raise ValueError("unexpected fields")
         entries = tuple(ManifestEntry.from_dict(e) for e in doc["entries"])
         manifest = Manifest(
-            int(doc["generation"]), int(doc["step"]), entries, int(doc["ownership_map_version"]), dict(doc["extra"])
+            int(doc["generation"]),
+            int(doc["step"]),
+            entries,
+            int(doc["ownership_map_version"]),
+            dict(doc["extra"]),
+            MetadataBinding.from_dict(doc["metadata"]) if bound else None,
         )
-        if set(doc) != {"schema", "generation", "step", "ownership_map_version", "extra", "entries", "digest"}:
-            raise ValueError("unexpected fields")
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: unreadable manifest ({exc})") from None
     if manifest.digest != doc["digest"]:
@@ -408,6 +463,34 @@ def coverage(manifest: Manifest, expected: Iterable[str] | None = None) -> list[
     return problems
 
 
+def metadata_problem(manifest: Manifest, checkpoint_dir: str | Path) -> str | None:
+    """Why the checkpoint's `.metadata` is not the one the manifest binds (None: it is, or a legacy
+    manifest binds none: `legacy_note`). Bounded read: a link, FIFO or oversize file is a problem."""
+    bound = manifest.metadata
+    if bound is None:
+        return None
+    try:
+        got = MetadataBinding.of(read_metadata_bytes(checkpoint_dir))
+    except GpuguardError as exc:
+        return f"{METADATA_FILE}: {exc}"
+    if got != bound:
+        return (
+            f"{METADATA_FILE}: BLAKE3 {got.digest[:16]}… ({got.size:,} bytes) is not the manifest's "
+            f"{bound.digest[:16]}… ({bound.size:,} bytes): replaced or corrupted"
+        )
+    return None
+
+
+def legacy_note(manifest: Manifest) -> str | None:
+    """The warning for a `gpuguard.manifest/1` document (None for a current one)."""
+    if manifest.metadata is not None:
+        return None
+    return (
+        f"{LEGACY_SCHEMA}: its DCP {METADATA_FILE} is bound to nothing (written before "
+        f"{MANIFEST_SCHEMA}); it is decoded only by the restricted unpickler"
+    )
+
+
 def verify_manifest(
     manifest: Manifest,
     checkpoint_dir: str | Path,
@@ -415,8 +498,11 @@ def verify_manifest(
     expected: Iterable[str] | None = None,
     progress: Progress | None = None,
 ) -> list[str]:
-    """Problems with a checkpoint against its manifest: empty = complete and valid."""
+    """Problems with a checkpoint against its manifest: empty = complete and valid (`.metadata` too)."""
     problems = coverage(manifest, expected)
+    bad_metadata = metadata_problem(manifest, checkpoint_dir)
+    if bad_metadata is not None:
+        problems.append(bad_metadata)
     files = _Files(Path(checkpoint_dir))
     try:
         for e in sorted(manifest.entries, key=lambda e: (e.spec.file, e.spec.byte_offset)):

@@ -7,6 +7,7 @@ and the CLI decide what a violation means (refuse activation, fail verification)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from gpuguard.generation.keys import signature_ok
 from gpuguard.generation.records import QUIESCENCE, Certificate, Violation
@@ -153,6 +154,30 @@ def frontier_state_verified(cert: Certificate, manifest_ok: bool | None) -> list
                 f"{cert.frontier.step} is incomplete or does not verify",
             )
         ]
+    return []
+
+
+def sound_frontier(cert: Certificate) -> list[Violation]:
+    """A certificate never names a state its soundness record calls unsound (`extra.soundness`, the
+    frontier snapshot's record: finite tensors, agreeing replicas, non-tensor state; written by the
+    runtime's coordinator from the snapshot's manifest, docs/formats/certificate.md). A record of
+    another step, or one that does not say `sound: true` or `false`, is a violation too."""
+    record = cert.extra.get("soundness")
+    if record is None:
+        return []
+    rule = "soundness"
+    if not isinstance(record, Mapping) or not isinstance(record.get("sound"), bool):
+        return [Violation(rule, "extra.soundness is not a soundness record (no true/false `sound`)")]
+    if record.get("step") != cert.frontier.step:
+        return [
+            Violation(rule, f"extra.soundness is of step {record.get('step')}, the frontier is {cert.frontier.step}")
+        ]
+    if not record["sound"]:
+        problems = record.get("problems")  # a list, or a tuple in a stored (frozen) certificate
+        first = (
+            problems[0] if isinstance(problems, (list, tuple)) and problems and isinstance(problems[0], str) else "?"
+        )
+        return [Violation(rule, f"the state of frontier step {cert.frontier.step} is not sound: {first}")]
     return []
 
 

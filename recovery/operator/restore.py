@@ -89,6 +89,8 @@ def restore(
         change += " (the frontier limit itself: the pin fixes which copy)"
     details["effect"] = change + " (used by the next activation only; a pin never moves the frontier forward)"
     summary = f"{summary}: {details['effect']}"
+    if chosen.warning:  # a legacy manifest: said, not refused (docs/formats/snapshots.md, "Versioning")
+        summary = f"{summary}; warning: {chosen.warning}"
     if current is not None and current.choice() == pin.choice():
         return ActionResult("restore", "noop", EXIT_OK, f"already pinned: {summary}", details, dry_run=dry_run)
     if dry_run:

@@ -2,9 +2,9 @@
 
     from gpuguard.recovery import fault_tolerant
 
-    with fault_tolerant(build, job_dir=out) as run:     # replaces init_process_group + build()
-        data = TokenBatches(start_step=run.start_step)  # the loop resumes at the certified step
-        for step in run.steps(until=N):                 # replaces range(1, N + 1); commits each step
+    data = TokenLoader()                                           # a stateful loader, unchanged
+    with fault_tolerant(build, job_dir=out, data=data) as run:     # replaces init_process_group + build()
+        for step in run.steps(until=N):                            # replaces range(1, N + 1); commits each step
             loss = loss_fn(run.model(inputs), labels) ...
 
 or, the same as a decorator: `@fault_tolerant(build)` on `def train(run): ...`.
@@ -72,7 +72,9 @@ class FaultTolerant:
     docstring). One use per process.
 
     `build() -> (model, optimizer[, lr scheduler])` is called once this generation's group is up;
-    `job_dir` defaults to GPUGUARD_JOB_DIR; `runtime_options` go to `Runtime.from_env`."""
+    `job_dir` defaults to GPUGUARD_JOB_DIR; `data`: the data position, an object with `state_dict` /
+    `load_state_dict` (a `StatefulDataLoader`, `recovery.runtime.data.SampleStream`), restored with
+    the state; `runtime_options` go to `Runtime.from_env`."""
 
     def __init__(
         self,
@@ -83,12 +85,14 @@ class FaultTolerant:
         scheduler: Any = None,
         job_dir: str | Path | None = None,
         sharded: bool = True,
+        data: Any = None,
         **runtime_options: Any,
     ) -> None:
         if (build is None) == (model is None):
             raise GpuguardError("fault_tolerant() needs either build or model (not both)", exit_code=EXIT_USAGE)
         self._build, self._model, self._optimizer, self._scheduler = build, model, optimizer, scheduler
         self._job_dir, self._sharded, self._options = job_dir, sharded, runtime_options
+        self._data = data  # the data position (`state_dict` / `load_state_dict`): snapshotted, restored
         self.runtime: Any = None  # the Runtime, once entered (state_hash, collective, counters)
         self.state: Any = None  # the runtime's TrainState (generation, frontier, restored digest)
         self.last_committed: int | None = None
@@ -104,9 +108,10 @@ class FaultTolerant:
         self._used = True
         self.runtime = Runtime.from_env(self._job_dir, sharded=self._sharded, **self._options)
         if self._build is not None:
-            self.state = self.runtime.activate(build=self._build) if self._sharded else self._activate_built()
+            built = self.runtime.activate(build=self._build, data=self._data) if self._sharded else None
+            self.state = built if built is not None else self._activate_built()
         else:
-            self.state = self.runtime.activate(self._model, self._optimizer, self._scheduler)
+            self.state = self.runtime.activate(self._model, self._optimizer, self._scheduler, data=self._data)
         if self.state.model is None:
             self.state.model, self.state.optimizer = self._model, self._optimizer
         if self.state.scheduler is None:
@@ -119,7 +124,7 @@ class FaultTolerant:
         built = tuple(self._build())
         self._model, self._optimizer = built[0], built[1]
         self._scheduler = built[2] if len(built) > 2 else None
-        return self.runtime.activate(self._model, self._optimizer, self._scheduler)
+        return self.runtime.activate(self._model, self._optimizer, self._scheduler, data=self._data)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         from gpuguard.recovery.runtime.runtime import FencedError  # noqa: PLC0415 - lazy, as in __enter__

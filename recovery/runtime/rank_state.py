@@ -21,18 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguard.foundation import jobdir
-from gpuguard.foundation.errors import one_line
+from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, one_line
 from gpuguard.foundation.inplace_files import Report
+from gpuguard.generation import manifest as m
 from gpuguard.generation.records import Certificate
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.refusals import ActivationRefused
 from gpuguard.recovery.runtime.switch import Eviction, StateAgreement, agree_on_state
 from gpuguard.recovery.runtime.writers import ReplicatedWriter, SnapshotOutcomes
+from gpuguard.recovery.snapshots.measure import DATA_KEY
+from gpuguard.recovery.snapshots.soundness import STOP, Expect, Policy, expect_problem, judge, of_extra
 from gpuguard.recovery.snapshots.store import (
     Selection,
     SnapshotInfo,
     clone_state,
     load_snapshot,
+    measured_state,
     select_restorable,
     state_digest,
 )
@@ -56,6 +60,7 @@ class TrainObjects:
     optimizer: Any = None
     scheduler: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    data: Any = None  # the registered data position (`state_dict` / `load_state_dict`): `activate(data=...)`
 
 
 class RankState(ABC):
@@ -64,10 +69,68 @@ class RankState(ABC):
     sharded: bool
     restores_before_group: bool  # replicated: load before the group forms; sharded: the load is collective
 
-    def __init__(self, objects: TrainObjects) -> None:
+    def __init__(self, objects: TrainObjects, policy: Policy | None = None) -> None:
         self.objects = objects
+        self.policy = policy if policy is not None else Policy()  # what a sound state is (`soundness`)
         self.reshard: dict[str, Any] | None = None  # sharded: the certified reshard plan and whether it held
         self.rng_restore: str | None = None  # sharded: what happened to the RNG states, in words
+        self.unsound: str | None = None  # a snapshot this rank's writer found unsound: why (the next commit stops)
+        self._ctx: Context | None = None
+
+    # ------------------------------------------------------------------ soundness
+    def expect(self) -> Expect:
+        """The non-tensor state this job has, which every snapshot of it must carry."""
+        o = self.objects
+        data = o.data.state_dict() if o.data is not None else None
+        return Expect(
+            data_keys=tuple(sorted(map(str, data))) if data is not None else None,
+            rng=True,
+            scheduler=o.scheduler is not None,
+        )
+
+    def expect_check(self, info: SnapshotInfo) -> str | None:
+        """A stored state that lacks what this job's objects need (a data position, an LR scheduler):
+        refused at selection, before anything loads it (the manifest's categories, torch-free)."""
+        try:
+            manifest = m.load_manifest(info.path)
+        except (DataError, NoInputError) as exc:
+            return str(exc)
+        return expect_problem((m.category(e.spec.fqn) for e in manifest.entries), self.expect())
+
+    def watch(self, ctx: Context, outcomes: SnapshotOutcomes) -> SnapshotOutcomes:
+        """`outcomes`, telling this state of a written snapshot that is unsound (`check_sound`)."""
+        self._ctx = ctx
+
+        def unsound(step: int, why: str) -> None:
+            if self.unsound is None:
+                self.unsound = f"snapshot step {step} is unsound: {why}"
+
+        outcomes.on_unsound = unsound
+        return outcomes
+
+    def check_sound(self) -> None:
+        """After a snapshot was found unsound: with `on_unsound="stop"` this rank stops (one line,
+        status 4), so torchrun restarts the job from the newest sound state; else it is said once."""
+        why, self.unsound = self.unsound, None
+        if why is None or self._ctx is None:
+            return
+        if self.policy.on_unsound == STOP:
+            self._ctx.refuse("stops", f"{why}; the job restarts from the newest sound state")
+        self._ctx.log(f"{why} (on_unsound=log: training goes on)")
+
+    def soundness_extra(self, chosen: SnapshotInfo | None, frontier: Any) -> dict[str, Any]:
+        """The certificate's `soundness`: the certified state's record (its manifest's), with its step."""
+        if (
+            chosen is None
+            or not frontier.state_manifest_digest
+            or chosen.manifest_digest != frontier.state_manifest_digest
+        ):
+            return {}
+        try:
+            verdict = of_extra(m.load_manifest(chosen.path).extra)
+        except (GpuguardError, ValueError):
+            return {}
+        return {} if verdict is None else {"soundness": {"step": chosen.step, **verdict.to_dict()}}
 
     # ------------------------------------------------------------------ the state
     @abstractmethod
@@ -96,6 +159,8 @@ class RankState(ABC):
             ctx.snapshot_root, frontier.step, expected_manifest_digest=frontier.state_manifest_digest
         )
         info = certified(selection, frontier.step)
+        if info.warning and ctx.rank == 0:
+            ctx.log(f"restoring step {info.step}: {info.warning}")
         try:
             digest = self.load(ctx, info, cert)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -118,7 +183,7 @@ class RankState(ABC):
         self, parent: Certificate, selection: Selection, frontier: Any, world_size: int
     ) -> tuple[int, dict[str, Any]]:
         """The restart coordinator's facts for this kind: (ownership map version, certificate extra)."""
-        return parent.ownership_map_version, {}
+        return parent.ownership_map_version, self.soundness_extra(selection.chosen, frontier)
 
     def prepare(self, opened: Any, pg_timeout_s: float) -> None:
         """Once this generation's group is up, before a collective restore (sharded: build the model)."""
@@ -199,8 +264,8 @@ class ReplicatedState(RankState):
     sharded = False
     restores_before_group = True
 
-    def __init__(self, objects: TrainObjects, keep_local: int = 3) -> None:
-        super().__init__(objects)
+    def __init__(self, objects: TrainObjects, keep_local: int = 3, policy: Policy | None = None) -> None:
+        super().__init__(objects, policy)
         self.keep_local = max(2, keep_local)
         self._local: OrderedDict[int, tuple[dict[str, Any], str]] = OrderedDict()
         self.writer: ReplicatedWriter | None = None
@@ -222,6 +287,8 @@ class ReplicatedState(RankState):
             state["sched"] = o.scheduler.state_dict()
         if o.extra:
             state["extra"] = o.extra
+        if o.data is not None:
+            state[DATA_KEY] = o.data.state_dict()
         return state
 
     def apply(self, loaded: Mapping[str, Any]) -> None:
@@ -239,6 +306,8 @@ class ReplicatedState(RankState):
         for k, v in (loaded.get("extra") or {}).items():
             if k in o.extra and hasattr(o.extra[k], "copy_"):
                 o.extra[k].copy_(v)
+        if o.data is not None and DATA_KEY in loaded:
+            o.data.load_state_dict(loaded[DATA_KEY])
 
     def digest(self) -> str:
         return state_digest(self.state_dict())
@@ -249,16 +318,30 @@ class ReplicatedState(RankState):
         return state_digest({k: state[k] for k in ("model", "optim") if k in state})
 
     def select(self, root: Any, bound: int | None, check: Check | None = None, **options: Any) -> Selection:
-        return select_restorable(root, bound, check=check, **options)
+        """Verified, sound (`select_restorable`), passing `check`, and holding what this job needs."""
+
+        def both(info: SnapshotInfo) -> str | None:
+            problem = check(info) if check is not None else None
+            return problem if problem is not None else self.expect_check(info)
+
+        return select_restorable(root, bound, check=both, **options)
 
     def load(self, ctx: Context, info: SnapshotInfo, cert: Certificate) -> str | None:
+        """Load `info`, then one pass over the loaded state: its digest must be the snapshot's and,
+        under the policy, every tensor finite (a snapshot written before soundness was recorded)."""
         self.apply(load_snapshot(info, self.state_dict()))
-        loaded = self.digest()
+        loaded, measured = measured_state(self.state_dict())
         if loaded != info.state_digest:
             raise ActivationRefused(
                 f"loaded state digest {loaded[:16]} differs from the snapshot's "
                 f"{str(info.state_digest)[:16]} (step {info.step})"
             )
+        if self.policy.finite:
+            verdict = judge(
+                [measured], Policy(self.policy.allow_inf, self.policy.allow_nan, replicas=False, non_tensor=False)
+            )
+            if not verdict.sound:
+                raise ActivationRefused(f"the restored state of step {info.step} is not sound: {verdict.line()}")
         return loaded
 
     # ------------------------------------------------------------------ in-place memory
@@ -294,11 +377,12 @@ class ReplicatedState(RankState):
 
     def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any, frontier: Any = None) -> None:
         if ctx.rank == 0 and self.writer is None:
-            self.writer = ReplicatedWriter(ctx, outcomes)
+            self.writer = ReplicatedWriter(ctx, self.watch(ctx, outcomes), self.policy, self.expect())
             # a worker that dies of a collective error (peer gone) still finishes its last snapshot
             atexit.register(self.writer.flush, SIGTERM_FLUSH_S)
 
     def snapshot(self, step: int, every: int, step_s: float) -> None:
+        self.check_sound()
         if self.writer is not None and every and step % every == 0:
             self.writer.submit(step, clone_state(self.state_dict()))
 

@@ -88,6 +88,7 @@ from gpuguard.recovery.runtime.restart import RestartCoordinator, hello
 from gpuguard.recovery.runtime.sharded_state import ShardedState
 from gpuguard.recovery.runtime.writers import SnapshotOutcomes
 from gpuguard.recovery.snapshots.sharded_writer import DEFAULT_BUDGET
+from gpuguard.recovery.snapshots.soundness import Policy
 
 StepFn = Callable[[int, int, int], None]
 
@@ -157,6 +158,7 @@ class Runtime:
         sharded: bool = False,
         snapshot_budget: float = DEFAULT_BUDGET,
         backend: str = "gloo",
+        soundness: Policy | None = None,
     ):
         self.options = Options(
             snapshot_every=max(0, snapshot_every),
@@ -186,7 +188,10 @@ class Runtime:
         # (SIGABRT). At exit, after the script's frames are gone, free it while the interpreter is whole.
         atexit.register(gc.collect)
         self.objects = TrainObjects()
-        self.state: RankState = ShardedState(self.objects, None) if sharded else ReplicatedState(self.objects)
+        # soundness: what a state must be to be certified (recovery.snapshots.soundness; default: Policy())
+        self.state: RankState = (
+            ShardedState(self.objects, None, soundness) if sharded else ReplicatedState(self.objects, policy=soundness)
+        )
         self.outcomes = SnapshotOutcomes(
             self.context, checkpoint_every=self.options.checkpoint_every, keep_snapshots=self.options.keep_snapshots
         )
@@ -336,14 +341,16 @@ class Runtime:
         extra: Mapping[str, Any] | None = None,
         *,
         build: Callable[[], tuple[Any, ...]] | None = None,
+        data: Any = None,
     ) -> TrainState:
         """Agree on the frontier, verify the certificate, restore, form this generation's group.
 
         Sharded mode: the group forms before the restore (DCP's load is collective), and a model that
         needs the group to be built (`fully_shard`, a device mesh) comes from `build()` -> (model,
         optimizer[, lr scheduler]), called once the group is up; the restored objects are
-        `TrainState.model/.optimizer/.scheduler`.
-        A member that cannot verify prints one line and exits with status 4 (refused).
+        `TrainState.model/.optimizer/.scheduler`. `data`: the data position (`state_dict` /
+        `load_state_dict`), snapshotted and restored with the state (docs/formats/sharded-snapshots.md,
+        "Data position"). A member that cannot verify prints one line and exits with status 4 (refused).
         """
         if build is not None and not self.sharded:
             raise GpuguardError("activate(build=...) needs sharded=True", exit_code=EXIT_USAGE)
@@ -351,6 +358,7 @@ class Runtime:
             raise GpuguardError("activate() needs a model (or, sharded, build=...)", exit_code=EXIT_USAGE)
         self.objects.model, self.objects.optimizer, self.objects.scheduler = model, optimizer, scheduler
         self.objects.extra = dict(extra or {})
+        self.objects.data = data
         if isinstance(self.state, ShardedState):
             self.state.build = build
         try:

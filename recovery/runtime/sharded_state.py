@@ -42,7 +42,9 @@ from gpuguard.recovery.runtime.switch import Eviction
 from gpuguard.recovery.runtime.writers import SnapshotOutcomes
 from gpuguard.recovery.snapshots import digests, parts
 from gpuguard.recovery.snapshots import sharded as ss
+from gpuguard.recovery.snapshots.measure import DATA_KEY
 from gpuguard.recovery.snapshots.sharded_writer import ShardedSnapshotter
+from gpuguard.recovery.snapshots.soundness import Policy
 from gpuguard.recovery.snapshots.store import Selection, SnapshotInfo, select_restorable
 
 Build = Callable[[], tuple[Any, ...]]
@@ -59,8 +61,8 @@ class ShardedState(RankState):
     restores_before_group = False
     layout_step = 1  # the new world holds its chunks in another layout (map version +1)
 
-    def __init__(self, objects: TrainObjects, build: Build | None) -> None:
-        super().__init__(objects)
+    def __init__(self, objects: TrainObjects, build: Build | None, policy: Policy | None = None) -> None:
+        super().__init__(objects, policy)
         self.build = build
         self.group: Any = None  # the snapshot group (gloo, its own timeout)
         self.writer: ShardedSnapshotter | None = None
@@ -77,6 +79,8 @@ class ShardedState(RankState):
         state = ss.model_state(o.model, o.optimizer, extra=o.extra or None)
         if o.scheduler is not None:
             state["sched"] = o.scheduler.state_dict()
+        if o.data is not None:  # one global position (docs/formats/sharded-snapshots.md, "Data position")
+            state[DATA_KEY] = o.data.state_dict()
         return state
 
     def apply(self, loaded: Mapping[str, Any]) -> None:
@@ -87,6 +91,8 @@ class ShardedState(RankState):
         for k, v in (loaded.get("extra") or {}).items():
             if k in o.extra and hasattr(o.extra[k], "copy_") and o.extra[k] is not v:
                 o.extra[k].copy_(v)
+        if o.data is not None and DATA_KEY in loaded:
+            o.data.load_state_dict(loaded[DATA_KEY])
 
     def digest(self) -> str:
         """Collective over the default group: the layout-independent digest, equal at any world size."""
@@ -104,11 +110,15 @@ class ShardedState(RankState):
 
     # ------------------------------------------------------------------ the store
     def select(self, root: Any, bound: int | None, check: Check | None = None, **options: Any) -> Selection:
-        """Verified, passing `check`, and with every member's part present and unaltered (`parts_problem`)."""
+        """Verified, sound, passing `check`, with every member's part present and unaltered
+        (`parts_problem`), and holding what this job needs (`expect_check`)."""
 
         def both(info: SnapshotInfo) -> str | None:
-            problem = check(info) if check is not None else None
-            return problem if problem is not None else parts.parts_problem(info)
+            for rule in (check, parts.parts_problem, self.expect_check):
+                problem = rule(info) if rule is not None else None
+                if problem is not None:
+                    return problem
+            return None
 
         return select_restorable(root, bound, check=both, **options)
 
@@ -117,7 +127,7 @@ class ShardedState(RankState):
         against the stored chunks; with a reshard plan in the certificate, check that the plan it
         certified (predicted) is the one this world's real layout needs."""
         live = self.state_dict()
-        loaded, digest = ss.load_sharded_checked(info, live, group=self.group)
+        loaded, digest = ss.load_sharded_checked(info, live, group=self.group, policy=self.policy)
         self.apply(loaded)
         _, self.rng_restore = parts.restore_rng(info.path, ctx.rank, ctx.world_size)  # after build()'s seeding
         if ctx.rank == 0:
@@ -153,6 +163,7 @@ class ShardedState(RankState):
             return parent.ownership_map_version, {}
         old = parts.snapshot_layout(chosen.path)
         extra: dict[str, Any] = {"ownership_map": ownership_record(old.ownership())}
+        extra.update(self.soundness_extra(chosen, frontier))
         extra["rng"] = parts.rng_restore_plan(chosen.path, world_size)[1]
         new = predict_layout(old, world_size, old.version)
         if new is None:
@@ -286,6 +297,7 @@ class ShardedState(RankState):
     def start_writer(self, ctx: Context, outcomes: SnapshotOutcomes, options: Any, frontier: Any = None) -> None:
         hook = ctx.fault_hook
         generation = int(ctx.generation or 0)
+        outcomes = self.watch(ctx, outcomes)
 
         def done(step: int, info: Any, error: BaseException | None) -> None:
             """The writer thread, after each collective save (every rank): counters; rank 0 prunes."""
@@ -309,6 +321,8 @@ class ShardedState(RankState):
             before_publish=(lambda step, _dir: hook("snapshot", step)) if hook else None,
             ownership_map_version=lambda: self.ownership_map_version,
             on_done=done,
+            policy=self.policy,
+            expect=self.expect(),
             every=max(1, options.snapshot_every),
             cpu_budget=options.snapshot_budget,
             max_wait=max(30.0, 2 * options.pg_timeout_s),
@@ -317,11 +331,16 @@ class ShardedState(RankState):
         atexit.register(self.writer.flush, SIGTERM_FLUSH_S)
 
     def snapshot(self, step: int, every: int, step_s: float) -> None:
-        """Every rank, the same steps (`due` agrees): the save is collective."""
+        """Every rank, the same steps (`due` agrees): the save is collective. A snapshot found
+        unsound stops every rank at the same step (each got the same outcome, and a due step first
+        waits for the snapshot in flight, as `submit` would: `check_sound`)."""
+        self.check_sound()
         if self.writer is None:
             return
         self.writer.every = max(1, every)
         if every and self.writer.due(step):
+            self.writer.flush(self.writer.max_wait)  # `submit` waits for it too (and says if it is stuck)
+            self.check_sound()
             self.writer.submit(step, self.state_dict, rng=parts.rng_state(), step_s=step_s)
 
     def flush(self, timeout: float) -> bool:

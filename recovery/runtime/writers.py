@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.snapshots.soundness import Expect, Policy
 from gpuguard.recovery.snapshots.store import SnapshotInfo, copy_to_checkpoint, prune, save_snapshot
 
 
@@ -23,6 +25,8 @@ class SnapshotOutcomes:
 
     def __init__(self, ctx: Context, *, checkpoint_every: int, keep_snapshots: int) -> None:
         self.ctx, self.checkpoint_every, self.keep = ctx, max(0, checkpoint_every), max(1, keep_snapshots)
+        self.on_unsound: Callable[[int, str], None] | None = None  # the rank state's (it stops the job)
+        self.newest_sound: int | None = None  # never pruned: unsound snapshots must not push it out
 
     def __call__(self, step: int, info: SnapshotInfo | None, error: str | None, publisher: bool = True) -> None:
         """Count one snapshot (an error; fenced: no info; or written); the publisher (the replicated
@@ -37,18 +41,29 @@ class SnapshotOutcomes:
             self.ctx.log(f"snapshot of step {step} dropped: generation {self.ctx.generation} is no longer active")
             return
         counters.snapshots += 1
+        if info.unsound is not None:
+            if publisher:
+                self.ctx.log(f"snapshot of step {step} is unsound (never restored): {info.unsound}")
+            if self.on_unsound is not None:
+                self.on_unsound(step, info.unsound)
+        else:
+            self.newest_sound = step
         if publisher:
-            if self.checkpoint_every and step % self.checkpoint_every == 0:
+            if self.checkpoint_every and step % self.checkpoint_every == 0 and info.unsound is None:
                 copy_to_checkpoint(self.ctx.snapshot_root, info)
-            prune(self.ctx.snapshot_root, self.keep, protect=frozenset({self.ctx.frontier_step}))
+            keep = {self.ctx.frontier_step} | ({self.newest_sound} if self.newest_sound is not None else set())
+            prune(self.ctx.snapshot_root, self.keep, protect=frozenset(keep))
 
 
 class ReplicatedWriter:
     """One background writer of replicated snapshots; the newest request replaces a pending one only
     after `max_wait` (training never waits longer)."""
 
-    def __init__(self, ctx: Context, outcomes: SnapshotOutcomes) -> None:
+    def __init__(
+        self, ctx: Context, outcomes: SnapshotOutcomes, policy: Policy | None = None, expect: Expect | None = None
+    ) -> None:
         self.ctx, self.outcomes = ctx, outcomes
+        self.policy, self.expect = policy, expect  # the soundness checks of each snapshot (`save_snapshot`)
         self.skipped = 0
         self._cv = threading.Condition()
         self._pending: tuple[int, dict[str, Any]] | None = None
@@ -83,6 +98,8 @@ class ReplicatedWriter:
                 owner=f"rank{self.ctx.rank}/{self.ctx.incarnation.id}",
                 still_current=self.ctx.still_current,
                 before_publish=(lambda _p: hook("snapshot", step)) if hook else None,
+                policy=self.policy,
+                expect=self.expect,
             )
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not kill training
             self.outcomes(step, None, f"{type(exc).__name__}: {exc}")

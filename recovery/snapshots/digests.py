@@ -19,6 +19,7 @@ from typing import Any
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation import manifest as m
 from gpuguard.generation.canonical import canonical_bytes
+from gpuguard.recovery.snapshots.measure import add_nonfinite, non_tensor_facts, replica_group
 
 M64 = (1 << 64) - 1
 
@@ -63,23 +64,67 @@ def digest_contributions(state: Mapping[str, Any], rank: int) -> dict[str, list[
     """This rank's additive share of the state digest: {path: [dtype, shape, sum]} for the tensor
     chunks it is the first replica of (plain, replicated tensors: rank 0). Non-tensor values are
     not in it: their stored bytes are BLAKE3-verified by the manifest, and a load does not reshard them."""
+    contrib: dict[str, list[Any]] = measure(state, rank, sums="first", finite=False, facts=False)["contrib"]
+    return contrib
+
+
+def measure(
+    state: Mapping[str, Any],
+    rank: int,
+    *,
+    sums: str = "first",
+    finite: bool = True,
+    facts: bool = True,
+    rng: bool | None = None,
+) -> dict[str, Any]:
+    """One walk over this rank's part of a state, for the digest and the soundness checks at once.
+
+    `sums`: "first" = this rank's share of the state digest (`contrib`: the chunks it is the first
+    replica of); "all" = also every chunk it holds, replicas included, keyed `path@offsets` with
+    its replica group (`sums`: what `soundness.judge` compares across replicas); "none" = neither.
+    `finite`: NaN / infinity counts per path and replica group (`nonfinite`, only the non-zero
+    ones). `facts`: the non-tensor facts (`measure.non_tensor_facts`; `rng`: whether this rank's
+    RNG state goes with the snapshot). Replica group: a DTensor's coordinate over its non-shard
+    mesh dimensions (HSDP's replicate index); a plain tensor is held whole by every rank, so its
+    group is the rank."""
     import torch  # noqa: PLC0415 - lazy: torch only where used
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - lazy: torch only where used
 
-    tensors: dict[str, list[Any]] = {}
-    for path, value in state_leaves(state):
+    leaves = state_leaves(state)
+    contrib: dict[str, list[Any]] = {}
+    held: dict[str, list[Any]] = {}
+    nonfinite: dict[str, dict[str, list[int]]] = {}
+    tensors = elements = 0
+    for path, value in leaves:
         if isinstance(value, DTensor):
-            coord = value.device_mesh.get_coordinate() or []
-            first_replica = all(c == 0 for c, p in zip(coord, value.placements) if not p.is_shard())
-            total = 0
-            if first_replica:
-                for ch in value.__create_chunk_list__():
-                    total += chunk_sum(value.to_local(), tuple(int(x) for x in ch.offsets), tuple(value.shape))
-            tensors[path] = [str(value.dtype), list(value.shape), total & M64]
-        elif isinstance(value, torch.Tensor):  # replicated: counted once, by rank 0
-            total = chunk_sum(value, (0,) * value.dim(), tuple(value.shape)) if rank == 0 else 0
-            tensors[path] = [str(value.dtype), list(value.shape), total]
-    return tensors
+            local = value.to_local()
+            group, first = replica_group(value)
+            chunks = [tuple(int(x) for x in ch.offsets) for ch in value.__create_chunk_list__()]
+        elif isinstance(value, torch.Tensor):
+            local, group, first, chunks = value, rank, rank == 0, [(0,) * value.dim()]
+        else:
+            continue
+        shape = tuple(int(x) for x in value.shape)
+        total = 0
+        for offsets in chunks:
+            if sums == "all" or (sums == "first" and first):
+                s = chunk_sum(local, offsets, shape)
+                total += s if first else 0
+                if sums == "all":
+                    held[f"{path}@{','.join(map(str, offsets))}"] = [group, format(s, "016x")]
+        contrib[path] = [str(value.dtype), list(shape), total & M64]
+        tensors += 1
+        elements += local.numel()
+        if finite:
+            add_nonfinite(nonfinite, path, group, local)
+    return {
+        "contrib": contrib if sums != "none" else None,
+        "sums": held,
+        "nonfinite": nonfinite,
+        "tensors": tensors,
+        "elements": elements,
+        "facts": non_tensor_facts(state, leaves, rng=rng) if facts else None,
+    }
 
 
 def state_leaves(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -149,6 +194,17 @@ def state_digest_sharded(state: Mapping[str, Any], group: Any = None) -> str:
     import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
 
     return _all_combined(digest_contributions(state, dist.get_rank(group)), group)
+
+
+def measured_sharded(state: Mapping[str, Any], group: Any = None) -> tuple[str, list[dict[str, Any]]]:
+    """Collective over `group`: the layout-independent digest of a live (sharded) state and, from
+    the same pass, every rank's NaN / infinity counts (`measure(finite=True)`, rank order)."""
+    import torch.distributed as dist  # noqa: PLC0415 - lazy: torch only where used
+
+    mine = measure(state, dist.get_rank(group), sums="first", finite=True, facts=False)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return combine_contributions([m["contrib"] for m in every]), every
 
 
 def stored_digest_sharded(directory: str | Path, group: Any = None) -> str:

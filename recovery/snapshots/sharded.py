@@ -4,7 +4,7 @@ A collective `torch.distributed.checkpoint` save over a dedicated process group 
 chunks (FSDP2 / HSDP shards, or, for a replicated model, the pieces DCP's de-duplication gave it)
 and rank 0's `.metadata`; each rank then writes its part (`recovery.snapshots.parts`); the
 coordinator (rank 0) gathers the part digests, checks the coverage, writes `state.json` and the one
-manifest (`gpuguard.manifest/1`, the same Merkle rule as every manifest), and only then publishes
+manifest (`gpuguard.manifest/2`, the same Merkle rule as every manifest, binding `.metadata`), and only then publishes
 the directory with one rename. A member that dies mid-snapshot leaves an unpublished staging
 directory. Format: docs/formats/sharded-snapshots.md.
 
@@ -30,20 +30,23 @@ from typing import Any
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError
 from gpuguard.generation import manifest as m
-from gpuguard.generation.dcp_metadata import load_metadata
+from gpuguard.generation.dcp_metadata import METADATA_FILE, decode_metadata, read_metadata_bytes
 from gpuguard.generation.ownership import ShardLayout, layout_from_keys
+from gpuguard.recovery.snapshots.dcp_io import dcp_load
 from gpuguard.recovery.snapshots.digests import (
     combine_contributions,
-    digest_contributions,
-    state_digest_sharded,
+    measure,
+    measured_sharded,
     stored_digest_sharded,
 )
 from gpuguard.recovery.snapshots.parts import LAYOUT, Part, coverage_problems, read_part, write_part
+from gpuguard.recovery.snapshots.soundness import Expect, Policy, judge
 from gpuguard.recovery.snapshots.store import (
     SnapshotInfo,
     clone_state,
     publish_dir,
     quiet_dcp,
+    unsound_line,
 )
 
 
@@ -59,9 +62,12 @@ class ShardedInfo:
     bytes_written: int  # data files of all members
     cost_s: float = 0.0  # the coordinator's CPU for it: its staging (training thread) + its save up to the publish
     step_s: float = 0.0  # the coordinator's recent step time when it was submitted
+    unsound: str | None = None  # its soundness verdict's line when unsound (published, never selected)
 
     def snapshot(self, generation: int | None = None) -> SnapshotInfo:
-        return SnapshotInfo(self.step, self.path, "snapshots", generation, self.state_digest, self.manifest_digest)
+        return SnapshotInfo(
+            self.step, self.path, "snapshots", generation, self.state_digest, self.manifest_digest, unsound=self.unsound
+        )
 
 
 def model_state(model: Any, optimizer: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -146,6 +152,8 @@ def save_sharded(
     rng: Mapping[str, str] | None = None,
     submit_s: float = 0.0,
     step_s: float = 0.0,
+    policy: Policy | None = None,
+    expect: Expect | None = None,
 ) -> ShardedInfo | None:
     """Collective over `group` (every member calls it with the same step): write `state` as the
     sharded snapshot of `step`. Returns the published snapshot on every member; None when the
@@ -156,6 +164,12 @@ def save_sharded(
     (`state_digest` in state.json; a full pass over the state, ~20-60 ns an element on one CPU core),
     so that a restore also proves that what was written is what was in memory. Without it
     `state_digest` is null and a restore checks the loaded state against the stored one.
+
+    `policy`: also measure the state's soundness in that pass (`digests.measure`: NaN / infinity
+    counts, with `policy.replicas` every held chunk's sum, which gives the state digest too, and the
+    non-tensor facts, `expect` saying what this job has); the coordinator judges every member's
+    measurement (`soundness.judge`) into the manifest's `extra.soundness`. An unsound state is
+    published all the same (the evidence, `ShardedInfo.unsound`); selection never takes it.
 
     `rng`: this rank's RNG states at the step (`rng_state()`, taken on the training thread when the
     state was staged), kept in its part (so under the part's digest and the manifest's Merkle root).
@@ -194,14 +208,19 @@ def save_sharded(
     ok, result = True, None
     try:
         quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), process_group=group, planner=planner))
-        meta = load_metadata(tmp)
+        raw = read_metadata_bytes(tmp)  # the coordinator's, just written: bound below, decoded here
+        meta = decode_metadata(raw, tmp / METADATA_FILE, forked=False)
         mine = [s for s in m.specs_from_metadata(meta) if m.owner_of(s.file) == rank]
         entries = m.build_entries(mine, tmp, step=step, generation=generation, owners={rank: incarnation})
         part = Part(step, generation, rank, world, incarnation, tuple(entries), getattr(planner, "held", {}), rng)
         write_part(part, tmp)
-        summary: Any = {"digest": part.digest}
-        if memory_digest:
-            summary["contrib"] = digest_contributions(state, rank)
+        binding = m.MetadataBinding.of(raw)
+        summary: Any = {"digest": part.digest, "metadata": [binding.digest, binding.size]}
+        if memory_digest or policy is not None:
+            sums = "all" if policy is not None and policy.replicas else "first" if memory_digest else "none"
+            finite = policy is not None and policy.finite
+            facts = policy is not None and policy.non_tensor
+            summary["measure"] = measure(state, rank, sums=sums, finite=finite, facts=facts, rng=rng is not None)
     except Exception as exc:  # noqa: BLE001 - this member's part failed: the gather says so
         ok, summary = False, {"error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -213,7 +232,15 @@ def save_sharded(
             final = parent / jobdir.step_dir_name(step)
             try:
                 done = _complete(
-                    tmp, step, gathered, meta if ok else None, generation, ownership_map_version, incarnation
+                    tmp,
+                    step,
+                    gathered,
+                    meta if ok else None,
+                    generation,
+                    ownership_map_version,
+                    incarnation,
+                    policy,
+                    expect,
                 )
                 if before_publish is not None:
                     before_publish(tmp)
@@ -222,7 +249,7 @@ def save_sharded(
                 else:
                     publish_dir(tmp, final)
                     cost = submit_s + time.thread_time() - cpu0
-                    result = ShardedInfo(step, final, world, *done, cost, step_s)
+                    result = ShardedInfo(step, final, world, *done[:3], cost, step_s, done[3])
             except Exception as exc:  # noqa: BLE001 - reported to every member, not raised mid-collective
                 reason = f"{type(exc).__name__}: {exc}"
             if result is None:
@@ -249,12 +276,21 @@ def _complete(
     generation: int,
     ownership_map_version: int,
     incarnation: str,
-) -> tuple[str, str | None, int]:
-    """The coordinator: every part present and verified, together exactly the metadata, then
-    `state.json` and the manifest: (manifest digest, state digest, bytes written); DataError if not."""
+    policy: Policy | None = None,
+    expect: Expect | None = None,
+) -> tuple[str, str | None, int, str | None]:
+    """The coordinator: every part present and verified, together exactly the metadata (the
+    `.metadata` every member read, which the manifest binds), the members' measurements judged,
+    then `state.json` and the manifest: (manifest digest, state digest, bytes written, why unsound
+    or None); DataError if not."""
     bad = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if "error" in g]
     if bad or meta is None:
         raise DataError(f"a member's part failed: {bad[0] if bad else 'the metadata'}")
+    read = {tuple(g["metadata"]) for g in gathered}
+    if len(read) != 1:
+        raise DataError(f"the members read {len(read)} different {METADATA_FILE} files")
+    digest_size = read.pop()
+    binding = m.MetadataBinding(str(digest_size[0]), int(digest_size[1]))
     parts = [read_part(tmp, r) for r in range(len(gathered))]
     for p, g in zip(parts, gathered):
         if p.digest != g["digest"] or p.step != step or p.world_size != len(gathered):
@@ -262,16 +298,17 @@ def _complete(
     problems = coverage_problems(parts, m.specs_from_metadata(meta))
     if problems:
         raise DataError(f"parts do not cover the checkpoint: {problems[0]}")
-    digest = combine_contributions([g["contrib"] for g in gathered]) if "contrib" in gathered[0] else None
+    measured = [g["measure"] for g in gathered] if "measure" in gathered[0] else None
+    digest = None
+    if measured is not None and measured[0]["contrib"] is not None:
+        digest = combine_contributions([x["contrib"] for x in measured])
     entries = tuple(e for p in parts for e in p.entries)
     world = len(parts)
-    manifest = m.Manifest(
-        generation,
-        step,
-        entries,
-        ownership_map_version,
-        {"layout": LAYOUT, "world_size": world, "parts": {str(p.rank): p.digest for p in parts}},
-    )
+    extra: dict[str, Any] = {"layout": LAYOUT, "world_size": world, "parts": {str(p.rank): p.digest for p in parts}}
+    verdict = judge(measured, policy, expect) if policy is not None and measured is not None else None
+    if verdict is not None:
+        extra["soundness"] = verdict.to_dict()
+    manifest = m.Manifest(generation, step, entries, ownership_map_version, extra, binding)
     jobdir.write_snapshot_state(
         tmp,
         jobdir.SnapshotState(
@@ -287,7 +324,7 @@ def _complete(
     )
     m.write_manifest(manifest, tmp)
     written = sum(f.stat().st_size for f in tmp.iterdir() if f.name.endswith(".distcp"))
-    return manifest.digest, digest, written
+    return manifest.digest, digest, written, unsound_line(verdict)
 
 
 def new_snapshot_group(timeout_s: float = 60.0) -> Any:
@@ -318,17 +355,33 @@ def load_sharded(
 
 
 def load_sharded_checked(
-    info: SnapshotInfo, state: Mapping[str, Any], *, group: Any = None, check: bool = True
+    info: SnapshotInfo,
+    state: Mapping[str, Any],
+    *,
+    group: Any = None,
+    check: bool = True,
+    policy: Policy | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """`load_sharded`, and the loaded state's layout-independent digest (None without `check`): the
-    runtime certifies it without a second pass over the state."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - lazy: torch only where used
-
+    runtime certifies it without a second pass over the state. `.metadata` is the one the manifest
+    binds, decoded by the restricted unpickler (`dcp_io`), never by torch. With `policy` (and
+    `check`), the digest's pass also counts non-finite values: a restored state with any the policy
+    does not declare is a DataError (a snapshot written before soundness was recorded)."""
     loaded = dict(state)
-    quiet_dcp(lambda: dcp.load(loaded, checkpoint_id=str(info.path), process_group=group))
+    dcp_load(
+        loaded,
+        info.path,
+        metadata_digest=info.metadata_digest,
+        manifest_digest=info.manifest_digest,
+        process_group=group,
+    )
     got = None
     if check:
-        got = state_digest_sharded(loaded, group)
+        got, measured = measured_sharded(loaded, group)
+        if policy is not None and policy.finite:
+            verdict = judge(measured, Policy(policy.allow_inf, policy.allow_nan, replicas=False, non_tensor=False))
+            if not verdict.sound:
+                raise DataError(f"{info.path}: the restored state is not sound: {verdict.line()}")
         stored = stored_digest_sharded(info.path, group)
         if got != stored:
             raise DataError(

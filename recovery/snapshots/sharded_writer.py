@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguard.recovery.snapshots.sharded import ShardedInfo, new_snapshot_group, save_sharded, stage
+from gpuguard.recovery.snapshots.soundness import Expect, Policy
 
 # the runtime's default snapshot budget: a snapshot's CPU (coordinator) at most 3 % of step time
 # (issue 16's overhead target), so the interval is ceil(cost / (0.03 x step))
@@ -67,6 +68,8 @@ class ShardedSnapshotter:
         on_done: Callable[[int, ShardedInfo | None, BaseException | None], None] | None = None,
         max_wait: float = 120.0,
         memory_digest: bool = False,
+        policy: Policy | None = None,
+        expect: Expect | None = None,
         before_publish: Callable[[int, Path], None] | None = None,
         ownership_map_version: Callable[[], int] | None = None,
         nice: int = 0,
@@ -77,6 +80,7 @@ class ShardedSnapshotter:
         self.group = group if group is not None else new_snapshot_group()
         self.still_current, self.on_done, self.max_wait = still_current, on_done, max_wait
         self.memory_digest, self.before_publish = memory_digest, before_publish
+        self.policy, self.expect = policy, expect  # the soundness checks of each save (`save_sharded`)
         self.ownership_map_version = ownership_map_version
         self.nice = nice
         self.every, self.cpu_budget = max(1, every), max(0.0, cpu_budget)
@@ -153,6 +157,8 @@ class ShardedSnapshotter:
                     incarnation=self.incarnation,
                     still_current=self.still_current,
                     memory_digest=self.memory_digest,
+                    policy=self.policy,
+                    expect=self.expect,
                     before_publish=functools.partial(hook, step) if (hook := self.before_publish) else None,
                     ownership_map_version=self.ownership_map_version() if self.ownership_map_version else 0,
                     rng=rng,

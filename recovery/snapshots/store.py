@@ -21,13 +21,17 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import DataError, NoInputError
 from gpuguard.generation import manifest as m
+from gpuguard.recovery.snapshots.dcp_io import dcp_load, quiet_dcp
+from gpuguard.recovery.snapshots.digests import state_leaves
+from gpuguard.recovery.snapshots.measure import add_nonfinite, non_tensor_facts
+from gpuguard.recovery.snapshots.soundness import Expect, Policy, Soundness, judge, of_extra
 
 KINDS = (jobdir.SNAPSHOTS_DIR, jobdir.CHECKPOINTS_DIR)
 
@@ -36,10 +40,12 @@ KINDS = (jobdir.SNAPSHOTS_DIR, jobdir.CHECKPOINTS_DIR)
 # generation.manifest owns the manifest format; these three calls are all this module needs.
 
 
-def build_and_write_manifest(directory: Path, *, step: int, generation: int, owner: str) -> str:
+def build_and_write_manifest(
+    directory: Path, *, step: int, generation: int, owner: str, extra: Mapping[str, Any] | None = None
+) -> str:
     """Build the manifest of the DCP checkpoint in `directory` (rank 0 wrote it), write it, return its digest."""
 
-    manifest = m.build_manifest(directory, step=step, generation=generation, owners={0: owner})
+    manifest = m.build_manifest(directory, step=step, generation=generation, owners={0: owner}, extra=extra)
     m.write_manifest(manifest, directory)
     return manifest.digest
 
@@ -70,6 +76,9 @@ class SnapshotInfo:
     state_digest: str | None = None
     manifest_digest: str | None = None
     layout: str | None = None  # the verified manifest's `extra.layout` ("gpuguard.sharded/1"; None: replicated)
+    metadata_digest: str | None = None  # the BLAKE3 of `.metadata` the verified manifest binds
+    warning: str | None = None  # what a restore of it must say (a legacy manifest: `.metadata` bound to nothing)
+    unsound: str | None = None  # a written snapshot whose soundness record says unsound: why (one line)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +89,9 @@ class SnapshotInfo:
             "state_digest": self.state_digest,
             "manifest_digest": self.manifest_digest,
             "layout": self.layout,
+            "metadata_digest": self.metadata_digest,
+            "warning": self.warning,
+            "unsound": self.unsound,
         }
 
 
@@ -183,6 +195,12 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return f"corrupt: {problems[0]}{more}", info
+    try:
+        verdict = of_extra(manifest.extra)
+    except ValueError as exc:
+        return f"corrupt: soundness record: {exc}", info
+    if verdict is not None and not verdict.sound:
+        return f"unsound: {verdict.line()}", info
     layout = dict(manifest.extra).get("layout")
     return None, SnapshotInfo(
         info.step,
@@ -192,35 +210,58 @@ def _verify(info: SnapshotInfo) -> tuple[str | None, SnapshotInfo]:
         rec.state_digest,
         manifest.digest,
         layout if isinstance(layout, str) else None,
+        None if manifest.metadata is None else manifest.metadata.digest,
+        m.legacy_note(manifest),
     )
 
 
 # ---------------------------------------------------------------- torch side
 
 
-def state_digest(state: Mapping[str, Any]) -> str:
+def state_digest(state: Mapping[str, Any], measured: dict[str, Any] | None = None) -> str:
     """SHA-256 over a (nested) state dict: keys, dtypes, shapes and bytes of every tensor, in key
-    order. Equal on every rank that holds the same state, whatever the world size."""
+    order. Equal on every rank that holds the same state, whatever the world size.
+
+    With `measured` (a dict), the same walk counts every floating tensor's NaN and infinite values
+    into it (`nonfinite`, `tensors`, `elements`: a `digests.measure` result of one replica, group
+    0), for the soundness check (`measured_state`)."""
     import torch
 
     h = hashlib.sha256()
+    nonfinite: dict[str, dict[str, list[int]]] = {}
+    counts = [0, 0]
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(prefix: str, dotted: str, value: Any) -> None:
         if isinstance(value, Mapping):
             for k in sorted(value, key=str):
-                walk(f"{prefix}/{k}", value[k])
+                walk(f"{prefix}/{k}", f"{dotted}.{k}" if dotted else str(k), value[k])
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                walk(f"{prefix}[{i}]", v)
+                walk(f"{prefix}[{i}]", f"{dotted}.{i}", v)
         elif isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             h.update(f"{prefix}:{t.dtype}:{tuple(t.shape)}\n".encode())
             h.update(_tensor_bytes(t))
+            if measured is not None:
+                add_nonfinite(nonfinite, dotted, 0, t)
+                counts[0] += 1
+                counts[1] += t.numel()
         else:
             h.update(f"{prefix}={value!r}\n".encode())
 
-    walk("", state)
+    walk("", "", state)
+    if measured is not None:
+        measured.update(nonfinite=nonfinite, tensors=counts[0], elements=counts[1], sums={}, contrib=None)
     return h.hexdigest()
+
+
+def measured_state(state: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(state digest, soundness measurement) of a replicated state in one walk (the finiteness
+    counts fused into the digest's pass; the non-tensor facts from the same leaves)."""
+    measured: dict[str, Any] = {}
+    digest = state_digest(state, measured)
+    measured["facts"] = non_tensor_facts(state, state_leaves(state))
+    return digest, measured
 
 
 def _tensor_bytes(t: Any) -> bytes:
@@ -262,11 +303,17 @@ def save_snapshot(
     digest: str | None = None,
     still_current: Callable[[], bool] | None = None,
     before_publish: Callable[[Path], None] | None = None,
+    policy: Policy | None = None,
+    expect: Expect | None = None,
 ) -> SnapshotInfo | None:
     """Write `state` (tensors only, nested dicts) as the snapshot of `step`; return it, or None if
     fenced (`still_current()` said this writer's generation is no longer the active one).
 
     DCP writes into a temp dir; `state.json` and the manifest follow; then one rename publishes it.
+    Without a precomputed `digest`, the digest's pass also measures the state's soundness
+    (`policy`, default `Policy()`: finite tensors and the non-tensor state `expect` says this job
+    has); the verdict goes into the manifest (`extra.soundness`). An unsound state is published
+    all the same (the evidence), with `unsound` set, and `select_restorable` never takes it.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -277,12 +324,18 @@ def save_snapshot(
     tmp = parent / f".tmp-step-{step}-{uuid.uuid4().hex[:8]}"
     final = parent / jobdir.step_dir_name(step)
     try:
-        digest = digest or state_digest(state)
+        verdict = None
+        if digest is None:
+            digest, measured = measured_state(state)
+            # one writer holds the whole state: no replica to compare it with here
+            checks = Policy() if policy is None else policy
+            verdict = judge([measured], replace(checks, replicas=False), expect)
         quiet_dcp(lambda: dcp.save(dict(state), checkpoint_id=str(tmp), no_dist=True))
         jobdir.write_snapshot_state(
             tmp, jobdir.SnapshotState(step, generation, digest, owner, time.time(), tuple(sorted(state.keys())))
         )
-        manifest_digest = build_and_write_manifest(tmp, step=step, generation=generation, owner=owner)
+        extra = {"soundness": verdict.to_dict()} if verdict is not None else None
+        manifest_digest = build_and_write_manifest(tmp, step=step, generation=generation, owner=owner, extra=extra)
         if before_publish is not None:
             before_publish(tmp)
         if still_current is not None and not still_current():
@@ -292,7 +345,12 @@ def save_snapshot(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SnapshotInfo(step, final, kind, generation, digest, manifest_digest)
+    return SnapshotInfo(step, final, kind, generation, digest, manifest_digest, unsound=unsound_line(verdict))
+
+
+def unsound_line(verdict: Soundness | None) -> str | None:
+    """Why a state is unsound (its verdict's line), or None when it is sound or was not checked."""
+    return None if verdict is None or verdict.sound else verdict.line()
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
@@ -308,11 +366,10 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
 
 def load_snapshot(info: SnapshotInfo, template: Mapping[str, Any]) -> dict[str, Any]:
-    """Load the snapshot into `template` (a state dict of the right structure, loaded in place)."""
-    import torch.distributed.checkpoint as dcp
-
+    """Load the snapshot into `template` (a state dict of the right structure, loaded in place):
+    `.metadata` checked against the manifest and decoded by the restricted unpickler (`dcp_io`)."""
     state = dict(template)
-    quiet_dcp(lambda: dcp.load(state, checkpoint_id=str(info.path), no_dist=True))
+    dcp_load(state, info.path, metadata_digest=info.metadata_digest, manifest_digest=info.manifest_digest, no_dist=True)
     return state
 
 
@@ -358,16 +415,10 @@ def copy_to_checkpoint(snapshot_root: str | Path, info: SnapshotInfo) -> Snapsho
         info.generation,
         info.state_digest,
         info.manifest_digest,
+        info.layout,
+        info.metadata_digest,
+        info.warning,
     )
-
-
-def quiet_dcp(fn: Callable[[], Any]) -> Any:
-    """(Shared by the sharded writer.) DCP warns 'assuming the intent is to save in a single process' on every no_dist call."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return fn()
 
 
 _publish, _quiet_dcp = publish_dir, quiet_dcp  # the earlier private names, for callers that use them

@@ -163,7 +163,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gpuguard.generation.canonical import canonical_bytes  # noqa: E402
-from gpuguard.generation.manifest import Manifest, ManifestEntry, ObjectSpec  # noqa: E402
+from gpuguard.generation.manifest import Manifest, ManifestEntry, MetadataBinding, ObjectSpec  # noqa: E402
 
 _dims = st.lists(st.integers(0, 2**31), min_size=1, max_size=3).map(tuple)
 _spec = st.builds(
@@ -190,13 +190,23 @@ _entry = st.builds(
 )
 
 
+_binding = st.builds(
+    MetadataBinding, digest=st.text("0123456789abcdef", min_size=64, max_size=64), size=st.integers(0, 2**40)
+)
+
+
 @settings(max_examples=80, deadline=None)
-@given(entries=st.lists(_entry, max_size=6), step=st.integers(0, 10**9))
-def test_manifest_format_roundtrips_with_the_same_digest(tmp_path_factory, entries, step):
-    man = Manifest(1, step, tuple(entries), 2)
+@given(entries=st.lists(_entry, max_size=6), step=st.integers(0, 10**9), metadata=st.none() | _binding)
+def test_manifest_format_roundtrips_with_the_same_digest(tmp_path_factory, entries, step, metadata):
+    """Both schemas: `/2` (`.metadata` bound, in the header leaf) and the legacy `/1` (none)."""
+    man = Manifest(1, step, tuple(entries), 2, metadata=metadata)
     d = tmp_path_factory.mktemp("m")
     path = write_manifest(man, d)
     back = load_manifest(path)
-    assert back.digest == man.digest
+    assert back.digest == man.digest and back.metadata == metadata
+    assert back.header()["schema"] == ("gpuguard.manifest/1" if metadata is None else "gpuguard.manifest/2")
+    if metadata is not None:  # the binding is under the digest: another one is another manifest
+        other = MetadataBinding(metadata.digest[::-1], metadata.size)
+        assert Manifest(1, step, tuple(entries), 2, metadata=other).digest != man.digest or other == metadata
     assert all(e.canonical() == canonical_bytes(e.to_dict()) for e in man.entries)
     assert canonical_bytes(back.to_dict()) == canonical_bytes(man.to_dict())

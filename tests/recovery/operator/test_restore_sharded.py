@@ -27,7 +27,7 @@ def _sharded(root: Path, step: int) -> Path:
     part = ss.Part(step, 0, 0, 1, "inc", manifest.entries)
     ss.write_part(part, info.path)
     extra = {"layout": ss.LAYOUT, "world_size": 1, "parts": {"0": part.digest}}
-    m.write_manifest(m.Manifest(0, step, manifest.entries, 0, extra), info.path)
+    m.write_manifest(m.Manifest(0, step, manifest.entries, 0, extra, manifest.metadata), info.path)
     state = jobdir.read_snapshot_state(info.path)
     jobdir.write_snapshot_state(
         info.path, jobdir.SnapshotState(step, 0, state.state_digest, state.owner, state.time, state.keys, ss.LAYOUT, 1)

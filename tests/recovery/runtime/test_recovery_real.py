@@ -138,9 +138,11 @@ def test_certificates_verify_with_the_cli(killed_job, cli):
 
 
 def test_a_corrupted_snapshot_shard_is_rejected_and_the_previous_state_is_used(killed_job, reference):
-    """Step 16's shard is corrupted (the manifest catches it); step 15's DCP metadata is truncated
-    (the manifest does not cover it: the members fail to load it, refuse, and the next attempt
-    skips it). The job resumes from step 14, the newest state that verifies and loads."""
+    """Step 16's shard is corrupted (the manifest catches it); step 15's state record claims another
+    in-memory digest (`state.json` is not under the manifest: the members load it, find another
+    digest, refuse, and the next attempt skips it). The job resumes from step 14, the newest state
+    that verifies and loads. (A truncated `.metadata` used to play step 15's part: the manifest
+    binds it now, so the coordinator refuses it before any member tries.)"""
     from gpuguard.generation.ledger_open import open_ledger
 
     job, _ = killed_job
@@ -152,12 +154,14 @@ def test_a_corrupted_snapshot_shard_is_rejected_and_the_previous_state_is_used(k
     sel = select_restorable(job, STEPS)
     assert sel.chosen is not None and sel.chosen.step == STEPS - 1
     assert any(r.step == STEPS and "corrupt" in r.reason for r in sel.rejected)
-    meta = job / "snapshots" / f"step-{STEPS - 1}" / ".metadata"
-    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    record = job / "snapshots" / f"step-{STEPS - 1}" / "state.json"
+    doc = json.loads(record.read_text())
+    doc["state_digest"] = "0" * 64
+    record.write_text(json.dumps(doc))
 
     rc, out = launch(job, CONTINUE_TO)
     assert rc == 0, out[-4000:]
-    assert "refuses to start" in out and "restore failed" in out
+    assert "refuses to start" in out and "differs from the snapshot's" in out
     ledger = open_ledger(job)
     refused, cert = ledger.get(6), ledger.require_active()
     assert refused.frontier.step == STEPS - 1  # certified, then refused by its members: never ran
