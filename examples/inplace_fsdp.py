@@ -82,7 +82,7 @@ def worker_main() -> int:
 
     def step_fn(step: int, rank: int, world: int) -> None:
         rt.fault("before_allreduce", step)
-        if digests and rt.optimizer.state:  # (a fresh optimizer's state would be created by reading it)
+        if digests:  # (before the first step, the initial state: a fresh optimizer is not read)
             d = rt.state_hash()  # collective: the state after step - 1
             if rank == 0:
                 _append(

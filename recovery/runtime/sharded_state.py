@@ -75,8 +75,22 @@ class ShardedState(RankState):
 
         No RNG state here: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores
         a plain tensor once, as a replica); each rank's RNG goes into its part (`snapshot`)."""
+        return self._state(optimizer_state=True)
+
+    def initial(self) -> bool:
+        """The optimizer has not stepped yet: its state does not exist, and reading it would create it."""
+        opt = self.objects.optimizer
+        return opt is not None and not opt.state
+
+    def memory_state(self) -> dict[str, Any]:
+        """The state read without changing it: `state_dict`, but before the optimizer's first step (the
+        initial state) without the optimizer, whose state a read would create by a zero step (AdamW's
+        step count: the training would change); a fresh optimizer is then that state's optimizer."""
+        return self._state(optimizer_state=not self.initial())
+
+    def _state(self, *, optimizer_state: bool) -> dict[str, Any]:
         o = self.objects
-        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None)
+        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None, optimizer_state=optimizer_state)
         if o.scheduler is not None:
             state["sched"] = o.scheduler.state_dict()
         if o.data is not None:  # one global position (docs/formats/sharded-snapshots.md, "Data position")
@@ -95,8 +109,9 @@ class ShardedState(RankState):
             o.data.load_state_dict(loaded[DATA_KEY])
 
     def digest(self) -> str:
-        """Collective over the default group: the layout-independent digest, equal at any world size."""
-        return digests.state_digest_sharded(self.state_dict())
+        """Collective over the default group: the layout-independent digest, equal at any world size
+        (of `memory_state`: taking it never changes the training, the initial state included)."""
+        return digests.state_digest_sharded(self.memory_state())
 
     def prepare(self, opened: Any, pg_timeout_s: float) -> None:
         """The snapshot group, then `build()` -> (model, optimizer[, lr scheduler]) over the new group
@@ -179,14 +194,11 @@ class ShardedState(RankState):
 
     # ------------------------------------------------------------------ the in-place memory
     def remember(self, step: int) -> None:
-        """My chunks only, copied; their sums are computed when a report needs them."""
-        opt = self.objects.optimizer
-        if opt is not None and not opt.state:
-            # an optimizer before its first step has no state, and reading it (`get_state_dict`)
-            # would create it by a zero step (AdamW's step count 1: the training would change).
-            # Nothing to remember: a failure before the first commit goes to the restart path.
-            return
-        self._shards[step] = ir.remember(self.state_dict())
+        """My chunks only, copied; their sums are computed when a report needs them. Before the
+        optimizer's first step the state is the initial one (`memory_state`, without the optimizer):
+        a failure before the first commit switches in place from it, digest-checked like any other."""
+        initial = self.initial()
+        self._shards[step] = ir.remember(self.memory_state(), initial=initial)
         while len(self._shards) > 2:  # the frontier is the newest commit or the one before: two suffice
             self._shards.popitem(last=False)
 
@@ -239,7 +251,8 @@ class ShardedState(RankState):
         mine = [m.rank for m in parent.members if m.incarnation.id == ctx.incarnation.id]
         try:
             self.prepare(opened, timeout_s)
-            live = self.state_dict()
+            # the initial state: the new optimizer is fresh, as the frontier's was (nothing of it to fill)
+            live = self.memory_state() if mem.initial else self.state_dict()
             every: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(every, {"old_rank": mine[0], "old": mem.held(), "new": ir.held_by(live)})
         except RuntimeError as exc:  # a peer gone while the new group builds: switch again

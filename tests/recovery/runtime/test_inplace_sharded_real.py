@@ -7,7 +7,8 @@ place must be, bitwise, the state generation 1 had after step 4 (the layout-inde
 job logged), and the run must end equal to the one-process reference. Plain FSDP2 over 3 ranks has
 no replica of a lost shard: the switch is refused, saying so, and a relaunch at 2 restores the
 certified snapshot resharded (the restart path). The same under real torchrun agents losing a node:
-tests/examples/test_demo_hsdp.py.
+tests/examples/test_demo_hsdp.py. A rank lost before the first commit: the survivors switch in place
+from the initial state they remembered at activation (its optimizer fresh), digest-checked.
 """
 
 from __future__ import annotations
@@ -87,6 +88,25 @@ def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tm
     results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
     assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
     _assert_reference(job)
+
+
+def test_a_rank_lost_before_the_first_commit_switches_in_place_from_the_initial_state(tmp_path):
+    job = tmp_path / "job"
+    # rank 3 dies after its update of step 1: the survivors committed step 1, nobody proves rank 3 did
+    codes, pids, logs = _run(job, 4, "3:1:before_commit:kill", shard=2)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.generation == 2 and cert.extra["switch"] == "in-place" and cert.frontier.step == 0
+    assert cert.frontier.state_manifest_digest == ""  # no snapshot: the survivors' memory is the state
+    assert sorted(m.incarnation.pid for m in cert.members) == [pids[0], pids[1], pids[2]]  # no restart
+    assert list(cert.extra["rolled_back"]) == [0, 1, 2]
+    # the certified digest is the initial state generation 1 started from, and the state rebuilt in place
+    digests = _digests(job)
+    assert cert.extra["sharded_state_digest"] == digests[(1, 0)] == digests[(2, 0)]
+    assert read_switch_records(job, 2)[0]["reshard"]["in_place"]
+    results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
+    assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
+    _assert_reference(job)  # the fresh optimizer took its first step in generation 2, as in a fault-free run
 
 
 def test_plain_fsdp_is_refused_in_place_and_restarts_resharded_from_the_snapshot(tmp_path):
