@@ -9,7 +9,9 @@ model over 3 ranks and take what they lack from a surviving replica, peer to pee
 Same run, same fault, the policy "keep the HSDP layout" (`InPlaceRuntime(shrink="keep-layout")`): the
 damaged replica is dropped whole (rank 2 leaves), ranks 0-1 keep their model, moved to the new mesh
 without a rebuild, and roll back to the frontier from their own memory: 0 elements move.
-resume = kill -> every member of generation 2 committed its first step; phases from the switch
+resume = kill -> every member of generation 2 committed its first step; switch = the first survivor
+noticing -> the same (what the switch itself costs: how soon a survivor notices depends on where the
+kill finds it, up to the collective timeout, alike for both switches); phases from the switch
 records (detect, decide, rebuild+transfer, first step); steps lost = what all generation 1 members
 had committed - the certified frontier; moved = elements sent between ranks (and / elements held).
 Baseline, same run: what a user has without gpuguard's in-place path, torchrun restarting every
@@ -111,6 +113,7 @@ def in_place_trial(job: Path, steps: int, sleep: float, timeout: float, shrink: 
         world=len(cert.members),
         rebuilt=reshard.get("rebuilt", True),
         resume_s=max(r["phases"]["first_commit"] for r in recs) - kill_t,
+        switch_s=max(r["phases"]["first_commit"] for r in recs) - ph["detect"],
         steps_lost=max(0, (by_all if by_all is not None else cert.frontier.step) - cert.frontier.step),
         phases={
             "detect": ph["detect"] - kill_t,
@@ -190,6 +193,7 @@ def _in_place_row(method: str, rows: list[dict], restart_p50: float | None) -> d
         "world_after": ok[0]["world"] if ok else None,
         "rebuilt": ok[0]["rebuilt"] if ok else None,
         "resume_p50_s": p50,
+        "switch_p50_s": _p50(rows, "switch_s"),
         "steps_lost_max": max((r["steps_lost"] for r in ok), default=None),
         "elements_moved_p50": _p50(rows, "moved"),
         "moved_fraction_p50": _p50(rows, "moved_fraction"),
