@@ -8,6 +8,10 @@ SIGKILLed at once, mid-step). The other agents see healthy workers and restart n
 survivors certify generation 2 in place (rank 3's shards still live on its replica, rank 1), build
 the model over 3 ranks (FSDP2) and take what each lacks from the others' memory, peer to peer.
 
+With `shrink="keep-layout"` (`run_hsdp`, the in-place runtime's policy "keep the HSDP layout if
+possible") the survivors drop rank 3's damaged replica whole instead: rank 2 leaves (status 0, its
+agent ends well), ranks 0-1 keep their model and optimizer, moved to the new mesh, and 0 elements move.
+
 The demo then checks that the survivors are the same processes, that the state rebuilt in place is
 bitwise the certified one (and generation 1's at the frontier, when generation 1 logged it), that
 the full parameters at the end equal a fault-free one-process reference within `ATOL`/`RTOL`
@@ -58,6 +62,8 @@ class HsdpDemoResult(NodeDemoResult):
     restored_bitwise: bool = False
     compared_with_generation_1: bool = False
     reshard_lines: list[str] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)  # survivors of a damaged replica that left (layout kept)
+    rebuilt: bool | None = None  # whether the survivors built the model anew (False: layout kept, re-homed)
     elements_moved: int | None = None
     elements: int | None = None
     final_max_abs_diff: float | None = None
@@ -69,7 +75,7 @@ class HsdpDemoResult(NodeDemoResult):
     def recovered(self) -> bool:
         return (
             self.switch == "in-place"
-            and self.world_after == AGENTS - 1
+            and self.world_after == AGENTS - 1 - len(self.dropped)
             and self.pids_unchanged
             and self.restored_bitwise
             and self.matches_reference
@@ -86,14 +92,22 @@ def _digests(job: Path) -> dict[tuple[int, int], str]:
 
 
 def run_hsdp(
-    job: Path, *, steps: int, kill_step: int, timeout_s: float, on_event: Callable[[str], None]
+    job: Path,
+    *,
+    steps: int,
+    kill_step: int,
+    timeout_s: float,
+    on_event: Callable[[str], None],
+    shrink: str = "repartition",
 ) -> HsdpDemoResult:
-    """Run the scenario in `job` (an empty dir); `on_event` gets one line per milestone."""
+    """Run the scenario in `job` (an empty dir); `on_event` gets one line per milestone. `shrink`:
+    the in-place runtime's policy (`"keep-layout"`: drop the damaged replica, move nothing)."""
     res = HsdpDemoResult(job)
     port = d.free_port()
     deadline = time.monotonic() + timeout_s
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = {**_node_env(job, steps), "INPLACE_SHARD": "2", "INPLACE_DIGESTS": "1", "INPLACE_STEP_SLEEP": "0.2"}
+    env["INPLACE_SHRINK"] = shrink
     agents: list[subprocess.Popen] = []
     try:
         for i in range(AGENTS):
@@ -123,11 +137,14 @@ def run_hsdp(
             cert = _ledger(job).get(2)
             res.switch, res.reason, res.frontier = cert.extra.get("switch"), cert.reason, cert.frontier.step
             res.world_after = len(cert.members)
+            res.dropped = list((cert.extra.get("layout_kept") or {}).get("dropped", []))
             on_event(
                 f"generation 2 certified ({res.switch}, {res.reason}, world {res.world_after}, frontier step "
                 f"{res.frontier}) {cert.activation_time - kill_time:.2f} s after the kill"
             )
-        survivors = sorted(set(first) - {VICTIM_RANK})
+        if res.dropped:
+            on_event(f"HSDP layout kept: the damaged replica's survivors {res.dropped} leave, nothing moves")
+        survivors = sorted(set(first) - {VICTIM_RANK} - set(res.dropped))
         results = job / "results"
         _wait(lambda: all((results / f"{r}.json").exists() for r in survivors), deadline, poll=0.1)
         docs = {
@@ -139,6 +156,7 @@ def run_hsdp(
             rs = switch["reshard"]
             res.reshard_lines = list(rs.get("lines") or [])
             res.elements_moved, res.elements = rs.get("elements_moved"), rs.get("elements")
+            res.rebuilt = rs.get("rebuilt", True)
             for line in res.reshard_lines:
                 on_event(f"  ownership change: {line}")
         res.agents_restarted_nothing = len(list(jobdir.incarnations_dir(job).glob("*.json"))) == AGENTS and all(

@@ -10,7 +10,8 @@ that loses a rank goes on as FSDP2 over 3, taking the lost rank's shards from it
 `INPLACE_DIGESTS=1` every step starts with the layout-independent digest of the state (a collective)
 and rank 0 appends it to `<job>/fsdp-out/digests.jsonl` as the state after the step before: the test
 compares it with the certificate. Faults as in `examples.inplace_train` (`INPLACE_FAULTS`; points
-`before_allreduce` at the start of a step, `before_commit` after the update).
+`before_allreduce` at the start of a step, `before_commit` after the update). `INPLACE_SHRINK=keep-layout`:
+the in-place runtime's policy "keep the HSDP layout if possible" (drop a damaged replica whole).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def worker_main() -> int:
         fault_hook=hook,
         pg_timeout_s=float(os.environ.get(PG_TIMEOUT_ENV, "5")),
         grace_s=float(os.environ.get("INPLACE_GRACE", "1.0")),
+        shrink=os.environ.get("INPLACE_SHRINK", "repartition"),
         snapshot_budget=0.0,  # a snapshot every step: the restart fallback loses at most the one in flight
         activation_timeout_s=60.0,
     )
@@ -82,7 +84,7 @@ def worker_main() -> int:
 
     def step_fn(step: int, rank: int, world: int) -> None:
         rt.fault("before_allreduce", step)
-        if digests and rt.optimizer.state:  # (a fresh optimizer's state would be created by reading it)
+        if digests:  # (before the first step, the initial state: a fresh optimizer is not read)
             d = rt.state_hash()  # collective: the state after step - 1
             if rank == 0:
                 _append(

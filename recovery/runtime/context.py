@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_ID_ENV, LEASE_TTL_ENV
-from gpuguard.foundation.errors import EXIT_USAGE, GpuguardError
+from gpuguard.foundation.errors import EXIT_REFUSED, EXIT_USAGE, GpuguardError
 from gpuguard.generation.keys import key_path
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.records import Incarnation
@@ -163,8 +163,8 @@ class Context:
         nothing more and leaves at once (the process's group sockets die with it). Exit status 4."""
         leave(self.rank, self.incarnation.id, "fenced itself", why)
 
-    def refuse(self, verb: str, why: object) -> NoReturn:
-        leave(self.rank, self.incarnation.id, verb, why)
+    def refuse(self, verb: str, why: object, code: int = EXIT_REFUSED) -> NoReturn:
+        leave(self.rank, self.incarnation.id, verb, why, code)
 
     # ------------------------------------------------------------------ records, log, faults
     def write_incarnation(self, **extra: Any) -> None:

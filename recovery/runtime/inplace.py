@@ -33,7 +33,11 @@ chunks at every commit and reports their sums; the certificate binds the digest 
 chunks make together (only when replicas of every lost shard survive, as with HSDP; plain FSDP is
 refused, to the restart path). After the new group forms, `build()` makes the model over the new
 world and the state is filled from memory, peer to peer (`ShardedState.rebuild_in_place`): `rt.model`
-and `rt.optimizer` are then the new objects, and a `step_fn` must use them.
+and `rt.optimizer` are then the new objects, and a `step_fn` must use them. With
+`shrink="keep-layout"` ("keep the HSDP layout if possible") a switch that loses ranks of some HSDP
+replicas while a whole one survives drops the damaged replicas whole (their other survivors leave with
+status 0): the kept survivors hold the same shards as before, keep their model and optimizer, moved to
+the new world's mesh (`recovery.runtime.rehome`), and nothing moves between ranks.
 
 The in-place runtime is the runtime plus the switch: it uses the runtime's public parts (its
 context, rank state and groups), never another class's private members.
@@ -51,7 +55,7 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 from gpuguard.foundation.env import PEER_HEARTBEAT_ENV
-from gpuguard.foundation.errors import EXIT_USAGE, GpuguardError, UnavailableError, one_line
+from gpuguard.foundation.errors import EXIT_OK, EXIT_USAGE, GpuguardError, UnavailableError, one_line
 from gpuguard.foundation.inplace_files import inplace_dir, read_reports, request_abort, write_switch_record
 from gpuguard.recovery.runtime import heartbeat as peer_hb
 from gpuguard.recovery.runtime.admission import admitted_certificate
@@ -69,6 +73,12 @@ from gpuguard.recovery.runtime.switch import (
 )
 from gpuguard.recovery.runtime.switch_coordinator import SwitchCoordinator, member_liveness
 
+# how sharded survivors shrink: re-partition the state over every survivor (the default), or, when
+# whole HSDP replicas survive, drop the damaged ones and keep the layout (nothing moves, no rebuild)
+REPARTITION = "repartition"
+KEEP_LAYOUT = "keep-layout"
+SHRINK_POLICIES = (REPARTITION, KEEP_LAYOUT)
+
 
 class InPlaceRuntime(Runtime):
     """The Runtime plus the in-place switch (see the module docstring)."""
@@ -82,11 +92,18 @@ class InPlaceRuntime(Runtime):
         keep_local: int = 3,
         lease_ttl_s: float | None = None,
         peer_heartbeat: str | None = None,
+        shrink: str = REPARTITION,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, lease_ttl_s=lease_ttl_s, **kwargs)
+        if shrink not in SHRINK_POLICIES:
+            raise GpuguardError(
+                f"shrink must be one of {', '.join(SHRINK_POLICIES)}, not {shrink!r}", exit_code=EXIT_USAGE
+            )
         if isinstance(self.state, ReplicatedState):
             self.state.keep_local = max(2, keep_local)
+        if isinstance(self.state, ShardedState):
+            self.state.keep_layout = shrink == KEEP_LAYOUT
         # opt-in silent-peer detector; off: a lost host is noticed at the collective timeout
         setting = peer_heartbeat if peer_heartbeat is not None else os.environ.get(PEER_HEARTBEAT_ENV)
         self.peers = PeerWatch(self.context, peer_hb.parse_setting(setting), self.options.pg_timeout_s)
@@ -292,6 +309,14 @@ class InPlaceRuntime(Runtime):
         """Verify, roll back, form the new group. None when joined, else why the group failed."""
         ctx = self.context
         memory = None
+        kept = cert.extra.get("layout_kept") or {}
+        if ctx.incarnation.id in kept.get("dropped_incarnations", ()):
+            ctx.refuse(
+                "leaves",
+                f"generation {cert.generation} keeps the HSDP layout without this rank's damaged replica "
+                "(nothing moves); this rank is not needed",
+                code=EXIT_OK,
+            )
         try:
             self._admit_in_place(cert.generation)
             self.fault("joining", cert.generation)

@@ -212,6 +212,11 @@ class RankState(ABC):
 
     layout_step = 0  # an in-place switch of this kind changes the ownership map version by this much
 
+    def replica_ranks(self) -> int | None:
+        """Ranks per HSDP replica when the in-place switch may keep the layout (drop damaged replicas
+        whole, move nothing); None: it re-partitions the state over every survivor."""
+        return None  # replicated state: every rank is a replica already
+
     def leave_group(self) -> None:
         """The generation's group failed: drop what holds it (sharded: the writer, the model)."""
         return None  # nothing to do for this kind

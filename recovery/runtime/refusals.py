@@ -23,9 +23,11 @@ class ActivationRefused(RefusedError):
     """A member could not verify the certificate (or activation failed): it must not start."""
 
 
-def leave(rank: int, incarnation_id: str, verb: str, why: object) -> NoReturn:
+def leave(rank: int, incarnation_id: str, verb: str, why: object, code: int = EXIT_REFUSED) -> NoReturn:
     """Print `gpuguard: rank R (incarnation I) VERB: WHY` and exit 4 at once (no cleanup runs: a
-    refused or fenced process must not write anything more, and its group sockets die with it)."""
+    refused or fenced process must not write anything more, and its group sockets die with it).
+    `code` 0: a survivor the next generation does not need (HSDP's layout kept without its replica)
+    ends well, so its torchrun agent restarts nothing."""
     print(f"gpuguard: rank {rank} (incarnation {incarnation_id[:12]}) {verb}: {why}", file=sys.stderr, flush=True)
     sys.stderr.flush()
-    os._exit(EXIT_REFUSED)
+    os._exit(code)

@@ -31,11 +31,13 @@ class Remembered:
 
     chunks: chunk key (`path@offsets`, global coordinates) -> a local copy of the chunk;
     shapes: chunk key -> the tensor's global shape; others: path -> a non-tensor leaf (param groups,
-    the scheduler, extra), each rank's own copy (every rank holds the same)."""
+    the scheduler, extra), each rank's own copy (every rank holds the same); initial: the optimizer
+    had not stepped, so its state is not here and a freshly built optimizer is it (the initial state)."""
 
     chunks: Mapping[str, Any]
     shapes: Mapping[str, tuple[int, ...]]
     others: Mapping[str, Any]
+    initial: bool = False
 
     def held(self) -> dict[str, tuple[int, ...]]:
         """chunk key -> local sizes: what this rank holds (`layout_from_keys`)."""
@@ -59,8 +61,9 @@ def tensor_chunks(path: str, value: Any) -> list[tuple[str, Any, tuple[int, ...]
     return [(_key(path, (0,) * value.dim()), value, tuple(int(s) for s in value.shape))]
 
 
-def remember(state: Mapping[str, Any]) -> Remembered:
-    """A detached copy, in host memory, of this rank's part of a sharded state (`Runtime.sharded_state()`)."""
+def remember(state: Mapping[str, Any], *, initial: bool = False) -> Remembered:
+    """A detached copy, in host memory, of this rank's part of a sharded state (`Runtime.sharded_state()`);
+    `initial`: the state of an optimizer that has not stepped (see `Remembered`)."""
     import torch  # noqa: PLC0415 - lazy: torch only where used
 
     chunks: dict[str, Any] = {}
@@ -74,7 +77,7 @@ def remember(state: Mapping[str, Any]) -> Remembered:
                 shapes[key] = shape
         else:
             others[path] = copy.deepcopy(value)
-    return Remembered(chunks, shapes, others)
+    return Remembered(chunks, shapes, others, initial)
 
 
 def chunk_sums(mem: Remembered) -> dict[str, list[Any]]:

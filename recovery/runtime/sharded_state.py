@@ -34,6 +34,7 @@ from gpuguard.generation.ownership import (
     same_holding,
 )
 from gpuguard.generation.records import Certificate
+from gpuguard.recovery.runtime import rehome as rh
 from gpuguard.recovery.runtime import reshard as ir
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.rank_state import SIGTERM_FLUSH_S, Check, RankState, RollbackRefused, TrainObjects
@@ -68,6 +69,10 @@ class ShardedState(RankState):
         self.writer: ShardedSnapshotter | None = None
         self.ownership_map_version = 0
         self._shards: OrderedDict[int, ir.Remembered] = OrderedDict()  # step -> my chunks
+        # the policy "keep the HSDP layout if possible" (`InPlaceRuntime(shrink="keep-layout")`), and
+        # the ranks per replica of the model built (None: not HSDP on one mesh, or the policy is off)
+        self.keep_layout = False
+        self.replica: int | None = None
 
     # ------------------------------------------------------------------ the state
     def state_dict(self) -> dict[str, Any]:
@@ -75,8 +80,22 @@ class ShardedState(RankState):
 
         No RNG state here: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores
         a plain tensor once, as a replica); each rank's RNG goes into its part (`snapshot`)."""
+        return self._state(optimizer_state=True)
+
+    def initial(self) -> bool:
+        """The optimizer has not stepped yet: its state does not exist, and reading it would create it."""
+        opt = self.objects.optimizer
+        return opt is not None and not opt.state
+
+    def memory_state(self) -> dict[str, Any]:
+        """The state read without changing it: `state_dict`, but before the optimizer's first step (the
+        initial state) without the optimizer, whose state a read would create by a zero step (AdamW's
+        step count: the training would change); a fresh optimizer is then that state's optimizer."""
+        return self._state(optimizer_state=not self.initial())
+
+    def _state(self, *, optimizer_state: bool) -> dict[str, Any]:
         o = self.objects
-        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None)
+        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None, optimizer_state=optimizer_state)
         if o.scheduler is not None:
             state["sched"] = o.scheduler.state_dict()
         if o.data is not None:  # one global position (docs/formats/sharded-snapshots.md, "Data position")
@@ -95,8 +114,9 @@ class ShardedState(RankState):
             o.data.load_state_dict(loaded[DATA_KEY])
 
     def digest(self) -> str:
-        """Collective over the default group: the layout-independent digest, equal at any world size."""
-        return digests.state_digest_sharded(self.state_dict())
+        """Collective over the default group: the layout-independent digest, equal at any world size
+        (of `memory_state`: taking it never changes the training, the initial state included)."""
+        return digests.state_digest_sharded(self.memory_state())
 
     def prepare(self, opened: Any, pg_timeout_s: float) -> None:
         """The snapshot group, then `build()` -> (model, optimizer[, lr scheduler]) over the new group
@@ -107,6 +127,10 @@ class ShardedState(RankState):
             self.objects.model, self.objects.optimizer = built[0], built[1]
             if len(built) > 2:  # the scheduler needs the optimizer build() made: snapshotted with it
                 self.objects.scheduler = built[2]
+        self.replica = rh.replica_size(self.objects.model) if self.keep_layout else None
+
+    def replica_ranks(self) -> int | None:
+        return self.replica
 
     # ------------------------------------------------------------------ the store
     def select(self, root: Any, bound: int | None, check: Check | None = None, **options: Any) -> Selection:
@@ -179,14 +203,11 @@ class ShardedState(RankState):
 
     # ------------------------------------------------------------------ the in-place memory
     def remember(self, step: int) -> None:
-        """My chunks only, copied; their sums are computed when a report needs them."""
-        opt = self.objects.optimizer
-        if opt is not None and not opt.state:
-            # an optimizer before its first step has no state, and reading it (`get_state_dict`)
-            # would create it by a zero step (AdamW's step count 1: the training would change).
-            # Nothing to remember: a failure before the first commit goes to the restart path.
-            return
-        self._shards[step] = ir.remember(self.state_dict())
+        """My chunks only, copied; their sums are computed when a report needs them. Before the
+        optimizer's first step the state is the initial one (`memory_state`, without the optimizer):
+        a failure before the first commit switches in place from it, digest-checked like any other."""
+        initial = self.initial()
+        self._shards[step] = ir.remember(self.memory_state(), initial=initial)
         while len(self._shards) > 2:  # the frontier is the newest commit or the one before: two suffice
             self._shards.popitem(last=False)
 
@@ -225,8 +246,27 @@ class ShardedState(RankState):
         # the model's device mesh holds the failed group's subgroups: while anything references them
         # their sockets stay open and a peer blocked on this rank waits for the group timeout.
         # Drop them (the state is in `_shards`, as plain tensors) so that destroying the group frees them.
-        self.objects.model = self.objects.optimizer = self.objects.scheduler = None
+        # Keeping the HSDP layout keeps them: the switch moves them to the new mesh (`rehome`); the
+        # failed group's sockets are shut all the same (`InPlaceRuntime._teardown`), so no peer waits.
+        if self.replica is None:
+            self.objects.model = self.objects.optimizer = self.objects.scheduler = None
         self.group = None
+
+    def _rehome(self, opened: Any, timeout_s: float, world: int, mem: ir.Remembered) -> bool:
+        """HSDP's layout kept: the snapshot group, then the model and optimizer this survivor kept moved
+        to the new world's mesh, nothing rebuilt. False when they cannot be (another mesh; the frontier
+        is the initial state, whose optimizer is a fresh one): `build()` makes new ones, same shards.
+        Every member answers the same (the same model, the same certified frontier): both are collective."""
+        o = self.objects
+        if o.model is None or mem.initial:
+            return False
+        try:
+            old = rh.replica_mesh(o.model)
+        except ValueError:
+            return False
+        self.group = opened.track(lambda: ss.new_snapshot_group(timeout_s))
+        rh.rehome(o.model, o.optimizer, opened.track(lambda: rh.new_mesh(old, world)))
+        return True
 
     def rebuild_in_place(
         self, ctx: Context, cert: Certificate, parent: Certificate, mem: ir.Remembered, opened: Any, timeout_s: float
@@ -237,9 +277,13 @@ class ShardedState(RankState):
         import torch.distributed as dist
 
         mine = [m.rank for m in parent.members if m.incarnation.id == ctx.incarnation.id]
+        kept = bool(cert.extra.get("layout_kept"))
         try:
-            self.prepare(opened, timeout_s)
-            live = self.state_dict()
+            rebuilt = not (kept and self._rehome(opened, timeout_s, ctx.world_size, mem))
+            if rebuilt:
+                self.prepare(opened, timeout_s)
+            # the initial state: the new optimizer is fresh, as the frontier's was (nothing of it to fill)
+            live = self.memory_state() if mem.initial else self.state_dict()
             every: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(every, {"old_rank": mine[0], "old": mem.held(), "new": ir.held_by(live)})
         except RuntimeError as exc:  # a peer gone while the new group builds: switch again
@@ -280,6 +324,8 @@ class ShardedState(RankState):
         lost = sorted(set(range(len(parent.members))) - set(survivors))
         self.reshard = {
             "in_place": True,
+            "layout_kept": kept,
+            "rebuilt": rebuilt,
             "plan_digest": plan_digest(plan),
             "reads": len(plan),
             "elements_moved": sum(t.region.numel for t in plan if t.source != "local"),

@@ -90,6 +90,25 @@ def shrink_layout(layout: Layout, lost: Iterable[int]) -> Shrink:
     return Shrink(new, tuple(kept))
 
 
+def keep_layout_shrink(world: int, replica: int, lost: Iterable[int]) -> Shrink:
+    """HSDP's layout-preserving shrink: drop every replica (block of `replica` consecutive ranks, the
+    shard group) that lost a rank. The survivors of the others keep their shards at the same shard
+    position (dense renumbering preserves it), so nothing moves; the other survivors of a damaged
+    replica leave. Refused when the world is not whole replicas or no replica is whole."""
+    lost = set(lost)
+    if replica < 1 or world % replica:
+        return Shrink(None, refused=f"a world of {world} is not whole replicas of {replica} ranks")
+    kept = [
+        r
+        for d in range(world // replica)
+        if not lost.intersection(range(d * replica, (d + 1) * replica))
+        for r in range(d * replica, (d + 1) * replica)
+    ]
+    if not kept:
+        return Shrink(None, refused=f"every replica of {replica} ranks lost a rank: none keeps its layout")
+    return Shrink(Layout(len(kept)), tuple(kept))
+
+
 def choose_coordinator(reported: Iterable[int], gone: Iterable[int] = ()) -> int | None:
     """The lowest old rank that reported and is not known gone: every survivor computes the same
     answer from the same files, and a process that died before reporting can never be it."""
@@ -299,19 +318,36 @@ def decide_eviction(facts: EvictionFacts) -> Eviction:
 # ---------------------------------------------------------------------- admission and frontier
 @dataclass(frozen=True)
 class Admission:
-    """The survivors that form G+1 and its layout, or why G's survivors cannot continue in place."""
+    """The survivors that form G+1 and its layout, or why G's survivors cannot continue in place.
+    `replica` (HSDP's layout kept): the ranks per replica, and `dropped` the survivors of the damaged
+    replicas, who leave."""
 
     layout: Layout | None
     kept: tuple[int, ...] = ()  # old ranks, ascending
     refused: str = ""
+    replica: int | None = None
+    dropped: tuple[int, ...] = ()
 
 
-def admit_survivors(layout: Layout, eviction: Eviction) -> Admission:
-    """Shrink the layout by the lost ranks (whole replicas only) and keep the reporters inside it."""
+def admit_survivors(layout: Layout, eviction: Eviction, replica: int | None = None) -> Admission:
+    """Shrink the layout by the lost ranks (whole replicas only) and keep the reporters inside it.
+    With `replica` (the policy "keep the HSDP layout if possible", ranks per replica) drop each
+    damaged HSDP replica whole when a whole one survives; otherwise every survivor is kept (the
+    state is re-partitioned over them)."""
     shrink = shrink_layout(layout, eviction.lost)
     if shrink.layout is None:
         return Admission(None, refused=shrink.refused)
     inside = set(shrink.kept_ranks)
+    if replica is not None and layout.tp == layout.pp == 1 and eviction.lost:
+        kept = keep_layout_shrink(layout.world, replica, eviction.lost)
+        if kept.layout is not None:
+            whole = set(kept.kept_ranks)
+            return Admission(
+                Layout(kept.layout.dp, global_batch=layout.global_batch),
+                tuple(r for r in eviction.kept if r in whole),
+                replica=replica,
+                dropped=tuple(r for r in eviction.kept if r not in whole),
+            )
     return Admission(shrink.layout, tuple(r for r in eviction.kept if r in inside))
 
 
@@ -345,6 +381,7 @@ class SwitchFacts:
     coordinator_rank: int
     coordinator_incarnation: str
     sharded: bool = False  # state_digest is the survivors' chunks together (recovery.runtime.reshard)
+    admission: Admission | None = None  # the layout kept (`replica`), and who leaves (`dropped`)
 
 
 @dataclass(frozen=True)
@@ -378,6 +415,13 @@ def plan_switch(facts: SwitchFacts) -> SwitchPlan:
         "rolled_back": sorted(r for r in kept if (facts.reports[r].committed_step or 0) > facts.frontier),
         "quiescence_by": dict(ev.proof),
     }
+    adm = facts.admission
+    if adm is not None and adm.replica is not None:
+        extra["layout_kept"] = {
+            "replica_ranks": adm.replica,
+            "dropped": list(adm.dropped),
+            "dropped_incarnations": [old[r].id for r in adm.dropped],
+        }
     return SwitchPlan(
         members=tuple(Member(new_rank[r], old[r]) for r in kept),
         reason=switch_reason(dead=ev.dead, killed=ev.killed, operator=facts.operator),

@@ -93,7 +93,7 @@ class SwitchCoordinator:
                 self.refuse(parent.generation, eviction.give_up)
             return False
         phases["evicted"] = time.time()
-        admission = admit_survivors(layout, eviction)
+        admission = admit_survivors(layout, eviction, self.state.replica_ranks())
         if admission.layout is None:
             self.refuse(parent.generation, admission.refused)
         ledger = ctx.ledger()
@@ -118,6 +118,7 @@ class SwitchCoordinator:
                 manifest=manifest,
                 state_digest=agreement.digest,
                 sharded=self.state.sharded,
+                admission=admission,
                 operator=operator_requested(operator, reports.values()),
                 phases=dict(phases),
                 since=since,
@@ -156,7 +157,9 @@ class SwitchCoordinator:
         ctx.coord.prune(parent.generation)  # nobody reads the reports of the generations before the parent
         ctx.log(
             f"in-place: generation {cert.generation} certified (world {len(plan.members)}, frontier {frontier}, "
-            f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)})"
+            f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)}"
+            + (f"; HSDP layout kept, dropped {list(admission.dropped)}" if admission.replica is not None else "")
+            + ")"
         )
         return True
 

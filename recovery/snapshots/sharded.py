@@ -70,21 +70,41 @@ class ShardedInfo:
         )
 
 
-def model_state(model: Any, optimizer: Any, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`{"model": ..., "optim": ..., "extra": ...}` from `get_state_dict` (sharded: DTensors stay sharded)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415 - lazy: torch only where used
+def model_state(
+    model: Any, optimizer: Any, extra: Mapping[str, Any] | None = None, *, optimizer_state: bool = True
+) -> dict[str, Any]:
+    """`{"model": ..., "optim": ..., "extra": ...}` from `get_state_dict` (sharded: DTensors stay sharded).
 
-    msd, osd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": msd, "optim": osd}
+    `optimizer_state=False`: the model alone (`get_model_state_dict`), for an optimizer that has not
+    stepped yet: reading one through `get_state_dict` creates its state by a zero step (torch's
+    `_init_optim_state`; AdamW's step count becomes 1), so the read would change the training."""
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 - lazy: torch only where used
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    state: dict[str, Any]
+    if optimizer_state:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
     if extra:
         state["extra"] = dict(extra)
     return state
 
 
 def apply_model_state(model: Any, optimizer: Any, state: Mapping[str, Any]) -> None:
-    """Put a loaded `model_state` back into the model and optimizer (`set_state_dict`)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict  # noqa: PLC0415 - lazy: torch only where used
+    """Put a loaded `model_state` back into the model and optimizer (`set_state_dict`); a state
+    without `optim` (the initial state) leaves the optimizer as it is: fresh."""
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 - lazy: torch only where used
+        set_model_state_dict,
+        set_state_dict,
+    )
 
+    if "optim" not in state:
+        set_model_state_dict(model, state["model"])
+        return
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

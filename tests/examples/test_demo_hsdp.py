@@ -1,6 +1,7 @@
 """`gpu-recover demo --scenario hsdp`, run for real: 4 torchrun agents train HSDP (2 replicas x 2 shards),
 the node of rank 3 is lost mid-step, the survivors switch in place (same processes, no agent restarts
-anything) to FSDP2 over 3, taking rank 3's shards from its replica in memory, certified and verified."""
+anything) to FSDP2 over 3, taking rank 3's shards from its replica in memory, certified and verified.
+With the policy "keep the HSDP layout" the same loss drops the damaged replica whole: 0 elements move."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import psutil
 import pytest
 
+from gpuguard.examples.demo_hsdp import run_hsdp
 from gpuguard.generation.ledger_open import open_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -39,3 +41,19 @@ def test_hsdp_demo_survives_a_node_loss_in_place_resharded_from_memory(cli, tmp_
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     shown = cli("gpu-generation", "show", "--job-dir", str(job))
     assert shown.returncode == 0 and "in the survivors' memory" in shown.stdout and "lost ranks [3]" in shown.stdout
+
+
+def test_hsdp_keeping_its_layout_under_torchrun_drops_the_damaged_replica_and_moves_nothing(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    lines: list[str] = []
+    res = run_hsdp(job, steps=12, kill_step=4, timeout_s=180, on_event=lines.append, shrink="keep-layout")
+    said = "\n".join(lines)
+    assert res.recovered, said
+    assert res.switch == "in-place" and res.world_after == 2 and res.dropped == [2], said
+    assert res.elements_moved == 0 and res.elements and res.rebuilt is False, said
+    assert res.pids_unchanged and res.agents_restarted_nothing and res.verify_deep_rc == 0, said
+    assert res.restored_bitwise and res.matches_reference, said
+    cert = open_ledger(job).get(2)
+    assert list(cert.extra["layout_kept"]["dropped"]) == [2] and list(cert.extra["evicted"]["dead"]) == [3]
+    assert "leaves: generation 2 keeps the HSDP layout" in (job / "agent-2.log").read_text(errors="replace")

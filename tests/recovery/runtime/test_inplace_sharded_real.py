@@ -6,8 +6,11 @@ from its own memory or a surviving replica (rank 3's shards exist on rank 1). Th
 place must be, bitwise, the state generation 1 had after step 4 (the layout-independent digest the
 job logged), and the run must end equal to the one-process reference. Plain FSDP2 over 3 ranks has
 no replica of a lost shard: the switch is refused, saying so, and a relaunch at 2 restores the
-certified snapshot resharded (the restart path). The same under real torchrun agents losing a node:
-tests/examples/test_demo_hsdp.py.
+certified snapshot resharded (the restart path). With the policy "keep the HSDP layout", the same loss
+drops the damaged replica whole: rank 2 leaves (status 0), ranks 0-1 keep their model and shards, moved
+to the new mesh, and nothing moves between ranks. The same under real torchrun agents losing a node:
+tests/examples/test_demo_hsdp.py. A rank lost before the first commit: the survivors switch in place
+from the initial state they remembered at activation (its optimizer fresh), digest-checked.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEPS = 8
 
 
-def _run(job: Path, n: int, faults: str, shard: int, backend: str = "gloo") -> tuple[dict, dict, dict]:
+def _run(
+    job: Path,
+    n: int,
+    faults: str,
+    shard: int,
+    backend: str = "gloo",
+    shrink: str = "repartition",
+    digests: bool = True,
+) -> tuple[dict, dict, dict]:
     with Cluster.launch(
         job,
         n,
@@ -40,7 +51,12 @@ def _run(job: Path, n: int, faults: str, shard: int, backend: str = "gloo") -> t
         pg_timeout=5.0,
         grace=3.0,
         module="gpuguard.examples.inplace_fsdp",
-        extra_env={"INPLACE_SHARD": str(shard), "INPLACE_DIGESTS": "1", "GPUGUARD_BACKEND": backend},
+        extra_env={
+            "INPLACE_SHARD": str(shard),
+            "INPLACE_DIGESTS": "1" if digests else "0",
+            "GPUGUARD_BACKEND": backend,
+            "INPLACE_SHRINK": shrink,
+        },
     ) as c:
         codes = c.wait(150)
         pids = {r: p.pid for r, p in c.procs.items()}
@@ -87,6 +103,50 @@ def test_hsdp_survivors_switch_in_place_taking_the_lost_shards_from_a_replica(tm
     results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
     assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
     _assert_reference(job)
+
+
+def test_hsdp_keeping_its_layout_drops_the_damaged_replica_and_moves_nothing(tmp_path):
+    job = tmp_path / "job"
+    # no digest collective at the start of a step: the survivors notice the loss inside FSDP's forward,
+    # so the model they keep stopped mid-iteration (unsharded parameters registered, work in flight)
+    codes, pids, logs = _run(job, 4, "3:5:before_commit:kill", shard=2, shrink="keep-layout", digests=False)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, logs
+    assert "leaves: generation 2 keeps the HSDP layout without this rank's damaged replica" in logs[2]
+    cert = open_ledger(job).require_active()
+    assert cert.generation == 2 and cert.extra["switch"] == "in-place" and cert.frontier.step == 4
+    assert sorted(m.incarnation.pid for m in cert.members) == [pids[0], pids[1]]  # no restart
+    assert cert.extra["layout_kept"]["replica_ranks"] == 2 and list(cert.extra["layout_kept"]["dropped"]) == [2]
+    assert list(cert.extra["evicted"]["dead"]) == [3] and list(cert.extra["rolled_back"]) == [0, 1]
+    records = read_switch_records(job, 2)
+    assert sorted(records) == [0, 1]
+    for rec in records.values():
+        reshard = rec["reshard"]
+        assert reshard["layout_kept"] and not reshard["rebuilt"]  # the same model, on the new mesh
+        assert reshard["elements_moved"] == 0 and reshard["elements"] > 0
+        assert reshard["mine"]["received"] == reshard["mine"]["sent"] == 0
+    results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in (0, 1)}
+    assert all(d["world"] == 2 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
+    assert not (job / "results" / "2.json").exists()
+    _assert_reference(job)
+
+
+def test_a_rank_lost_before_the_first_commit_switches_in_place_from_the_initial_state(tmp_path):
+    job = tmp_path / "job"
+    # rank 3 dies after its update of step 1: the survivors committed step 1, nobody proves rank 3 did
+    codes, pids, logs = _run(job, 4, "3:1:before_commit:kill", shard=2)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -9}, logs
+    cert = open_ledger(job).require_active()
+    assert cert.generation == 2 and cert.extra["switch"] == "in-place" and cert.frontier.step == 0
+    assert cert.frontier.state_manifest_digest == ""  # no snapshot: the survivors' memory is the state
+    assert sorted(m.incarnation.pid for m in cert.members) == [pids[0], pids[1], pids[2]]  # no restart
+    assert list(cert.extra["rolled_back"]) == [0, 1, 2]
+    # the certified digest is the initial state generation 1 started from, and the state rebuilt in place
+    digests = _digests(job)
+    assert cert.extra["sharded_state_digest"] == digests[(1, 0)] == digests[(2, 0)]
+    assert read_switch_records(job, 2)[0]["reshard"]["in_place"]
+    results = {r: json.loads((job / "results" / f"{r}.json").read_text()) for r in range(3)}
+    assert all(d["world"] == 3 and d["last_step"] == STEPS and d["pid"] == pids[r] for r, d in results.items())
+    _assert_reference(job)  # the fresh optimizer took its first step in generation 2, as in a fault-free run
 
 
 def test_plain_fsdp_is_refused_in_place_and_restarts_resharded_from_the_snapshot(tmp_path):

@@ -237,6 +237,54 @@ def test_a_reporter_outside_the_layout_is_not_admitted():
     assert adm.kept == (0, 1)
 
 
+def test_keeping_the_hsdp_layout_drops_the_damaged_replica_whole():
+    # HSDP 3 replicas x 2 shards loses rank 3: replica 1 goes, rank 2 (its survivor) leaves
+    adm = sw.admit_survivors(sw.Layout(dp=6, global_batch=12), sw.Eviction(dead=(3,), kept=(0, 1, 2, 4, 5)), 2)
+    assert adm.kept == (0, 1, 4, 5) and adm.dropped == (2,) and adm.replica == 2
+    assert adm.layout == sw.Layout(dp=4, global_batch=12)
+
+
+def test_without_a_whole_replica_the_layout_is_not_kept_and_every_survivor_stays():
+    # HSDP 2 x 2 loses ranks 1 and 3: no replica is whole, so the state is re-partitioned over 0 and 2
+    adm = sw.admit_survivors(sw.Layout(dp=4), sw.Eviction(dead=(1, 3), kept=(0, 2)), 2)
+    assert adm.kept == (0, 2) and adm.dropped == () and adm.replica is None
+
+
+def test_the_layout_is_kept_only_when_it_applies():
+    lost = sw.Eviction(dead=(3,), kept=(0, 1, 2))
+    assert sw.admit_survivors(sw.Layout(dp=4), lost).replica is None  # no policy: re-partition
+    assert sw.admit_survivors(sw.Layout(dp=3), sw.Eviction(dead=(2,), kept=(0, 1)), 2).replica is None  # 3 = 2 + 1
+    abort = sw.admit_survivors(sw.Layout(dp=4), sw.Eviction(kept=(0, 1, 2, 3)), 2)  # nobody lost
+    assert abort.replica is None and abort.kept == (0, 1, 2, 3)
+    assert "not whole replicas" in sw.keep_layout_shrink(5, 2, [4]).refused
+    assert "every replica" in sw.keep_layout_shrink(4, 2, [0, 3]).refused
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda per: st.tuples(
+            st.just(per),
+            st.integers(1, 5),
+            st.sets(st.integers(0, 19)),
+        )
+    )
+)
+def test_a_kept_layout_keeps_whole_replicas_at_their_shard_position(case):
+    per, replicas, lost_any = case
+    world = per * replicas
+    lost = {r for r in lost_any if r < world}
+    shrink = sw.keep_layout_shrink(world, per, lost)
+    damaged = {r // per for r in lost}
+    if len(damaged) == replicas:
+        assert shrink.layout is None and shrink.refused
+        return
+    assert shrink.layout is not None and shrink.layout.world == len(shrink.kept_ranks)
+    assert not lost & set(shrink.kept_ranks)
+    assert {r // per for r in shrink.kept_ranks} == set(range(replicas)) - damaged  # whole replicas only
+    for new, old in enumerate(shrink.kept_ranks):  # the dense renumbering keeps every shard where it was
+        assert new % per == old % per
+
+
 # ---------------------------------------------------------------------- frontier and manifest
 def test_disagreeing_survivors_cannot_certify_the_frontier():
     split = sw.agree_on_state([rep(0, 5, {5: "a"}), rep(1, 5, {5: "b"})], 5)
@@ -293,6 +341,17 @@ def test_the_plan_renumbers_survivors_densely_and_keeps_their_incarnations():
     assert x["rolled_back"] == [0]  # rank 0 committed step 6, past the frontier
     assert x["committed_by_all"] == 5 and x["replicated_state_digest"] == "a"
     assert x["coordinator"] == {"rank": 0, "incarnation": "inc0"}
+    assert "layout_kept" not in x
+
+
+def test_the_plan_of_a_kept_layout_names_who_leaves():
+    p = parent([HOST] * 4)
+    reports = {0: rep(0), 1: rep(1), 2: rep(2)}
+    ev = sw.Eviction(dead=(3,), kept=(0, 1, 2))
+    adm = sw.admit_survivors(sw.Layout(dp=4), ev, 2)
+    plan = sw.plan_switch(sw.SwitchFacts(**{**switch_facts(p, ev, adm, reports).__dict__, "admission": adm}))
+    assert plan.members == (Member(0, inc(0)), Member(1, inc(1)))
+    assert plan.extra["layout_kept"] == {"replica_ranks": 2, "dropped": [2], "dropped_incarnations": ["inc2"]}
 
 
 def test_phases_count_from_detection_or_from_when_the_coordinator_started():
