@@ -19,6 +19,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Iterable
+from typing import TextIO
 
 DIGEST = 12  # hex digits of a digest in human output
 NARROW = 120  # below this many columns, tables become one line per row (wrapped with a hanging indent)
@@ -82,14 +83,14 @@ def lines_for(lines: Iterable[str], width: int | None = None) -> list[str]:
     return [part for line in lines for part in wrap(line, w)]
 
 
-def echo(line: str = "", *, hang: int | None = None, file: object = None) -> None:
+def echo(line: str = "", *, hang: int | None = None, file: TextIO | None = None) -> None:
     """Print one line, broken to the width (see `wrap`)."""
     out = sys.stdout if file is None else file
     for part in wrap(line, columns(), hang):
-        print(part, file=out)  # type: ignore[call-overload]
+        print(part, file=out)
 
 
-def echo_lines(lines: Iterable[str], *, file: object = None) -> None:
+def echo_lines(lines: Iterable[str], *, file: TextIO | None = None) -> None:
     for line in lines:
         echo(line, file=file)
 

@@ -123,6 +123,12 @@ REASON_ANNOTATION = "gpuguard.io/drain-reason"
 MAX_NODE_JSON = 4 << 20  # a Node object is a few KiB; more is not one
 
 
+def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """`doc[key]` when it is a JSON object, else an empty one (a Node description may lack any part)."""
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def kubernetes_commands(node: str, summary: str) -> list[list[str]]:
     """The taint and the annotation as argvs (`kubectl taint ... --overwrite`, `kubectl annotate ... --overwrite`)."""
     reason = f"{DRAIN_PREFIX} {summary}"[:REASON_MAX].replace("\n", " ")
@@ -143,9 +149,8 @@ def foreign_hold(node_json: str) -> str | None:
         return "its description is not JSON"
     if not isinstance(doc, dict):
         return "its description is not a Node object"
-    spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    notes = meta.get("annotations") if isinstance(meta.get("annotations"), dict) else {}
+    spec = _object(doc, "spec")
+    notes = _object(_object(doc, "metadata"), "annotations")
     ours = str(notes.get(REASON_ANNOTATION, "")).startswith(DRAIN_PREFIX)
     if spec.get("unschedulable") and not ours:
         return "cordoned by someone else"

@@ -179,13 +179,13 @@ def summarize(job_dir: Path) -> DemoResult:
     finals = [json.loads(p.read_text().splitlines()[-1]) for p in sorted(out.glob("final-*.jsonl"))]
     res.final_hashes_equal = len(finals) > 0 and len({f["hash"] for f in finals}) == 1
     if res.kill and len(resumes) > 1:
-        first_commit = _first_commit_time(job_dir, resumes[-1]["generation"])
+        first_commit = first_commit_time(job_dir, resumes[-1]["generation"])
         if first_commit is not None:
             res.resume_s = first_commit - res.kill["time"]
     return res
 
 
-def _first_commit_time(job_dir: Path, generation: int) -> float | None:
+def first_commit_time(job_dir: Path, generation: int) -> float | None:
     """When the first step of `generation` was committed by every member (their step records)."""
     commits = committed_steps(job_dir, generation)
     if not commits:

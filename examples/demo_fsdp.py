@@ -197,7 +197,7 @@ def run_fsdp(
         _wait(lambda: all(a.poll() is not None for a in survivors), deadline, poll=0.1)
         res.agents_ok = all(a.poll() == 0 for a in survivors)
         res.generations = _ledger(job).generations()
-        t = d._first_commit_time(job, 2)
+        t = d.first_commit_time(job, 2)
         res.resume_s = t - kill_time if t is not None else None
     finally:
         _stop(agents)

@@ -163,7 +163,7 @@ def run_hsdp(
             a.poll() in (None, 0) for i, a in enumerate(agents) if i != victim
         )
         res.generations = _ledger(job).generations()
-        t = d._first_commit_time(job, 2)
+        t = d.first_commit_time(job, 2)
         res.resume_s = t - kill_time if t is not None else None
         if res.frontier is not None:
             committed = [c.step for c in committed_steps(job, 1)]

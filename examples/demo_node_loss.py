@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
-from gpuguard.examples.demo import _first_commit_time, free_port
+from gpuguard.examples.demo import first_commit_time, free_port
 from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
@@ -285,7 +285,7 @@ def run_node_loss(
         )
         res.generations = _ledger(job).generations()
         if res.switch is not None:
-            t = _first_commit_time(job, 2)
+            t = first_commit_time(job, 2)
             res.resume_s = t - res.kill["time"] if t is not None else None
     finally:
         _stop(agents)

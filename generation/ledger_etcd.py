@@ -62,7 +62,7 @@ class EtcdLedger(Ledger):
     @classmethod
     def from_url(cls, url: str, *, key: bytes | None = None, timeout: float = 5.0) -> EtcdLedger:
         ledger = cls.__new__(cls)
-        ledger._open(parse_etcd_url(url), key, timeout)
+        ledger._open(parse_etcd_url(url), key, timeout)  # noqa: SLF001 - its own class, built without __init__
         return ledger
 
     def close(self) -> None:

@@ -97,7 +97,7 @@ class EtcdCoordination:
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
         coord = cls.__new__(cls)
-        coord._open(parse_etcd_url(url), timeout)
+        coord._open(parse_etcd_url(url), timeout)  # noqa: SLF001 - its own class, built without __init__
         return coord
 
     # -- plumbing ---------------------------------------------------------------------------

@@ -133,12 +133,13 @@ class InPlaceRuntime(Runtime):
         extra: Any = None,
         *,
         build: Any = None,
+        data: Any = None,
     ) -> TrainState:
         if self.sharded and build is None:  # the switch rebuilds the model over the new world
             raise GpuguardError(
                 "the in-place switch with sharded state needs activate(build=...)", exit_code=EXIT_USAGE
             )
-        state = super().activate(model, optimizer, scheduler, extra, build=build)
+        state = super().activate(model, optimizer, scheduler, extra, build=build, data=data)
         self.committed = state.frontier_step
         self.state.remember(state.frontier_step)
         self._watch_peers()

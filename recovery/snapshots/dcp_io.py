@@ -74,7 +74,7 @@ def _reader_class() -> type:
         from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415 - lazy: torch only where used
         from torch.distributed.checkpoint.metadata import StorageMeta  # noqa: PLC0415 - lazy: torch only where used
 
-        class BoundReader(FileSystemReader):  # type: ignore[misc]
+        class BoundReader(FileSystemReader):
             """`read_metadata` returns the checked metadata; it takes no `rank` (no per-rank fallback)."""
 
             def __init__(self, path: Path, metadata: Any) -> None:
@@ -98,7 +98,7 @@ def _planner_class() -> type:
         import torch  # noqa: PLC0415 - lazy: torch only where used
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: PLC0415 - lazy
 
-        class WeightsOnlyPlanner(DefaultLoadPlanner):  # type: ignore[misc]
+        class WeightsOnlyPlanner(DefaultLoadPlanner):
             def load_bytes(self, read_item: Any, value: Any) -> None:
                 loaded = torch.load(value, weights_only=True)
                 if self.flatten_state_dict:

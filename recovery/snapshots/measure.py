@@ -62,7 +62,8 @@ def non_tensor_facts(
     state's (path, leaf) pairs (`digests.state_leaves`), walked once by the caller's pass."""
     import torch  # noqa: PLC0415 - lazy: torch only where used
 
-    optim = state.get("optim") if isinstance(state.get("optim"), Mapping) else {}
+    raw = state.get("optim")
+    optim: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     steps: set[int] = set()
     for per_param in (optim.get("state") or {}).values():
         if isinstance(per_param, Mapping) and "step" in per_param:
