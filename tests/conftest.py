@@ -18,6 +18,23 @@ def cli():
     return run_cli
 
 
+@pytest.fixture(scope="session", autouse=True)
+def host_lease_dir(tmp_path_factory):
+    """The jobs the tests start share their host's etcd lease through files in a host-local
+    directory (recovery/runtime/host_lease.py; /dev/shm by default, kept until reboot): here, one
+    under the session's temporary directory, which pytest removes. Each host's directory is named
+    by its hostname and PID namespace, so namespace hosts still get one each."""
+    if os.environ.get("GPUGUARD_HOST_LEASE_DIR"):
+        yield os.environ["GPUGUARD_HOST_LEASE_DIR"]
+        return
+    path = tmp_path_factory.mktemp("host-lease")
+    os.environ["GPUGUARD_HOST_LEASE_DIR"] = str(path)
+    try:
+        yield str(path)
+    finally:
+        os.environ.pop("GPUGUARD_HOST_LEASE_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def etcd_url(tmp_path_factory) -> str:
     """A real etcd server on loopback: the one .ci/run started, or one started here."""
