@@ -5,14 +5,14 @@ _gpuguard_gpu_generation() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
-        case "${COMP_WORDS[i - 1]}" in --generation|--job-dir|--job-id|--layout|--ledger|--seed|--snapshot-root|--strategy|--timeout) continue ;; esac
+        case "${COMP_WORDS[i - 1]}" in --generation|--job-dir|--job-id|--layout|--ledger|--members|--seed|--snapshot-root|--strategy|--timeout) continue ;; esac
         case "${path}/${w}" in
             /bench|/bench/transitions|/completion|/explain|/history|/init|/show|/verify) path="${path}/${w}" ;;
         esac
     done
     case "$path $prev" in
         "/bench/transitions --layout") COMPREPLY=($(compgen -W "dp zero1" -- "$cur")); return ;;
-        "/bench/transitions --seed"|"/explain --generation"|"/explain --ledger"|"/explain --timeout"|"/history --ledger"|"/history --timeout"|"/init --job-id"|"/init --ledger"|"/init --timeout"|"/show --ledger"|"/show --timeout"|"/verify --generation"|"/verify --ledger"|"/verify --timeout") COMPREPLY=(); compopt +o default 2>/dev/null; return ;;
+        "/bench/transitions --seed"|"/explain --generation"|"/explain --ledger"|"/explain --timeout"|"/history --ledger"|"/history --timeout"|"/init --job-id"|"/init --ledger"|"/init --timeout"|"/show --ledger"|"/show --members"|"/show --timeout"|"/verify --generation"|"/verify --ledger"|"/verify --timeout") COMPREPLY=(); compopt +o default 2>/dev/null; return ;;
         "/bench/transitions --strategy") COMPREPLY=($(compgen -W "restart-all communicator-only gpuguard" -- "$cur")); return ;;
         "/explain --job-dir"|"/history --job-dir"|"/init --job-dir"|"/show --job-dir"|"/verify --job-dir"|"/verify --snapshot-root") COMPREPLY=($(compgen -d -- "$cur")); return ;;
     esac
@@ -24,7 +24,7 @@ _gpuguard_gpu_generation() {
         "/explain") subs=""; words="--all --generation --help --job-dir --json --ledger --timeout -h"; positional="" ;;
         "/history") subs=""; words="--help --job-dir --json --ledger --timeout -h"; positional="" ;;
         "/init") subs=""; words="--help --job-dir --job-id --json --ledger --timeout -h"; positional="" ;;
-        "/show") subs=""; words="--help --job-dir --json --ledger --timeout -h"; positional="" ;;
+        "/show") subs=""; words="--help --job-dir --json --ledger --members --timeout -h"; positional="" ;;
         "/verify") subs=""; words="--deep --generation --help --job-dir --json --ledger --snapshot-root --timeout -h"; positional="" ;;
     esac
     if [[ "$cur" == -* ]]; then

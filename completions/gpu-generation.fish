@@ -2,7 +2,7 @@
 function __gpuguard_path_gpu_generation
     set -l path ""
     set -l known /bench /bench/transitions /completion /explain /history /init /show /verify
-    set -l valued --generation --job-dir --job-id --layout --ledger --seed --snapshot-root --strategy --timeout
+    set -l valued --generation --job-dir --job-id --layout --ledger --members --seed --snapshot-root --strategy --timeout
     set -l prev ""
     for w in (commandline -opc)[2..-1]
         if string match -q -- '-*' $w; or contains -- $prev $valued
@@ -67,6 +67,7 @@ complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" 
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l job-dir -x -a '(__fish_complete_directories)' -d 'Job directory (ledger, key, records, snapshots, audit log). Default: G'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l json -d 'Print a JSON document instead of text.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l ledger -x -d 'Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh'
+complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l members -x -d 'List at most this many members (text; only their chunks are read).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -l timeout -x -d 'Seconds to wait for the ledger (etcd).'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/show'" -s h -d 'Show the help and exit.'
 complete -c gpu-generation -n "test (__gpuguard_path_gpu_generation) = '/verify'" -l deep -d 'Also re-hash the checkpoint files against their manifests.'

@@ -8,7 +8,7 @@ _gpuguard_gpu_generation() {
     for ((i = 2; i < CURRENT; i++)); do
         w="${words[i]}"
         [[ "$w" == -* ]] && continue
-        case "${words[i-1]}" in --generation|--job-dir|--job-id|--layout|--ledger|--seed|--snapshot-root|--strategy|--timeout) continue ;; esac
+        case "${words[i-1]}" in --generation|--job-dir|--job-id|--layout|--ledger|--members|--seed|--snapshot-root|--strategy|--timeout) continue ;; esac
         case "${path_}/${w}" in
             /bench|/bench/transitions|/completion|/explain|/history|/init|/show|/verify) path_="${path_}/${w}" ;;
         esac
@@ -30,6 +30,7 @@ _gpuguard_gpu_generation() {
         "/init --timeout") _message 's'; return ;;
         "/show --job-dir") _files -/; return ;;
         "/show --ledger") _message 'url'; return ;;
+        "/show --members") _message 'n'; return ;;
         "/show --timeout") _message 's'; return ;;
         "/verify --generation") _message 'n'; return ;;
         "/verify --job-dir") _files -/; return ;;
@@ -45,7 +46,7 @@ _gpuguard_gpu_generation() {
         "/explain") items=('--all:Every recorded refusal, not only the latest.' '--generation:Explain the refusals of this generation (default: the latest).' '--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
         "/history") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
         "/init") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--job-id:Job id (default: the job directorys name).' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
-        "/show") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
+        "/show") items=('--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--members:List at most this many members (text; only their chunks are read).' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
         "/verify") items=('--deep:Also re-hash the checkpoint files against their manifests.' '--generation:Verify only this generation.' '--help:Show the help and exit.' '--job-dir:Job directory (ledger, key, records, snapshots, audit log). Default: G' '--json:Print a JSON document instead of text.' '--ledger:Ledger URL: etcd://host:port/prefix (default: <job-dir>/ledger/, or wh' '--snapshot-root:With --deep: where the jobs snapshots/ and checkpoints/ live (shared s' '--timeout:Seconds to wait for the ledger (etcd).' '-h:Show the help and exit.') ;;
     esac
     _describe -t commands 'gpuguard' items
