@@ -282,13 +282,7 @@ class ReplicatedState(RankState):
 
         o = self.objects
         if o.optimizer is not None:
-            fresh = not o.optimizer.state
             msd, osd = get_state_dict(o.model, o.optimizer)
-            if fresh:  # torch initialises a fresh optimizer by stepping it at lr 0, which set AdamW's
-                # step count to 1: a run under gpuguard would then train unlike one without it. Undone,
-                # and recorded fresh (loading an empty state leaves the optimizer fresh again).
-                o.optimizer.state.clear()
-                osd = {**osd, "state": {}}
         else:
             msd, osd = o.model.state_dict(), {}
         state: dict[str, Any] = {"model": msd, "rng": {"torch": torch.get_rng_state()}}
