@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from gpuguard.collectors.step_records import read_history
 from gpuguard.foundation.boundedread import read_json
 from gpuguard.foundation.errors import GpuguardError
-from gpuguard.foundation.jobdir import activation_path, inplace_dir, ledger_dir, ledger_url_path
+from gpuguard.foundation.jobdir import activation_path, ledger_dir, ledger_url_path, switch_record_paths
 from gpuguard.foundation.observations import RankSeries
 from gpuguard.generation.job import open_job_ledger
 
@@ -150,7 +150,7 @@ def recovery_phases(series: tuple[RankSeries, ...], activations: dict[int, dict[
 
 def _switch(job_dir: Path, generation: int) -> dict[str, float]:
     """An in-place switch's phase wall times from its lowest rank's switch record (inplace.md), {} if none."""
-    records = sorted(inplace_dir(job_dir).glob(f"switch-g{int(generation)}-r*.json"))
+    records = switch_record_paths(job_dir, generation)
     for path in sorted(records, key=lambda p: (len(p.name), p.name))[:1]:
         return _phases_of(path, "a switch record")
     return {}

@@ -22,7 +22,7 @@ What changes, and why the fence still holds (docs/formats/leases.md, "The host l
 Files in the host directory (0700, the job's and this host's own; every file 0600, no link followed):
   renewer.lock             flock held by the renewer for as long as it renews
   backup.lock              flock held by a rank renewing because the renewer is overdue (one keepalive)
-  state.json               HostState, replaced atomically (write a temp file, rename)
+  lease.json               HostState, replaced atomically (write a temp file, rename)
   members/<incarnation>    {"key", "pid", "start_time", "tick"}: the ranks whose keys ride on the lease
 """
 
@@ -146,11 +146,11 @@ class HostDir:
 
     # -- the state ----------------------------------------------------------------------------
     def read_state(self) -> HostState | None:
-        raw = _read_at(self.fd, "state.json")
+        raw = _read_at(self.fd, "lease.json")
         return None if raw is None else HostState.from_json(raw)
 
     def write_state(self, state: HostState) -> None:
-        _replace_at(self.fd, "state.json", state.to_json())
+        _replace_at(self.fd, "lease.json", state.to_json())
 
     # -- the locks ------------------------------------------------------------------------------
     def try_lock(self, name: str) -> int | None:

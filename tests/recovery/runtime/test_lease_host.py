@@ -71,7 +71,7 @@ class Host:
 
     def state(self) -> HostState:
         (d,) = list(self.base.glob("gpuguard-lease-*"))
-        st = HostState.from_json((d / "state.json").read_bytes())
+        st = HostState.from_json((d / "lease.json").read_bytes())
         assert st is not None
         return st
 

@@ -98,10 +98,10 @@ def test_a_link_planted_at_the_state_file_is_replaced_never_written_through(tmp_
     d = HostDir.for_lease("scope", tmp_path)
     victim = tmp_path / "victim"
     victim.write_text("keep")
-    (d.path / "state.json").symlink_to(victim)
+    (d.path / "lease.json").symlink_to(victim)
     assert d.read_state() is None  # not followed
     d.write_state(HostState(1, 2.0, 3.0, "b", 1))
-    assert victim.read_text() == "keep" and not (d.path / "state.json").is_symlink()
+    assert victim.read_text() == "keep" and not (d.path / "lease.json").is_symlink()
     d.close()
 
 
@@ -142,7 +142,7 @@ def test_a_renewer_that_cannot_write_the_state_counts_failures_and_its_ranks_fen
     fenced: list[str] = []
     hb = _heartbeat(d, LeaseTiming(0.6), fenced).start()
     # the beat thread's temp file name taken by a directory: the renewal cannot be recorded
-    (d.path / f".state.json.{os.getpid()}.{hb._threads[0].ident}.tmp").mkdir()
+    (d.path / f".lease.json.{os.getpid()}.{hb._threads[0].ident}.tmp").mkdir()
     try:
         deadline = time.monotonic() + 5.0
         while not fenced and time.monotonic() < deadline:
