@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpuguard.examples import demo
-from gpuguard.foundation.errors import UsageError
+from gpuguard.foundation.errors import GpuguardError, UsageError
 from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
+from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.recovery.rendezvous import state as R
 from gpuguard.recovery.rendezvous.etcd_keys import EtcdRendezvousClient, run_prefix
 from gpuguard.recovery.rendezvous.signed_state import create_secret_file
@@ -178,12 +179,15 @@ class Job:
             time.sleep(0.1)
 
     def cert(self, generation: int, timeout: float = 90) -> dict:
+        """Generation N's certificate with its parts read in (a `/2` file holds only the header)."""
         path = self.job_dir / "ledger" / f"gen-{generation}.json"
 
         def read():
+            if not path.exists():
+                return None
             try:
-                return json.loads(path.read_text())
-            except (OSError, ValueError):
+                return open_ledger(self.job_dir).get(generation).expanded_dict()
+            except (OSError, ValueError, GpuguardError):
                 return None
 
         return self.wait_for(read, timeout, f"generation {generation}'s certificate")
