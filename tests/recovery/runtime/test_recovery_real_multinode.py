@@ -21,6 +21,7 @@ import pytest
 
 from gpuguard.examples import demo
 from gpuguard.foundation.jobdir import read_incarnations
+from gpuguard.generation.ledger_open import open_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def _cert(job: Path, generation: int, timeout: float) -> dict:
             pytest.fail(f"generation {generation} not certified within {timeout} s\n{logs}")
         time.sleep(0.2)
     time.sleep(0.1)
-    return json.loads(path.read_text())
+    return open_ledger(job).get(generation).expanded_dict()  # a /2 file holds only the header
 
 
 def _records(path: Path) -> list[dict]:
