@@ -51,11 +51,18 @@ def test_nan_in_one_replica_is_refused_by_name_and_the_job_resumes_from_the_prev
     why = "1 tensor with NaN values in replica group 1 (primaries clean: model.0.weight)"
     stops = [line for line in out.splitlines() if line.startswith("gpuguard: rank") and " stops: " in line]
     assert len(stops) == 2 and all(f"snapshot step 5 is unsound: {why}" in line for line in stops), out[-3000:]
-    assert f"rejected step 5: unsound: {why}" in out
     ledger = open_ledger(job)
     cert = ledger.require_active()
     assert cert.generation == 2 and cert.frontier.step == 4
-    assert any(r.startswith(f"step 5: unsound: {why}") for r in cert.extra["rejected"])
+    # The unsound snapshot of step 5 never becomes the frontier: either the publisher raised generation
+    # 1's frontier record to 5 before the ranks stopped, and the restart rejected step 5 by name, or
+    # the record stayed at the last sound snapshot (4) and step 5 was never a candidate (a race between
+    # the writer thread and the stop; both end in the same certificate).
+    if ledger.frontier_record(1) is not None and ledger.frontier_record(1).step >= 5:
+        assert f"rejected step 5: unsound: {why}" in out
+        assert any(r.startswith(f"step 5: unsound: {why}") for r in cert.extra["rejected"])
+    else:
+        assert not any(r.startswith("step 5:") for r in cert.extra.get("rejected", ())), cert.extra
     sound = cert.extra["soundness"]
     assert sound["step"] == 4 and sound["sound"] and list(sound["checked"]) == ["finite", "replicas", "non-tensor"]
     assert sound["replica_chunks"] > 0 and sound["replica_disagreements"] == 0
