@@ -34,6 +34,7 @@ from typing import Any
 from gpuguard.foundation.errors import GpuguardError, one_line
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.runtime.latest_slot import LatestSlot
 
 DEFAULT_WATCH_INTERVAL_S = 2.0
 
@@ -48,10 +49,9 @@ class FrontierAgreement:
         self.recorded = 0  # frontier records rank 0 wrote
         self.fenced = 0
         self.errors = 0
-        self._cv = threading.Condition()
-        self._pending: tuple[int, int, str] | None = None  # (generation, step, evidence): the newest wins
-        self._busy = False
-        self._thread: threading.Thread | None = None
+        # (generation, step, evidence): the newest wins, written in a thread with its own ledger handle
+        self._slot: LatestSlot[tuple[int, int, str]] = LatestSlot("gpuguard-frontier", self._write)
+        self._ledger: Any = None
 
     def form(self, opened: Any) -> None:
         """Collective, once per generation after its world group formed: the control group."""
@@ -82,46 +82,26 @@ class FrontierAgreement:
             self._submit(self.ctx.generation, step, "barrier")
 
     def _submit(self, generation: int, step: int, evidence: str) -> None:
-        with self._cv:
-            self._pending = (generation, step, evidence)
-            self._cv.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpuguard-frontier", daemon=True)
-                self._thread.start()
+        self._slot.offer((generation, step, evidence))
 
-    def _run(self) -> None:
-        ledger = open_ledger(self.ctx.job_dir, self.ctx.ledger_url)  # this thread's own handle
-        while True:
-            with self._cv:
-                while self._pending is None:
-                    self._cv.wait()
-                generation, step, evidence = self._pending
-                self._pending, self._busy = None, True
-            try:
-                if self.ctx.lease is not None and not self.ctx.lease.valid():
-                    self.fenced += 1
-                elif ledger.record_frontier(generation, step, self.ctx.incarnation.id, evidence):
-                    self.recorded += 1
-                else:
-                    self.fenced += 1
-            except GpuguardError as exc:  # etcd unreachable: the next meeting's record covers this step too
-                self.errors += 1
-                self.ctx.log(f"frontier record of step {step} not written: {one_line(exc)}")
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+    def _write(self, request: tuple[int, int, str]) -> None:
+        generation, step, evidence = request
+        try:
+            if self._ledger is None:
+                self._ledger = open_ledger(self.ctx.job_dir, self.ctx.ledger_url)
+            if self.ctx.lease is not None and not self.ctx.lease.valid():
+                self.fenced += 1
+            elif self._ledger.record_frontier(generation, step, self.ctx.incarnation.id, evidence):
+                self.recorded += 1
+            else:
+                self.fenced += 1
+        except GpuguardError as exc:  # etcd unreachable: the next meeting's record covers this step too
+            self.errors += 1
+            self.ctx.log(f"frontier record of step {step} not written: {one_line(exc)}")
 
     def flush(self, timeout: float) -> bool:
         """Wait (bounded) until the newest frontier record is written; False on timeout."""
-        end = time.monotonic() + timeout
-        with self._cv:
-            while self._pending is not None or self._busy:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._slot.flush(timeout)
 
     def leave(self) -> None:
         """The generation's groups are gone: drop the control group (the writer thread stays)."""

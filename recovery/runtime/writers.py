@@ -10,12 +10,12 @@ prunes old snapshots (never the generation's certified frontier).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.runtime.latest_slot import LatestSlot
 from gpuguard.recovery.snapshots.soundness import Expect, Policy
 from gpuguard.recovery.snapshots.store import SnapshotInfo, copy_to_checkpoint, prune, save_snapshot
 
@@ -65,25 +65,14 @@ class ReplicatedWriter:
         self.ctx, self.outcomes = ctx, outcomes
         self.policy, self.expect = policy, expect  # the soundness checks of each snapshot (`save_snapshot`)
         self.skipped = 0
-        self._cv = threading.Condition()
-        self._pending: tuple[int, dict[str, Any]] | None = None
-        self._busy = False
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="gpuguard-snapshot", daemon=True)
-        self._thread.start()
+        self._slot: LatestSlot[tuple[int, dict[str, Any]]] = LatestSlot("gpuguard-snapshot", lambda r: self.write(*r))
 
     def submit(self, step: int, state: dict[str, Any], max_wait: float = 30.0) -> None:
         """Queue `state` (a detached copy); if one is still pending, wait for the writer first
         (back-pressure keeps every committed step's snapshot: the RPO). After `max_wait` the pending
         one is replaced."""
-        end = time.monotonic() + max_wait
-        with self._cv:
-            while self._pending is not None and time.monotonic() < end:
-                self._cv.wait(end - time.monotonic())
-            if self._pending is not None:
-                self.skipped += 1
-            self._pending = (step, state)
-            self._cv.notify_all()
+        if self._slot.offer((step, state), max_wait):
+            self.skipped += 1
 
     def write(self, step: int, state: dict[str, Any]) -> None:
         """Write one snapshot now, on this thread (the writer thread calls it; so can a test)."""
@@ -108,40 +97,13 @@ class ReplicatedWriter:
             self.ctx.counters.snapshot_cpu_s += time.thread_time() - t0
         self.outcomes(step, info, None)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._pending is None and not self._stop:
-                    self._cv.wait()
-                if self._pending is None and self._stop:
-                    return
-                step, state = self._pending  # type: ignore[misc]
-                self._pending = None
-                self._busy = True
-                self._cv.notify_all()
-            try:
-                self.write(step, state)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
     def flush(self, timeout: float) -> bool:
         """Wait until nothing is pending or being written; False on timeout."""
-        end = time.monotonic() + timeout
-        with self._cv:
-            while self._pending is not None or self._busy:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._slot.flush(timeout)
 
     def close(self, timeout: float) -> bool:
         ok = self.flush(timeout)
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
+        self._slot.stop()
         return ok
 
     def abandon(self) -> None:
