@@ -34,6 +34,7 @@ from gpuguard.recovery.runtime.activation import (
 )
 from gpuguard.recovery.runtime.attempt import record_round
 from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.runtime.housekeeping import after_activation
 from gpuguard.recovery.runtime.rank_state import RankState
 from gpuguard.recovery.runtime.refusals import ActivationRefused
 from gpuguard.recovery.snapshots.store import Selection, SnapshotInfo
@@ -136,7 +137,7 @@ class RestartCoordinator:
             extra={**plan.extra, **more},
         )
         ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
-        ctx.coord.prune(parent.generation)  # in-place keys of generations before the parent: nobody reads them
+        after_activation(ctx, ledger, parent.generation)
         if plan.consume_pin:  # used once: the next generation is bounded by its commits again
             jobdir.consume_restore_pin(ctx.job_dir, cert.generation)
         for line in plan.log_rejected:

@@ -22,6 +22,7 @@ from gpuguard.generation.certificate import issue
 from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.job import issuer
 from gpuguard.recovery.runtime.context import Context
+from gpuguard.recovery.runtime.housekeeping import after_activation
 from gpuguard.recovery.runtime.rank_state import RankState
 from gpuguard.recovery.runtime.switch import (
     EvictionFacts,
@@ -154,7 +155,7 @@ class SwitchCoordinator:
                 return True  # another coordinator won the compare-and-swap: follow it
             self.refuse(parent.generation, str(exc))
         phases["certified"] = time.time()
-        ctx.coord.prune(parent.generation)  # nobody reads the reports of the generations before the parent
+        after_activation(ctx, ledger, parent.generation)
         ctx.log(
             f"in-place: generation {cert.generation} certified (world {len(plan.members)}, frontier {frontier}, "
             f"evicted dead={list(eviction.dead)} killed={list(eviction.killed)}"

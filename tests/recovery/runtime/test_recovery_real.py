@@ -18,6 +18,7 @@ import pytest
 from gpuguard.examples import demo
 from gpuguard.foundation.steplog import committed_steps
 from gpuguard.recovery.snapshots.store import select_restorable
+from tests.support.generation import child, members
 
 pytestmark = pytest.mark.slow
 
@@ -158,9 +159,16 @@ def test_a_corrupted_snapshot_shard_is_rejected_and_the_previous_state_is_used(k
     doc = json.loads(record.read_text())
     doc["state_digest"] = "0" * 64
     record.write_text(json.dumps(doc))
+    # an activation that died between its chunks and its transaction left chunks no certificate names
+    before = open_ledger(job)
+    lost = child(before.require_active(), members(5), extra={"lost": True})
+    orphans = set(lost.chunk_refs()) - set(before.require_active().chunk_refs())
+    before._write_chunks(list(lost.chunks()))
+    assert orphans and orphans <= set(before._chunk_stamps())
 
     rc, out = launch(job, CONTINUE_TO)
     assert rc == 0, out[-4000:]
+    assert "pruned" in out and not orphans & set(open_ledger(job)._chunk_stamps())  # the activator tidied
     assert "refuses to start" in out and "differs from the snapshot's" in out
     ledger = open_ledger(job)
     refused, cert = ledger.get(6), ledger.require_active()
