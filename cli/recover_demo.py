@@ -42,6 +42,13 @@ class Scenario(str, Enum):
     hsdp = "hsdp"
 
 
+class Shrink(str, Enum):
+    """The in-place runtime's shrink policy (`InPlaceRuntime(shrink=...)`), for the hsdp scenario."""
+
+    repartition = "repartition"
+    keep_layout = "keep-layout"
+
+
 @contextmanager
 def _spinner(out, as_json: bool) -> Iterator[None]:
     """A status spinner while the job runs, on a terminal only."""
@@ -160,29 +167,37 @@ def _fsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) 
     )
 
 
-def _hsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool) -> int:
+def _hsdp(job: Path, steps: int, kill_step: int, timeout: float, as_json: bool, shrink: Shrink) -> int:
     from gpuguard.examples import demo_hsdp as hd
 
     out, t0, res = _run_sharded(
         job,
         as_json,
-        f"(HSDP, sharded state, in place): {hd.LAUNCHER}",
+        f"(HSDP, sharded state, in place, shrink policy {shrink.value}): {hd.LAUNCHER}",
         hd.VICTIM_RANK,
         kill_step,
-        lambda on_event: hd.run_hsdp(job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event),
+        lambda on_event: hd.run_hsdp(
+            job, steps=steps, kill_step=kill_step, timeout_s=timeout, on_event=on_event, shrink=shrink.value
+        ),
+    )
+    success = (
+        "node loss survived in place: the damaged replica dropped whole, the HSDP layout kept, nothing moved"
+        if shrink is Shrink.keep_layout
+        else "node loss survived in place: the lost rank's shards taken from its replica, resharded over 3"
     )
     return _finish(
         out,
         as_json,
         t0,
-        "node loss survived in place: the lost rank's shards taken from its replica, resharded over 3",
+        success,
         _sharded_doc(
             "hsdp",
             job,
             res,
             hd,
             "switch steps_redone pids_unchanged compared_with_generation_1 elements_moved elements "
-            "agents_restarted_nothing",
+            "agents_restarted_nothing dropped rebuilt",
+            shrink=shrink.value,
         ),
     )
 
@@ -250,6 +265,12 @@ def register(*, app: typer.Typer) -> None:
             "hsdp: 4 agents train an HSDP (2x2) model, one node SIGKILLed once --kill-step is committed, the "
             "survivors switch in place to FSDP2 over 3, the lost shards taken from their replica in memory.",
         ),
+        shrink: Shrink = typer.Option(
+            Shrink.repartition,
+            "--shrink",
+            help="hsdp only: repartition (reshard over the 3 survivors from memory) or keep-layout (drop the "
+            "damaged replica whole, keep the HSDP layout: 0 elements move).",
+        ),
     ) -> int:
         """Run a 4-worker torchrun job, SIGKILL one worker mid optimizer step, recover it, verify the certificate.
 
@@ -263,6 +284,10 @@ def register(*, app: typer.Typer) -> None:
             from gpuguard.foundation.errors import UsageError
 
             raise UsageError("--kill-step must be before the last step")
+        if shrink is not Shrink.repartition and scenario is not Scenario.hsdp:
+            from gpuguard.foundation.errors import UsageError
+
+            raise UsageError("--shrink applies to --scenario hsdp only")
         job = (job_dir or Path(tempfile.mkdtemp(prefix="gpuguard-demo-"))).resolve()
         if job.exists() and any(job.iterdir()):
             from gpuguard.foundation.errors import UsageError
@@ -274,7 +299,7 @@ def register(*, app: typer.Typer) -> None:
         if scenario is Scenario.fsdp:
             return _fsdp(job, steps, kill_step, timeout, as_json)
         if scenario is Scenario.hsdp:
-            return _hsdp(job, steps, kill_step, timeout, as_json)
+            return _hsdp(job, steps, kill_step, timeout, as_json, shrink)
         out = console(stderr=as_json)
         victim = min(2, workers - 1)
         argv = d.torchrun_argv(

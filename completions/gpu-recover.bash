@@ -5,7 +5,7 @@ _gpuguard_gpu_recover() {
     for ((i = 1; i < COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$w" in -*) continue ;; esac
-        case "${COMP_WORDS[i - 1]}" in --count|--deadline|--expect-round|--generation|--grace|--interval|--job-dir|--kill-step|--ledger|--max-tries|--newer-than|--probe-timeout|--rank|--rdzv-backend|--rdzv-conf|--rdzv-endpoint|--run-id|--scenario|--snapshot-root|--step|--steps|--timeout|--wait|--workers) continue ;; esac
+        case "${COMP_WORDS[i - 1]}" in --count|--deadline|--expect-round|--generation|--grace|--interval|--job-dir|--kill-step|--ledger|--max-tries|--newer-than|--probe-timeout|--rank|--rdzv-backend|--rdzv-conf|--rdzv-endpoint|--run-id|--scenario|--shrink|--snapshot-root|--step|--steps|--timeout|--wait|--workers) continue ;; esac
         case "${path}/${w}" in
             /abort|/completion|/demo|/rendezvous|/restore|/runbook|/runbook/list|/runbook/run|/runbook/show|/status|/verify) path="${path}/${w}" ;;
         esac
@@ -14,13 +14,14 @@ _gpuguard_gpu_recover() {
         "/abort --generation"|"/abort --grace"|"/abort --rank"|"/demo --kill-step"|"/demo --rdzv-endpoint"|"/demo --steps"|"/demo --timeout"|"/demo --workers"|"/rendezvous --deadline"|"/rendezvous --expect-round"|"/rendezvous --rdzv-conf"|"/rendezvous --rdzv-endpoint"|"/rendezvous --run-id"|"/restore --max-tries"|"/restore --step"|"/runbook/run --run-id"|"/status --count"|"/status --interval"|"/status --ledger"|"/status --probe-timeout"|"/status --wait"|"/verify --ledger"|"/verify --newer-than"|"/verify --timeout") COMPREPLY=(); compopt +o default 2>/dev/null; return ;;
         "/abort --job-dir"|"/demo --job-dir"|"/rendezvous --job-dir"|"/restore --job-dir"|"/restore --snapshot-root"|"/runbook/run --job-dir"|"/status --job-dir"|"/verify --job-dir") COMPREPLY=($(compgen -d -- "$cur")); return ;;
         "/demo --scenario") COMPREPLY=($(compgen -W "restart node-loss fsdp hsdp" -- "$cur")); return ;;
+        "/demo --shrink") COMPREPLY=($(compgen -W "repartition keep-layout" -- "$cur")); return ;;
         "/rendezvous --rdzv-backend") COMPREPLY=($(compgen -W "c10d gpuguard" -- "$cur")); return ;;
     esac
     case "$path" in
         "") subs="abort completion demo rendezvous restore runbook status verify"; words="--debug --help --version -h -v"; positional="" ;;
         "/abort") subs=""; words="--dry-run --generation --grace --help --include-active --job-dir --json --rank --yes -h -y"; positional="" ;;
         "/completion") subs=""; words="--help -h"; positional="bash zsh fish" ;;
-        "/demo") subs=""; words="--help --job-dir --json --kill-step --rdzv-endpoint --scenario --steps --timeout --workers -h"; positional="" ;;
+        "/demo") subs=""; words="--help --job-dir --json --kill-step --rdzv-endpoint --scenario --shrink --steps --timeout --workers -h"; positional="" ;;
         "/rendezvous") subs=""; words="--deadline --dry-run --expect-round --help --job-dir --json --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --state --yes -h -y"; positional="" ;;
         "/restore") subs=""; words="--dry-run --help --job-dir --json --max-tries --snapshot-root --step --yes -h -y"; positional="" ;;
         "/runbook") subs="list run show"; words="--help -h"; positional="" ;;

@@ -2,7 +2,7 @@
 function __gpuguard_path_gpu_recover
     set -l path ""
     set -l known /abort /completion /demo /rendezvous /restore /runbook /runbook/list /runbook/run /runbook/show /status /verify
-    set -l valued --count --deadline --expect-round --generation --grace --interval --job-dir --kill-step --ledger --max-tries --newer-than --probe-timeout --rank --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --scenario --snapshot-root --step --steps --timeout --wait --workers
+    set -l valued --count --deadline --expect-round --generation --grace --interval --job-dir --kill-step --ledger --max-tries --newer-than --probe-timeout --rank --rdzv-backend --rdzv-conf --rdzv-endpoint --run-id --scenario --shrink --snapshot-root --step --steps --timeout --wait --workers
     set -l prev ""
     for w in (commandline -opc)[2..-1]
         if string match -q -- '-*' $w; or contains -- $prev $valued
@@ -50,6 +50,7 @@ complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l jso
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l kill-step -x -d 'Step at which rank 2 is SIGKILLed (node-loss: the node goes once this '
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l rdzv-endpoint -x -d 'etcd v3 HOST:PORT[,...]: rendezvous on --rdzv-backend=gpuguard instead'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l scenario -x -a 'restart node-loss fsdp hsdp' -d 'restart: a worker SIGKILLed, certified restart. node-loss: 3 torchrun '
+complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l shrink -x -a 'repartition keep-layout' -d 'hsdp only: repartition (reshard over the 3 survivors from memory) or k'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l steps -x -d 'Training steps.'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l timeout -x -d 'Give up after this many seconds.'
 complete -c gpu-recover -n "test (__gpuguard_path_gpu_recover) = '/demo'" -l workers -x -d 'gloo workers.'

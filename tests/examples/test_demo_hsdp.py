@@ -10,7 +10,6 @@ import json
 import psutil
 import pytest
 
-from gpuguard.examples.demo_hsdp import run_hsdp
 from gpuguard.generation.ledger_open import open_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -43,17 +42,24 @@ def test_hsdp_demo_survives_a_node_loss_in_place_resharded_from_memory(cli, tmp_
     assert shown.returncode == 0 and "in the survivors' memory" in shown.stdout and "lost ranks [3]" in shown.stdout
 
 
-def test_hsdp_keeping_its_layout_under_torchrun_drops_the_damaged_replica_and_moves_nothing(tmp_path):
+def test_hsdp_keeping_its_layout_under_torchrun_drops_the_damaged_replica_and_moves_nothing(cli, tmp_path):
     job = tmp_path / "job"
-    job.mkdir()
-    lines: list[str] = []
-    res = run_hsdp(job, steps=12, kill_step=4, timeout_s=180, on_event=lines.append, shrink="keep-layout")
-    said = "\n".join(lines)
-    assert res.recovered, said
-    assert res.switch == "in-place" and res.world_after == 2 and res.dropped == [2], said
-    assert res.elements_moved == 0 and res.elements and res.rebuilt is False, said
-    assert res.pids_unchanged and res.agents_restarted_nothing and res.verify_deep_rc == 0, said
-    assert res.restored_bitwise and res.matches_reference, said
+    argv = ("gpu-recover", "demo", "--scenario", "hsdp", "--shrink", "keep-layout", "--steps", "12", "--kill-step", "4")
+    res = cli(*argv, "--job-dir", str(job), "--json", timeout=220)
+    said = res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, said
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and doc["shrink"] == "keep-layout", said
+    assert doc["switch"] == "in-place" and doc["world_after"] == 2 and doc["dropped"] == [2], said
+    assert doc["elements_moved"] == 0 and doc["elements"] and doc["rebuilt"] is False, said
+    assert doc["pids_unchanged"] and doc["agents_restarted_nothing"] and doc["verify_deep_rc"] == 0, said
+    assert doc["restored_bitwise"] and doc["matches_reference"], said
     cert = open_ledger(job).get(2)
     assert list(cert.extra["layout_kept"]["dropped"]) == [2] and list(cert.extra["evicted"]["dead"]) == [3]
     assert "leaves: generation 2 keeps the HSDP layout" in (job / "agent-2.log").read_text(errors="replace")
+
+
+def test_the_shrink_policy_is_a_usage_error_outside_the_hsdp_scenario(cli, tmp_path):
+    res = cli("gpu-recover", "demo", "--shrink", "keep-layout", "--job-dir", str(tmp_path / "j"))
+    assert res.returncode == 64 and "--shrink applies to --scenario hsdp only" in res.stderr
+    assert not (tmp_path / "j").exists()
