@@ -29,6 +29,7 @@ from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.refusals import ActivationRefused
 from gpuguard.recovery.runtime.switch import Eviction, StateAgreement, agree_on_state
 from gpuguard.recovery.runtime.writers import ReplicatedWriter, SnapshotOutcomes
+from gpuguard.recovery.snapshots import sharded as ss
 from gpuguard.recovery.snapshots.measure import DATA_KEY
 from gpuguard.recovery.snapshots.soundness import STOP, Expect, Policy, expect_problem, judge, of_extra
 from gpuguard.recovery.snapshots.store import (
@@ -135,7 +136,11 @@ class RankState(ABC):
     # ------------------------------------------------------------------ the state
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """The state as `torch.distributed.checkpoint` saves and loads it."""
+        """The state as `torch.distributed.checkpoint` saves it: reading it never changes the training."""
+
+    def load_template(self) -> dict[str, Any]:
+        """The state DCP loads a snapshot into (its optimizer's state created if fresh: overwritten)."""
+        return self.state_dict()
 
     @abstractmethod
     def apply(self, loaded: Mapping[str, Any]) -> None:
@@ -276,13 +281,22 @@ class ReplicatedState(RankState):
         self.writer: ReplicatedWriter | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """model / optim / sched / rng / extra, as DCP saves and loads it."""
+        """model / optim / sched / rng / extra, as DCP saves it: a read that never changes the training
+        (a fresh optimizer is recorded fresh, `read_state_dicts`), for digests, memory and snapshots."""
+        return self._state(template=False)
+
+    def load_template(self) -> dict[str, Any]:
+        """The state DCP loads into: a fresh optimizer's state created (by torch's zero step), so that
+        the template holds every key the snapshot has; the load overwrites it."""
+        return self._state(template=True)
+
+    def _state(self, *, template: bool) -> dict[str, Any]:
         import torch
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         o = self.objects
         if o.optimizer is not None:
-            msd, osd = get_state_dict(o.model, o.optimizer)
+            msd, osd = get_state_dict(o.model, o.optimizer) if template else ss.read_state_dicts(o.model, o.optimizer)
         else:
             msd, osd = o.model.state_dict(), {}
         state: dict[str, Any] = {"model": msd, "rng": {"torch": torch.get_rng_state()}}
@@ -297,7 +311,6 @@ class ReplicatedState(RankState):
         return state
 
     def apply(self, loaded: Mapping[str, Any]) -> None:
-        import torch
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         o = self.objects
@@ -305,6 +318,13 @@ class ReplicatedState(RankState):
             set_state_dict(o.model, o.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         else:
             o.model.load_state_dict(loaded["model"])
+        self._apply_rest(loaded)
+
+    def _apply_rest(self, loaded: Mapping[str, Any]) -> None:
+        """All but model and optimizer: LR scheduler, RNG, extra, data position."""
+        import torch
+
+        o = self.objects
         if o.scheduler is not None and "sched" in loaded:
             o.scheduler.load_state_dict(loaded["sched"])
         torch.set_rng_state(loaded["rng"]["torch"])
@@ -334,7 +354,7 @@ class ReplicatedState(RankState):
     def load(self, ctx: Context, info: SnapshotInfo, cert: Certificate) -> str | None:
         """Load `info`, then one pass over the loaded state: its digest must be the snapshot's and,
         under the policy, every tensor finite (a snapshot written before soundness was recorded)."""
-        self.apply(load_snapshot(info, self.state_dict()))
+        self.apply(load_snapshot(info, self.load_template()))
         loaded, measured = measured_state(self.state_dict())
         if loaded != info.state_digest:
             raise ActivationRefused(
@@ -360,7 +380,12 @@ class ReplicatedState(RankState):
         return {s: d for s, (_, d) in self._local.items()}, {}
 
     def roll_back(self, frontier: int, committed: int | None, want: str | None) -> None:
+        """Hold the frontier's state. Model and optimizer already the frontier's (the failed step did
+        not update them) stay; the rest is put back all the same: the failed step had moved the data
+        position (and the RNG), so its redo would take the next step's samples instead of its own."""
         if committed == frontier and self.memory_digest() == want:
+            if frontier in self._local:
+                self._apply_rest(clone_state(self._local[frontier][0]))
             return None
         if frontier not in self._local:
             raise RollbackRefused(f"no local state of frontier step {frontier} (have {sorted(self._local)})")

@@ -82,6 +82,11 @@ class ShardedState(RankState):
         a plain tensor once, as a replica); each rank's RNG goes into its part (`snapshot`)."""
         return self._state(optimizer_state=True)
 
+    def load_template(self) -> dict[str, Any]:
+        """`state_dict`: a fresh optimizer's state created, as DCP's load needs (it overwrites it).
+        Reads before the optimizer's first step use `memory_state`; snapshots follow a step."""
+        return self._state(optimizer_state=True)
+
     def initial(self) -> bool:
         """The optimizer has not stepped yet: its state does not exist, and reading it would create it."""
         opt = self.objects.optimizer
@@ -150,7 +155,7 @@ class ShardedState(RankState):
         """Collective: load the certified state into this world's model (resharded by DCP), checked
         against the stored chunks; with a reshard plan in the certificate, check that the plan it
         certified (predicted) is the one this world's real layout needs."""
-        live = self.state_dict()
+        live = self.load_template()
         loaded, digest = ss.load_sharded_checked(info, live, group=self.group, policy=self.policy)
         self.apply(loaded)
         _, self.rng_restore = parts.restore_rng(info.path, ctx.rank, ctx.world_size)  # after build()'s seeding
@@ -283,7 +288,7 @@ class ShardedState(RankState):
             if rebuilt:
                 self.prepare(opened, timeout_s)
             # the initial state: the new optimizer is fresh, as the frontier's was (nothing of it to fill)
-            live = self.memory_state() if mem.initial else self.state_dict()
+            live = self.memory_state() if mem.initial else self.load_template()
             every: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(every, {"old_rank": mine[0], "old": mem.held(), "new": ir.held_by(live)})
         except RuntimeError as exc:  # a peer gone while the new group builds: switch again

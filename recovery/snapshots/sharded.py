@@ -94,6 +94,24 @@ def model_state(
     return state
 
 
+def read_state_dicts(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`get_state_dict(model, optimizer)` as a read that leaves the optimizer as it was.
+
+    torch creates a fresh optimizer's state by a zero step (`_init_optim_state`: AdamW's step count
+    becomes 1), so a job read at activation would train unlike the same job unread. For a fresh
+    optimizer that state is dropped again and the read records it fresh: `state` empty, its param
+    groups as they are (`set_state_dict` of that leaves an optimizer fresh). A state DCP loads into
+    needs the created state instead (`get_state_dict` itself: it is about to be overwritten)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415 - lazy: torch only where used
+
+    fresh = not optimizer.state
+    msd, osd = get_state_dict(model, optimizer)
+    if fresh and optimizer.state:  # the zero step ran: grads were None before it and are None again
+        optimizer.state.clear()
+        osd = {**osd, "state": {}}
+    return msd, osd
+
+
 def apply_model_state(model: Any, optimizer: Any, state: Mapping[str, Any]) -> None:
     """Put a loaded `model_state` back into the model and optimizer (`set_state_dict`); a state
     without `optim` (the initial state) leaves the optimizer as it is: fresh."""
