@@ -9,7 +9,7 @@ took (JOB_DIR/samples/rank-<R>.jsonl: generation, world, step, its ids, the step
 The update is world-size free: each rank takes the gradient of each of its samples on its own, every
 rank gathers all of them (`all_gather_object`, rank order = the global batch's order) and adds them
 one by one in that order, so a run at any world size, or one that changes world size on the way,
-computes bitwise what `reference()` computes in one process. Rank 0 writes the final parameters to
+computes bitwise what `reference()` computes in one process, a plain loop without the runtime. Rank 0 writes the final parameters to
 JOB_DIR/final.pt. `--kill R:S` SIGKILLs rank R at the start of step S (once: a marker file).
 """
 
@@ -34,7 +34,9 @@ SIZE, BATCH, SEED = 60, 6, 3
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # AdamW: its step count is state, and a read that stepped a fresh one (torch's `get_state_dict`)
+    # made the run differ from `reference` (issue 24)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
 def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
