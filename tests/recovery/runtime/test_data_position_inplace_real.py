@@ -103,7 +103,7 @@ def test_survivors_switching_in_place_take_the_rules_samples_and_end_bitwise_lik
 
     cert = open_ledger(job).require_active()
     assert cert.generation == 2 and cert.extra.get("switch") == "in-place" and len(cert.members) == 2
-    assert sorted(m.incarnation.pid for m in cert.members) == [first[r] for r in survivors]
+    assert {m.incarnation.pid for m in cert.members} == {first[r] for r in survivors}  # the same processes
     resumed_at = cert.frontier.step + 1
     assert 1 <= resumed_at <= HOLD
 
