@@ -79,12 +79,12 @@ class ShardedState(RankState):
         """model / optim (`get_state_dict`: DTensors stay sharded) / sched / extra.
 
         No RNG state here: a per-rank RNG tensor cannot live in a resharded checkpoint (DCP stores
-        a plain tensor once, as a replica); each rank's RNG goes into its part (`snapshot`)."""
-        return self._state(optimizer_state=True)
+        a plain tensor once, as a replica); each rank's RNG goes into its part (`snapshot`).
+        A read: an optimizer that has not stepped is recorded fresh (`ss.read_state_dicts`)."""
+        return self._state(optimizer_state=True, read=True)
 
     def load_template(self) -> dict[str, Any]:
-        """`state_dict`: a fresh optimizer's state created, as DCP's load needs (it overwrites it).
-        Reads before the optimizer's first step use `memory_state`; snapshots follow a step."""
+        """`state_dict` with a fresh optimizer's state created, as DCP's load needs (it overwrites it)."""
         return self._state(optimizer_state=True)
 
     def initial(self) -> bool:
@@ -96,11 +96,11 @@ class ShardedState(RankState):
         """The state read without changing it: `state_dict`, but before the optimizer's first step (the
         initial state) without the optimizer, whose state a read would create by a zero step (AdamW's
         step count: the training would change); a fresh optimizer is then that state's optimizer."""
-        return self._state(optimizer_state=not self.initial())
+        return self._state(optimizer_state=not self.initial(), read=True)
 
-    def _state(self, *, optimizer_state: bool) -> dict[str, Any]:
+    def _state(self, *, optimizer_state: bool, read: bool = False) -> dict[str, Any]:
         o = self.objects
-        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None, optimizer_state=optimizer_state)
+        state = ss.model_state(o.model, o.optimizer, extra=o.extra or None, optimizer_state=optimizer_state, read=read)
         if o.scheduler is not None:
             state["sched"] = o.scheduler.state_dict()
         if o.data is not None:  # one global position (docs/formats/sharded-snapshots.md, "Data position")

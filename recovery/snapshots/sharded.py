@@ -71,13 +71,20 @@ class ShardedInfo:
 
 
 def model_state(
-    model: Any, optimizer: Any, extra: Mapping[str, Any] | None = None, *, optimizer_state: bool = True
+    model: Any,
+    optimizer: Any,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    optimizer_state: bool = True,
+    read: bool = False,
 ) -> dict[str, Any]:
     """`{"model": ..., "optim": ..., "extra": ...}` from `get_state_dict` (sharded: DTensors stay sharded).
 
     `optimizer_state=False`: the model alone (`get_model_state_dict`), for an optimizer that has not
     stepped yet: reading one through `get_state_dict` creates its state by a zero step (torch's
-    `_init_optim_state`; AdamW's step count becomes 1), so the read would change the training."""
+    `_init_optim_state`; AdamW's step count becomes 1), so the read would change the training.
+    `read=True`: such an optimizer recorded fresh instead (`read_state_dicts`); the default creates
+    its state, as a template DCP loads into needs."""
     from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 - lazy: torch only where used
         get_model_state_dict,
         get_state_dict,
@@ -85,7 +92,7 @@ def model_state(
 
     state: dict[str, Any]
     if optimizer_state:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = read_state_dicts(model, optimizer) if read else get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
     else:
         state = {"model": get_model_state_dict(model)}

@@ -11,6 +11,7 @@ import copy
 import torch
 
 from gpuguard.recovery.runtime.rank_state import ReplicatedState, TrainObjects
+from gpuguard.recovery.runtime.sharded_state import ShardedState
 
 STEPS = 5
 
@@ -68,3 +69,13 @@ def test_rolling_back_to_the_initial_state_leaves_a_fresh_optimizer():
     state.apply(initial)
     assert not opt.state
     assert torch.equal(_train(model, opt, STEPS), _train(*_pair(), STEPS))
+
+
+def test_the_sharded_states_read_leaves_a_fresh_optimizer_fresh_and_its_template_holds_the_state():
+    """`Runtime.state_dict()` / `sharded_state()` of a sharded job before its first step (a plain
+    module here: `get_state_dict` reads it as it reads an FSDP2 one, without a process group)."""
+    model, opt = _pair()
+    state = ShardedState(TrainObjects(model=model, optimizer=opt), build=None)
+    read = state.state_dict()
+    assert not opt.state and read["optim"]["state"] == {}
+    assert set(state.load_template()["optim"]["state"]) == {"weight", "bias"}
