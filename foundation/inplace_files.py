@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,73 @@ class Report:
             _chunks(d.get("chunks", {})),
             _ranks(d.get("suspects", [])),
         )
+
+
+HOST_REPORT_SCHEMA = "gpuguard.inplace-host-report/1"
+HOST_BLOCK = 64  # ranks per aggregated key: rank // HOST_BLOCK (64 reports of REPORT_INLINE_MAX fit etcd's 1.5 MiB)
+REPORT_INLINE_MAX = 16 << 10  # a report larger than this (bytes of JSON) is published on its own key
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """The reports of one host's survivors of generation G whose ranks fall in one block of
+    HOST_BLOCK, published by the host's aggregator as one record: the coordinator reads O(hosts)
+    records, not O(ranks) (docs/formats/inplace.md, "Aggregated reports")."""
+
+    generation: int
+    host: str
+    block: int  # every report's rank // HOST_BLOCK
+    aggregator: int  # the rank that published it
+    aggregator_incarnation: str
+    reports: tuple[Report, ...]  # ascending rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": HOST_REPORT_SCHEMA,
+            "generation": self.generation,
+            "host": self.host,
+            "block": self.block,
+            "aggregator": {"rank": self.aggregator, "incarnation_id": self.aggregator_incarnation},
+            "reports": [r.to_dict() for r in self.reports],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HostReport:
+        """ValueError unless every report in it is of this generation, host and block."""
+        if d.get("schema") != HOST_REPORT_SCHEMA:
+            raise ValueError(f"not a {HOST_REPORT_SCHEMA} record")
+        agg, raw = d["aggregator"], d["reports"]
+        if not isinstance(agg, Mapping) or not isinstance(raw, list) or len(raw) > HOST_BLOCK:
+            raise ValueError("aggregator or reports malformed")
+        out = cls(
+            int(d["generation"]),
+            str(d["host"]),
+            int(d["block"]),
+            int(agg["rank"]),
+            str(agg["incarnation_id"]),
+            tuple(Report.from_dict(r) for r in raw),
+        )
+        for r in out.reports:
+            if (r.generation, r.host, r.rank // HOST_BLOCK) != (out.generation, out.host, out.block):
+                raise ValueError(f"report of rank {r.rank} does not belong to {out.host} block {out.block}")
+        return out
+
+
+def merge_reports(generation: int, reports: Iterable[Report], host_reports: Iterable[HostReport]) -> dict[int, Report]:
+    """old rank -> report of generation G, from per-rank records and aggregated ones together.
+
+    The same answer as reading every report on its own key: of two reports under one rank the one
+    with the greater incarnation id is kept (the per-rank keys `<rank>-<incarnation>` are read in
+    key order, the last one kept), whichever record carried it."""
+    out: dict[int, Report] = {}
+    every = [*reports, *(r for h in host_reports if h.generation == generation for r in h.reports)]
+    for rep in every:
+        if rep.generation != generation:
+            continue
+        have = out.get(rep.rank)
+        if have is None or rep.incarnation_id > have.incarnation_id:
+            out[rep.rank] = rep
+    return out
 
 
 def _ranks(raw: Any) -> tuple[int, ...]:

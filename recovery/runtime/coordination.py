@@ -41,6 +41,10 @@ class Coordination(Protocol):
         """Publish a survivor's report of generation G; False when it was fenced (G is no longer
         active, or this incarnation's lease is gone): the writer then must not take part."""
 
+    def aggregate(self, generation: int) -> bool:
+        """Publish this host's reports of G when this process is the host's aggregator (etcd: one
+        record per host, docs/formats/inplace.md); False when that write was fenced."""
+
     def read_reports(self, generation: int) -> dict[int, Report]: ...
 
     def request_abort(self, generation: int, why: str = "operator") -> None: ...
@@ -73,6 +77,10 @@ class DirCoordination:
 
     def write_report(self, report: Report) -> bool:
         write_report(self.job_dir, report)
+        return True
+
+    def aggregate(self, generation: int) -> bool:
+        """Each report is its own file in the job dir: nothing to gather."""
         return True
 
     def read_reports(self, generation: int) -> dict[int, Report]:

@@ -1,7 +1,9 @@
 """The in-place switch's etcd transport: reports, refusals, aborts, leases and the group store address.
 
 Keys under the etcd ledger's prefix P (docs/formats/inplace.md, docs/formats/leases.md):
-  P/inplace/g<G>/report/<rank>-<incarnation>   a survivor's Report (JSON)
+  P/inplace/g<G>/host/<block>/<host>           one host's reports of ranks block*64.. (HostReport), by
+                                               its aggregator (recovery.runtime.host_reports)
+  P/inplace/g<G>/report/<rank>-<incarnation>   a survivor's Report (JSON), where nothing aggregates it
   P/inplace/g<G>/refused                       the coordinator's refusal
   P/inplace/g<G>/store                         "host:port" of generation G's group store
   P/inplace/abort                              an operator's abort request
@@ -12,7 +14,7 @@ coordinator that activates G+1 deletes every `P/inplace/g<k>/` with k < G (`prun
 holds at most two generations' reports (about 2 x ranks keys), whatever the job's length.
 
 Every write a stale incarnation could make is one transaction that compares what makes it
-legitimate: a report of G needs `P/active == G` and the writer's own lease key; a store address
+legitimate: a report of G (per rank or aggregated) needs `P/active == G` and the writer's own lease key; a store address
 of G needs `P/active == G` and the lease key too; so does a refusal of G. Fenced writes are counted in `fenced_writes`.
 
 The group store. Generation G+1's rank 0 serves a c10d TCPStore on its own address (the one it
@@ -53,8 +55,9 @@ from gpuguard.foundation.etcd import (
     range_kvs,
 )
 from gpuguard.foundation.identity import own_start_time
-from gpuguard.foundation.inplace_files import Report
+from gpuguard.foundation.inplace_files import HostReport, Report, merge_reports
 from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, Member, join
+from gpuguard.recovery.runtime.host_reports import HostReports, aggregator, blocks
 from gpuguard.recovery.runtime.lease import Heartbeat, LeaseTiming
 from gpuguard.recovery.runtime.lease import now as lease_clock
 
@@ -66,6 +69,15 @@ def local_address(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return str(s.getsockname()[0])
+
+
+def _host_report(raw: bytes, generation: int) -> HostReport | None:
+    """An aggregated record of generation G, or None (malformed, foreign: a report not made)."""
+    try:
+        doc = HostReport.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return doc if doc.generation == generation else None
 
 
 class EtcdCoordination:
@@ -93,6 +105,9 @@ class EtcdCoordination:
         self._beat_client: EtcdClient | None = None
         self._hostdir: HostDir | None = None
         self._incarnation_id = ""
+        self._host_reports: HostReports | None = None  # with a host lease: reports are aggregated per host
+        self._published: dict[tuple[int, int], frozenset[tuple[int, str]]] = {}  # what this aggregator wrote
+        self.keys_read = 0  # keys the last read_reports read (bench/scale.py)
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
@@ -140,6 +155,7 @@ class EtcdCoordination:
         hostdir.register(incarnation_id, member)  # before the key: a dead rank's key is always found
         self.client.put(key, json.dumps({**info, **timing.to_dict()}), "lease key", lease=lease)
         self._lease, self._lease_key, self._hostdir, self._incarnation_id = lease, key, hostdir, incarnation_id
+        self._host_reports = HostReports(hostdir)
         # its own client (connections of its own), each keep-alive bounded by the keepalive timeout
         beat = EtcdClient.from_url(self.where, timeout=timing.call_timeout_s)
 
@@ -171,20 +187,66 @@ class EtcdCoordination:
 
     # -- the switch's records ---------------------------------------------------------------
     def write_report(self, report: Report) -> bool:
+        """Into the host directory for the host's aggregator (published at once when this rank is
+        it), or on its own key where nothing aggregates (no host lease, a report too large)."""
+        if self._host_reports is not None and self._host_reports.put(report):
+            return self._aggregate(report.generation, again=True)
         key = self._gkey(report.generation, "report", f"{report.rank}-{report.incarnation_id}")
         compares = [self._active_is(report.generation), *self._lease_alive()]
         return self._put_if(key, json.dumps(report.to_dict()), compares, "report write")
 
+    def aggregate(self, generation: int) -> bool:
+        """When this rank is its host's aggregator (`host_reports.aggregator`): publish each block of
+        the host's reports of G that changed since, as one `HostReport`. False when fenced.
+
+        Each write keeps what the key already holds (a report is never taken back) and compares its
+        mod revision: an aggregator that froze between its read and its write, then woke after
+        the next one published, cannot replace a newer set with its older one."""
+        return self._aggregate(generation, again=False)
+
+    def _aggregate(self, generation: int, *, again: bool) -> bool:
+        """`aggregate`; `again`: publish even what was published (a report written anew must learn
+        whether it is fenced)."""
+        if self._host_reports is None:
+            return True
+        local = self._host_reports.read(generation)
+        me = next((lr.report for lr in local if lr.report.incarnation_id == self._incarnation_id), None)
+        if me is None or aggregator(local) != me.rank:
+            return True
+        ok = True
+        for block, reps in blocks(lr.report for lr in local).items():
+            seen = frozenset((r.rank, r.incarnation_id) for r in reps)
+            if self._published.get((generation, block)) == seen and not again:
+                continue
+            key = self._gkey(generation, "host", f"{block:06d}", me.host)
+            kv = self.client.get(key, "host report read")
+            have = _host_report(kv.value, generation) if kv is not None else None
+            merged = merge_reports(generation, reps, [have] if have is not None else [])
+            doc = HostReport(generation, me.host, block, me.rank, me.incarnation_id, tuple(merged.values()))
+            compares = [
+                self._active_is(generation),
+                *self._lease_alive(),
+                compare(key, "MOD", kv.mod_revision if kv is not None else 0),
+            ]
+            if self._put_if(key, json.dumps(doc.to_dict()), compares, "host report write"):
+                self._published[(generation, block)] = seen
+            else:
+                ok = False
+        return ok
+
     def read_reports(self, generation: int) -> dict[int, Report]:
-        out: dict[int, Report] = {}
+        """The per-rank reports and the aggregated ones of G: two range reads, O(hosts) keys when
+        every host aggregates (`foundation.inplace_files.merge_reports`: the same dict either way)."""
+        per_rank: list[Report] = []
         for kv in range_kvs(self.client.range(self._gkey(generation, "report", ""), "report read", prefix=True)):
             try:
-                rep = Report.from_dict(json.loads(kv.value))
+                per_rank.append(Report.from_dict(json.loads(kv.value)))
             except (ValueError, KeyError, TypeError):
                 continue
-            if rep.generation == generation:
-                out[rep.rank] = rep
-        return out
+        hosts = range_kvs(self.client.range(self._gkey(generation, "host", ""), "host report read", prefix=True))
+        self.keys_read = len(per_rank) + len(hosts)
+        host_reports = [h for h in (_host_report(kv.value, generation) for kv in hosts) if h is not None]
+        return merge_reports(generation, per_rank, host_reports)
 
     def request_abort(self, generation: int, why: str = "operator") -> None:
         doc = {"generation": generation, "why": why, "time": time.time()}
@@ -266,6 +328,9 @@ class EtcdCoordination:
                 self.client.delete(self._lease_key, "lease key")
             except GpuguardError:  # the renewer prunes it, or the lease expires by itself
                 pass
+        if self._host_reports is not None:
+            self._host_reports.close()
+            self._host_reports = None
         if self._hostdir is not None:
             self._hostdir.unregister(self._incarnation_id)
             if not isinstance(self.heartbeat, HostHeartbeat) or self.heartbeat.stopped:

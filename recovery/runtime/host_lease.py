@@ -130,9 +130,9 @@ class HostDir:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = _open_private_dir(path)
+        self.fd = open_private_dir(path)
         members = path / "members"
-        self.members_fd = _open_private_dir(members)
+        self.members_fd = open_private_dir(members)
 
     @classmethod
     def for_lease(cls, scope: str, base: Path | None = None) -> HostDir:
@@ -146,11 +146,11 @@ class HostDir:
 
     # -- the state ----------------------------------------------------------------------------
     def read_state(self) -> HostState | None:
-        raw = _read_at(self.fd, "lease.json")
+        raw = read_at(self.fd, "lease.json")
         return None if raw is None else HostState.from_json(raw)
 
     def write_state(self, state: HostState) -> None:
-        _replace_at(self.fd, "lease.json", state.to_json())
+        replace_at(self.fd, "lease.json", state.to_json())
 
     # -- the locks ------------------------------------------------------------------------------
     def try_lock(self, name: str) -> int | None:
@@ -168,7 +168,7 @@ class HostDir:
     # -- the members ----------------------------------------------------------------------------
     def register(self, incarnation_id: str, member: Member) -> None:
         """Write (or refresh: the `tick`) this rank's member file."""
-        _replace_at(self.members_fd, _member_name(incarnation_id), json.dumps(member.__dict__).encode())
+        replace_at(self.members_fd, _member_name(incarnation_id), json.dumps(member.__dict__).encode())
 
     def unregister(self, incarnation_id: str) -> None:
         try:
@@ -181,7 +181,7 @@ class HostDir:
         for name in os.listdir(self.members_fd):
             if name.startswith(".") or not _SAFE_NAME.match(name):
                 continue
-            raw = _read_at(self.members_fd, name)
+            raw = read_at(self.members_fd, name)
             try:
                 doc = json.loads(raw or b"")
                 yield name, Member(str(doc["key"]), int(doc["pid"]), float(doc["start_time"]), float(doc["tick"]))
@@ -195,7 +195,7 @@ def _member_name(incarnation_id: str) -> str:
     return "h-" + hashlib.sha256(incarnation_id.encode()).hexdigest()[:32]
 
 
-def _open_private_dir(path: Path) -> int:
+def open_private_dir(path: Path) -> int:
     """Make `path` (0700) or open it if it is a directory of ours that nobody else may write."""
     try:
         os.mkdir(path, 0o700)
@@ -214,7 +214,8 @@ def _open_private_dir(path: Path) -> int:
     return fd
 
 
-def _read_at(dir_fd: int, name: str) -> bytes | None:
+def read_at(dir_fd: int, name: str, cap: int = MAX_STATE_BYTES) -> bytes | None:
+    """The first `cap` bytes of the regular file `name` (None: absent, a link or a FIFO)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
@@ -222,12 +223,12 @@ def _read_at(dir_fd: int, name: str) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return os.read(fd, MAX_STATE_BYTES + 1)[:MAX_STATE_BYTES]
+        return os.read(fd, cap + 1)[:cap]
     finally:
         os.close(fd)
 
 
-def _replace_at(dir_fd: int, name: str, data: bytes) -> None:
+def replace_at(dir_fd: int, name: str, data: bytes) -> None:
     """A temp file of our own (O_EXCL, 0600), renamed over `name`: readers see the old or the new."""
     tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_CLOEXEC

@@ -285,6 +285,7 @@ class InPlaceRuntime(Runtime):
             refused = ctx.coord.refusal(generation)
             if refused is not None:
                 self._refuse(f"in-place switch refused: {refused.get('reason')}")
+            ctx.coord.aggregate(generation)  # this host's reports, when it is my turn to publish them
             reports = ctx.coord.read_reports(generation)
             probes = coordinator_probes(reports, parent.ranks, me.host)
             gone = [r for r, (pid, start) in probes.items() if member_liveness(pid, start) == "gone"]
