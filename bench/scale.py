@@ -11,8 +11,12 @@ through the project's etcd client. Each row is `{"metric", "ranks", "design", "o
   switch that drops one replica (8 ranks). `design` `chunked` (certificate /2) and `inline` (the
   /1 certificate every member inline, as before: refused past etcd's request limit).
 - `inplace_decision` / `restart_decision`: the pure decisions of the two coordinators
-  (recovery/runtime/switch.py, activation.py) and the certificate issue + check, compute only.
-  `design` `before` reruns the in-place decision with the quadratic admission main had.
+  (recovery/runtime/switch.py, activation.py) and the certificate issue + check. The in-place
+  rows add the coordinator's read of the survivors' reports from etcd (`keys_read`,
+  `read_seconds`, `report_writes`): `design` `current` with the reports aggregated per host (one
+  key per host of 8 ranks, recovery/runtime/host_reports.py), `per-rank` with one key per
+  survivor, as before. `before` reruns the decision with the quadratic admission main had
+  (compute only). `restart_decision` is compute only.
 - `frontier_read`, `commit_path`, `etcd_growth`: the per-rank-step ledger as it is
   (`record_commit` per rank-step, `last_committed_by_all`), design `per-rank-step`.
 - `keepalive_load`: design `lease-per-host` (one lease per host of 8 ranks, one renewer:
@@ -29,6 +33,7 @@ Add a metric: one function `(Bench, ranks) -> list[row]` and one line in METRICS
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import statistics
 import sys
@@ -52,12 +57,14 @@ from scale_scenarios import KEY, genesis, started, table  # noqa: E402
 from gpuguard.foundation.env import HOST_LEASE_DIR_ENV  # noqa: E402
 from gpuguard.foundation.errors import GpuguardError  # noqa: E402
 from gpuguard.foundation.etcd import MAX_TXN_OPS, EtcdClient, put_op  # noqa: E402
+from gpuguard.foundation.inplace_files import HostReport, Report  # noqa: E402
 from gpuguard.generation.keys import sign  # noqa: E402
 from gpuguard.generation.ledger import dumps_record, encode_certificate  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 from gpuguard.generation.records import INLINE_SCHEMA, Certificate, CommitRecord, Member  # noqa: E402
 from gpuguard.recovery.runtime import switch  # noqa: E402
 from gpuguard.recovery.runtime.coordination_etcd import EtcdCoordination  # noqa: E402
+from gpuguard.recovery.runtime.host_reports import blocks  # noqa: E402
 from gpuguard.recovery.runtime.lease import DEFAULT_TTL_S, LeaseTiming  # noqa: E402
 
 SIZES = (1_000, 10_000, 100_000)
@@ -220,19 +227,21 @@ def inplace_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     repeat = 1 if ranks >= 100_000 else 2
     decide_s, plan = best(lambda: sn.decide_in_place(sc), repeat)
     cert_s, (cert, violations) = best(lambda: sn.certify(sc.parent, plan, "proved", plan.frontier), repeat)
-    rows = [
-        {
-            "metric": "inplace_decision",
-            "ranks": ranks,
-            "design": "current",
-            "ok": not violations and decide_s + cert_s <= DECISION_TARGET_S,
-            "seconds": round(decide_s + cert_s, 3),
-            "decision_seconds": round(decide_s, 3),
-            "certificate_seconds": round(cert_s, 3),
-            "members_after": len(plan.members),
-            "certificate_bytes": len(encode_certificate(cert)),
-        }
-    ]
+    rows = []
+    for design in ("current", "per-rank"):  # reports aggregated per host (one key per host), or one key per rank
+        read = _reports_read(b, sc, aggregated=design == "current")
+        seconds = read["read_seconds"] + decide_s + cert_s
+        row = {"metric": "inplace_decision", "ranks": ranks, "design": design}
+        row.update(
+            ok=not violations and read["same"] and seconds <= DECISION_TARGET_S,
+            seconds=round(seconds, 3),
+            decision_seconds=round(decide_s, 3),
+            certificate_seconds=round(cert_s, 3),
+            **{k: v for k, v in read.items() if k != "same"},
+            members_after=len(plan.members),
+            certificate_bytes=len(encode_certificate(cert)),
+        )
+        rows.append(row)
     before: dict[str, Any] = {"metric": "inplace_decision", "ranks": ranks, "design": "before"}
     if ranks <= 10_000:
         s, _ = timed(lambda: sn.decide_in_place(sc, sn.admit_as_before))
@@ -243,6 +252,42 @@ def inplace_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
         s = decide_s + t * (ranks / 10_000) ** 2
         before.update(ok=s <= DECISION_TARGET_S, seconds=round(s, 1), decision_seconds=round(s, 1), projected=True)
     return rows + [before]
+
+
+def _reports_read(b: Bench, sc: sn.InPlace, *, aggregated: bool) -> dict[str, Any]:
+    """The survivors' reports in etcd as the switch leaves them (one `HostReport` per host, as its
+    aggregator publishes it, or one key per survivor), then one `EtcdCoordination.read_reports`
+    of them: the keys it read, how long it took, and whether it read exactly the reports."""
+    url = b.ledger_url()
+    coord = EtcdCoordination.from_url(url, timeout=120.0)
+    try:
+        if aggregated:
+            by_host: dict[str, list[Report]] = {}
+            for rep in sc.reports.values():
+                by_host.setdefault(rep.host, []).append(rep)
+            docs = [
+                (
+                    coord.host_key(1, block, host),
+                    HostReport(1, host, block, reps[0].rank, reps[0].incarnation_id, tuple(reps)),
+                )
+                for host, mine in by_host.items()
+                for block, reps in blocks(mine).items()
+            ]
+            kvs = [(key, json.dumps(doc.to_dict()).encode()) for key, doc in docs]
+        else:
+            kvs = [(coord.report_key(rep), json.dumps(rep.to_dict()).encode()) for rep in sc.reports.values()]
+        b.gateway.put_many(kvs)
+        s, got = best(lambda: coord.read_reports(1), 1 if len(sc.reports) >= 50_000 else 2)
+        return {
+            "same": got == sc.reports,
+            "keys_read": coord.keys_read,
+            "report_writes": len(kvs),  # etcd writes the survivors' reports cost at the switch
+            "read_seconds": round(s, 3),
+            "read_bytes": sum(len(k) + len(v) for k, v in kvs),
+        }
+    finally:
+        coord.close()
+        b.gateway.delete_prefix(b.prefix(url))
 
 
 def restart_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ Keys under the etcd ledger's prefix P (docs/formats/inplace.md, docs/formats/lea
 
 Bounded: once generation G+1 is active nobody reads generation G-1's keys any more, so the
 coordinator that activates G+1 deletes every `P/inplace/g<k>/` with k < G (`prune`): the keyspace
-holds at most two generations' reports (about 2 x ranks keys), whatever the job's length.
+holds at most two generations' reports (about 2 x hosts keys; 2 x ranks where no host aggregates),
+whatever the job's length.
 
 Every write a stale incarnation could make is one transaction that compares what makes it
 legitimate: a report of G (per rank or aggregated) needs `P/active == G` and the writer's own lease key; a store address
@@ -191,9 +192,16 @@ class EtcdCoordination:
         it), or on its own key where nothing aggregates (no host lease, a report too large)."""
         if self._host_reports is not None and self._host_reports.put(report):
             return self._aggregate(report.generation, again=True)
-        key = self._gkey(report.generation, "report", f"{report.rank}-{report.incarnation_id}")
         compares = [self._active_is(report.generation), *self._lease_alive()]
-        return self._put_if(key, json.dumps(report.to_dict()), compares, "report write")
+        return self._put_if(self.report_key(report), json.dumps(report.to_dict()), compares, "report write")
+
+    def report_key(self, report: Report) -> str:
+        """`P/inplace/g<G>/report/<rank>-<incarnation>`: a report on its own key."""
+        return self._gkey(report.generation, "report", f"{report.rank}-{report.incarnation_id}")
+
+    def host_key(self, generation: int, block: int, host: str) -> str:
+        """`P/inplace/g<G>/host/<block>/<host>`: one host's aggregated reports of one block."""
+        return self._gkey(generation, "host", f"{block:06d}", host)
 
     def aggregate(self, generation: int) -> bool:
         """When this rank is its host's aggregator (`host_reports.aggregator`): publish each block of
@@ -218,7 +226,7 @@ class EtcdCoordination:
             seen = frozenset((r.rank, r.incarnation_id) for r in reps)
             if self._published.get((generation, block)) == seen and not again:
                 continue
-            key = self._gkey(generation, "host", f"{block:06d}", me.host)
+            key = self.host_key(generation, block, me.host)
             kv = self.client.get(key, "host report read")
             have = _host_report(kv.value, generation) if kv is not None else None
             merged = merge_reports(generation, reps, [have] if have is not None else [])

@@ -205,7 +205,7 @@ def test_a_published_report_is_never_taken_back_by_an_aggregator_that_froze(ledg
     and its next pass keeps both."""
     _on_host(monkeypatch, tmp_path, "hA")
     a, reader = ledger("inc0"), ledger()
-    key = a._gkey(1, "host", "000000", "hA")
+    key = a.host_key(1, 0, "hA")
     newer = HostReport(1, "hA", 0, 5, "inc5", (_report(5, "inc5", "hA"),))
     real_get = a.client.get
 
