@@ -39,6 +39,9 @@ CHUNK_MAX_MEMBERS = 4096  # and at most chunks.CHUNK_MAX_BYTES: well under etcd'
 BOUNDARY_MASK = 0x3FF  # ~1 member in 1024 ends a chunk: chunks of ~1,000 members on average
 
 
+_INCARNATION_FIELDS = ("id", "host", "pid", "start_time", "gpu_uuid")
+
+
 @dataclass(frozen=True, slots=True)
 class Incarnation:
     """One process instance. Two processes never share an id, even on the same rank number."""
@@ -65,8 +68,25 @@ class Incarnation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Incarnation:
+        # the well-formed case in one step (a restart at 100,000 ranks reads 100,000 of them); any other
+        # dict takes the checks below, which accept and refuse exactly what this accepts, and say why
+        if len(d) == 5 and "gpu_uuid" in d:
+            i, h, p, s, g = d.get("id"), d.get("host"), d.get("pid"), d.get("start_time"), d["gpu_uuid"]
+            if (
+                type(i) is str
+                and type(h) is str
+                and type(p) is int
+                and type(s) is str
+                and (g is None or type(g) is str)
+            ):
+                return cls(i, h, p, float(s), g)
+        return cls.checked_from_dict(d)
+
+    @classmethod
+    def checked_from_dict(cls, d: Mapping[str, Any]) -> Incarnation:
+        """`from_dict` field by field: every refusal names its field."""
         w = "incarnation"
-        only(d, {"id", "host", "pid", "start_time", "gpu_uuid"}, w)
+        only(d, set(_INCARNATION_FIELDS), w)
         gpu = d.get("gpu_uuid")
         if gpu is not None and not isinstance(gpu, str):
             raise ValueError(f"{w}: gpu_uuid must be a string or null")

@@ -133,3 +133,55 @@ def test_parse_canonical_accepts_exactly_the_canonical_bytes(value, spaced, unso
         assert text != canonical_bytes(value)
     else:
         assert text == canonical_bytes(value) == canonical_bytes(back)
+
+
+class _Pid(int):
+    """An int subclass: the checked path takes it as an int, the one-step path must not skip it."""
+
+
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.builds(_Pid, st.integers(0, 99)),
+    st.floats(allow_nan=False),
+    st.text(max_size=6),
+    st.sampled_from(["1.5", "1700000000.25", "nan", "x"]),
+)
+
+
+_well_formed = {"id": st.text(max_size=6), "host": st.text(max_size=6), "pid": st.integers(0, 10**6)}
+
+
+@st.composite
+def _incarnation_dicts(draw):
+    """A well-formed incarnation dict with one field or the key set changed (or none)."""
+    d = {k: draw(v) for k, v in _well_formed.items()}
+    d["start_time"] = draw(st.sampled_from(["1.5", "1700000000.25"]))
+    d["gpu_uuid"] = draw(st.one_of(st.none(), st.text(max_size=4)))
+    change = draw(st.sampled_from(["none", "value", "drop", "add"]))
+    if change == "value":
+        d[draw(st.sampled_from(sorted(d)))] = draw(_values)
+    elif change == "drop":
+        del d[draw(st.sampled_from(sorted(d)))]
+    elif change == "add":
+        d["extra"] = 1
+    return d
+
+
+@settings(max_examples=400)
+@given(_incarnation_dicts())
+def test_incarnation_from_dict_takes_the_one_step_path_only_where_the_checks_agree(d):
+    """Incarnation.from_dict's one-step path (100,000 hellos at a restart) accepts and builds
+    exactly what the field-by-field checks do; every other dict is refused by those checks."""
+
+    def outcome(parse):
+        try:
+            return parse(d)
+        except (ValueError, TypeError) as exc:
+            return type(exc)
+
+    got, want = outcome(Incarnation.from_dict), outcome(Incarnation.checked_from_dict)
+    assert got == want or (
+        isinstance(got, Incarnation) and isinstance(want, Incarnation) and got.to_dict() == want.to_dict()
+    )
