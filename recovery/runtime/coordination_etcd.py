@@ -47,6 +47,7 @@ from typing import Any
 from gpuguard.foundation.errors import GpuguardError, UnavailableError
 from gpuguard.foundation.etcd import (
     DEFAULT_PREFIX,
+    KV,
     Endpoint,
     EtcdClient,
     EtcdUrl,
@@ -109,6 +110,8 @@ class EtcdCoordination:
         self._host_reports: HostReports | None = None  # with a host lease: reports are aggregated per host
         self._published: dict[tuple[int, int], frozenset[tuple[int, str]]] = {}  # what this aggregator wrote
         self.keys_read = 0  # keys the last read_reports read (bench/scale.py)
+        self._host_seen: dict[bytes, tuple[int, HostReport | None]] = {}  # key -> (mod revision, parsed)
+        self._host_seen_generation = -1
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
@@ -253,8 +256,20 @@ class EtcdCoordination:
                 continue
         hosts = range_kvs(self.client.range(self._gkey(generation, "host", ""), "host report read", prefix=True))
         self.keys_read = len(per_rank) + len(hosts)
-        host_reports = [h for h in (_host_report(kv.value, generation) for kv in hosts) if h is not None]
-        return merge_reports(generation, per_rank, host_reports)
+        return merge_reports(generation, per_rank, self._parsed(generation, hosts))
+
+    def _parsed(self, generation: int, kvs: list[KV]) -> list[HostReport]:
+        """The host records, each parsed once per version: the switch loop reads them every pass,
+        and at 100,000 ranks parsing them again is most of a pass."""
+        seen = self._host_seen if self._host_seen_generation == generation else {}
+        now: dict[bytes, tuple[int, HostReport | None]] = {}
+        for kv in kvs:
+            rev, parsed = seen.get(kv.key, (0, None))
+            if rev != kv.mod_revision:  # new, or rewritten by its aggregator since
+                parsed = _host_report(kv.value, generation)
+            now[kv.key] = (kv.mod_revision, parsed)
+        self._host_seen, self._host_seen_generation = now, generation
+        return [p for _, p in now.values() if p is not None]
 
     def request_abort(self, generation: int, why: str = "operator") -> None:
         doc = {"generation": generation, "why": why, "time": time.time()}
