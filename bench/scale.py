@@ -16,7 +16,8 @@ through the project's etcd client. Each row is `{"metric", "ranks", "design", "o
   `read_seconds`, `report_writes`): `design` `current` with the reports aggregated per host (one
   key per host of 8 ranks, recovery/runtime/host_reports.py), `per-rank` with one key per
   survivor, as before. `before` reruns the decision with the quadratic admission main had
-  (compute only). `restart_decision` is compute only.
+  (compute only). `restart_decision` is compute only. `compute_cpu_seconds`: the decision and the
+  certificate in CPU time (the issue's "<= 2 s of compute"; wall time on a shared machine is more).
 - `frontier_read`, `commit_path`, `etcd_growth`: the per-rank-step ledger as it is
   (`record_commit` per rank-step, `last_committed_by_all`), design `per-rank-step`.
 - `keepalive_load`: design `lease-per-host` (one lease per host of 8 ranks, one renewer:
@@ -155,6 +156,17 @@ def best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return min(r[0] for r in runs), runs[-1][1]
 
 
+def cpu_best(fn: Callable[[], Any], repeat: int) -> tuple[float, float, Any]:
+    """(wall, CPU seconds, result), each the least of `repeat` runs: the CPU time is the compute
+    the issue's target counts, whatever else the machine runs meanwhile."""
+    runs = []
+    for _ in range(repeat):
+        c = time.process_time()
+        wall, out = timed(fn)
+        runs.append((wall, time.process_time() - c, out))
+    return min(r[0] for r in runs), min(r[1] for r in runs), runs[-1][2]
+
+
 # ---------------------------------------------------------------------- metrics, one function each
 def activation_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     rows = []
@@ -225,8 +237,10 @@ def _switch_after(led: Any, parent: Certificate, members: list[Member]) -> dict[
 def inplace_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     sc = sn.in_place(ranks)
     repeat = 1 if ranks >= 100_000 else 2
-    decide_s, plan = best(lambda: sn.decide_in_place(sc), repeat)
-    cert_s, (cert, violations) = best(lambda: sn.certify(sc.parent, plan, "proved", plan.frontier), repeat)
+    decide_s, decide_cpu, plan = cpu_best(lambda: sn.decide_in_place(sc), repeat)
+    cert_s, cert_cpu, (cert, violations) = cpu_best(
+        lambda: sn.certify(sc.parent, plan, "proved", plan.frontier), repeat
+    )
     rows = []
     for design in ("current", "per-rank"):  # reports aggregated per host (one key per host), or one key per rank
         read = _reports_read(b, sc, aggregated=design == "current")
@@ -237,6 +251,7 @@ def inplace_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
             seconds=round(seconds, 3),
             decision_seconds=round(decide_s, 3),
             certificate_seconds=round(cert_s, 3),
+            compute_cpu_seconds=round(decide_cpu + cert_cpu, 3),  # decision + certificate, CPU time
             **{k: v for k, v in read.items() if k != "same"},
             members_after=len(plan.members),
             certificate_bytes=len(encode_certificate(cert)),
@@ -295,8 +310,8 @@ def _reports_read(b: Bench, sc: sn.InPlace, *, aggregated: bool) -> dict[str, An
 def restart_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
     sc = sn.restart(ranks)
     repeat = 1 if ranks >= 100_000 else 2
-    decide_s, plan = best(lambda: sn.decide_restart(sc), repeat)
-    cert_s, (cert, violations) = best(
+    decide_s, decide_cpu, plan = cpu_best(lambda: sn.decide_restart(sc), repeat)
+    cert_s, cert_cpu, (cert, violations) = cpu_best(
         lambda: sn.certify(sc.parent, plan, plan.quiescence, plan.choice.frontier), repeat
     )
     return [
@@ -308,6 +323,7 @@ def restart_rows(b: Bench, ranks: int) -> list[dict[str, Any]]:
             "seconds": round(decide_s + cert_s, 3),
             "decision_seconds": round(decide_s, 3),
             "certificate_seconds": round(cert_s, 3),
+            "compute_cpu_seconds": round(decide_cpu + cert_cpu, 3),  # the issue's "<= 2 s of compute"
             "certificate_bytes": len(encode_certificate(cert)),
             "body_bytes": sum(len(c.data) for c in cert.chunks()) - sum(len(c.data) for c in cert.member_table.blobs()),
         }

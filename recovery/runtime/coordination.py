@@ -39,7 +39,8 @@ class Coordination(Protocol):
 
     def write_report(self, report: Report) -> bool:
         """Publish a survivor's report of generation G; False when it was fenced (G is no longer
-        active, or this incarnation's lease is gone): the writer then must not take part."""
+        active, or this incarnation's lease is gone): the writer then must not take part. Where its
+        host aggregates (etcd), a report left for another rank to publish is fenced at that write."""
 
     def aggregate(self, generation: int) -> bool:
         """Publish this host's reports of G when this process is the host's aggregator (etcd: one
