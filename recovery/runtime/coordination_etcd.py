@@ -225,7 +225,7 @@ class EtcdCoordination:
         if me is None or aggregator(local) != me.rank:
             return True
         ok = True
-        for block, reps in blocks(lr.report for lr in local).items():
+        for block, reps in blocks(lr.report for lr in local if lr.report.host == me.host).items():
             seen = frozenset((r.rank, r.incarnation_id) for r in reps)
             if self._published.get((generation, block)) == seen and not again:
                 continue

@@ -56,22 +56,25 @@ class HostReports:
 
     def put(self, report: Report) -> bool:
         """Leave this process's report for the host's aggregator; False when it is too large to be
-        aggregated (REPORT_INLINE_MAX, or an incarnation id no file may be named after): the
-        writer then publishes it on its own key."""
+        aggregated (REPORT_INLINE_MAX, or an incarnation id no file may be named after) or the
+        host directory cannot take it: the writer then publishes it on its own key."""
         data = json.dumps({"report": report.to_dict(), "pid": os.getpid(), "start_time": own_start_time()}).encode()
         name = f"{report.rank}-{report.incarnation_id}"
         if len(data) > LOCAL_CAP or not _NAME.match(name):
             return False
         try:
-            os.mkdir(f"g{report.generation}", 0o700, dir_fd=self.fd)
-        except FileExistsError:
-            pass
-        fd = self._gen_fd(report.generation)
-        try:
-            replace_at(fd, name, data)
-        finally:
-            os.close(fd)
-        self._prune_below(report.generation)
+            try:
+                os.mkdir(f"g{report.generation}", 0o700, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+            fd = self._gen_fd(report.generation)
+            try:
+                replace_at(fd, name, data)
+            finally:
+                os.close(fd)
+            self._prune_below(report.generation)
+        except OSError:  # a full or broken host directory: this report goes on its own key
+            return False
         return True
 
     def read(self, generation: int) -> list[LocalReport]:

@@ -220,3 +220,13 @@ def test_a_published_report_is_never_taken_back_by_an_aggregator_that_froze(ledg
     assert sorted(reader.read_reports(1)) == [5]
     assert a.aggregate(1)  # the next pass reads rank 5's report and keeps it
     assert sorted(reader.read_reports(1)) == [0, 5]
+
+
+def test_a_host_directory_that_cannot_take_the_report_sends_it_on_its_own_key(ledger, monkeypatch, tmp_path):
+    _on_host(monkeypatch, tmp_path, "hA")
+    a, reader = ledger("inc0"), ledger()
+    assert a._host_reports is not None
+    os.close(os.open("g1", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=a._host_reports.fd))  # not a directory
+    assert a.write_report(_report(0, "inc0", "hA"))
+    assert list(reader.read_reports(1)) == [0]
+    assert reader.client.get(reader.report_key(_report(0, "inc0", "hA"))) is not None  # the per-rank key
