@@ -96,36 +96,101 @@ class HostReport:
     aggregator_incarnation: str
     reports: tuple[Report, ...]  # ascending rank
 
+    def __post_init__(self) -> None:
+        for r in self.reports:  # the record names them once: a report of another one cannot be in it
+            if (r.generation, r.host, r.rank // HOST_BLOCK) != (self.generation, self.host, self.block):
+                raise ValueError(f"report of rank {r.rank} does not belong to {self.host} block {self.block}")
+
     def to_dict(self) -> dict[str, Any]:
+        """Each report as one row, its digests and failure text by index into `strings`: a
+        host's replicas share one digest and mostly one failure, so the record is a fraction of
+        its reports' own JSON (the coordinator reads every host's record on each pass)."""
+        strings: dict[str, int] = {}
+
+        def ref(text: str) -> int:
+            return strings.setdefault(text, len(strings))
+
+        rows = [
+            [
+                r.rank,
+                r.incarnation_id,
+                r.pid,
+                r.committed_step,
+                [[step, ref(d)] for step, d in sorted(r.digests.items())],
+                ref(r.failure),
+                r.time,
+                sorted(r.suspects),
+                {str(k): dict(v) for k, v in sorted(r.chunks.items())},
+            ]
+            for r in self.reports
+        ]
         return {
             "schema": HOST_REPORT_SCHEMA,
             "generation": self.generation,
             "host": self.host,
             "block": self.block,
             "aggregator": {"rank": self.aggregator, "incarnation_id": self.aggregator_incarnation},
-            "reports": [r.to_dict() for r in self.reports],
+            "strings": list(strings),
+            "reports": rows,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HostReport:
-        """ValueError unless every report in it is of this generation, host and block."""
+        """ValueError unless every row is well formed and of this host's block."""
         if d.get("schema") != HOST_REPORT_SCHEMA:
             raise ValueError(f"not a {HOST_REPORT_SCHEMA} record")
-        agg, raw = d["aggregator"], d["reports"]
-        if not isinstance(agg, Mapping) or not isinstance(raw, list) or len(raw) > HOST_BLOCK:
+        agg, rows, strings = d["aggregator"], d["reports"], d["strings"]
+        if not isinstance(agg, Mapping) or not isinstance(rows, list) or len(rows) > HOST_BLOCK:
             raise ValueError("aggregator or reports malformed")
-        out = cls(
-            int(d["generation"]),
-            str(d["host"]),
-            int(d["block"]),
-            int(agg["rank"]),
-            str(agg["incarnation_id"]),
-            tuple(Report.from_dict(r) for r in raw),
-        )
-        for r in out.reports:
-            if (r.generation, r.host, r.rank // HOST_BLOCK) != (out.generation, out.host, out.block):
-                raise ValueError(f"report of rank {r.rank} does not belong to {out.host} block {out.block}")
-        return out
+        if not isinstance(strings, list) or not all(isinstance(x, str) for x in strings):
+            raise ValueError("strings is not a list of strings")
+        generation, host, block = _int(d["generation"]), d["host"], _int(d["block"])
+        if not isinstance(host, str):
+            raise ValueError("host is not a string")
+        reports = tuple(_report_row(row, generation, host, strings) for row in rows)
+        return cls(generation, host, block, _int(agg["rank"]), str(agg["incarnation_id"]), reports)
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int or v < 0:
+        raise ValueError(f"{v!r} is not a non-negative integer")
+    return v
+
+
+def _report_row(row: Any, generation: int, host: str, strings: list[str]) -> Report:
+    """One row of a HostReport (see `HostReport.to_dict`) as the Report it stands for."""
+    if not isinstance(row, list) or len(row) != 9:
+        raise ValueError("a report row is not a list of 9")
+    rank, inc, pid, step, digests, failure, when, suspects, chunks = row
+    if not isinstance(inc, str) or not isinstance(digests, list) or type(when) not in (int, float):
+        raise ValueError(f"report row of rank {rank!r} malformed")
+    if step is not None and type(step) is not int:
+        raise ValueError(f"committed_step of rank {rank!r} malformed")
+    text = {}
+    for pair in digests:
+        if (
+            not isinstance(pair, list)
+            or len(pair) != 2
+            or type(pair[0]) is not int
+            or not 0 <= _int(pair[1]) < len(strings)
+        ):
+            raise ValueError(f"digests of rank {rank!r} malformed")
+        text[pair[0]] = strings[pair[1]]
+    if not 0 <= _int(failure) < len(strings):
+        raise ValueError(f"failure of rank {rank!r} malformed")
+    return Report(
+        generation,
+        _int(rank),
+        inc,
+        _int(pid),
+        host,
+        step,
+        text,
+        strings[failure],
+        float(when),
+        _chunks(chunks),
+        _ranks(suspects),
+    )
 
 
 def merge_reports(generation: int, reports: Iterable[Report], host_reports: Iterable[HostReport]) -> dict[int, Report]:
