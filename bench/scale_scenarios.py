@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.certificate import check, issue
 from gpuguard.generation.ledger import encode_certificate
@@ -105,7 +106,14 @@ def admit_as_before(layout: switch.Layout, eviction: switch.Eviction) -> switch.
 
 
 def decide_in_place(sc: InPlace, admit: Admit = switch.admit_survivors) -> switch.SwitchPlan:
-    """One pass of the in-place coordinator's decision, every pure step of it."""
+    """One pass of the in-place coordinator's decision, every pure step of it, the cycle collector
+    paused (the coordinator pauses it for the eviction, and for the plan and the certificate, the
+    steps that allocate per member: foundation/gcpause.py)."""
+    with gc_paused():
+        return _decide_in_place(sc, admit)
+
+
+def _decide_in_place(sc: InPlace, admit: Admit) -> switch.SwitchPlan:
     switch.choose_coordinator(sc.reports.keys(), ())
     switch.coordinator_probes(sc.reports, sc.parent.ranks, sc.facts.host)
     ev = switch.decide_eviction(sc.facts)
@@ -154,6 +162,11 @@ def restart(ranks: int) -> Restart:
 
 def decide_restart(sc: Restart) -> activation.ActivationPlan:
     """The restart coordinator's pure part: the hellos checked, then the plan (quiescence included)."""
+    with gc_paused():
+        return _decide_restart(sc)
+
+
+def _decide_restart(sc: Restart) -> activation.ActivationPlan:
     problems = activation.check_hellos(sc.hellos, len(sc.hellos))
     assert not problems, problems
     return activation.plan_activation(
@@ -171,6 +184,13 @@ def decide_restart(sc: Restart) -> activation.ActivationPlan:
 # ---------------------------------------------------------------------- the certificate
 def certify(parent: Certificate, plan: Any, quiescence: str, frontier: Frontier) -> tuple[Certificate, list[Violation]]:
     """Issue the plan's certificate, check every rule, encode it (header and chunks)."""
+    with gc_paused():
+        return _certify(parent, plan, quiescence, frontier)
+
+
+def _certify(
+    parent: Certificate, plan: Any, quiescence: str, frontier: Frontier
+) -> tuple[Certificate, list[Violation]]:
     cert = issue(
         parent=parent,
         job_id=parent.job_id,

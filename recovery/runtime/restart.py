@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import GpuguardError
+from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.identity import same_process
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.job import init_job, issuer
@@ -105,37 +106,38 @@ class RestartCoordinator:
 
         selection = self._restorable(restore_bound(parent, committed, pin), check)
         attempt = ctx.attempt
-        plan = plan_activation(
-            ActivationFacts(
-                parent=parent,
-                hellos=hellos,
-                committed_by_all=committed,
-                selection=selection,
-                restore_pin=pin,
-                world_size=ctx.world_size,
-                attempt_token=attempt.token if attempt else "",
-                attempt_source=attempt.source if attempt else "",
-                restart_count=ctx.launch.restart_count,
-                rendezvous_round=attempt.round if attempt else None,
-                lease_expired=expired,
-                fenced=fenced,
-                rendezvous_participants=attempt.participants if attempt else (),
+        with gc_paused():  # the plan and the signed certificate: compute only (foundation/gcpause.py)
+            plan = plan_activation(
+                ActivationFacts(
+                    parent=parent,
+                    hellos=hellos,
+                    committed_by_all=committed,
+                    selection=selection,
+                    restore_pin=pin,
+                    world_size=ctx.world_size,
+                    attempt_token=attempt.token if attempt else "",
+                    attempt_source=attempt.source if attempt else "",
+                    restart_count=ctx.launch.restart_count,
+                    rendezvous_round=attempt.round if attempt else None,
+                    lease_expired=expired,
+                    fenced=fenced,
+                    rendezvous_participants=attempt.participants if attempt else (),
+                )
             )
-        )
-        version, more = self.state.certificate_facts(parent, selection, plan.choice.frontier, ctx.world_size)
-        cert = issue(
-            parent=parent,
-            job_id=parent.job_id,
-            members=plan.members,
-            reason=plan.reason,
-            frontier=plan.choice.frontier,
-            quiescence=plan.quiescence,
-            quiescence_evidence=plan.quiescence_evidence,
-            ownership_map_version=version,
-            issued_by=f"gpuguard-runtime {issuer()}",
-            key=ledger.key,
-            extra={**plan.extra, **more},
-        )
+            version, more = self.state.certificate_facts(parent, selection, plan.choice.frontier, ctx.world_size)
+            cert = issue(
+                parent=parent,
+                job_id=parent.job_id,
+                members=plan.members,
+                reason=plan.reason,
+                frontier=plan.choice.frontier,
+                quiescence=plan.quiescence,
+                quiescence_evidence=plan.quiescence_evidence,
+                ownership_map_version=version,
+                issued_by=f"gpuguard-runtime {issuer()}",
+                key=ledger.key,
+                extra={**plan.extra, **more},
+            )
         ledger.activate(cert, manifest_ok=True if plan.choice.frontier.state_manifest_digest else None)
         after_activation(ctx, ledger, parent.generation)
         if plan.consume_pin:  # used once: the next generation is bounded by its commits again

@@ -17,6 +17,7 @@ import time
 from typing import Any, NoReturn
 
 from gpuguard.foundation.errors import RefusedError
+from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.identity import kill_confirmed, process_status
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.frontier import frontier_limit
@@ -66,24 +67,27 @@ class SwitchCoordinator:
             for m in parent.members
             if m.incarnation.host == host
         }
-        eviction = decide_eviction(
-            EvictionFacts(
-                generation=parent.generation,
-                members=parent.members,
-                reports=reports,
-                host=host,
-                status=status,
-                killed_before=dict(self.killed),
-                waited_s=time.time() - since,
-                # sharded: a survivor can be blocked in a collective of a subgroup that a departed peer
-                # has not freed yet (its snapshot save, FSDP's all-gather) until the group's timeout
-                grace_s=self.grace_s + (self.pg_timeout_s if self.state.sharded else 0.0),
-                lease_expired=ctx.coord.expired(m.incarnation.id for m in parent.members if m.incarnation.host != host),
-                # a remote member's lease is gone at most TTL (+ etcd's expiry sweep) after its last beat
-                remote_wait_s=max(5.0, 2 * ctx.lease_timing.ttl_s + 1.0) if ctx.lease else 5.0,
-                fenced_sinks=ctx.coord.kind == "etcd",  # ledger, reports, store and frontier compare the generation
+        with gc_paused():  # one evidence line per member (foundation/gcpause.py)
+            eviction = decide_eviction(
+                EvictionFacts(
+                    generation=parent.generation,
+                    members=parent.members,
+                    reports=reports,
+                    host=host,
+                    status=status,
+                    killed_before=dict(self.killed),
+                    waited_s=time.time() - since,
+                    # sharded: a survivor can be blocked in a collective of a subgroup that a departed peer
+                    # has not freed yet (its snapshot save, FSDP's all-gather) until the group's timeout
+                    grace_s=self.grace_s + (self.pg_timeout_s if self.state.sharded else 0.0),
+                    lease_expired=ctx.coord.expired(
+                        m.incarnation.id for m in parent.members if m.incarnation.host != host
+                    ),
+                    # a remote member's lease is gone at most TTL (+ etcd's expiry sweep) after its last beat
+                    remote_wait_s=max(5.0, 2 * ctx.lease_timing.ttl_s + 1.0) if ctx.lease else 5.0,
+                    fenced_sinks=ctx.coord.kind == "etcd",  # ledger, reports, store and frontier compare the generation
+                )
             )
-        )
         for kill in eviction.kill:
             if not kill_confirmed(kill.pid, kill.start_time):
                 ctx.log(f"could not kill rank {kill.rank} pid {kill.pid}: waiting")
@@ -106,46 +110,47 @@ class SwitchCoordinator:
             self.refuse(parent.generation, lost + "; ".join(agreement.problems))
         manifest = certified_manifest(self.state.select(ctx.snapshot_root, frontier), frontier)
         phases["frontier"] = time.time()
-        plan = plan_switch(
-            SwitchFacts(
-                parent=parent,
-                previous_layout=layout,
-                layout=admission.layout,
-                kept=admission.kept,
-                eviction=eviction,
-                reports=reports,
-                committed_by_all=committed,
-                frontier=frontier,
-                manifest=manifest,
-                state_digest=agreement.digest,
-                sharded=self.state.sharded,
-                admission=admission,
-                operator=operator_requested(operator, reports.values()),
-                phases=dict(phases),
-                since=since,
-                coordinator_rank=ctx.rank,
-                coordinator_incarnation=ctx.incarnation.id,
+        with gc_paused():  # the plan and the signed certificate: compute only (foundation/gcpause.py)
+            plan = plan_switch(
+                SwitchFacts(
+                    parent=parent,
+                    previous_layout=layout,
+                    layout=admission.layout,
+                    kept=admission.kept,
+                    eviction=eviction,
+                    reports=reports,
+                    committed_by_all=committed,
+                    frontier=frontier,
+                    manifest=manifest,
+                    state_digest=agreement.digest,
+                    sharded=self.state.sharded,
+                    admission=admission,
+                    operator=operator_requested(operator, reports.values()),
+                    phases=dict(phases),
+                    since=since,
+                    coordinator_rank=ctx.rank,
+                    coordinator_incarnation=ctx.incarnation.id,
+                )
             )
-        )
-        cert = issue(
-            parent=parent,
-            job_id=parent.job_id,
-            members=plan.members,
-            reason=plan.reason,
-            frontier=plan.frontier,
-            quiescence="proved",
-            quiescence_evidence=plan.quiescence_evidence,
-            issued_by=f"gpuguard-inplace {issuer()}",
-            key=ledger.key,
-            # no new rendezvous round for an in-place switch: its members still run in the round they
-            # were started in, and the certificate names it (`gpu-generation show`/`history`)
-            extra={
-                **plan.extra,
-                "rendezvous_round": ctx.attempt.round if ctx.attempt else None,
-                **self.state.switch_extra(agreement, eviction),
-            },
-            ownership_map_version=parent.ownership_map_version + self.state.layout_step,
-        )
+            cert = issue(
+                parent=parent,
+                job_id=parent.job_id,
+                members=plan.members,
+                reason=plan.reason,
+                frontier=plan.frontier,
+                quiescence="proved",
+                quiescence_evidence=plan.quiescence_evidence,
+                issued_by=f"gpuguard-inplace {issuer()}",
+                key=ledger.key,
+                # no new rendezvous round for an in-place switch: its members still run in the round they
+                # were started in, and the certificate names it (`gpu-generation show`/`history`)
+                extra={
+                    **plan.extra,
+                    "rendezvous_round": ctx.attempt.round if ctx.attempt else None,
+                    **self.state.switch_extra(agreement, eviction),
+                },
+                ownership_map_version=parent.ownership_map_version + self.state.layout_step,
+            )
         ctx.require_lease(f"certificate of generation {cert.generation}")
         try:
             ledger.activate(cert, manifest_ok=True if manifest else None)
