@@ -86,6 +86,7 @@ from gpuguard.recovery.runtime.rank_state import SIGTERM_FLUSH_S, RankState, Rep
 from gpuguard.recovery.runtime.refusals import ActivationRefused, FencedError
 from gpuguard.recovery.runtime.restart import RestartCoordinator, hello
 from gpuguard.recovery.runtime.sharded_state import ShardedState
+from gpuguard.recovery.runtime.warmup import import_heavy_modules
 from gpuguard.recovery.runtime.writers import SnapshotOutcomes
 from gpuguard.recovery.snapshots.sharded_writer import DEFAULT_BUDGET
 from gpuguard.recovery.snapshots.soundness import Policy
@@ -173,6 +174,7 @@ class Runtime:
         _require_backends(self.backend)
         nccl_fails_fast(self.backend)
         launch = Launch(rank, world_size, local_rank, master_addr, master_port, run_id, restart_count, use_agent_store)
+        import_heavy_modules()  # before the lease's threads need the GIL (recovery.runtime.warmup)
         self.context = Context(
             job_dir,
             launch,
