@@ -2,7 +2,7 @@
 
     python bench/hosts.py [--json] [--trials N] [--faults power-off,partition,freeze,store-host]
                           [--paths in-place,restart,restart-baseline] [--stores N]
-                          [--heartbeat S] [--pg-timeout S]
+                          [--heartbeat S] [--pg-timeout S] [--load]
 
 Each trial brings up 3 training hosts and a control host running etcd (gpuguard.testhosts), trains
 the in-place demo's workload with one worker per host, and after step MARK powers off h1 (rank 0:
@@ -36,18 +36,26 @@ frozen host comes back once the survivors have moved on). Rows:
 certified chain that `gpu-generation verify` accepts); `semantic_failures`: trials that finished
 with other parameters or an invalid chain; `zombie_writes_fenced`: commit records the ledger
 refused (stale generation); `steps_lost`: committed steps redone after recovery (mean).
+`breakdown_s` (the last trial's, seconds after the fault): in place, the first survivor noticing,
+the certificate seen, the last first commit; restart, the last step before the fault, the torchrun agents' `worker_failed` and
+`rendezvous_done` (their logs), the new workers' activation phases (`Runtime` phases) and
+`first_step`; restart-baseline, `last_step_before`, `worker_exit_seen`, `relaunched`, `first_step`.
 `--stores N` adds rows `group-store`: N formations of a 2-host gloo group (store, init_process_group,
 one all_reduce) through a TCPStore served by rank 0 (what each in-place generation uses) and
-through `recovery.rendezvous.etcd_store.EtcdStore`. Needs root (real namespaces).
+through `recovery.rendezvous.etcd_store.EtcdStore`. `--load` runs every trial beside a bounded CPU
+hog (`bench/cpu_hog.py`: 2 x cores busy loops, started before the hosts come up, killed when the trial
+ends, each ending itself after HOG_SECONDS anyway); its rows say `load: true`. Needs root (real namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -60,6 +68,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
+from cpu_hog import CpuHog, default_processes  # noqa: E402
 
 from gpuguard.examples.inplace_hosts import HostJob  # noqa: E402
 from gpuguard.examples.inplace_train import reference  # noqa: E402
@@ -74,6 +83,7 @@ RESTART_STEPS, RESTART_SLEEP, RESTART_TTL = 30, 0.2, 4.0
 STEPS, MARK, STEP_SLEEP = 20, 6, 0.1
 TTL, PG_TIMEOUT, CKPT_EVERY = 4.0, 3.0, 5  # TTL 3 s fenced healthy workers at load 5+ on 2 cores
 PLAIN_PORT = 29501
+HOG_SECONDS = 600.0  # longer than any trial's waits add up to; the bench kills the hog at the trial's end
 
 
 def _wait(predicate: Any, timeout: float) -> Any:
@@ -95,6 +105,33 @@ def _unfault(c: Any, fault: str, host: str) -> None:
         c.heal(host)
     elif fault == "freeze":
         c.thaw(host)
+
+
+AGENT_EVENT = re.compile(
+    r"^I(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) \d+ torch/distributed/elastic/agent/server/api.py:\d+\] "
+    r"\[default\] (Worker group FAILED|Rendezvous complete)"
+)
+
+
+def agent_events(log: str, since: float) -> dict[str, float]:
+    """When a torchrun agent saw its worker group fail, and then completed its next rendezvous (its
+    log's local-time stamps; the first of each at or after `since`, a wall time)."""
+    year = time.localtime(since).tm_year
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        m = AGENT_EVENT.match(line)
+        if not m:
+            continue
+        hms, frac = m.group(3).split(".")
+        try:
+            stamp = time.strptime(f"{year}-{m.group(1)}-{m.group(2)} {hms}", "%Y-%m-%d %H:%M:%S")
+        except ValueError:  # not a date (month 13, hour 25): not a line of torch's
+            continue
+        t = time.mktime(stamp) + float("0." + frac)
+        key = "worker_failed" if m.group(4).startswith("Worker") else "rendezvous_done"
+        if t >= since - 1 and key not in out and (key == "worker_failed" or "worker_failed" in out):
+            out[key] = t
+    return out
 
 
 def _same(params: list[float] | None, ref: list[float]) -> bool:
@@ -119,7 +156,11 @@ def in_place_trial(fault: str, logs: Path, heartbeat: float = 0.0, pg_timeout: f
         )
         with job:
             if not job.wait_file(victim, f"faults/{lost}-before_commit-{MARK}.json", 90):
-                return {"recovered": False, "why": "never reached the fault"}
+                fences = [ln for r in range(len(HOSTS)) for ln in job.log(r).splitlines() if "fenced itself" in ln]
+                return {
+                    "recovered": False,
+                    "why": "never reached the fault" + (f": {'; '.join(fences)}" if fences else ""),
+                }
             t_fault = time.time()
             _fault(c, fault, victim)
             if fault != "power-off":
@@ -174,6 +215,7 @@ def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
             ledger = job.ledger(survivors[0])
             verified, _ = job.verify(survivors[0])
             records = {kind: job.records(kind) for kind in ("resume", "hashes", "final", "steps")}
+            events = [agent_events(job.log(h), t_fault) for h in survivors]
     hist = ledger["history"]
     g2 = hist[2] if len(hist) > 2 else None
     resumes = [r for r in records["resume"] if r["generation"] == 2]
@@ -197,8 +239,18 @@ def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
             firsts[r["rank"]] = min(firsts.get(r["rank"], r["time"]), r["time"])
     before = max((s for _, _, s in ledger["commits"].get("1", [])), default=0)
     phases = max(resumes, key=lambda r: r["phases"].get("pg_ready", 0))["phases"] if resumes else {}
+    for key, pick in (("worker_failed", min), ("rendezvous_done", max)):
+        if all(key in e for e in events):
+            phases = {**phases, key: pick(e[key] for e in events)}
+    if len(firsts) == len(survivors):
+        phases = {**phases, "first_step": max(firsts.values())}
+    last_before = [r["time"] for r in records["steps"] if r["generation"] == 1 and r["time"] <= t_fault]
+    if last_before:  # the survivors' collective after it is the one that times out
+        phases = {**phases, "last_step_before": max(last_before)}
     return {
-        "breakdown": {k: round(v - t_fault, 2) for k, v in phases.items() if v >= t_fault - 1},
+        "breakdown": {
+            k: round(v - t_fault, 2) for k, v in sorted(phases.items(), key=lambda kv: kv[1]) if v >= t_fault - 1
+        },
         "recovered": finished and good,
         "semantic_failure": finished and not good,
         "fenced": int(ledger["fenced"]),
@@ -289,12 +341,15 @@ def baseline_trial(fault: str, logs: Path) -> dict[str, Any]:
             _fault(c, fault, victim)
             # the supervisor: the first worker to exit (its collective timed out) means the job is broken
             _wait(lambda: any(first[h].poll() is not None for h in survivors), 60)
+            t_exit = time.time()
             done = [int(p.name.split("-")[0]) for p in progress.glob("*-w3")]
+            t_last = float((progress / f"{max(done)}-w3").read_text()) if done else None
             for h in survivors:
                 first[h].kill()
             for h in survivors:
                 first[h].wait(timeout=10)
             again = _plain(c, survivors, str(ckpt), logs, name + "-again")
+            t_again = time.time()
             procs.update({f"{h}-again": p for h, p in again.items()})
             t_first = _wait(lambda: sorted(progress.glob("*-w2")), 90)
             for p in again.values():
@@ -316,6 +371,12 @@ def baseline_trial(fault: str, logs: Path) -> dict[str, Any]:
         "self_fenced": False,
         "seconds": (first_time - t_fault) if first_time is not None else None,
         "steps_lost": (max(done) - (steps_w2[0] - 1)) if done and steps_w2 else None,
+        "breakdown": {
+            **({"last_step_before": round(t_last - t_fault, 2)} if t_last is not None else {}),
+            "worker_exit_seen": round(t_exit - t_fault, 2),
+            "relaunched": round(t_again - t_fault, 2),
+            **({"first_step": round(first_time - t_fault, 2)} if first_time is not None else {}),
+        },
     }
 
 
@@ -403,6 +464,11 @@ def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_lost": round(statistics.mean(lost), 2) if lost else None,
         "p50_s": round(statistics.median(secs), 3) if secs else None,
         "p90_s": round(_quantile(secs, 0.9) or 0.0, 3) if secs else None,
+        **(
+            {"why_not": [t.get("why") or "see logs" for t in trials if not t.get("recovered")]}
+            if not all(t.get("recovered") for t in trials)
+            else {}
+        ),
         **({"breakdown_s": trials[-1]["breakdown"]} if trials and trials[-1].get("breakdown") else {}),
     }
 
@@ -414,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="power-off,partition,freeze,store-host")
     ap.add_argument("--paths", default="in-place,restart,seed-recipe,restart-baseline")
     ap.add_argument("--stores", type=int, default=0, metavar="N", help="also time N group formations per store")
+    ap.add_argument("--load", action="store_true", help="run every trial beside a CPU hog of 2 x cores")
     ap.add_argument("--heartbeat", type=float, default=0.0, metavar="S", help="in-place rows: peer heartbeat every S s")
     ap.add_argument(
         "--pg-timeout", type=float, default=PG_TIMEOUT, metavar="S", help="in-place rows: collective timeout"
@@ -447,7 +514,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             if fault == "store-host" and path not in ("restart", "seed-recipe"):
                 continue  # in place and in the baseline, rank 0's host is the power-off row's victim already
-            results.append(row(fault, path, [trial[path](fault, logs) for _ in range(max(1, args.trials))]))
+            runs = []
+            for _ in range(max(1, args.trials)):
+                with CpuHog(default_processes(), HOG_SECONDS) if args.load else contextlib.nullcontext():
+                    runs.append(trial[path](fault, logs))
+            results.append({**row(fault, path, runs), "load": args.load})
             if path == "in-place":
                 results[-1].update(peer_heartbeat_s=args.heartbeat or None, pg_timeout_s=args.pg_timeout)
     if args.stores:
@@ -463,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         "kill all + relaunch on the survivors from the newest checkpoint once the first worker exits",
         f"logs: {logs}",
     ]
+    if args.load:
+        notes.append(f"load: every trial ran beside {default_processes()} busy loops (2 x {os.cpu_count()} cores)")
     emit("hosts", results, args.json, notes)
     return 0
 
