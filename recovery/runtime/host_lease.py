@@ -305,15 +305,24 @@ class HostHeartbeat(Heartbeat):
         self.backups = 0  # keepalives this rank sent because the renewer was overdue
         self._retry_at = -1e18
         self._forgotten: set[str] = set()  # keys this rank deleted (a frozen rank's: once)
+        self.seen_ok = float("-inf")  # the newest `last_ok` of this lease this rank has read (`age`)
 
     def host_state(self) -> HostState | None:
         """The host's state, if it is still about this rank's lease (else: never valid again)."""
         st = self.hostdir.read_state()
         if st is None or st.lease != self.lease or st.boot_id != self.boot:
             return None
+        self.seen_ok = max(self.seen_ok, st.last_ok)
         return st
 
     def age(self) -> float:
+        """The age of the newest successful keepalive of this lease this rank knows of. No file read
+        while the one it last read still proves the lease alive (a keepalive sent at `seen_ok`
+        succeeded: the lease lives past `seen_ok + TTL`, beyond the margin), so the commit path and
+        the watchdog cost no I/O; the file's `last_ok` is never older, so this fences no later."""
+        age = self.clock() - self.seen_ok
+        if age <= self.timing.margin_s:
+            return age
         st = self.host_state()
         return float("inf") if st is None else self.clock() - st.last_ok
 
@@ -379,7 +388,7 @@ class HostHeartbeat(Heartbeat):
                 try:
                     if self.renewer_fd is None:
                         self.renewer_fd = self.hostdir.try_lock("renewer.lock")
-                    st = self.host_state()
+                    st = self.host_state() if self._may_be_due() else None
                     if st is not None:
                         self._turn(st)
                 except OSError:  # a full or broken host directory: no renewal recorded, the watchdogs fence
@@ -387,6 +396,14 @@ class HostHeartbeat(Heartbeat):
                 self._stop.wait(WATCH_PERIOD_S)
         finally:
             self._release()
+
+    def _may_be_due(self) -> bool:
+        """Whether a renewal (this rank's, or a backup of an overdue renewer) may be due, judged by
+        the newest `last_ok` already read: the file's is never older, so a renewal this says is not
+        due is not; only then is the state read (not every `WATCH_PERIOD_S`)."""
+        t = self.clock()
+        due_after = self.timing.interval_s + (0.0 if self.renewer_fd is not None else self.timing.retry_s)
+        return t >= self._retry_at and t - self.seen_ok >= due_after
 
     def _turn(self, st: HostState) -> None:
         t = self.clock()
@@ -423,6 +440,7 @@ class HostHeartbeat(Heartbeat):
         if ok and sent - st.last_ok <= self.timing.margin_s:
             cur = self.host_state() or st
             self.hostdir.write_state(HostState(self.lease, max(cur.last_ok, sent), st.ttl_s, self.boot, os.getpid()))
+            self.seen_ok = max(self.seen_ok, sent)  # written: what this rank knows without reading it back
             self.beats += 1
             return True
         if ok:

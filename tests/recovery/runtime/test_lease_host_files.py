@@ -185,3 +185,67 @@ def test_a_rank_that_did_not_run_for_the_margin_fences_though_its_host_renews(tm
         hb.require("commit of step 3")
     assert len(fenced) == 1
     d.close()
+
+
+def _counting_reads(d: HostDir) -> list[float]:
+    """Instrument `d.read_state` (the real file read, counted): when each read of the host's state happened."""
+    reads: list[float] = []
+    read = d.read_state
+
+    def counted() -> HostState | None:
+        reads.append(now())
+        return read()
+
+    d.read_state = counted  # type: ignore[method-assign]
+    return reads
+
+
+def test_the_commit_path_and_the_watchdog_read_no_file_while_a_keepalive_proves_the_lease(tmp_path):
+    """The lease check before every commit costs no I/O (issue 29's step overhead): the host's state is
+    read when a renewal may be due (about twice an interval), not per commit nor every WATCH_PERIOD_S."""
+    d = HostDir.for_lease("scope", tmp_path)
+    reads = _counting_reads(d)
+    fenced: list[str] = []
+    timing = LeaseTiming(3.0)  # a renewal every 1 s
+    hb = _heartbeat(d, timing, fenced).start()
+    try:
+        commits, end = 0, now() + 2.0
+        while now() < end:
+            hb.require(f"commit of step {commits}")
+            commits += 1
+            time.sleep(0.005)
+        assert hb.beats >= 1 and not fenced and hb.valid()
+        # before: one read per commit, and two every WATCH_PERIOD_S (the watchdog's and the beat's)
+        assert commits >= 100 and len(reads) <= 20, (commits, len(reads))
+    finally:
+        hb.stop()
+        d.close()
+
+
+def test_a_rank_that_remembers_the_keepalive_still_fences_when_renewals_stop(tmp_path):
+    """No check that passes is later than the margin after the host's last keepalive in the file."""
+    d = HostDir.for_lease("scope", tmp_path)
+    timing = LeaseTiming(0.6)  # interval 0.2 s, margin 0.3 s
+    lease, fd = join(d, lambda: 7, timing)
+    me = Member("P/lease/me", os.getpid(), own_start_time(), now())
+    d.register("me", me)
+    ok, fenced = [True], []
+    hb = HostHeartbeat(
+        d, lease, lambda: ok[0], timing, fenced.append, renewer_fd=fd, forget=lambda key: None, member=("me", me)
+    ).start()
+    try:
+        time.sleep(0.5)
+        ok[0] = False  # etcd stops confirming: no renewal is recorded from now on
+        passed: list[float] = []
+        deadline = now() + 5.0
+        with pytest.raises(LeaseFenced):
+            while now() < deadline:
+                t0 = now()
+                hb.require("commit")
+                passed.append(t0)
+                time.sleep(0.002)
+        last_ok = d.read_state().last_ok
+        assert passed and max(passed) - last_ok <= timing.margin_s and fenced
+    finally:
+        hb.stop()
+        d.close()
