@@ -139,6 +139,7 @@ class GenerationWatch:
         return active if active is not None and active > generation else None
 
     def _loop(self) -> None:
+        self._poll()  # at once: else the first commit finds no read yet and makes it on the training thread
         while not self._stop.wait(self.interval_s):
             self._poll()
 
