@@ -1,6 +1,6 @@
 """The commit path on an etcd ledger: writes per step, keys, bytes, and the step-time overhead, from etcd's own /metrics.
 
-    python bench/commit_path.py [--json] [--steps 200] [--every 10] [--burn 0.1] [--workers 2]
+    python bench/commit_path.py [--json] [--steps 200] [--every 10] [--burn 0.1] [--workers 2] [--reps 2]
 
 A real torchrun + gloo job (`gpuguard.examples.demo_train`, `--workers` ranks, a ~`--burn` s step of
 stand-in compute) on a real etcd on loopback (a throwaway one unless $GPUGUARD_TEST_ETCD names
@@ -11,7 +11,8 @@ proposals, the keys (`etcd_debugging_mvcc_keys_total`) and the database size.
 Rows:
 - `commit_path` / gpuguard: the job under the runtime (no ledger write per rank-step: one frontier
   record per snapshot for the whole job): etcd writes and new keys per training step, and the
-  step-time overhead against the same job without the runtime (`--mode plain`), interleaved.
+  step-time overhead against the same job without the runtime (`--mode plain`), interleaved
+  `--reps` times (the median of each mode's medians; each pair's own overhead too: the noise).
 - `commit_path` / baseline: the design before issue 29 in the same run, on the same etcd: every
   rank's `Ledger.record_commit` each step (a read of the active chain, then a transaction), by
   `--workers` simulated ranks for the same steps: writes and keys per step, commit latency.
@@ -164,17 +165,18 @@ def baseline(url: str, steps: int, workers: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    steps, every, burn, workers = (
+    steps, every, burn, workers, reps = (
         int(_arg("--steps", 200)),
         int(_arg("--every", 10)),
         _arg("--burn", 0.1),
         int(_arg("--workers", 2)),
+        max(1, int(_arg("--reps", 2))),
     )
     results, notes = [], []
     with etcd_server() as url, tempfile.TemporaryDirectory(prefix="bench-commit-") as tmp:
         work = Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "gpuguard": []}
-        for mode in ("plain", "gpuguard") * 2:  # interleaved: the machine's load drifts
+        for mode in ("plain", "gpuguard") * reps:  # interleaved: the machine's load drifts
             runs[mode].append(run_job(url, work, mode, steps, every, burn, workers))
         ok = all(r["ok"] for rs in runs.values() for r in rs)
         gg = runs["gpuguard"]
@@ -183,6 +185,9 @@ def main() -> None:
         plain_s = [r["step_s"] for r in runs["plain"] if r["step_s"]]
         gg_s = [r["step_s"] for r in gg if r["step_s"]]
         overhead = statistics.median(gg_s) / statistics.median(plain_s) - 1 if plain_s and gg_s else None
+        pairs = [
+            round(g["step_s"] / p["step_s"] - 1, 4) for p, g in zip(runs["plain"], gg) if p["step_s"] and g["step_s"]
+        ]
         step_s = statistics.median(gg_s) if gg_s else burn
         results.append(
             {
@@ -199,6 +204,7 @@ def main() -> None:
                 "raft_proposals_per_step": round(statistics.mean(r["etcd"]["proposals"] / steps for r in gg), 3),
                 "step_overhead_vs_plain": None if overhead is None else round(overhead, 4),
                 "plain_step_s": None if not plain_s else round(statistics.median(plain_s), 4),
+                "step_overhead_per_pair": pairs,  # each interleaved (plain, gpuguard) pair: the spread
             }
         )
         base = baseline(url, steps, workers)
