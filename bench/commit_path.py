@@ -12,7 +12,8 @@ Rows:
 - `commit_path` / gpuguard: the job under the runtime (no ledger write per rank-step: one frontier
   record per snapshot for the whole job): etcd writes and new keys per training step, and the
   step-time overhead against the same job without the runtime (`--mode plain`), interleaved
-  `--reps` times (the median of each mode's medians; each pair's own overhead too: the noise).
+  `--reps` times (the median of each mode's medians; each pair's own overhead too: the noise),
+  and each rank's time in `Runtime.commit` per step (its counters), which the load disturbs less.
 - `commit_path` / baseline: the design before issue 29 in the same run, on the same etcd: every
   rank's `Ledger.record_commit` each step (a read of the active chain, then a transaction), by
   `--workers` simulated ranks for the same steps: writes and keys per step, commit latency.
@@ -99,9 +100,13 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
     after = metrics(url)
     times = [r["time"] for r in read_jsonl(job / "demo-out" / "steps-0.jsonl")] if rc == 0 else []
     deltas = [b - a for a, b in zip(times, times[1:])][5:]
+    finals = [r for f in sorted((job / "demo-out").glob("final-*.jsonl")) for r in read_jsonl(f)]
+    counters = [r["counters"] for r in finals if r.get("counters", {}).get("commits")]
     return {
         "ok": rc == 0 and len(times) == steps,
         "step_s": statistics.median(deltas) if deltas else None,
+        # the runtime's own time on the training thread in commit() (meeting and snapshot copy included)
+        "commit_ms_per_step": [round(1e3 * c["commit_s"] / c["commits"], 3) for c in counters],
         "etcd": _delta(before, after),
         "log": str(job / "torchrun.log"),
     }
@@ -205,6 +210,8 @@ def main() -> None:
                 "step_overhead_vs_plain": None if overhead is None else round(overhead, 4),
                 "plain_step_s": None if not plain_s else round(statistics.median(plain_s), 4),
                 "step_overhead_per_pair": pairs,  # each interleaved (plain, gpuguard) pair: the spread
+                # less noisy than the step time: what commit() itself costs each rank (rank order, per run)
+                "commit_ms_per_step": [r["commit_ms_per_step"] for r in gg],
             }
         )
         base = baseline(url, steps, workers)
