@@ -6,7 +6,7 @@ per rank however many steps it wrote, so a 100k-rank job is read in bounded memo
 
 What is exact and what is not (documented in docs/formats/step-log.md, "Reader summary"):
 - the count, and every order statistic while there are at most `exact` values (64 per rank);
-- beyond that, the `TOP_VALUES` largest values are still exact (p99 and p99.9 of up to ~2,400 values,
+- beyond that, the `TOP_VALUES` largest values are still exact (p99 and p99.9 of up to 2,300 values,
   the maximum, and the outlier cap, which reads the two largest), and any other order statistic is
   within `RELATIVE_ERROR` (1 %) of the true one, relative to its value (a log-bucketed histogram, the
   DDSketch construction). Only values more than `MAX_BUCKETS` buckets (a factor of ~6e17) below the
