@@ -59,7 +59,8 @@ def render(doc: dict[str, Any], width: int | None = None):  # -> rich renderable
         (doc["verdict"].upper(), _COLOR.get(doc["verdict"], "")),
         f"  {safe_text(doc['reason'])}\n",
         f"cohort step period: n={per['n']} p50={per['p50']:.3f}s p90={per['p90']:.3f}s p99={per['p99']:.3f}s "
-        f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s",
+        f"p99.9={per['p999']:.3f}s   own compute p50={comp['p50']:.3f}s p99={comp['p99']:.3f}s"
+        f"{_approximate(per, comp)}",
     )
     for extra in (_impact_line(doc), _post_mortem_line(doc)):
         if extra:
@@ -141,6 +142,12 @@ def _rows_to_show(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
     return shown, len(good) - len(keep)
 
 
+def _approximate(*dists: dict[str, Any]) -> str:
+    """' (quantiles within 1 %)' when the cohort had more step values than are kept exactly, else ''."""
+    errors = [d.get("relative_error", 0.0) for d in dists if d.get("exact") is False]
+    return f" (quantiles within {max(errors):.0%})" if errors else ""
+
+
 def plain_lines(doc: dict[str, Any]) -> list[str]:
     """The verdict as plain lines: one per rank shown (control characters escaped; not yet wrapped)."""
     per, comp = doc["cohort_step_s"]["period"], doc["cohort_step_s"]["compute"]
@@ -148,6 +155,7 @@ def plain_lines(doc: dict[str, Any]) -> list[str]:
     lines.append(
         f"cohort step period n={per['n']} p50={per['p50']:.4f}s p90={per['p90']:.4f}s p99={per['p99']:.4f}s "
         f"p99.9={per['p999']:.4f}s; own compute p50={comp['p50']:.4f}s p99={comp['p99']:.4f}s"
+        f"{_approximate(per, comp)}"
     )
     lines += [safe_line(extra) for extra in (_impact_line(doc), _post_mortem_line(doc)) if extra]
     top = per["p99"] * 1.5 or 1.0
@@ -222,21 +230,55 @@ def diagnose_job(
 ) -> int:
     """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
     spec = _log_spec(log, log_spec, log_regex)
-    job, doc, _ = assess(
-        job_dir,
-        config=config,
-        window=window,
-        logs=tuple(log),
-        log_spec=spec,
-        node_reports=tuple(node_report),
-        launcher_logs=tuple(torchrun_log),
-        interval_s=interval,
-    )
+    with _ReadProgress() as progress:
+        job, doc, _ = assess(
+            job_dir,
+            config=config,
+            window=window,
+            logs=tuple(log),
+            log_spec=spec,
+            node_reports=tuple(node_report),
+            launcher_logs=tuple(torchrun_log),
+            interval_s=interval,
+            on_progress=progress.advance,
+        )
     if as_json:
         emit_json(doc)
     else:
         _print_human(doc)
     return job.exit_code
+
+
+PROGRESS_MIN_RANKS = 2000  # step logs to read before a progress bar is worth drawing
+
+
+class _ReadProgress:
+    """A transient bar on stderr while the ranks' step logs are read: only on a terminal, only for a
+    large job (100,000 ranks take a while; 8 do not), and gone before the verdict is printed."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _ReadProgress:
+        return self
+
+    def advance(self, done: int, total: int) -> None:
+        if self._bar is None:
+            if total < PROGRESS_MIN_RANKS or not sys.stderr.isatty():
+                return
+            from rich.progress import Progress
+
+            from gpuguard.cli._app import console
+
+            self._bar = Progress(console=console(stderr=True), transient=True)
+            self._task = self._bar.add_task("reading step logs", total=total)
+            self._bar.start()
+        self._bar.update(self._task, completed=done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def watch_job(

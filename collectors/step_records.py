@@ -11,6 +11,7 @@ records the vote would call it hung, or not see it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gpuguard.foundation.boundedread import open_regular
 from gpuguard.foundation.errors import GpuguardError, NoInputError
 from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import RankSeries
+from gpuguard.foundation.step_summary import StepSummary
 from gpuguard.foundation.steplog import MAX_STEPS, SUFFIX, decode_lines, parse_segment_name
 
 
@@ -148,23 +150,38 @@ def _segment_groups(root: Path) -> tuple[dict[tuple[int, str], list[str]], list[
     return {key: [name for _, name in sorted(segs)] for key, segs in groups.items()}, skipped
 
 
-def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> JobRecords:
-    """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet)."""
+def read_job(
+    job_dir: str | os.PathLike[str],
+    *,
+    max_steps: int = MAX_STEPS,
+    history: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> JobRecords:
+    """Every rank's newest incarnation under `<job-dir>/ranks/` (empty when there is nothing yet).
+
+    `history`: fold each rank's last `history` steps into a bounded `StepSummary` and keep only its last
+    `max_steps` samples: memory per rank does not grow with its steps, so 100,000 ranks fit (the tail
+    and the series of the one rank being read are the only buffers). `on_progress(done,
+    total)`: called after each incarnation's log is read (a progress bar on long reads)."""
     root = ranks_dir(job_dir)
     if not root.is_dir():
         return JobRecords(str(job_dir), {}, ())
     groups, skipped = _segment_groups(root)
     per_rank: dict[int, list[RankSeries]] = {}
     bad: dict[int, list[tuple[float, str, list[str]]]] = {}  # rank -> (mtime, reason, files) per unusable group
-    budget = max(64 * 1024, max_steps * BYTES_PER_STEP)
-    for (rank, inc), names_in in groups.items():
+    budget = max(64 * 1024, max(max_steps, history or 0) * BYTES_PER_STEP)
+    for done, ((rank, inc), names_in) in enumerate(groups.items(), 1):
+        if on_progress is not None:
+            on_progress(done, len(groups))
         lines, files, error = _tail_lines(root, names_in, budget)
         if error:
             bad.setdefault(rank, []).append((_mtime(root, names_in), error, names_in))
             continue
         if not files:
             continue
-        series = decode_lines(lines, rank=rank, incarnation=inc, max_steps=max_steps)
+        series = decode_lines(lines, rank=rank, incarnation=inc, max_steps=max(max_steps, history or 0))
+        if history is not None:
+            series = _summarised(series, history, max_steps)
         if not series.start_wall and not series.last_wall:  # not one record: its age would be "since 1970"
             got = f"{series.bad_lines} line(s), none a step record" if series.bad_lines else "no complete record yet"
             why = f"{files[-1]}: {got}"
@@ -186,6 +203,15 @@ def read_job(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> 
         ranks.pop(rank, None)
         unusable[rank] = why
     return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)), dict(sorted(unusable.items())))
+
+
+def _summarised(series: RankSeries, history: int, keep: int) -> RankSeries:
+    """The series with its last `history` steps as a bounded summary and only its last `keep` samples: the
+    full series of this one rank is the only transient buffer, so the summary is exact in what it covers."""
+    summary = StepSummary()
+    for step in series.steps[-history:]:
+        summary.add(step.interval_s, step.compute_s)
+    return replace(series, steps=series.steps[-keep:], summary=summary)
 
 
 def read_history(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> tuple[RankSeries, ...]:

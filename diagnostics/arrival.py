@@ -18,12 +18,14 @@ of the matching X record), `now` from the waiters' own phase ages.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpuguard.diagnostics.jobstats import median
+from gpuguard.diagnostics.jobstats import median, quantile
 from gpuguard.diagnostics.voters import VoteConfig
 from gpuguard.foundation.observations import COLLECTIVE, RankObservation
+from gpuguard.foundation.step_summary import OrderedView
 
 # Thresholds: diagnostics/data/vote.yaml, `arrival_*` (window, min_collectives, min_frac, wait_frac, min_wait_s,
 # noise_k, max_late_frac), documented there.
@@ -60,6 +62,7 @@ class _Collective:
     bar_s: float  # the lateness that is significant here (see `stragglers`)
     noise_s: float  # the arrival noise in that bar
     in_progress: bool
+    last_set: frozenset[int] = frozenset()  # `lasts` as a set: membership in O(1) at 100,000 ranks
 
 
 def arrival_noise_s(arrivals: Mapping[int, Mapping[int, float]], late: int = 1) -> float:
@@ -109,21 +112,23 @@ def stragglers(
             now = t if now is None else max(now, t)
     ranks = {o.rank for o in live}
     newest = max(arrivals)
-    complete = {s: {r: w for r, (w, _) in a.items()} for s, a in arrivals.items() if set(a) == ranks}
+    # every arrival is a live rank's: a collective is complete when it has as many as there are ranks
+    complete = {s: {r: w for r, (w, _) in a.items()} for s, a in arrivals.items() if len(a) == len(ranks)}
     noise_one, noise_set = arrival_noise_s(complete, 1), arrival_noise_s(complete, 0)
     seqs = sorted(s for s in arrivals if s in complete or s == newest)[-window:]
     compute = {o.rank: o.recent_compute_s for o in live}
     rows: list[_Collective] = []
     for seq in seqs:
         got = dict(arrivals[seq])
-        missing = ranks - set(got)
+        missing = ranks - got.keys()
         if missing and now is None:
             continue  # only the newest collective may be incomplete: its missing ranks are late by `now`
         for r in missing:
             got[r] = (now or 0.0, 0.0)
         late = max(t for t, _ in got.values())
         lasts = tuple(sorted(r for r, (t, _) in got.items() if late - t <= min_wait))
-        others = [r for r in got if r not in lasts]
+        last_set = frozenset(lasts)
+        others = [r for r in got if r not in last_set]
         if not others:
             continue
         if len(lasts) > cfg.arrival_max_late_frac * len(ranks):
@@ -140,36 +145,36 @@ def stragglers(
         bar = max(min_wait, cfg.arrival_wait_frac * peer_compute, cfg.arrival_noise_k * noise)
         if missing and lateness <= bar:
             continue  # the one in progress that is not significant YET neither counts nor breaks a row
-        rows.append(_Collective(seq, lasts, lateness, median(waits), bar, noise, bool(missing)))
+        rows.append(_Collective(seq, lasts, lateness, median(waits), bar, noise, bool(missing), last_set))
     significant = [c for c in rows if c.lateness_s > c.bar_s]
     if not significant:
         return {}
     out: dict[int, Straggler] = {}
     need = max(1, cfg.arrival_min_collectives)
-    for r in rows[-1].lasts if rows else ():
-        # its current run: the most recent collectives in a row it was last at (at least `need`), with the same
-        # rank(s) last each time, judged by the
-        # median lateness over the run (the quota's period makes every third or fourth late step of a
-        # throttled rank shorter: that must not break the row)
-        run: list[_Collective] = []
-        for c in reversed(rows):
-            if c.lasts != rows[-1].lasts:  # the same rank(s) last: a pair late by turns before is not its run
-                break
-            run.append(c)
-        if len(run) < (1 if r in held else need) or median([c.lateness_s for c in run]) <= median(
-            [c.bar_s for c in run]
-        ):
+    # the current run of the rank(s) last at the newest collective: the most recent collectives in a row they
+    # were last at (at least `need`), with the same rank(s) last each time, judged by the median lateness over
+    # the run (the quota's period makes every third or fourth late step of a throttled rank shorter: that must
+    # not break the row). The same for each of them: found once, not once per rank.
+    run: list[_Collective] = []
+    for c in reversed(rows):
+        if c.lasts != rows[-1].lasts:  # the same rank(s) last: a pair late by turns before is not its run
+            break
+        run.append(c)
+    in_run = {c.seq for c in run}
+    run_late = bool(run) and median([c.lateness_s for c in run]) > median([c.bar_s for c in run])
+    all_compute = sorted(compute[p] for p in ranks)
+    for r in rows[-1].lasts if rows and run_late else ():
+        if len(run) < (1 if r in held else need):
             continue
-        hits = [c for c in rows if r in c.lasts and (c.lateness_s > c.bar_s or c in run)]
-        if sum(1 for c in significant if r in c.lasts) < cfg.arrival_min_frac * len(significant):
+        hits = [c for c in rows if r in c.last_set and (c.lateness_s > c.bar_s or c.seq in in_run)]
+        if sum(1 for c in significant if r in c.last_set) < cfg.arrival_min_frac * len(significant):
             continue
-        peers = [compute[p] for p in ranks if p != r]
         out[r] = Straggler(
             rank=r,
             last_at=tuple(c.seq for c in hits),
             recent=len(rows),
             median_wait_s=median([c.wait_s for c in hits]),
-            peer_compute_s=median(peers) if peers else 0.0,
+            peer_compute_s=_median_without(all_compute, compute[r]),
             significant=len(significant),
             lateness_s=median([c.lateness_s for c in run]),
             noise_s=median([c.noise_s for c in run]),
@@ -179,6 +184,15 @@ def stragglers(
     ):  # half the job "late": that is the job's pace, nobody to blame
         return {}
     return out
+
+
+def _median_without(sorted_values: Sequence[float], value: float) -> float:
+    """The median of `sorted_values` with one occurrence of `value` left out (0.0 when none is left):
+    O(log n), so naming many ranks at 100,000 is not quadratic."""
+    if len(sorted_values) < 2:
+        return 0.0
+    skip = bisect.bisect_left(sorted_values, value)
+    return quantile(OrderedView(len(sorted_values) - 1, lambda k: sorted_values[k if k < skip else k + 1]), 0.5)
 
 
 def resolve_roots(blocked: Mapping[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:

@@ -20,7 +20,9 @@ from gpuguard.foundation.observations import (
     ProcessState,
     RankObservation,
     RankSeries,
+    StepSample,
 )
+from gpuguard.foundation.step_summary import OrderedView
 
 UNKNOWN_PROCESS = ProcessState("unknown")
 
@@ -50,7 +52,8 @@ def robust_tail(sorted_values: Sequence[float], q: float, cap_k: float = VoteCon
     top, second = sorted_values[-1], sorted_values[-2]
     if top <= cap_k * second:
         return quantile(sorted_values, q)
-    return quantile([*sorted_values[:-1], cap_k * second], q)
+    n, capped = len(sorted_values), cap_k * second  # >= the second largest: still sorted, and not copied
+    return quantile(OrderedView(n, lambda k: capped if k == n - 1 else sorted_values[k]), q)
 
 
 def median(values: Sequence[float]) -> float:
@@ -84,8 +87,7 @@ def observe(
     monotonic clock and a wall-clock jump cannot fake a hang or hide one.
     """
     steps = series.steps[-history:]
-    periods = sorted(s.interval_s for s in steps if s.interval_s is not None and s.interval_s > 0)
-    computes = sorted(s.compute_s for s in steps)
+    periods, computes, n_steps = _learned(series, steps)
     recent = steps[-window:]
     recent_compute = median([s.compute_s for s in recent]) if recent else 0.0
     recent_periods = [s.interval_s for s in recent if s.interval_s]
@@ -106,7 +108,7 @@ def observe(
         phase_seq=ph.seq,
         phase_age_s=max(0.0, phase_age),
         progress_age_s=max(0.0, progress_age),
-        n_steps=len(steps),
+        n_steps=n_steps,
         period_p50_s=quantile(periods, 0.5),
         period_p99_s=quantile(periods, 0.99),
         period_p999_s=robust_tail(periods, 0.999, outlier_cap_k),
@@ -136,6 +138,15 @@ def observe(
     )
 
 
+def _learned(series: RankSeries, steps: Sequence[StepSample]) -> tuple[Sequence[float], Sequence[float], int]:
+    """(sorted periods, sorted own computes, steps) over the history: from the reader's bounded summary
+    when it built one (`steps` then holds only the recent ones), else from the samples themselves."""
+    if series.summary is not None:
+        return series.summary.periods.ordered(), series.summary.computes.ordered(), series.summary.n
+    periods = sorted(s.interval_s for s in steps if s.interval_s is not None and s.interval_s > 0)
+    return periods, sorted(s.compute_s for s in steps), len(steps)
+
+
 _PEER = re.compile(r"\b(?:peer|remote rank|from rank|to rank|rank)\s*[:=#]?\s*(\d{1,7})\b", re.I)
 
 
@@ -150,7 +161,11 @@ def comm_errors_from_text(rank: int, messages: Sequence[str]) -> tuple[CommError
 
 def distribution(values: Sequence[float]) -> dict[str, float]:
     """p50/p90/p99/p99.9 (and count) of a sample: the cohort summary the report shows."""
-    s = sorted(values)
+    return sorted_distribution(sorted(values))
+
+
+def sorted_distribution(s: Sequence[float]) -> dict[str, float]:
+    """`distribution` of values already sorted (a list, or a sketch's ordered view: nothing copied)."""
     return {
         "n": len(s),
         "p50": quantile(s, 0.5),

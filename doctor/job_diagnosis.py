@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuguard.collectors.log_steps import LOG_INCARNATION, LogJob, LogStepSpec, read_log_job, watchdog_words
 from gpuguard.collectors.step_records import JobRecords
-from gpuguard.diagnostics.jobstats import distribution
+from gpuguard.diagnostics.jobstats import sorted_distribution
 from gpuguard.diagnostics.vote import JobVerdict, load_config, to_json, vote
 from gpuguard.diagnostics.watchdog import judge_timeouts
-from gpuguard.doctor.job_observation import observe_job_generations
+from gpuguard.doctor.job_observation import RECENT_STEPS, observe_job_generations
 from gpuguard.foundation.errors import DataError, NoInputError
+from gpuguard.foundation.step_summary import RELATIVE_ERROR, QuantileSketch
 
 NODE_SCHEMA = "gpuguard.node/1"
-RECENT_PERIODS = 40  # step periods per rank shown in the document (the sparkline)
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,12 @@ def assess(
     node_reports: tuple[Path, ...] = (),
     launcher_logs: tuple[Path, ...] = (),
     interval_s: float | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> JobDiagnosis:
     """Read, observe, vote, document.
 
-    `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's."""
+    `interval_s`: the time between checks actually in use (hang confirmation), default the YAML's.
+    `on_progress(done, total)`: called as the ranks' step logs are read."""
     path = Path(job_dir)
     if not path.is_dir():
         raise NoInputError(f"job directory {path} does not exist")
@@ -88,22 +90,22 @@ def assess(
         node_reports=reports,
         launcher_logs=launcher_logs,
         outlier_cap_k=cfg.outlier_cap_k,
+        on_progress=on_progress,
     )
     job = vote(observations, cfg, previous, interval_s=interval_s, superseded=superseded)
     if log_job is not None and log_job.timeouts:  # a post-mortem: the watchdog's own verdict counts
         from_logs = {r for r, s in records.ranks.items() if s.incarnation == LOG_INCARNATION}
         job = judge_timeouts(job, {r: t for r, t in log_job.timeouts.items() if r in from_logs})
-    periods = [s.interval_s for r in records.ranks.values() for s in r.steps if s.interval_s]
-    computes = [s.compute_s for r in records.ranks.values() for s in r.steps]
+    periods, computes = cohort_sketches(records)
     doc = to_json(
         job,
         job_dir=str(path),
-        cohort_steps={"period": _rounded(distribution(periods)), "compute": _rounded(distribution(computes))},
+        cohort_steps={"period": _cohort_json(periods), "compute": _cohort_json(computes)},
         config=cfg,
     )
     for rank_doc in doc["ranks"]:
         series = records.ranks.get(rank_doc["rank"])
-        recent = series.steps[-RECENT_PERIODS:] if series else ()
+        recent = series.steps[-RECENT_STEPS:] if series else ()
         rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in recent if s.interval_s]
     if records.skipped_files:
         doc["skipped_files"] = list(records.skipped_files)
@@ -114,6 +116,34 @@ def assess(
         done = f"finished: all {len(observations)} ranks closed their step logs cleanly"
         doc["reason"] = done if job.verdict == "healthy" else f"{done}; {job.reason}"
     return JobDiagnosis(job, doc, records)
+
+
+COHORT_EXACT = 4096  # cohort step values kept exactly; beyond, the sketch's bound (foundation.step_summary)
+
+
+def cohort_sketches(records: JobRecords) -> tuple[QuantileSketch, QuantileSketch]:
+    """Every rank's step periods and own computes over its history, merged in bounded memory: the ranks'
+    summaries where the reader built them, their samples otherwise (ranks read from training logs)."""
+    periods, computes = QuantileSketch(COHORT_EXACT), QuantileSketch(COHORT_EXACT)
+    for series in records.ranks.values():
+        if series.summary is not None:
+            periods.merge(series.summary.periods)
+            computes.merge(series.summary.computes)
+            continue
+        for step in series.steps:
+            if step.interval_s:
+                periods.add(step.interval_s)
+            computes.add(step.compute_s)
+    return periods, computes
+
+
+def _cohort_json(sketch: QuantileSketch) -> dict[str, Any]:
+    """The cohort distribution; `exact` false: p50..p99.9 within RELATIVE_ERROR of the true value."""
+    out: dict[str, Any] = _rounded(sorted_distribution(sketch.ordered()))
+    out["exact"] = sketch.exact
+    if not sketch.exact:
+        out["relative_error"] = RELATIVE_ERROR
+    return out
 
 
 def post_mortem_json(log_job: LogJob) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from gpuguard.generation.job import open_job_ledger
 _ALIVE = ("running", "sleeping", "disk-sleep")
 
 
+RECENT_STEPS = 40  # step samples kept per rank besides its summary: the vote's window, the document's sparkline
 LEDGER_TIMEOUT_S = 2.0  # the certificate is a hint for the world size: never wait long for it
 
 
@@ -90,6 +91,7 @@ def observe_job_generations(
     node_reports: Iterable[dict[str, Any]] = (),
     launcher_logs: Iterable[str | os.PathLike[str]] = (),
     outlier_cap_k: float = VoteConfig.outlier_cap_k,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[JobRecords, list[RankObservation], list[tuple[int, RankObservation]]]:
     """Read the records and the process table; return (records, current, superseded).
 
@@ -103,10 +105,15 @@ def observe_job_generations(
     (`collectors.log_steps`: steps with `log_spec`, watchdog timeouts, each rank's last line), judged as of
     the logs' newest timestamp: a post-mortem log is judged as it ended, not by how old the file is.
 
+    Memory does not grow with the ranks' steps: each rank's history is a bounded summary
+    (`foundation.step_summary`), and only its last RECENT_STEPS samples are kept. `on_progress(done, total)`
+    is called as the step logs are read.
+
     Ages use the monotonic clock for ranks written on this host (immune to wall-clock jumps), the wall
     clock otherwise; processes are probed only on this host (a pid means nothing elsewhere).
     """
-    records = read_job(job_dir, max_steps=history)
+    # bounded: each rank's last `history` steps as a summary, its last RECENT_STEPS (or `window`) as samples
+    records = read_job(job_dir, max_steps=max(window, RECENT_STEPS), history=history, on_progress=on_progress)
     stepped = set(records.ranks)  # ranks with StepLog records (they carry a generation; training logs do not)
     logs = tuple(logs)
     if log_job is None and logs:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuguard.foundation.step_summary import StepSummary
+
 # phase kinds
 COMPUTING = "computing"  # inside a step, not in a collective: the rank's own work
 COLLECTIVE = "collective"  # waiting in collective N: blocked on the slowest peer
@@ -16,7 +18,7 @@ STARTING = "starting"  # header written, no step yet
 CLOSED = "closed"  # the rank closed its log cleanly
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepSample:
     """One finished step of one rank: its own compute time separated from its collective wait."""
 
@@ -72,6 +74,9 @@ class RankSeries:
     # the most recent collective entries (C records) as (seq, wall, mono, wait_s), oldest first: the arrival
     # order; wait_s is what the X record measured, -1.0 while the rank is still in that collective
     entries: tuple[tuple[int, float, float, float], ...] = ()
+    # the step-time distribution over the last `history` steps in bounded memory, when the reader built one
+    # (`collectors.step_records.read_job(history=...)`): then `steps` holds only the most recent ones
+    summary: StepSummary | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
