@@ -61,8 +61,9 @@ def test_nan_in_one_replica_is_refused_by_name_and_the_job_resumes_from_the_prev
     if ledger.frontier_record(1) is not None and ledger.frontier_record(1).step >= 5:
         assert f"rejected step 5: unsound: {why}" in out
         assert any(r.startswith(f"step 5: unsound: {why}") for r in cert.extra["rejected"])
-    else:
-        assert not any(r.startswith("step 5:") for r in cert.extra.get("rejected", ())), cert.extra
+    else:  # step 5 may still be listed among the candidates the restart refused: only ever as unsound
+        fives = [r for r in cert.extra.get("rejected", ()) if r.startswith("step 5:")]
+        assert all(r.startswith(f"step 5: unsound: {why}") for r in fives), cert.extra
     sound = cert.extra["soundness"]
     assert sound["step"] == 4 and sound["sound"] and list(sound["checked"]) == ["finite", "replicas", "non-tensor"]
     assert sound["replica_chunks"] > 0 and sound["replica_disagreements"] == 0
