@@ -16,15 +16,14 @@ Lazy imports (start-up time): multiprocessing, only when the dumps are read (fou
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import os
 import pickle
 import stat
 import struct
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from gpuguard.collectors.trace_formats import (
 from gpuguard.foundation import unpickle
 from gpuguard.foundation.collective_trace import PERSIST_MAGIC, decode_persisted
 from gpuguard.foundation.errors import DataError, GpuguardError, NoInputError, UsageError, from_os_error
+from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.traces import Interner, RankTrace, Signature, Stream
 from gpuguard.foundation.workers import Overdue, map_with_deadlines
 
@@ -233,19 +233,6 @@ def _unpickle(p: Path, fh: Any) -> Any:
 # Many files
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Unpickling builds millions of acyclic dicts and lists: the cycle collector only burns CPU
-    rescanning them (torchfrtrace's loader disables it for the same reason)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _load_or_refuse(path: str, interner: Interner) -> Loaded | GpuguardError:
     try:
         return load_dump(path, interner)
@@ -314,7 +301,9 @@ def load_all(
     results: dict[int, tuple[int, Any]] = {}
     maps: dict[int, tuple[list[int], list[int]]] = {}
     items: list[Loaded | GpuguardError] = []
-    with _gc_paused(), closing(map_with_deadlines(read, deadlines, jobs=max(1, jobs))) as done:
+    # unpickling builds millions of acyclic dicts and lists: the cycle collector would only rescan them
+    # (torchfrtrace's loader disables it for the same reason)
+    with gc_paused(), closing(map_with_deadlines(read, deadlines, jobs=max(1, jobs))) as done:
         for d in done:
             results[d.index] = (d.worker, d.value)
             while len(items) in results:  # merge in input order: the interner's ids do not depend on timing
