@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpuguard.examples import demo as d
-from gpuguard.examples.demo_node_loss import NodeDemoResult, _committed, _ledger, _stop, _wait, lose_node
+from gpuguard.examples.demo_node_loss import NodeDemoResult, _committed, _ledger, _wait, lose_node, stop_agents
 from gpuguard.examples.fsdp_train import reference
 from gpuguard.foundation.env import PG_TIMEOUT_ENV
 from gpuguard.foundation.errors import UnavailableError
@@ -200,7 +200,7 @@ def run_fsdp(
         t = d.first_commit_time(job, 2)
         res.resume_s = t - kill_time if t is not None else None
     finally:
-        _stop(agents)
+        stop_agents(agents)
         del store
     _check(job, res, steps)
     on_event(

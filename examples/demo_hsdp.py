@@ -37,10 +37,10 @@ from gpuguard.examples.demo_node_loss import (
     _committed,
     _ledger,
     _node_env,
-    _stop,
     _wait,
     lose_node,
     start_agent,
+    stop_agents,
 )
 from gpuguard.foundation import jobdir
 from gpuguard.foundation.errors import UnavailableError
@@ -169,7 +169,7 @@ def run_hsdp(
             committed = [c.step for c in committed_steps(job, 1)]
             res.steps_redone = max(committed, default=res.frontier) - res.frontier
     finally:
-        _stop(agents)
+        stop_agents(agents)
         del store
     _check(job, res, steps)
     versus = " and generation 1's" if res.compared_with_generation_1 else ""

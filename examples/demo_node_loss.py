@@ -177,7 +177,7 @@ def lose_node(job: Path, agents: list[subprocess.Popen], first: Mapping[int, int
     }
 
 
-def _stop(agents: list[subprocess.Popen]) -> None:
+def stop_agents(agents: list[subprocess.Popen]) -> None:
     """Kill what we started: every agent's workers (by pid), then the agent's process group."""
     for a in agents:
         for c in _tree(a.pid):
@@ -288,6 +288,6 @@ def run_node_loss(
             t = first_commit_time(job, 2)
             res.resume_s = t - res.kill["time"] if t is not None else None
     finally:
-        _stop(agents)
+        stop_agents(agents)
         del store
     return res

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
-from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from gpuguard.examples.demo_node_loss import lose_node, start_agent
+from gpuguard.examples.demo_node_loss import lose_node, start_agent, stop_agents
 from gpuguard.foundation.env import JOB_DIR_ENV, PG_TIMEOUT_ENV
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.recovery.runtime.data import reference_batches, share
 from tests.support.cli import free_port
-from tests.support.jobs.data_job import BATCH, SEED, SIZE, reference
+from tests.support.data_stream import assert_follows_the_rule
+from tests.support.jobs.data_job import reference
 from tests.support.jobs.inplace_data_job import hold_marker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -90,15 +87,7 @@ def test_survivors_switching_in_place_take_the_rules_samples_and_end_bitwise_lik
         results = job / "results"
         assert _wait(lambda: all((results / f"{r}.pt").exists() for r in survivors), 150), tails()
     finally:
-        for a in agents:
-            try:
-                for c in psutil.Process(a.pid).children(recursive=True):
-                    c.kill()
-            except psutil.Error:
-                pass
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-            a.wait(timeout=10)
+        stop_agents(agents)
         del store
 
     cert = open_ledger(job).require_active()
@@ -107,20 +96,7 @@ def test_survivors_switching_in_place_take_the_rules_samples_and_end_bitwise_lik
     resumed_at = cert.frontier.step + 1
     assert 1 <= resumed_at <= HOLD
 
-    want = reference_batches(SIZE, BATCH, SEED, STEPS)
-    steps = _newest(job)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    for step, by_rank in steps.items():
-        world = 3 if step < resumed_at else 2
-        batch = want[step - 1]
-        assert sorted(by_rank) == list(range(world)), (step, sorted(by_rank))
-        assert all(r["world"] == world and r["global"] == batch for r in by_rank.values()), (step, by_rank)
-        # each rank took exactly its positions of the fault-free global batch, in order
-        assert [by_rank[r]["ids"] for r in range(world)] == [share(batch, r, world) for r in range(world)], step
-    per_epoch = SIZE // BATCH
-    first_epoch = Counter(i for step in range(1, per_epoch + 1) for r in steps[step].values() for i in r["ids"])
-    assert first_epoch == Counter(range(SIZE))  # every sample once in the epoch the loss fell in
-    assert sum(len(r["ids"]) for s in steps.values() for r in s.values()) == STEPS * BATCH
+    assert_follows_the_rule(_newest(job), resumed_at, STEPS)
 
     ref = reference(STEPS)  # a plain loop in one process, no runtime
     for r in survivors:

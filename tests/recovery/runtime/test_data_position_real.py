@@ -16,16 +16,16 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpuguard.generation.ledger_open import open_ledger
-from gpuguard.recovery.runtime.data import SampleStream, reference_batches, share
+from gpuguard.recovery.runtime.data import SampleStream, reference_batches
 from tests.recovery.snapshots.test_sharded_snapshot import finish
 from tests.support.cli import JOBS, free_port
+from tests.support.data_stream import assert_follows_the_rule
 from tests.support.jobs.data_job import BATCH, SEED, SIZE, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -72,21 +72,7 @@ def test_a_job_that_loses_a_rank_and_resumes_at_world_size_2_takes_the_rules_sam
     assert cert.generation == 2 and len(cert.members) == 2 and 1 <= cert.frontier.step < KILL_STEP
     resumed_at = cert.frontier.step + 1
 
-    want = reference_batches(SIZE, BATCH, SEED, STEPS)
-    steps = history(job)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    for step, by_rank in steps.items():
-        world = 3 if step < resumed_at else 2
-        batch = want[step - 1]
-        assert sorted(by_rank) == list(range(world)), (step, sorted(by_rank))
-        assert all(r["world"] == world and r["global"] == batch for r in by_rank.values()), step
-        # each rank took exactly its positions of the fault-free global batch, in order
-        assert [by_rank[r]["ids"] for r in range(world)] == [share(batch, r, world) for r in range(world)], step
-    seen = Counter(i for step in range(1, STEPS + 1) for r in steps[step].values() for i in r["ids"])
-    per_epoch = SIZE // BATCH
-    first_epoch = Counter(i for step in range(1, per_epoch + 1) for r in steps[step].values() for i in r["ids"])
-    assert first_epoch == Counter(range(SIZE))  # every sample once in the epoch the kill fell in
-    assert sum(seen.values()) == STEPS * BATCH
+    assert_follows_the_rule(history(job), resumed_at, STEPS)
 
     got = torch.load(job / "final.pt", weights_only=True)
     ref = reference(STEPS)

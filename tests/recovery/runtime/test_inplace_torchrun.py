@@ -25,7 +25,7 @@ import time
 import psutil
 import pytest
 
-from gpuguard.examples.demo_node_loss import AGENTS, start_agent
+from gpuguard.examples.demo_node_loss import AGENTS, start_agent, stop_agents
 from gpuguard.examples.inplace_train import reference
 from gpuguard.foundation.inplace_files import request_abort
 from gpuguard.foundation.steplog import committed_steps
@@ -135,13 +135,5 @@ def test_node_loss_is_survived_in_place_without_restarts(tmp_path):
             if a is not victim:
                 assert a.poll() is None or a.returncode == 0, logs
     finally:
-        for a in agents:
-            try:
-                for c in psutil.Process(a.pid).children(recursive=True):
-                    c.kill()
-            except psutil.Error:
-                pass
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-            a.wait(timeout=10)
+        stop_agents(agents)
         del store
