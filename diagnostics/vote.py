@@ -21,6 +21,7 @@ read by `vote_config`, the coupling in collectives is `coupling`'s.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -229,7 +230,8 @@ def vote(
     active = _active(obs, prelim)
     if len(active) >= 2 and all(prelim[o.rank][0] == HUNG for o in active) and not culprits:
         nobody_to_blame.update(o.rank for o in active)  # all idle together: the job, not a rank
-    teardown = torn_down(obs, prelim)
+    victims = _victims(obs, prelim)
+    teardown = torn_down(obs, prelim, victims)
     for r, first in teardown.items():
         blocked[r] = first
         culprits.discard(r)
@@ -243,7 +245,7 @@ def vote(
             culprits.add(o.rank)
         elif sticky and prelim[o.rank][0] == DEAD and not blocked.get(o.rank) and o.rank not in teardown:
             blocked[o.rank] = tuple(sorted(sticky))
-    why_context = _Context(late, coupled.waited_for_late, teardown, _victims(obs, prelim))
+    why_context = _Context(late, coupled.waited_for_late, teardown, victims)
     verdicts = []
     for o in obs:
         v, why = final_verdict(o, prelim[o.rank], blocked.get(o.rank, ()), why_context)
@@ -364,19 +366,25 @@ def name_stragglers(
     return out, late
 
 
-def torn_down(obs: Sequence[RankObservation], prelim: Prelims) -> dict[int, tuple[int, ...]]:
+def torn_down(
+    obs: Sequence[RankObservation], prelim: Prelims, victims: AbstractSet[int] = frozenset()
+) -> dict[int, tuple[int, ...]]:
     """Dead ranks torchrun terminated after another worker failed first -> the ranks that failed first.
 
     The launcher saw how each worker ended (diagnose job --torchrun-log, watch job --torchrun-log): after the
     first failure torchrun terminates the other workers with SIGTERM. Dead ranks that ended by SIGTERM beside
     one that ended otherwise (SIGKILL, a crash, an exit code) are its teardown, whichever order the checks saw
     them go in (a whole group is torn down between two checks), and whatever an earlier check inferred before
-    the launcher had said it. All by SIGTERM (a preemption): none."""
+    the launcher had said it. All by SIGTERM (a preemption): none.
+
+    `victims` (`_victims`) did not fail first even though they ended by an exit code: they saw a peer's
+    failure in a collective and left before torchrun's SIGTERM reached them. They are neither the cause
+    nor terminated; the final verdict names them collateral of their own report."""
     ended = {o.rank: o.alive.exit_code for o in obs if prelim[o.rank][0] == DEAD and o.alive.exit_code is not None}
-    first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS))
-    if not first or len(first) == len(ended):
+    first = tuple(sorted(r for r, c in ended.items() if c not in _SIGTERM_EXITS and r not in victims))
+    if not first or len(first) + len(victims & ended.keys()) == len(ended):
         return {}
-    return {r: first for r in ended if r not in first}
+    return {r: first for r in ended if r not in first and r not in victims}
 
 
 def sticky_culprits(

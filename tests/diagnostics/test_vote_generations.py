@@ -3,9 +3,11 @@ themselves), and the workers torchrun terminated after a failure are its collate
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpuguard.diagnostics.vote import to_json, vote
 from gpuguard.diagnostics.voters import VoteConfig
-from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, ProcessState, RankObservation
+from gpuguard.foundation.observations import BETWEEN, COLLECTIVE, COMPUTING, ProcessState, RankObservation
 
 CFG = VoteConfig()
 ALIVE = ProcessState("running", "pid 1")
@@ -86,3 +88,27 @@ def test_the_launchers_word_overrides_what_an_earlier_check_inferred() -> None:
     codes = {0: 143, 1: -15, 2: -9, 3: -15}
     after = vote([ob(r, alive=ProcessState("gone", "pid gone", exit_code=codes[r])) for r in range(4)], CFG, first)
     assert after.culprits == (2,), [(r.rank, r.culprit, r.blocked_by) for r in after.ranks]
+
+
+def test_a_rank_that_left_on_a_peers_failure_before_the_sigterm_is_not_a_cause() -> None:
+    # seen in CI: rank 3 SIGKILLed; rank 2's all_reduce failed on the closed connection and it exited 1
+    # before torchrun's SIGTERM reached it; 0 and 1 were terminated. Only rank 3 failed first.
+    peer = ("all_reduce 41: Connection closed by peer [127.0.0.1]:4000",)
+    codes = {0: -15, 1: 143, 2: 1, 3: -9}
+    obs = [
+        replace(
+            ob(r, COLLECTIVE, step=41, seq=41, age=2.0, alive=ProcessState("gone", "pid gone", exit_code=codes[r])),
+            errors=peer if r == 2 else (),
+        )
+        for r in range(4)
+    ]
+    job = vote(obs, CFG)
+    assert job.culprits == (3,), [(r.rank, r.culprit, r.reason) for r in job.ranks]
+    assert "reported a peer's failure itself" in job.by_rank()[2].reason
+    for r in (0, 1):
+        assert job.by_rank()[r].blocked_by == (3,) and "torchrun terminated it" in job.by_rank()[r].reason
+    # the same a check after the one that named rank 3 (a watcher's sticky culprit)
+    before = [ob(r, COLLECTIVE, step=41, seq=41, age=2.0) for r in range(3)]
+    named = vote(before + [ob(3, COMPUTING, step=41, seq=40, alive=GONE)], CFG)
+    assert named.culprits == (3,)
+    assert vote(obs, CFG, named).culprits == (3,)

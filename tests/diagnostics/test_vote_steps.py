@@ -94,6 +94,11 @@ def test_torn_down_maps_sigterm_deaths_to_the_rank_that_failed_first():
     prelim = {r: Prelim(DEAD, "gone", False, ()) for r in range(3)}
     assert torn_down([dead(0, 1), dead(1, -15), dead(2, 143)], prelim) == {1: (0,), 2: (0,)}
     assert torn_down([dead(0, -15), dead(1, -15), dead(2, 143)], prelim) == {}  # all SIGTERM: a preemption
+    # rank 1 exited on a peer's failure before the SIGTERM came: neither a cause nor terminated
+    three = [dead(0, -9), dead(1, 1), dead(2, -15)]
+    assert torn_down(three, prelim, victims={1}) == {2: (0,)}
+    assert torn_down(three, prelim) == {2: (0, 1)}
+    assert torn_down([dead(0, -9), dead(1, 1)], prelim, victims={1}) == {}  # nobody was terminated
 
 
 def test_sticky_culprits_keep_a_dead_culprit_of_the_previous_check():
