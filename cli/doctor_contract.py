@@ -61,17 +61,15 @@ def run_contract(
 ) -> int:
     import sys
 
-    from gpuguard.cli._app import console, emit_json, stdout_is_terminal
+    from gpuguard.cli._app import console, emit_json
+    from gpuguard.cli._progress import ProgressBar
     from gpuguard.collectors.flight_recorder import check_usage_pg, discover, load_all, unknown_version_notes
     from gpuguard.diagnostics.contract import Interner, check, report_to_json
 
     files, notes = discover(paths)
     interner = Interner()
-    progress_cb, finish = _progress(len(files), enabled=stdout_is_terminal() and not as_json)
-    try:
-        loaded, refused = load_all(files, interner, jobs=jobs, progress=progress_cb)
-    finally:
-        finish()
+    with ProgressBar(enabled=not as_json and len(files) >= _PROGRESS_MIN_FILES) as bar:
+        loaded, refused = load_all(files, interner, jobs=jobs, progress=bar.ticker("reading dumps", len(files)))
     if refused and not loaded:
         raise refused[0]
     for exc in refused:  # one line per refused file; the rest is still analysed
@@ -131,24 +129,6 @@ def contract_exit_code(holds: bool, partial: bool) -> int:
     if not holds:
         return EXIT_WARNING
     return EXIT_UNKNOWN if partial else EXIT_OK
-
-
-def _progress(total: int, enabled: bool) -> tuple[Any, Any]:
-    if not enabled or total < _PROGRESS_MIN_FILES:
-        return None, lambda: None
-    from rich.progress import Progress
-
-    bar = Progress(transient=True)
-    task = bar.add_task("reading dumps", total=total)
-    started: list[bool] = []
-
-    def advance(n: int) -> None:
-        if not started:  # start the refresh thread only after the reader pool has forked
-            bar.start()
-            started.append(True)
-        bar.advance(task, n)
-
-    return advance, bar.stop
 
 
 def _render(report: Any, traces: list, interner: Any, notes: list[str], n_files: int, out: Any) -> None:

@@ -230,7 +230,14 @@ def diagnose_job(
 ) -> int:
     """Dead, hung, slow or healthy: one verdict per rank, with its evidence and what to do next."""
     spec = _log_spec(log, log_spec, log_regex)
-    with _ReadProgress() as progress:
+    from gpuguard.cli._progress import ProgressBar
+
+    with ProgressBar() as bar:
+
+        def read(done: int, total: int) -> None:
+            if total >= PROGRESS_MIN_RANKS:  # 100,000 ranks take a while; 8 do not
+                bar.update("reading step logs", done, total)
+
         job, doc, _ = assess(
             job_dir,
             config=config,
@@ -240,7 +247,7 @@ def diagnose_job(
             node_reports=tuple(node_report),
             launcher_logs=tuple(torchrun_log),
             interval_s=interval,
-            on_progress=progress.advance,
+            on_progress=read,
         )
     if as_json:
         emit_json(doc)
@@ -250,35 +257,6 @@ def diagnose_job(
 
 
 PROGRESS_MIN_RANKS = 2000  # step logs to read before a progress bar is worth drawing
-
-
-class _ReadProgress:
-    """A transient bar on stderr while the ranks' step logs are read: only on a terminal, only for a
-    large job (100,000 ranks take a while; 8 do not), and gone before the verdict is printed."""
-
-    def __init__(self) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> _ReadProgress:
-        return self
-
-    def advance(self, done: int, total: int) -> None:
-        if self._bar is None:
-            if total < PROGRESS_MIN_RANKS or not sys.stderr.isatty():
-                return
-            from rich.progress import Progress
-
-            from gpuguard.cli._app import console
-
-            self._bar = Progress(console=console(stderr=True), transient=True)
-            self._task = self._bar.add_task("reading step logs", total=total)
-            self._bar.start()
-        self._bar.update(self._task, completed=done)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def watch_job(

@@ -116,36 +116,15 @@ def _close_all(opened: list[tuple[str, BinaryIO, int | None]]) -> None:
             close_log(fh)
 
 
-def _progress(total: int) -> Any:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    from gpuguard.cli._app import console
-
-    return Progress(
-        TextColumn("[bold]scanning"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console(stderr=True),
-        transient=True,
-    )
-
-
 def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, Any]]) -> Iterator[Any]:
+    from gpuguard.cli._progress import ProgressBar
     from gpuguard.collectors import logwrap
     from gpuguard.collectors.logscan import LogScan, _Chained, is_corrupt_archive
 
-    show_progress = sys.stderr.isatty() and any((size or 0) >= _PROGRESS_MIN_BYTES for *_, size in opened)
-    progress = _progress(sum(size or 0 for *_, size in opened)) if show_progress else None
+    bar = ProgressBar(in_bytes=True, enabled=any((size or 0) >= _PROGRESS_MIN_BYTES for *_, size in opened))
     try:
-        if progress is not None:
-            progress.start()
         for path, fh, size in opened:
-            task = progress.add_task(path, total=size) if progress is not None and size else None
-            on_progress = (
-                (lambda n, t=task: progress.advance(t, n)) if task is not None and progress is not None else None
-            )
+            on_progress = bar.ticker(path, size)
             count = 0
             try:
                 small = size is not None and size <= logwrap.MAX_BYTES
@@ -185,8 +164,7 @@ def _scan(opened: list[tuple[str, BinaryIO, int | None]], stats: list[dict[str, 
                 }
             )
     finally:
-        if progress is not None:
-            progress.stop()
+        bar.stop()
         _close_all(opened)
 
 

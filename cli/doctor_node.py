@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 DATA = Path(__file__).resolve().parents[1] / "collectors" / "data"
 SAMPLE_KERNEL_LOG = DATA / "sample-kern.log"
 SAMPLE_NVML = DATA / "sample-nvml.json"
+_PROGRESS_MIN_BYTES = 64 << 20  # a kernel log worth drawing a bar for
 FORMATS = ("human", "json", "npd", "nagios")
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.I)
 _UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
@@ -103,42 +104,6 @@ def _npd_exit_codes(command: Callable[..., int]) -> Callable[..., int]:
 
 # ---------------------------------------------------------------------------------------------------
 # Rendering
-
-
-class _ProgressBar:
-    """A rich progress bar on stderr, shown only for big reads on a terminal (never when piped)."""
-
-    MIN_BYTES = 64 * 1024 * 1024
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.progress: Any = None
-
-    def start(self, total: int, _done: int) -> Any:
-        if total < self.MIN_BYTES:
-            return None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
-        from gpuguard.cli._app import console
-
-        self.progress = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            DownloadColumn(),
-            TimeRemainingColumn(),
-            console=console(stderr=True),
-            transient=True,
-        )
-        self.progress.start()
-        task = self.progress.add_task(self.label, total=total)
-        return lambda n: self.progress.advance(task, n)
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
 
 
 def _render(doc: dict[str, Any], fmt: str) -> int:
@@ -304,11 +269,14 @@ def diagnose_node(
         timeout=timeout,
     )
     thresholds = node_thresholds.load(config)
-    if kernel_log not in (None, "-") and sys.stderr.isatty():
-        with _ProgressBar(f"reading {kernel_log}") as bar:
-            result = diagnose(request, thresholds, started=started, warn=_warn, progress=bar.start)
-    else:
-        result = diagnose(request, thresholds, started=started, warn=_warn)
+    from gpuguard.cli._progress import ProgressBar
+
+    with ProgressBar(in_bytes=True, enabled=kernel_log not in (None, "-")) as bar:
+
+        def progress(total: int, _done: int) -> Callable[[int], None] | None:
+            return bar.ticker(f"reading {kernel_log}", total) if total >= _PROGRESS_MIN_BYTES else None
+
+        result = diagnose(request, thresholds, started=started, warn=_warn, progress=progress)
     if dump_nvml:
         if result.snapshot is None:
             raise UsageError("--dump-nvml: NVML is not examined in replay mode; add --mode live (or --nvml-snapshot)")
