@@ -34,7 +34,7 @@ STEPS, KILL_STEP, WORLD = 8, 5, 2
 def torchrun(module: str, out: Path, *args: str, restarts: int = 0, timeout: float = 40.0) -> str:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={WORLD}",
-        f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--max-restarts={restarts}", "--standalone",
         "--monitor-interval=0.1", "-m", module, "--out", str(out), "--steps", str(STEPS), "--final", *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GPUGUARD_PG_TIMEOUT": "20"}

@@ -23,14 +23,6 @@ SCENARIOS = ("clean", "size", "skip")
 _cache: dict[str, Path] = {}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def real_dumps(timeout: float = 150.0) -> dict[str, Path]:
     """{scenario: dir with fr_pickle/, fr_json/, gg/} plus "all" (whole FR buffers), from ONE real
     4-rank torchrun job that runs the three scenarios in turn (cached per pytest process)."""
@@ -49,8 +41,7 @@ def real_dumps(timeout: float = 150.0) -> dict[str, Path]:
                 "--nnodes=1",
                 "--nproc-per-node=4",
                 "--max-restarts=0",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                "--standalone",  # c10d on port 0: no window for another process to take a chosen port
                 str(JOB),
                 "--out",
                 str(root),
@@ -122,8 +113,7 @@ def _run_semantics_job(timeout: float) -> dict[str, Path]:
                 "--nnodes=1",
                 "--nproc-per-node=4",
                 "--max-restarts=0",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                "--standalone",  # c10d on port 0: no window for another process to take a chosen port
                 str(SEMANTICS_JOB),
                 "--out",
                 str(root),
