@@ -79,6 +79,12 @@ def page_lines(doc: dict[str, Any]) -> list[str]:
         )
     for e in doc["evicted"]:
         lines.append(f"evicted        generation {e['generation']}: dead {e['dead']}, killed {e['killed']}")
+    for f in doc.get("fenced_incarnations") or ():
+        state = {"may-be-running": "may still be running", "ended": "ended"}.get(f["state"], f["state"])
+        lines.append(
+            f"fenced         rank {f['rank']} of generation {f['fenced_by_generation'] - 1} on {f['host']} "
+            f"(incarnation {f['incarnation'][:12]}): {state}, every sink refuses it; {f['until']}"
+        )
     inc = doc.get("incarnations") or {}
     if inc.get("unreadable") or inc.get("problem"):
         lines.append(

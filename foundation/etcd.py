@@ -509,6 +509,11 @@ class EtcdClient:
         result = out.get("result", {})
         return int(result.get("TTL", -1)) if isinstance(result, dict) else -1
 
+    def time_to_live(self, lease: int, what: str = "lease time-to-live") -> int:
+        """Seconds the lease has left, or -1 when etcd no longer has it (expired or revoked)."""
+        out = self.call("lease/timetolive", {"ID": str(lease)}, what, idempotent=True)
+        return int(out.get("TTL", -1))
+
     def revoke(self, lease: int, what: str = "lease revoke") -> bool:
         """Revoke a lease; False when etcd no longer has it."""
         try:

@@ -478,6 +478,13 @@ class Ledger(ABC):
     def fenced_count(self) -> int:
         return len(parse_lines(self._read_log("fenced"))[0])
 
+    def lease_time_left(self, incarnation_ids: Sequence[str]) -> dict[str, int] | None:
+        """Seconds each incarnation's lease key (`P/lease/<id>`, docs/formats/leases.md) has left, for
+        the ids that still have one; None where the ledger holds no leases (a directory ledger: one
+        host, where the process table is the proof). What `gpu-recover status` says of an incarnation
+        certified quiet by fencing: a key still there means it may still be running."""
+        return None
+
 
 def new_temp_name() -> str:
     return f".tmp-{uuid.uuid4().hex}"

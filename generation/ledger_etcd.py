@@ -89,6 +89,27 @@ class EtcdLedger(Ledger):
             )
         )
 
+    def lease_time_left(self, incarnation_ids: Sequence[str]) -> dict[str, int] | None:
+        """One keys-only range of `P/lease/`, then one time-to-live per distinct lease among the asked
+        ids (a host's ranks share one): bounded by the hosts asked about, not the job's size."""
+        wanted = set(incarnation_ids)
+        if not wanted:
+            return {}
+        base = self._key("lease", "")
+        lease_of = {
+            kv.key.decode(errors="replace")[len(base) :]: kv.lease
+            for kv in self._range(base, "lease list", keys_only=True)
+        }
+        ttl: dict[int, int] = {}
+        out: dict[str, int] = {}
+        for inc in sorted(wanted & lease_of.keys()):
+            lease = lease_of[inc]
+            if lease not in ttl:
+                ttl[lease] = self.client.time_to_live(lease) if lease else -1
+            if ttl[lease] >= 0:
+                out[inc] = ttl[lease]
+        return out
+
     # -- primitives -----------------------------------------------------------------------
     def _read(self, generation: int) -> bytes | None:
         kv = self.client.get(self._gen_key(generation), "certificate read")

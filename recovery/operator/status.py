@@ -40,6 +40,7 @@ from gpuguard.foundation.jobdir import iter_incarnations, ledger_dir, ledger_url
 from gpuguard.foundation.observations import CLOSED
 from gpuguard.foundation.steplog import safe_incarnation
 from gpuguard.generation.job import open_job_ledger
+from gpuguard.generation.rules import PROOF_FENCED
 from gpuguard.recovery.operator import audit
 from gpuguard.recovery.operator.lifecycle import (
     DOWN,
@@ -91,6 +92,7 @@ class StatusFacts:
     audit_tail: tuple[Mapping[str, Any], ...] = ()
     audit_problem: str | None = None
     evicted: tuple[Mapping[str, Any], ...] = ()
+    fenced_incarnations: tuple[Mapping[str, Any], ...] = ()  # old incarnations certified quiet by fencing
     unreadable_incarnations: tuple[str, ...] = ()  # why each unreadable incarnation record could not be read
     incarnations_problem: str | None = None  # the records could not be scanned at all (timed out)
     agents: tuple[int, ...] | None = None  # live torchrun agents of the job on this host (None: not read)
@@ -326,7 +328,55 @@ def _read_ledger(job_dir: Path, url: str | None, timeout_s: float) -> dict[str, 
                     }
                 )
         out["evicted"] = tuple(evicted)
+        out["fenced_incarnations"] = _fenced_incarnations(led, led.history()[-FENCED_HISTORY:])
         return out
+
+
+FENCED_HISTORY = 8  # certificates back that the page looks for incarnations certified quiet by fencing
+
+
+def _fenced_incarnations(led: Any, certs: list[Any]) -> tuple[dict[str, Any], ...]:
+    """The old incarnations certificates proved quiet by fencing (docs/fencing.md), not by being gone:
+    each may still be running. A lease key still in etcd says it may; a missing one that it has fenced
+    itself (its host's lease expired, or its host's renewer saw it gone: docs/formats/leases.md)."""
+    by_gen = {c.generation: c for c in certs}
+    found = []
+    for c in certs:
+        proofs = (c.extra or {}).get("quiescence_by")
+        parent = by_gen.get(c.generation - 1)
+        if not isinstance(proofs, Mapping) or parent is None:
+            continue
+        for m in parent.members:
+            if proofs.get(m.incarnation.id) == PROOF_FENCED:
+                found.append((c.generation, m))
+    if not found:
+        return ()
+    left = led.lease_time_left([m.incarnation.id for _, m in found])
+    out = []
+    for gen, m in found:
+        ttl = None if left is None else left.get(m.incarnation.id)
+        if left is None:
+            state, until = "unknown", "this ledger holds no leases"
+        elif ttl is None:
+            state, until = "ended", "its lease key is gone: it fenced itself (or its host's renewer saw it gone)"
+        else:
+            state = "may-be-running"
+            until = (
+                f"until its next commit sees generation {gen} active (its generation watch) or, cut off from etcd, "
+                f"half a lease TTL after its host's last keepalive; its host's lease has {ttl} s left"
+            )
+        out.append(
+            {
+                "fenced_by_generation": gen,
+                "rank": m.rank,
+                "incarnation": m.incarnation.id,
+                "host": m.incarnation.host,
+                "state": state,
+                "lease_left_s": ttl,
+                "until": until,
+            }
+        )
+    return tuple(out)
 
 
 def _read_vote(job_dir: Path) -> tuple[dict[str, Any] | None, dict[tuple[int, str], MemberRecord]]:
@@ -436,6 +486,7 @@ def gather(
                 fenced_commits=led["fenced"],
                 refusals=led["refusals"],
                 evicted=led["evicted"],
+                fenced_incarnations=led["fenced_incarnations"],
             )
             here = _here()
             members = _bounded(lambda: tuple(liveness(m, here) for m in cert.members), probe_timeout_s)
@@ -524,6 +575,7 @@ def to_json(facts: StatusFacts, decision: Decision) -> dict[str, Any]:
         "audit_tail": [dict(a) for a in facts.audit_tail],
         "audit_problem": facts.audit_problem,
         "evicted": [dict(e) for e in facts.evicted],
+        "fenced_incarnations": [dict(f) for f in facts.fenced_incarnations],
         "incarnations": {
             "unreadable": list(facts.unreadable_incarnations),
             "problem": facts.incarnations_problem,
