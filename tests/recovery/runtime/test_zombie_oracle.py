@@ -19,18 +19,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from gpuguard.foundation.errors import RefusedError
+from gpuguard.examples.zombie import haunt, reader_view
 from gpuguard.foundation.inplace_files import Report
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.generation.records import Incarnation, Member
-from gpuguard.recovery.runtime import heartbeat as hb
-from gpuguard.recovery.runtime.activation import branch_problem
-from gpuguard.recovery.runtime.admission import admitted_certificate
 from gpuguard.recovery.runtime.coordination_etcd import EtcdCoordination
-from gpuguard.recovery.runtime.lease import LeaseTiming
-from gpuguard.recovery.runtime.refusals import ActivationRefused
 from gpuguard.recovery.runtime.switch import EvictionFacts, decide_eviction
-from gpuguard.recovery.snapshots.store import save_snapshot, select_restorable
+from gpuguard.recovery.snapshots.store import list_snapshots
 from tests.support.generation import KEY, child, genesis
 
 pytestmark = pytest.mark.etcd
@@ -74,98 +69,30 @@ def switched(tmp_path, etcd_url):
     return tmp_path, url, ledger, g1, g2, z
 
 
-def _visible(root, url, ledger):
-    """What anything after the switch would read: the chain, the frontier records, the coordination
-    of generation 1, the restorable snapshots."""
-    coord = EtcdCoordination.from_url(url)
-    try:
-        return (
-            [c.digest() for c in ledger.history()],
-            ledger.frontier_record(1),
-            ledger.frontier_record(2),
-            sorted(coord.read_reports(1)),
-            coord.refusal(1),
-            [(s.step, s.generation) for s in select_restorable(root, None).rejected],
-        )
-    finally:
-        coord.close()
-
-
 def test_a_stale_incarnation_is_refused_by_every_sink_and_nothing_it_does_is_seen(switched):
     root, url, ledger, g1, g2, z = switched
-    torch = pytest.importorskip("torch")
-    before = _visible(root, url, ledger)
-    attempts, refused = 0, 0
+    pytest.importorskip("torch")
+    before = _view(root, url, ledger)
+    out = haunt(root, url, rank=2, generation=1, key=KEY, rounds=2)  # the oracle the bench runs too
+    assert (out.incarnation, out.generation, out.active) == (z.id, 1, 2)
+    per_round = {"frontier": 2, "certificate": 1, "report": 1, "refusal": 1, "join": 1, "snapshot": 2, "heartbeat": 3}
+    for sink, n in per_round.items():  # each sink's own check: removed, its own line here fails
+        t = out.sink(sink)
+        assert (sink, t.attempts, t.refused, t.visible) == (sink, 2 * n, 2 * n, 0), t
+    assert "compare-and-swap" in out.sink("certificate").reasons  # the activation CAS, not the rules
+    assert "does not admit" in out.sink("join").reasons
+    assert (out.attempts, out.refused, out.visible, out.changed) == (22, 22, 0, ())
+    # nothing a reader of generation 2 reads changed; the late snapshots are on disk but never chosen
+    assert _view(root, url, ledger) == before
+    assert [s.generation for s in list_snapshots(root)] == [1, 1]
 
-    # the zombie holds a live lease: fencing, not expiry, is what stops it
-    zc = EtcdCoordination.from_url(url)
-    zc.hold_lease(z.id, {"rank": 2}, LeaseTiming(30.0), lambda why: None)
-    zl = open_ledger(root, url, key=KEY)
+
+def _view(root, url, ledger):
+    coord = EtcdCoordination.from_url(url)
     try:
-        # 1. the frontier record ("every member committed through step 9"); and the same write after
-        #    its check passed, before generation 2 activated (the window): the transaction refuses it
-        attempts += 2
-        refused += not zl.record_frontier(1, 9, z.id, "barrier")
-        raw, token = zl._read_frontier(1)  # noqa: SLF001 - the write as it leaves a check made too early
-        refused += not zl._write_frontier(1, b'{"late": true}\n', token)  # noqa: SLF001
-        # 2. a certificate of its own: generation 2 again, from generation 1
-        attempts += 1
-        with pytest.raises(RefusedError, match="compare-and-swap"):
-            zl.activate(child(g1, g1.members, step=4, reason="rank-failure"))
-        refused += 1
-        # 3. its report of generation 1, and 4. a refusal of generation 1
-        attempts += 2
-        refused += not zc.write_report(Report(1, 2, z.id, 4002, "h3", 6, {}, "late", 0.0))
-        zc.record_refusal(1, {"generation": 1, "reason": "zombie", "by": z.id})
-        refused += zc.refusal(1) is None
-        # 5. joining generation 2: the admission check comes first
-        attempts += 1
-        with pytest.raises(ActivationRefused, match="does not admit"):
-            admitted_certificate(zl, 2, incarnation_id=z.id)
-        refused += 1
-        # 6. a snapshot of generation 1: the publish check refuses it; one that slips past the check
-        #    (the check-then-rename race) is refused at read, by the chain
-        attempts += 2
-        state = {"model": {"w": torch.ones(4)}}
-        active_is_g1 = lambda: zl.active().generation == 1  # noqa: E731 - the writer's own still_current
-        refused += (
-            save_snapshot(root, 7, state, generation=1, owner=f"rank2/{z.id}", still_current=active_is_g1) is None
-        )
-        late = save_snapshot(root, 8, state, generation=1, owner=f"rank2/{z.id}")
-        frontiers = {c.generation: c.frontier.step for c in ledger.history()}
-        refused += branch_problem(late.generation, late.step, frontiers, 2) is not None
-        # 7. heartbeats to generation 2's members
-        attempts += 1
-        key = hb.derive_key(KEY)
-        sock = hb.open_socket("127.0.0.1")
-        det = hb.PeerHeartbeat(
-            sock,
-            key=key,
-            job_id=g2.job_id,
-            generation=2,
-            rank=0,
-            incarnation_id=g2.members[0].incarnation.id,
-            peers={r: hb.Peer(r, m.incarnation.id, ("127.0.0.1", 9)) for r, m in enumerate(g2.members)},
-            config=hb.HeartbeatConfig(0.1, 5),
-            on_suspect=lambda r, s: None,
-        )
-        try:
-            survivor = g2.members[1].incarnation.id
-            refused += not det.accept(hb.encode(key, g2.job_id, 1, 1, z.id, 10**6), 1.0)
-            refused += not det.accept(hb.encode(key, g2.job_id, 2, 1, z.id, 10**6), 1.0)  # stamped 2: not the member
-            # a beat of generation 1 from a member of both (delayed, or replayed): an older generation's
-            refused += not det.accept(hb.encode(key, g2.job_id, 1, 1, survivor, 10**6), 1.0)
-            attempts += 2
-        finally:
-            det.stop()
+        return reader_view(ledger, coord, root, 1)
     finally:
-        zc.close()
-    assert (attempts, refused) == (11, 11)
-    after = _visible(root, url, ledger)
-    # nothing visible changed; the late snapshot is on disk but is never a restore candidate
-    assert after[:5] == before[:5]
-    chosen = select_restorable(root, None, check=lambda i: branch_problem(i.generation, i.step, frontiers, 2))
-    assert chosen.chosen is None or chosen.chosen.generation != 1 or chosen.chosen.step <= 4
+        coord.close()
 
 
 def test_fenced_quiescence_is_a_proof_the_rules_accept_and_a_live_process_never_is(switched):
