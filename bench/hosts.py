@@ -35,7 +35,24 @@ frozen host comes back once the survivors have moved on). Rows:
 `recovered`: trials whose survivors finished with the oracle's parameters (and, in place, one
 certified chain that `gpu-generation verify` accepts); `semantic_failures`: trials that finished
 with other parameters or an invalid chain; `zombie_writes_fenced`: commit records the ledger
-refused (stale generation); `steps_lost`: committed steps redone after recovery (mean).
+refused (stale generation), read before the zombie oracle runs; `steps_lost`: committed steps redone
+after recovery (mean).
+`zombie_attempts` / `zombie_visible` (in-place and restart rows; summed over the trials): once the
+survivors are done and the next generation is active, the zombie oracle (`examples.zombie`, the one
+`tests/recovery/runtime/test_zombie_oracle.py` runs) runs as a process with the lost member's
+identity (its incarnation in generation 1's certificate) and the job dir's signing key, on the lost
+host once it is back (partition: healed; freeze: thawed; by then the worker itself has ended or
+fenced itself) or, for power-off and store-host, as a stand-in on the first survivor (the row's
+`zombie_where` says which). It holds a live lease and tries every sink `ZOMBIE_ROUNDS` times:
+frontier record (2 a round), certificate, report, refusal, joining the active generation, snapshot
+publish (2: through the publish check and past it; in place to the host's job dir, on the restart
+path to the shared storage), heartbeats (3, judged by `PeerHeartbeat.accept` on a receiver built from
+the active certificate, not by a live member). `zombie_attempts`: attempts, all sinks;
+`zombie_refused`: those a sink refused or ignored;
+`zombie_visible`: attempts whose effect a reader of the active generation could observe (the chain,
+the frontier records, generation 1's reports and refusal, the snapshot a restore would choose,
+compared before and after each attempt; an admitted join; a counted beat); `zombie_sinks`: both per
+sink (and refused); `zombie_errors`: trials whose oracle did not run to the end, and why.
 `breakdown_s` (the last trial's, seconds after the fault): in place, the first survivor noticing,
 the certificate seen, the last first commit; restart, the last step before the fault, the torchrun agents' `worker_failed` and
 `rendezvous_done` (their logs), the new workers' activation phases (`Runtime` phases) and
@@ -77,12 +94,20 @@ from gpuguard.foundation.env import PEER_HEARTBEAT_ENV  # noqa: E402
 from gpuguard.testhosts import preflight, up  # noqa: E402
 
 HOSTS = ["h1", "h2", "h3"]
+ZOMBIE_WHERE = {  # where the oracle runs: the lost host once it is back, or a survivor standing in
+    "power-off": "stand-in on {host} (the lost host is dark): the lost member's identity and key",
+    "store-host": "stand-in on {host} (the lost host is dark): the lost member's identity and key",
+    "partition": "{host}, healed: the lost member's host, its identity and key",
+    "freeze": "{host}, thawed: the lost member's host, its identity and key",
+}
 VICTIM = {"power-off": "h1", "partition": "h3", "freeze": "h3", "store-host": "h1"}
 RESTART_VICTIM_RANK = {"power-off": 2, "partition": 2, "freeze": 2, "store-host": 0}
 RESTART_STEPS, RESTART_SLEEP, RESTART_TTL = 30, 0.2, 4.0
 STEPS, MARK, STEP_SLEEP = 20, 6, 0.1
 TTL, PG_TIMEOUT, CKPT_EVERY = 4.0, 3.0, 5  # TTL 3 s fenced healthy workers at load 5+ on 2 cores
 PLAIN_PORT = 29501
+ZOMBIE_ROUNDS = 2  # the oracle's rounds per trial: every sink tried twice (examples/zombie.py)
+ZOMBIE_TIMEOUT_S = 120.0
 HOG_SECONDS = 600.0  # longer than any trial's waits add up to; the bench kills the hog at the trial's end
 
 
@@ -105,6 +130,24 @@ def _unfault(c: Any, fault: str, host: str) -> None:
         c.heal(host)
     elif fault == "freeze":
         c.thaw(host)
+
+
+def zombie(c: Any, job: Any, host: str, rank: int, where: str, snapshot_root: str | None = None) -> dict[str, Any]:
+    """The zombie oracle (`examples.zombie`) as a process on `host`: rank `rank`'s incarnation of
+    generation 1, with the job dir's key, tries every sink `ZOMBIE_ROUNDS` times once the next
+    generation is active and its members are done. Its tallies, or why there are none."""
+    argv = [sys.executable, "-m", "gpuguard.examples.zombie", "--job-dir", job.job_dir, "--ledger", job.url]
+    argv += ["--rank", str(rank), "--generation", "1", "--rounds", str(ZOMBIE_ROUNDS), "--where", where]
+    argv += ["--snapshot-root", snapshot_root] if snapshot_root else []
+    try:
+        out = c.run(host, argv, timeout=ZOMBIE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the row says why the oracle has no figures
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return {"error": f"exit {out.returncode}: {out.stderr.strip()[-300:]}"}
+    doc: dict[str, Any] = json.loads(lines[-1])
+    return doc
 
 
 AGENT_EVENT = re.compile(
@@ -169,6 +212,9 @@ def in_place_trial(fault: str, logs: Path, heartbeat: float = 0.0, pg_timeout: f
             codes = job.wait(list(range(len(HOSTS))), 90 + pg_timeout)
             ledger = job.ledger(HOSTS[survivors[0]])
             verified, _ = job.verify(HOSTS[survivors[0]])
+            # the lost incarnation, back (thawed, healed), or a stand-in on a survivor for a host gone dark
+            where = HOSTS[survivors[0]] if fault == "power-off" else victim
+            ghost = zombie(c, job, where, lost, ZOMBIE_WHERE[fault].format(host=where))
         results = {r: job.result(r) for r in survivors}
         records = [rec for r in survivors for rec in job.switch_records(HOSTS[r]) if rec.get("generation") == 2]
     ref = reference(STEPS)
@@ -179,6 +225,7 @@ def in_place_trial(fault: str, logs: Path, heartbeat: float = 0.0, pg_timeout: f
     frontier = hist[2]["frontier"] if len(hist) > 2 else None
     before = max((s for _, _, s in ledger["commits"].get("1", [])), default=0)
     return {
+        "zombie": ghost,
         "recovered": finished and len(records) == len(survivors) and None not in first,
         "semantic_failure": finished and not good,
         "fenced": int(ledger["fenced"]),
@@ -214,6 +261,15 @@ def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
             codes = job.wait(survivors, 150)
             ledger = job.ledger(survivors[0])
             verified, _ = job.verify(survivors[0])
+            where = survivors[0] if fault in ("power-off", "store-host") else victim
+            ghost = zombie(
+                c,
+                job,
+                where,
+                RESTART_VICTIM_RANK[fault],
+                ZOMBIE_WHERE[fault].format(host=where),
+                str(job.shared / "state"),
+            )
             records = {kind: job.records(kind) for kind in ("resume", "hashes", "final", "steps")}
             events = [agent_events(job.log(h), t_fault) for h in survivors]
     hist = ledger["history"]
@@ -248,6 +304,7 @@ def restart_trial(fault: str, logs: Path) -> dict[str, Any]:
     if last_before:  # the survivors' collective after it is the one that times out
         phases = {**phases, "last_step_before": max(last_before)}
     return {
+        "zombie": ghost,
         "breakdown": {
             k: round(v - t_fault, 2) for k, v in sorted(phases.items(), key=lambda kv: kv[1]) if v >= t_fault - 1
         },
@@ -450,6 +507,28 @@ def _quantile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+def zombie_columns(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """The oracle's figures over the trials that ran it (none: the path has no oracle)."""
+    runs = [t["zombie"] for t in trials if "zombie" in t]
+    if not runs:
+        return {}
+    done = [z for z in runs if "sinks" in z]
+    sinks: dict[str, dict[str, int]] = {}
+    for z in done:
+        for name, tally in z["sinks"].items():
+            agg = sinks.setdefault(name, {"attempts": 0, "refused": 0, "visible": 0})
+            for k in agg:
+                agg[k] += tally[k]
+    return {
+        "zombie_attempts": sum(z["attempts"] for z in done) if done else None,
+        "zombie_refused": sum(z["refused"] for z in done) if done else None,
+        "zombie_visible": sum(z["visible"] for z in done) if done else None,
+        "zombie_sinks": sinks,
+        "zombie_where": sorted({z["where"] for z in done}),
+        **({"zombie_errors": [z["error"] for z in runs if "error" in z]} if len(done) < len(runs) else {}),
+    }
+
+
 def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
     secs = [t["seconds"] for t in trials if t.get("recovered") and t.get("seconds") is not None]
     lost = [t["steps_lost"] for t in trials if t.get("steps_lost") is not None]
@@ -461,6 +540,7 @@ def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
         "semantic_failures": sum(1 for t in trials if t.get("semantic_failure")),
         "zombie_writes_fenced": sum(int(t.get("fenced") or 0) for t in trials),
         "self_fenced": sum(1 for t in trials if t.get("self_fenced")),
+        **zombie_columns(trials),
         "steps_lost": round(statistics.mean(lost), 2) if lost else None,
         "p50_s": round(statistics.median(secs), 3) if secs else None,
         "p90_s": round(_quantile(secs, 0.9) or 0.0, 3) if secs else None,
