@@ -52,7 +52,9 @@ the active certificate, not by a live member). `zombie_attempts`: attempts, all 
 `zombie_visible`: attempts whose effect a reader of the active generation could observe (the chain,
 the frontier records, generation 1's reports and refusal, the snapshot a restore would choose,
 compared before and after each attempt; an admitted join; a counted beat); `zombie_sinks`: both per
-sink (and refused); `zombie_errors`: trials whose oracle did not run to the end, and why.
+sink (and refused); `zombie_baseline` (the last trial's): what the reader saw before the first attempt
+(certificates in the chain, frontier records, reports, refusal, the restore choice [step, generation]),
+so a row shows there was something to disturb; `zombie_errors`: trials whose oracle did not run to the end, and why.
 `breakdown_s` (the last trial's, seconds after the fault): in place, the first survivor noticing,
 the certificate seen, the last first commit; restart, the last step before the fault, the torchrun agents' `worker_failed` and
 `rendezvous_done` (their logs), the new workers' activation phases (`Runtime` phases) and
@@ -525,6 +527,7 @@ def zombie_columns(trials: list[dict[str, Any]]) -> dict[str, Any]:
         "zombie_visible": sum(z["visible"] for z in done) if done else None,
         "zombie_sinks": sinks,
         "zombie_where": sorted({z["where"] for z in done}),
+        **({"zombie_baseline": done[-1].get("baseline")} if done else {}),
         **({"zombie_errors": [z["error"] for z in runs if "error" in z]} if len(done) < len(runs) else {}),
     }
 

@@ -17,8 +17,8 @@ does (docs/fencing.md, sink by sink):
 - `snapshot`: publishes a snapshot of G (through the writer's `still_current` check, and one that
   slipped past it: the check-then-rename race), newer than anything on disk;
 - `heartbeat`: datagrams to a member of the active generation (stamped G, stamped as the active
-  generation, and a member of both's beat of G replayed), judged by `PeerHeartbeat.accept`, the rule
-  every receiver applies. The receiver is built here from the active certificate (rank 0, the job's
+  generation, and a member of both's beat of G replayed, where one is: in place, not on a restart),
+  judged by `PeerHeartbeat.accept`, the rule every receiver applies. The receiver is built here from the active certificate (rank 0, the job's
   heartbeat key), not a live member's socket: a member's counters cannot be read from outside.
 
 Each attempt is `refused` (the sink said no, or ignored it) or not, and `visible` when what a reader
@@ -93,6 +93,7 @@ class Outcome:
     tallies: tuple[SinkTally, ...]
     changed: tuple[str, ...] = ()  # parts of the reader's view that differ from before the first attempt
     where: str = ""
+    baseline: dict[str, Any] = field(default_factory=dict)  # what the reader saw first (summary)
 
     @property
     def attempts(self) -> int:
@@ -121,6 +122,7 @@ class Outcome:
             "refused": self.refused,
             "visible": self.visible,
             "changed": list(self.changed),
+            "baseline": self.baseline,
             "sinks": {t.sink: t.to_dict() for t in self.tallies},
         }
 
@@ -158,6 +160,18 @@ def reader_view(ledger: Any, coord: EtcdCoordination, snapshot_root: Path, gener
         ),
         "refusal": coord.refusal(generation),
         "restore": None if chosen is None else (chosen.step, chosen.generation, chosen.manifest_digest),
+    }
+
+
+def summary(view: dict[str, Any]) -> dict[str, Any]:
+    """A reader's view in a few numbers: so a row shows what there was to disturb."""
+    return {
+        "chain": len(view["chain"]),
+        "frontier_stale": None if view["frontier_stale"] is None else view["frontier_stale"][0],
+        "frontier_active": None if view["frontier_active"] is None else view["frontier_active"][0],
+        "reports": len(view["reports"]),
+        "refusal": view["refusal"] is not None,
+        "restore": None if view["restore"] is None else list(view["restore"][:2]),
     }
 
 
@@ -254,6 +268,7 @@ def haunt(
             tuple(counter.tallies[s] for s in SINKS),
             tuple(k for k in first if first[k] != last[k]),
             where,
+            summary(first),
         )
 
 
