@@ -40,7 +40,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -54,8 +54,9 @@ from gpuguard.foundation.etcd import (
     compare,
     parse_etcd_url,
     put_op,
-    range_kvs,
 )
+from gpuguard.foundation.etcd_mirror import PrefixMirror
+from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.identity import own_start_time
 from gpuguard.foundation.inplace_files import HostReport, Report, merge_reports
 from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, Member, join
@@ -71,6 +72,14 @@ def local_address(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return str(s.getsockname()[0])
+
+
+def _report(raw: bytes, generation: int) -> Report | None:
+    """A per-rank record, or None (malformed: a report not made). Its generation is checked by the merge."""
+    try:
+        return Report.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _host_report(raw: bytes, generation: int) -> HostReport | None:
@@ -109,9 +118,13 @@ class EtcdCoordination:
         self._incarnation_id = ""
         self._host_reports: HostReports | None = None  # with a host lease: reports are aggregated per host
         self._published: dict[tuple[int, int], frozenset[tuple[int, str]]] = {}  # what this aggregator wrote
-        self.keys_read = 0  # keys the last read_reports read (bench/scale.py)
-        self._host_seen: dict[bytes, tuple[int, HostReport | None]] = {}  # key -> (mod revision, parsed)
-        self._host_seen_generation = -1
+        self.keys_read = 0  # keys the last read_reports read from etcd (bench/scale.py)
+        # the reports of one generation and the lease keys, each read again incrementally (foundation.etcd_mirror)
+        self._report_mirrors: tuple[int, PrefixMirror, PrefixMirror] | None = None
+        self._parsed_reports: tuple[int, int, dict[int, Report]] = (-1, -1, {})  # (generation, versions, reports)
+        self._seen: dict[bytes, tuple[int, Report | HostReport | None]] = {}  # key -> (mod revision, parsed)
+        self._leases = PrefixMirror(self.client, self._key("lease", ""), "lease list", keys_only=True)
+        self._alive: tuple[int, frozenset[str]] = (-1, frozenset())  # (mirror version, incarnation ids)
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 3.0) -> EtcdCoordination:
@@ -183,10 +196,15 @@ class EtcdCoordination:
         return self.heartbeat
 
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:
-        alive = {
-            kv.key.decode(errors="replace").rsplit("/", 1)[-1]
-            for kv in range_kvs(self.client.range(self._key("lease", ""), "lease list", prefix=True, keys_only=True))
-        }
+        """The ids without a key under `P/lease/`: one read of every lease key the first time, then
+        only what changed since (`foundation.etcd_mirror`: the same answer as reading them all)."""
+        keys = self._leases.refresh()
+        if self._alive[0] != self._leases.version:
+            self._alive = (
+                self._leases.version,
+                frozenset(k.decode(errors="replace").rsplit("/", 1)[-1] for k in keys),
+            )
+        alive = self._alive[1]
         return frozenset(i for i in incarnation_ids if i not in alive)
 
     # -- the switch's records ---------------------------------------------------------------
@@ -246,30 +264,44 @@ class EtcdCoordination:
         return ok
 
     def read_reports(self, generation: int) -> dict[int, Report]:
-        """The per-rank reports and the aggregated ones of G: two range reads, O(hosts) keys when
-        every host aggregates (`foundation.inplace_files.merge_reports`: the same dict either way)."""
-        per_rank: list[Report] = []
-        for kv in range_kvs(self.client.range(self._gkey(generation, "report", ""), "report read", prefix=True)):
-            try:
-                per_rank.append(Report.from_dict(json.loads(kv.value)))
-            except (ValueError, KeyError, TypeError):
-                continue
-        hosts = range_kvs(self.client.range(self._gkey(generation, "host", ""), "host report read", prefix=True))
-        self.keys_read = len(per_rank) + len(hosts)
-        return merge_reports(generation, per_rank, self._parsed(generation, hosts))
+        """The per-rank reports and the aggregated ones of G: two prefixes, O(hosts) keys when every
+        host aggregates (`foundation.inplace_files.merge_reports`: the same dict either way). Each
+        later call of the same generation reads only the keys written since (`foundation.etcd_mirror`)
+        and parses only those; the cycle collector waits meanwhile (foundation/gcpause.py)."""
+        if self._report_mirrors is None or self._report_mirrors[0] != generation:
+            self._report_mirrors = (
+                generation,
+                PrefixMirror(self.client, self._gkey(generation, "report", ""), "report read"),
+                PrefixMirror(self.client, self._gkey(generation, "host", ""), "host report read"),
+            )
+            self._seen = {}
+        _, per_rank, hosts = self._report_mirrors
+        with gc_paused():
+            per_kvs, host_kvs = per_rank.refresh(), hosts.refresh()
+            self.keys_read = per_rank.last.keys + hosts.last.keys
+            versions = per_rank.version << 32 | hosts.version
+            if self._parsed_reports[:2] == (generation, versions):
+                return dict(self._parsed_reports[2])
+            reports = [r for r in self._parsed(generation, per_kvs, _report) if isinstance(r, Report)]
+            aggregated = [h for h in self._parsed(generation, host_kvs, _host_report) if isinstance(h, HostReport)]
+            merged = merge_reports(generation, reports, aggregated)
+        self._parsed_reports = (generation, versions, merged)
+        return dict(merged)
 
-    def _parsed(self, generation: int, kvs: list[KV]) -> list[HostReport]:
-        """The host records, each parsed once per version: the switch loop reads them every pass,
-        and at 100,000 ranks parsing them again is most of a pass."""
-        seen = self._host_seen if self._host_seen_generation == generation else {}
-        now: dict[bytes, tuple[int, HostReport | None]] = {}
-        for kv in kvs:
-            rev, parsed = seen.get(kv.key, (0, None))
-            if rev != kv.mod_revision:  # new, or rewritten by its aggregator since
-                parsed = _host_report(kv.value, generation)
-            now[kv.key] = (kv.mod_revision, parsed)
-        self._host_seen, self._host_seen_generation = now, generation
-        return [p for _, p in now.values() if p is not None]
+    def _parsed(
+        self, generation: int, kvs: dict[bytes, KV], parse: Callable[[bytes, int], Report | HostReport | None]
+    ) -> list[Report | HostReport]:
+        """The records, each parsed once per version: the switch loop reads them every pass, and at
+        100,000 ranks parsing them again is most of a pass."""
+        out: list[Report | HostReport] = []
+        for kv in kvs.values():
+            rev, parsed = self._seen.get(kv.key, (0, None))
+            if rev != kv.mod_revision:  # new, or rewritten since
+                parsed = parse(kv.value, generation)
+                self._seen[kv.key] = (kv.mod_revision, parsed)
+            if parsed is not None:
+                out.append(parsed)
+        return out
 
     def request_abort(self, generation: int, why: str = "operator") -> None:
         doc = {"generation": generation, "why": why, "time": time.time()}
