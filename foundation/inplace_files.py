@@ -188,8 +188,8 @@ def _report_row(row: Any, generation: int, host: str, strings: list[str]) -> Rep
         text,
         strings[failure],
         float(when),
-        _chunks(chunks),
-        _ranks(suspects),
+        {} if type(chunks) is dict and not chunks else _chunks(chunks),  # most rows: no chunks, no suspects
+        () if type(suspects) is list and not suspects else _ranks(suspects),
     )
 
 

@@ -54,7 +54,9 @@ def test_quick_run_has_every_row_in_the_schema(etcd_url):
     for n in QUICK_SIZES:
         act = by[("activation", n, "chunked", None)]
         assert act["ok"] and act["request_bytes_max"] < 512 << 10 and act["certificate_bytes"] < 4 << 10, act
-        assert by[("inplace_decision", n, "current", None)]["ok"]
+        cur = by[("inplace_decision", n, "current", None)]
+        assert cur["ok"] and cur["lease_keys"] == n - 8, cur
+        assert cur["reread_keys"] == 0 and "lease_reread_seconds" in cur, cur  # a later pass reads what changed
         assert by[("restart_decision", n, "current", None)]["ok"]
         commit = by[("commit_path", n, "per-rank-step", None)]
         assert commit["etcd_writes_per_rank_step"] >= 1 and not commit["ok"]  # today's baseline: a write per rank-step
