@@ -48,17 +48,20 @@ from gpuguard.foundation.errors import GpuguardError, UnavailableError
 from gpuguard.foundation.etcd import (
     DEFAULT_PREFIX,
     KV,
+    MAX_TXN_OPS,
     Endpoint,
     EtcdClient,
+    EtcdRequestFailed,
     EtcdUrl,
     compare,
     parse_etcd_url,
     put_op,
+    range_op,
 )
 from gpuguard.foundation.etcd_mirror import PrefixMirror
 from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.identity import own_start_time
-from gpuguard.foundation.inplace_files import HostReport, Report, merge_reports
+from gpuguard.foundation.inplace_files import HOST_BLOCK, HostReport, Report, merge_reports
 from gpuguard.recovery.runtime.host_lease import HostDir, HostHeartbeat, Member, join
 from gpuguard.recovery.runtime.host_reports import HostReports, aggregator, blocks
 from gpuguard.recovery.runtime.lease import Heartbeat, LeaseTiming
@@ -74,7 +77,7 @@ def local_address(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
-def _report(raw: bytes, generation: int) -> Report | None:
+def _report(key: bytes, raw: bytes, generation: int) -> Report | None:
     """A per-rank record, or None (malformed: a report not made). Its generation is checked by the merge."""
     try:
         return Report.from_dict(json.loads(raw))
@@ -82,7 +85,7 @@ def _report(raw: bytes, generation: int) -> Report | None:
         return None
 
 
-def _host_report(raw: bytes, generation: int) -> HostReport | None:
+def _host_report(key: bytes, raw: bytes, generation: int) -> HostReport | None:
     """An aggregated record of generation G, or None (malformed, foreign: a report not made)."""
     try:
         doc = HostReport.from_dict(json.loads(raw))
@@ -120,7 +123,7 @@ class EtcdCoordination:
         self._published: dict[tuple[int, int], frozenset[tuple[int, str]]] = {}  # what this aggregator wrote
         self.keys_read = 0  # keys the last read_reports read from etcd (bench/scale.py)
         # the reports of one generation and the lease keys, each read again incrementally (foundation.etcd_mirror)
-        self._report_mirrors: tuple[int, PrefixMirror, PrefixMirror] | None = None
+        self._report_mirrors: tuple[int, PrefixMirror, PrefixMirror, dict[int, PrefixMirror]] | None = None
         self._parsed_reports: tuple[int, int, dict[int, Report]] = (-1, -1, {})  # (generation, versions, reports)
         self._seen: dict[bytes, tuple[int, Report | HostReport | None]] = {}  # key -> (mod revision, parsed)
         self._leases = PrefixMirror(self.client, self._key("lease", ""), "lease list", keys_only=True)
@@ -196,8 +199,13 @@ class EtcdCoordination:
         return self.heartbeat
 
     def expired(self, incarnation_ids: Iterable[str]) -> frozenset[str]:
-        """The ids without a key under `P/lease/`: one read of every lease key the first time, then
-        only what changed since (`foundation.etcd_mirror`: the same answer as reading them all)."""
+        """The ids without a key under `P/lease/`. Up to 127 ids: their own keys, counted in one
+        transaction (a survivor asks of the one that would coordinate before it). More: one read of
+        every lease key the first time, then only what changed since (`foundation.etcd_mirror`).
+        Either is the answer of one read of them all."""
+        ids = list(incarnation_ids)
+        if len(ids) < MAX_TXN_OPS and all(i.isascii() and "/" not in i for i in ids):
+            return self._expired_few(ids)
         keys = self._leases.refresh()
         if self._alive[0] != self._leases.version:
             self._alive = (
@@ -205,7 +213,23 @@ class EtcdCoordination:
                 frozenset(k.decode(errors="replace").rsplit("/", 1)[-1] for k in keys),
             )
         alive = self._alive[1]
-        return frozenset(i for i in incarnation_ids if i not in alive)
+        return frozenset(i for i in ids if i not in alive)
+
+    def _expired_few(self, ids: list[str]) -> frozenset[str]:
+        if not ids:
+            return frozenset()
+        keys = [self._key("lease", i) for i in ids]
+        answer = self.client.txn("lease read", [], [range_op(k, count_only=True) for k in keys])
+        responses = answer.get("responses", [])
+        if not isinstance(responses, list) or len(responses) != len(keys):
+            raise EtcdRequestFailed(
+                f"{self.url}: lease read: etcd answered {len(keys)} ranges with a malformed transaction"
+            )
+        try:  # (the gateway leaves out a count of 0)
+            counts = [int(r.get("response_range", {}).get("count", 0)) for r in responses]
+        except (AttributeError, TypeError, ValueError):
+            raise EtcdRequestFailed(f"{self.url}: lease read: etcd answered a malformed count") from None
+        return frozenset(i for i, c in zip(ids, counts) if c == 0)
 
     # -- the switch's records ---------------------------------------------------------------
     def write_report(self, report: Report) -> bool:
@@ -249,7 +273,7 @@ class EtcdCoordination:
                 continue
             key = self.host_key(generation, block, me.host)
             kv = self.client.get(key, "host report read")
-            have = _host_report(kv.value, generation) if kv is not None else None
+            have = _host_report(kv.key, kv.value, generation) if kv is not None else None
             merged = merge_reports(generation, reps, [have] if have is not None else [])
             doc = HostReport(generation, me.host, block, me.rank, me.incarnation_id, tuple(merged.values()))
             compares = [
@@ -268,28 +292,55 @@ class EtcdCoordination:
         host aggregates (`foundation.inplace_files.merge_reports`: the same dict either way). Each
         later call of the same generation reads only the keys written since (`foundation.etcd_mirror`)
         and parses only those; the cycle collector waits meanwhile (foundation/gcpause.py)."""
-        if self._report_mirrors is None or self._report_mirrors[0] != generation:
-            self._report_mirrors = (
-                generation,
-                PrefixMirror(self.client, self._gkey(generation, "report", ""), "report read"),
-                PrefixMirror(self.client, self._gkey(generation, "host", ""), "host report read"),
-            )
-            self._seen = {}
-        _, per_rank, hosts = self._report_mirrors
+        per_rank, hosts, _ = self._mirrors(generation)
         with gc_paused():
             per_kvs, host_kvs = per_rank.refresh(), hosts.refresh()
             self.keys_read = per_rank.last.keys + hosts.last.keys
             versions = per_rank.version << 32 | hosts.version
             if self._parsed_reports[:2] == (generation, versions):
                 return dict(self._parsed_reports[2])
-            reports = [r for r in self._parsed(generation, per_kvs, _report) if isinstance(r, Report)]
-            aggregated = [h for h in self._parsed(generation, host_kvs, _host_report) if isinstance(h, HostReport)]
-            merged = merge_reports(generation, reports, aggregated)
+            merged = self._merged(generation, per_kvs, host_kvs)
         self._parsed_reports = (generation, versions, merged)
         return dict(merged)
 
+    def block_reports(self, generation: int, block: int) -> dict[int, Report]:
+        """The reports of G of ranks block·HOST_BLOCK .. (block+1)·HOST_BLOCK - 1, exactly as
+        `read_reports` has them, from that block's host records and the per-rank keys only: a
+        survivor that only needs to know who coordinates reads the lowest blocks, not every host's."""
+        per_rank, _, by_block = self._mirrors(generation)
+        if block not in by_block:
+            by_block[block] = PrefixMirror(
+                self.client, self._gkey(generation, "host", f"{block:06d}", ""), "host report read"
+            )
+        with gc_paused():
+            merged = self._merged(generation, per_rank.refresh(), by_block[block].refresh())
+        return {r: rep for r, rep in merged.items() if r // HOST_BLOCK == block}
+
+    def _mirrors(self, generation: int) -> tuple[PrefixMirror, PrefixMirror, dict[int, PrefixMirror]]:
+        """G's per-rank keys, host keys, and host keys of single blocks (`block_reports`)."""
+        if self._report_mirrors is None or self._report_mirrors[0] != generation:
+            self._report_mirrors = (
+                generation,
+                PrefixMirror(self.client, self._gkey(generation, "report", ""), "report read"),
+                PrefixMirror(self.client, self._gkey(generation, "host", ""), "host report read"),
+                {},
+            )
+            self._seen = {}
+        return self._report_mirrors[1:]
+
+    def _merged(self, generation: int, per_kvs: dict[bytes, KV], host_kvs: dict[bytes, KV]) -> dict[int, Report]:
+        reports = [r for r in self._parsed(generation, per_kvs, _report) if isinstance(r, Report)]
+        aggregated = [h for h in self._parsed(generation, host_kvs, self._host_record) if isinstance(h, HostReport)]
+        return merge_reports(generation, reports, aggregated)
+
+    def _host_record(self, key: bytes, raw: bytes, generation: int) -> HostReport | None:
+        """An aggregated record, only under its own key (`host_key` of its block and host): under
+        another it is malformed, so one block's keys hold exactly that block's records."""
+        doc = _host_report(key, raw, generation)
+        return doc if doc is not None and key == self.host_key(generation, doc.block, doc.host).encode() else None
+
     def _parsed(
-        self, generation: int, kvs: dict[bytes, KV], parse: Callable[[bytes, int], Report | HostReport | None]
+        self, generation: int, kvs: dict[bytes, KV], parse: Callable[[bytes, bytes, int], Report | HostReport | None]
     ) -> list[Report | HostReport]:
         """The records, each parsed once per version: the switch loop reads them every pass, and at
         100,000 ranks parsing them again is most of a pass."""
@@ -297,7 +348,7 @@ class EtcdCoordination:
         for kv in kvs.values():
             rev, parsed = self._seen.get(kv.key, (0, None))
             if rev != kv.mod_revision:  # new, or rewritten since
-                parsed = parse(kv.value, generation)
+                parsed = parse(kv.key, kv.value, generation)
                 self._seen[kv.key] = (kv.mod_revision, parsed)
             if parsed is not None:
                 out.append(parsed)

@@ -64,14 +64,13 @@ from gpuguard.recovery.runtime.rank_state import ReplicatedState
 from gpuguard.recovery.runtime.refusals import ActivationRefused, FencedError
 from gpuguard.recovery.runtime.runtime import Runtime, StepFn, TrainState
 from gpuguard.recovery.runtime.sharded_state import ShardedState
-from gpuguard.recovery.runtime.switch import (
-    OPERATOR_ABORT,
-    Layout,
-    Report,
-    choose_coordinator,
-    coordinator_probes,
+from gpuguard.recovery.runtime.switch import OPERATOR_ABORT, Layout, Report
+from gpuguard.recovery.runtime.switch_coordinator import (
+    SwitchCoordinator,
+    coordinator_of,
+    lowest_live_reporter,
+    member_liveness,
 )
-from gpuguard.recovery.runtime.switch_coordinator import SwitchCoordinator, member_liveness
 
 # how sharded survivors shrink: re-partition the state over every survivor (the default), or, when
 # whole HSDP replicas survive, drop the damaged ones and keep the layout (nothing moves, no rebuild)
@@ -286,13 +285,11 @@ class InPlaceRuntime(Runtime):
             if refused is not None:
                 self._refuse(f"in-place switch refused: {refused.get('reason')}")
             ctx.coord.aggregate(generation)  # this host's reports, when it is my turn to publish them
+            if not self._may_coordinate(generation, parent, me.host):
+                time.sleep(0.005)
+                continue
             reports = ctx.coord.read_reports(generation)
-            probes = coordinator_probes(reports, parent.ranks, me.host)
-            gone = [r for r, (pid, start) in probes.items() if member_liveness(pid, start) == "gone"]
-            remote = {r: rep.incarnation_id for r, rep in reports.items() if rep.host != me.host}
-            expired = ctx.coord.expired(remote.values()) if remote else frozenset()
-            gone += [r for r, inc in remote.items() if inc in expired]  # a reporter that has fenced since
-            if choose_coordinator(reports, gone) == self.rank:
+            if coordinator_of(ctx.coord, reports, parent.ranks, me.host) == self.rank:
                 if coordinating_since is None:
                     coordinating_since = time.time()
                     self.fault("coordinate", generation)
@@ -305,6 +302,17 @@ class InPlaceRuntime(Runtime):
 
     def _refuse(self, why: str) -> NoReturn:
         self.context.refuse("stops", why)
+
+    def _may_coordinate(self, generation: int, parent: Any, host: str) -> bool:
+        """Whether `choose_coordinator` over every report names this rank, read cheaply: with etcd,
+        block by block from rank 0, each reporter probed (this host) or its lease key read (another),
+        up to the first that is not gone: the lowest live reporter, the coordinator. A survivor that is
+        not it reads one block and one lease key a pass, not every host's reports and every lease.
+        The same answer as the full read (tests/recovery/runtime/test_coord_etcd_incremental.py)."""
+        coord = self.context.coord
+        if coord.kind != "etcd":
+            return True  # the job dir's files: the full read below decides
+        return lowest_live_reporter(coord, generation, parent.ranks, host, self.rank) == self.rank
 
     # ------------------------------------------------------------------ joining the next generation
     def _join(self, cert: Any, phases: dict[str, float]) -> str | None:

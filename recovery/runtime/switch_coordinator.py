@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from gpuguard.foundation.errors import RefusedError
 from gpuguard.foundation.gcpause import gc_paused
 from gpuguard.foundation.identity import kill_confirmed, process_status
+from gpuguard.foundation.inplace_files import HOST_BLOCK
 from gpuguard.generation.certificate import issue
 from gpuguard.generation.frontier import frontier_limit
 from gpuguard.generation.job import issuer
+from gpuguard.generation.records import Incarnation
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.housekeeping import after_activation
 from gpuguard.recovery.runtime.rank_state import RankState
@@ -33,7 +36,9 @@ from gpuguard.recovery.runtime.switch import (
     SwitchFacts,
     admit_survivors,
     certified_manifest,
+    choose_coordinator,
     committed_by_all_from_reports,
+    coordinator_probes,
     decide_eviction,
     follow_racer,
     liveness,
@@ -188,6 +193,39 @@ class SwitchCoordinator:
             generation, {"generation": generation, "reason": reason, "by": ctx.incarnation.id, "time": time.time()}
         )
         ctx.refuse("stops", f"in-place switch refused: {reason}")
+
+
+def coordinator_of(
+    coord: Any, reports: Mapping[int, Report], members: Mapping[int, Incarnation], host: str
+) -> int | None:
+    """`choose_coordinator` over every report: gone are the reporters on this host whose process
+    (pid + the parent's start time) is gone, and those on other hosts whose lease expired since."""
+    probes = coordinator_probes(reports, members, host)
+    gone = [r for r, (pid, start) in probes.items() if member_liveness(pid, start) == "gone"]
+    remote = {r: rep.incarnation_id for r, rep in reports.items() if rep.host != host}
+    expired = coord.expired(remote.values()) if remote else frozenset()
+    gone += [r for r, inc in remote.items() if inc in expired]  # a reporter that has fenced since
+    return choose_coordinator(reports, gone)
+
+
+def lowest_live_reporter(
+    coord: Any, generation: int, members: Mapping[int, Incarnation], host: str, upto: int
+) -> int | None:
+    """`coordinator_of` all of G's reports whenever that is at most `upto` (else a rank above
+    `upto`, or None), read block by block from rank 0 (`block_reports`, etcd) and stopped at the
+    first reporter that is not gone by the same rule: one block and one lease key when the lowest
+    reporter lives, instead of every host's reports and every lease key."""
+    for block in range(upto // HOST_BLOCK + 1):
+        reports = coord.block_reports(generation, block)
+        for r in sorted(reports):
+            rep = reports[r]
+            if rep.host == host:
+                gone = member_liveness(rep.pid, members[r].start_time if r in members else 0.0) == "gone"
+            else:
+                gone = rep.incarnation_id in coord.expired([rep.incarnation_id])
+            if not gone:
+                return r
+    return None
 
 
 def member_liveness(pid: int, start_time: float) -> Liveness:
