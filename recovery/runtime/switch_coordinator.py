@@ -46,6 +46,8 @@ from gpuguard.recovery.runtime.switch import (
     plan_switch,
 )
 
+BLOCKS_READ_ALONE = 8  # lowest blocks a survivor reads one by one before one full read instead
+
 
 class SwitchCoordinator:
     """One survivor's turn at coordinating the switch out of a failed generation."""
@@ -209,20 +211,31 @@ def coordinator_of(
 
 
 def lowest_live_reporter(
-    coord: Any, generation: int, members: Mapping[int, Incarnation], host: str, upto: int
+    coord: Any,
+    generation: int,
+    members: Mapping[int, Incarnation],
+    host: str,
+    upto: int,
+    *,
+    blocks_alone: int = BLOCKS_READ_ALONE,
 ) -> int | None:
     """`coordinator_of` all of G's reports whenever that is at most `upto` (else a rank above
-    `upto`, or None), read block by block from rank 0 (`block_reports`, etcd) and stopped at the
-    first reporter that is not gone by the same rule: one block and one lease key when the lowest
-    reporter lives, instead of every host's reports and every lease key."""
+    `upto`, or None), read block by block from rank 0 (`block_reports`, etcd; the block's remote
+    reporters' lease keys in one read) and stopped at the first reporter that is not gone by the
+    same rule: one block when the lowest reporter lives, instead of every host's reports and every
+    lease key. Past `blocks_alone` blocks of gone reporters: `coordinator_of` the full read."""
     for block in range(upto // HOST_BLOCK + 1):
+        if block >= blocks_alone:
+            return coordinator_of(coord, coord.read_reports(generation), members, host)
         reports = coord.block_reports(generation, block)
+        remote = [rep.incarnation_id for rep in reports.values() if rep.host != host]
+        expired = coord.expired(remote) if remote else frozenset()
         for r in sorted(reports):
             rep = reports[r]
             if rep.host == host:
                 gone = member_liveness(rep.pid, members[r].start_time if r in members else 0.0) == "gone"
             else:
-                gone = rep.incarnation_id in coord.expired([rep.incarnation_id])
+                gone = rep.incarnation_id in expired
             if not gone:
                 return r
     return None

@@ -124,8 +124,8 @@ reporter = st.tuples(
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(reporter, max_size=25))
-def test_who_coordinates_read_block_by_block_is_who_the_full_read_names(where, rows):
+@given(st.lists(reporter, max_size=25), st.integers(1, 4))
+def test_who_coordinates_read_block_by_block_is_who_the_full_read_names(where, rows, blocks_alone):
     url = f"{where}/who-{uuid.uuid4().hex}"
     coord = EtcdCoordination.from_url(url)
     me = own_start_time()
@@ -152,7 +152,7 @@ def test_who_coordinates_read_block_by_block_is_who_the_full_read_names(where, r
         for upto in sorted({0, 199, *(r[0] for r in rows)}):
             cheap = EtcdCoordination.from_url(url)  # a survivor that never read everything
             try:
-                got = lowest_live_reporter(cheap, 1, members, LOCAL, upto)
+                got = lowest_live_reporter(cheap, 1, members, LOCAL, upto, blocks_alone=blocks_alone)
             finally:
                 cheap.close()
             assert (got == upto) == (full == upto), (upto, got, full)
