@@ -24,6 +24,12 @@ a transaction of ranges only, lease keep-alive, authenticate) are retried on ano
 operation waits at most the time left, so a silent or trickling member ends the call by its
 deadline. A member's connect gets its share of the time left (time left / members left to try).
 
+**Watch** (`watch`, `watch_once`): one bounded long-poll of one key from a given revision, a
+streamed `/v3/watch` answer on a connection of its own that is closed when it returns (no thread,
+no background watcher). It returns by its timeout whatever etcd does; a failed watch is "nothing
+changed", never an error: the caller's next read is what fails if etcd is gone. Users: the
+rendezvous store's blocking `get`/`wait`, and the rendezvous agents' wait between state polls.
+
 **Sizes.** A request whose keys and values exceed etcd's request limit (`--max-request-bytes`,
 1.5 MiB by default; `max_request_bytes` here) is refused before it is sent, and etcd's own
 refusal ("request is too large", "received message larger than max") is the same clear error,
@@ -45,7 +51,7 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from gpuguard.foundation.errors import EXIT_DATAERR, EXIT_NOPERM, EXIT_TEMPFAIL, GpuguardError, UnavailableError
 from gpuguard.foundation.etcd_address import (
@@ -80,6 +86,7 @@ __all__ = [  # the addresses are re-exported: one import for every etcd user
     "EtcdUnavailable",
     "EtcdUrl",
     "TlsFiles",
+    "WatchEnd",
     "b64",
     "compare",
     "etcd_ports",
@@ -98,6 +105,7 @@ __all__ = [  # the addresses are re-exported: one import for every etcd user
 API_PATH = "/v3/"
 DEFAULT_MAX_ANSWER_BYTES = 128 << 20
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+WatchEnd = Literal["changed", "ended", "nothing"]  # how `EtcdClient.watch` returned
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -526,12 +534,25 @@ class EtcdClient:
 
     def watch_once(self, key: str | bytes, start_revision: int, timeout: float) -> bool:
         """Block until `key` changes at or after `start_revision`, at most `timeout` s: True on a
-        change (or a compacted revision: re-read either way). False on a timeout or any failure;
+        change (or a watch etcd ended: re-read either way). False on a timeout or any failure;
         the caller re-reads, which raises if etcd is really gone."""
+        return self.watch(key, start_revision, timeout) != "nothing"
+
+    def watch(self, key: str | bytes, start_revision: int, timeout: float) -> WatchEnd:
+        """One bounded long-poll of `key` through `/v3/watch` (a streamed answer, one connection of its
+        own, closed on return; no thread): it returns by `timeout` whatever etcd does.
+
+        `start_revision` is the first revision whose change counts (the revision last read + 1, so
+        a change between the read and the watch is not missed; 0: from now). "changed": an event on
+        the key; "ended": etcd ended the watch without one (the start revision was compacted, or it
+        canceled the watch): re-read, then watch from the revision read; "nothing": the timeout
+        passed or the watch failed (refused, reset, not the gateway): the caller's next read says
+        whether etcd is really gone. Only the member that answered last is asked (no failover: a
+        failed watch costs the caller its timeout, never a wrong answer)."""
         from gpuguard.foundation.etcd_http import Budget, Connection, NeverSent, NoAnswer
 
         if timeout <= 0:
-            return False
+            return "nothing"
         budget = Budget(timeout)
         i = self._active
         ep = self.endpoints[i]
@@ -541,24 +562,26 @@ class EtcdClient:
             headers = {} if self._user is None else {"Authorization": self._token(i, budget, budget.left())}
             status, read1 = conn.stream(API_PATH + "watch", body, headers, budget, connect_s=budget.left())
             if status != 200:
-                return False
+                return "nothing"
             buf = b""
             while len(buf) <= self.max_answer_bytes:
                 chunk = read1(1 << 16)
                 if not chunk:
-                    return False
+                    return "nothing"
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     result = json.loads(line).get("result", {}) if line.strip() else {}
-                    if result.get("events") or result.get("canceled") or result.get("compact_revision"):
-                        return True
-            return False
+                    if result.get("events"):
+                        return "changed"
+                    if result.get("canceled") or result.get("compact_revision"):
+                        return "ended"
+            return "nothing"
         except (NeverSent, NoAnswer, OSError, ValueError, AttributeError, RecursionError, EtcdRequestFailed):
-            return False
+            return "nothing"
         except Exception as exc:  # http.client's own errors (IncompleteRead, ...): a broken stream
             if type(exc).__module__ == "http.client":
-                return False
+                return "nothing"
             raise
         finally:
             conn.close()

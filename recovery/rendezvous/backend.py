@@ -66,8 +66,10 @@ import hashlib
 import logging
 import os
 import threading
+import time
+import types
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -84,9 +86,13 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
     Token,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
 )
+from torch.distributed.elastic.rendezvous.utils import _delay as _torch_delay
 
 from gpuguard.foundation.errors import GpuguardError
 from gpuguard.foundation.etcd import (
@@ -145,6 +151,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self.seal_key = seal_key
         self._validated: OrderedDict[bytes, None] = OrderedDict()
         self._refused: OrderedDict[bytes, None] = OrderedDict()
+        self._read_at: tuple[int, int] = (0, 0)  # (the state's mod_revision, the store revision it was read at)
 
     @property
     def name(self) -> str:
@@ -190,8 +197,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return state, kv.mod_revision
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        kvs = range_kvs(self.guard("get_state", self.conn.range, self.key, "rendezvous get_state"))
-        return self._decode(kvs[0]) if kvs else None
+        got = self.guard("get_state", self.conn.range, self.key, "rendezvous get_state")
+        kvs = range_kvs(got)
+        if not kvs:
+            return None
+        self._read_at = (kvs[0].mod_revision, _revision_of(got))
+        return self._decode(kvs[0])
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is None:
@@ -209,9 +220,32 @@ class EtcdRendezvousBackend(RendezvousBackend):
         got = self.guard("set_state", self.lease.attached, go)
         if got.get("succeeded"):
             self._remember(mac_of(value))  # torch's own state: nothing to validate
-            return state, int(got["header"]["revision"]), True
+            revision = int(got["header"]["revision"])
+            self._read_at = (revision, revision)
+            return state, revision, True
         kvs = range_kvs(got["responses"][0]) if got.get("responses") else []
-        return None if not kvs else (*self._decode(kvs[0]), False)
+        if not kvs:
+            return None
+        self._read_at = (kvs[0].mod_revision, _revision_of(got))
+        return (*self._decode(kvs[0]), False)
+
+    def wait_for_change(self, token: Token | None, seconds: float) -> bool:
+        """Torch's pause between two state polls (its SYNC action), ended early by a change: block
+        on a watch of the state key from the revision after the state `token` names, at most
+        `seconds`. True as soon as the key changed (an event after that state: re-read it now);
+        False after `seconds` (nothing changed, etcd ended the watch, or the watch failed: the next
+        read then reports a gone etcd). Never longer than `seconds`, never a busy loop: only a real
+        change of the key ends the wait early, and the re-read moves the revision past it."""
+        end = time.monotonic() + seconds
+        if isinstance(token, int) and not isinstance(token, bool) and token > 0:
+            mod_revision, read_at = self._read_at
+            start = max(token, read_at if mod_revision == token else 0) + 1  # after the newest revision known unchanged
+            if self.conn.watch(self.key, start, seconds) == "changed":
+                return True
+        left = end - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        return False
 
     def prune_rounds(self, current: int) -> int:
         """Delete what the rounds before `current - 1` left in etcd: their agents' store keys
@@ -293,16 +327,85 @@ def _no_shared_store() -> Iterator[None]:
                     os.environ[NO_SHARE_ENV] = _share_prior
 
 
+class _WatchingStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, plus the wait that ends when the state key changes (`wait_for_change`)."""
+
+    def __init__(self, backend: EtcdRendezvousBackend, settings: RendezvousSettings) -> None:
+        super().__init__(backend, settings)
+        self._etcd_backend = backend
+
+    def wait_for_change(self, seconds: float) -> None:
+        """Wait for a change of the state after the one held (at most `seconds`); on a change, the
+        next `sync` reads it (torch serves a read younger than 1 s from its cache otherwise)."""
+        if self._etcd_backend.wait_for_change(self._token, seconds):
+            self._last_sync_time = -1
+
+
+class _WatchingOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's rendezvous loop (`_DistributedRendezvousOpExecutor.run`, its own code object), with
+    the pause of its SYNC action (`_delay(seconds=1)`, a plain sleep between two state polls)
+    replaced by `_WatchingStateHolder.wait_for_change(1)`: a watch of the state key that ends at
+    the first change and after the same 1 s at most. Every other step of the loop is torch's.
+
+    The name `_delay` is resolved through a copy of torch's module globals owned by this executor,
+    so no other handler, thread or module sees a change. If a torch version's loop no longer calls
+    `_delay`, torch's own loop runs unchanged (the plain poll; `WATCHES_SYNC` says which).
+    """
+
+    def __init__(self, node: Any, state_holder: _WatchingStateHolder, settings: RendezvousSettings) -> None:
+        super().__init__(node, state_holder, settings)
+        self._watching_holder = state_holder
+        self._torch_run = _with_delay(_DistributedRendezvousOpExecutor.run, self._sync_wait)
+
+    def run(
+        self,
+        state_handler: Callable[[Any, float], Any],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        if self._torch_run is None:
+            super().run(state_handler, deadline, update_deadline)
+        else:
+            self._torch_run(self, state_handler, deadline, update_deadline)
+
+    def _sync_wait(self, seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):  # a random skew, not a poll: torch's own delay
+            _torch_delay(seconds)
+        else:
+            self._watching_holder.wait_for_change(float(seconds))
+
+
+def _with_delay(fn: Callable[..., Any], delay: Callable[..., None]) -> Callable[..., Any] | None:
+    """`fn` with the global name `_delay` bound to `delay` (None if `fn` does not use that name)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or "_delay" not in code.co_names:
+        return None
+    bound = types.FunctionType(code, {**fn.__globals__, "_delay": delay}, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__ = fn.__kwdefaults__
+    return bound
+
+
+WATCHES_SYNC = "_delay" in getattr(getattr(_DistributedRendezvousOpExecutor.run, "__code__", None), "co_names", ())
+
+
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic handler that never hosts a store for the workers and cleans etcd at the end."""
+    """torch's dynamic handler that never hosts a store for the workers, waits on a watch of the
+    state key where torch sleeps between polls, and cleans etcd at the end."""
 
     _gpuguard_backend: EtcdRendezvousBackend
     _gpuguard_closed_ttl: int = 60
 
     def attach(self, backend: EtcdRendezvousBackend, closed_ttl: int) -> None:
-        """The backend this handler prunes and departs through, and the TTL of a closed round's keys."""
+        """The backend this handler prunes and departs through, and the TTL of a closed round's keys.
+
+        Also swaps torch's state holder and loop for the watching ones (`_WatchingOpExecutor`):
+        called right after `from_backend`, before any rendezvous, so the holder replaced held nothing.
+        """
         self._gpuguard_backend = backend
         self._gpuguard_closed_ttl = closed_ttl
+        holder = _WatchingStateHolder(backend, self._settings)
+        self._state_holder = holder
+        self._op_executor = _WatchingOpExecutor(self._this_node, holder, self._settings)
 
     @property
     def use_agent_store(self) -> bool:
@@ -338,6 +441,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         members |= {repr(n) for n in getattr(state, "redundancy_list", ())}
         members.add(repr(node))
         return self._gpuguard_backend.depart(repr(node), members, self._gpuguard_closed_ttl)
+
+
+def _revision_of(answer: dict[str, Any]) -> int:
+    """The store revision an etcd answer was read at (0 when its header is missing)."""
+    try:
+        return int(answer.get("header", {}).get("revision", 0))
+    except (TypeError, ValueError, AttributeError):
+        return 0
 
 
 def _conf_float(params: RendezvousParameters, key: str) -> float:
