@@ -1,6 +1,7 @@
 """torchrun rendezvous on etcd v3 (`--rdzv-backend=gpuguard`) against torch's `c10d` backend.
 
     python bench/rendezvous.py [--json] [--agents 2,8,32,64] [--etcd http://HOST:PORT] [--ops 300]
+                               [--restarts N [--baseline DIR]]
 
 Agents are processes that only rendezvous: each builds its handler the way torchrun does
 (`get_rendezvous_handler`), waits for a common start, calls `next_rendezvous()` (which, for both
@@ -14,15 +15,27 @@ common start to the last agent's `next_rendezvous()` return; ratio = gpuguard / 
 Also: store op latency p50/p99 (set, get, add, wait on a present key, compare_set) of
 `EtcdStore` against `TCPStore`, one client, in process; the etcd keys each gpuguard run left right
 after its agents shut down and `closed_ttl` (2 s here) later. The machine may be shared: noisy.
+
+`--restarts N` (issue 23): the re-rendezvous of a real job. Two `torchrun` agents (--nnodes=2, one
+gloo worker each, all-reducing every 50 ms), the rank-1 worker SIGKILLed; measured per trial: kill
+-> the last new worker's first line (`restart_s`: detection, the agents' re-rendezvous, the spawn)
+and kill -> the new group's first all-reduce done by both (`ready_s`). Variants, interleaved trial
+by trial so that load hits them alike: `c10d` (torch's, the first agent hosts the store),
+`gpuguard` (this tree), and with `--baseline DIR` `gpuguard@baseline` (the same torchrun with DIR,
+a folder holding a `gpuguard` package, first on PYTHONPATH: e.g. a checkout of main). `--agents ""
+--ops 0 --restarts 5` runs only this part. Each row: median, min and max over the trials, and the
+load average when the variant's trials ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import secrets
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -138,6 +151,129 @@ def _round(backend: str, endpoint: str, n: int, conf: dict[str, str], timeout: f
     }
 
 
+RESTART_WORKER = (  # a gloo worker that records when it started (its first line) and when its group works
+    "import json, os, sys, time\n"
+    "start = time.time()\n"
+    "out, ppid = sys.argv[1], os.getppid()\n"
+    "rec = {'pid': os.getpid(), 'rank': int(os.environ['RANK']), 'start': start}\n"
+    "from datetime import timedelta\n"
+    "import torch, torch.distributed as dist\n"
+    "dist.init_process_group('gloo', timeout=timedelta(seconds=30))\n"
+    "t = torch.ones(1)\n"
+    "dist.all_reduce(t)\n"
+    "rec['ready'] = time.time()\n"
+    "with open(f'{out}/w-{os.getpid()}.json.tmp', 'w') as f:\n"
+    "    json.dump(rec, f)\n"
+    "os.rename(f'{out}/w-{os.getpid()}.json.tmp', f'{out}/w-{os.getpid()}.json')\n"
+    "while os.getppid() == ppid:\n"
+    "    dist.all_reduce(t)\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+def _workers(out: Path) -> dict[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
+    for f in out.glob("w-*.json"):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        found[int(rec["pid"])] = rec
+    return found
+
+
+def _restart_trial(variant: str, endpoint: str, secret: str, baseline: str | None, tmp: str) -> dict[str, Any]:
+    """One job of 2 torchrun agents; SIGKILL the rank-1 worker; time the restart (module docstring)."""
+    out = Path(tempfile.mkdtemp(prefix=f"{variant.replace('@', '-')}-", dir=tmp))
+    script = out / "worker.py"
+    script.write_text(RESTART_WORKER)
+    run_id = f"bench-restart-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
+    env["PYTHONWARNINGS"] = "ignore"
+    if variant == "c10d":
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
+    else:
+        conf = f"key_prefix={PREFIX},read_timeout=5,join_timeout=60,lease_ttl=60,closed_ttl=2,secret_file={secret}"
+        rdzv = ["--rdzv-backend=gpuguard", f"--rdzv-endpoint={endpoint}", f"--rdzv-conf={conf}"]
+        if variant.endswith("@baseline") and baseline:
+            env["PYTHONPATH"] = baseline + os.pathsep + env.get("PYTHONPATH", "")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--nnodes=2", "--nproc-per-node=1", *rdzv, f"--rdzv-id={run_id}", "--local-addr=127.0.0.1"]
+    argv += ["--max-restarts=3", str(script), str(out)]
+    agents: list[subprocess.Popen[bytes]] = []
+    result: dict[str, Any] = {"variant": variant, "restart_s": None, "ready_s": None, "error": None}
+    try:
+        for i in range(2):
+            with open(out / f"agent-{i}.log", "wb") as log:
+                agents.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            time.sleep(0.5)  # c10d: the first agent hosts the store
+        first = _wait_workers(out, agents, set(), 120)
+        victim = next(pid for pid, rec in first.items() if rec["rank"] == 1)
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        new = _wait_workers(out, agents, set(first), 60)
+        result["restart_s"] = round(max(r["start"] for r in new.values()) - t_kill, 3)
+        result["ready_s"] = round(max(r["ready"] for r in new.values()) - t_kill, 3)
+    except (RuntimeError, StopIteration) as exc:
+        logs = " | ".join((out / f"agent-{i}.log").read_text(errors="replace")[-300:] for i in range(len(agents)))
+        result["error"] = f"{exc}: {logs}"
+    finally:
+        workers = list(_workers(out))
+        for a in agents:
+            a.terminate()  # torchrun stops its workers on SIGTERM
+        for a in agents:
+            try:
+                a.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                a.kill()
+                a.wait(timeout=10)
+        for pid in workers:  # a worker its agent did not stop
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    return result
+
+
+def _wait_workers(
+    out: Path, agents: list[subprocess.Popen[bytes]], old: set[int], timeout: float
+) -> dict[int, dict[str, Any]]:
+    """Two worker records (new ones: pids not in `old`), polled every 10 ms."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        new = {pid: rec for pid, rec in _workers(out).items() if pid not in old}
+        if len(new) >= 2:
+            return new
+        if any(a.poll() is not None for a in agents):
+            raise RuntimeError("an agent exited")
+        time.sleep(0.01)
+    raise RuntimeError(f"no two {'new ' if old else ''}workers within {timeout:g} s")
+
+
+def _restart_rows(
+    variants: list[str], trials: int, endpoint: str, secret: str, baseline: str | None, tmp: str
+) -> list[dict[str, Any]]:
+    got: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    load: dict[str, float] = {}
+    for _ in range(trials):
+        for v in variants:
+            got[v].append(_restart_trial(v, endpoint, secret, baseline, tmp))
+            load[v] = os.getloadavg()[0]
+    rows = []
+    for v in variants:
+        ok = [t for t in got[v] if t["error"] is None]
+        row: dict[str, Any] = {"bench": "restart", "variant": v, "trials": len(got[v]), "ok": len(ok)}
+        for key in ("restart_s", "ready_s"):
+            vals = sorted(t[key] for t in ok)
+            row[key] = round(statistics.median(vals), 3) if vals else None
+            row[key.replace("_s", "_min_s")] = vals[0] if vals else None
+            row[key.replace("_s", "_max_s")] = vals[-1] if vals else None
+        row["load1"] = round(load[v], 2)
+        row["errors"] = "; ".join(t["error"][:300] for t in got[v] if t["error"]) or None
+        rows.append(row)
+    return rows
+
+
 def _count_keys(endpoint: str, prefix: str) -> int:
     from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
 
@@ -172,6 +308,8 @@ def main() -> None:
     ap.add_argument("--etcd", default=None, help="http://HOST:PORT of an etcd to use (default: start one)")
     ap.add_argument("--ops", type=int, default=300)
     ap.add_argument("--timeout", type=float, default=180)
+    ap.add_argument("--restarts", type=int, default=0, help="trials of the 2-agent kill-and-restart job (0: none)")
+    ap.add_argument("--baseline", default=None, help="a folder holding another `gpuguard` package to compare")
     args = ap.parse_args()
 
     import torch.distributed  # noqa: F401 - imported once, before the agents are forked
@@ -222,30 +360,39 @@ def main() -> None:
         later = sum(_count_keys(endpoint, p) for p in gg_runs)
         notes.append(f"etcd keys left by all gpuguard runs {CLOSED_TTL + 2.5:g} s after the last one: {later}")
 
-        from torch.distributed import TCPStore
-
-        from gpuguard.recovery.rendezvous.etcd_store import EtcdStore
-
-        ees = EtcdStore.connect(endpoint, f"bench-ops-{uuid.uuid4().hex[:8]}", key_prefix=PREFIX, lease_ttl=30)
-        tcp = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-        lat_e, lat_t = _latencies(ees, args.ops), _latencies(tcp, args.ops)
-        for op in lat_e:
-            rows.append(
-                {
-                    "bench": "store_op",
-                    "op": op,
-                    "etcd_p50_ms": round(lat_e[op][0], 3),
-                    "etcd_p99_ms": round(lat_e[op][1], 3),
-                    "tcpstore_p50_ms": round(lat_t[op][0], 3),
-                    "tcpstore_p99_ms": round(lat_t[op][1], 3),
-                    "ratio_p50": round(lat_e[op][0] / lat_t[op][0], 1),
-                }
+        if args.restarts > 0:
+            variants = ["c10d", "gpuguard", *(["gpuguard@baseline"] if args.baseline else [])]
+            rows += _restart_rows(variants, args.restarts, endpoint, secret, args.baseline, tmp)
+            notes.append(
+                "restart: 2 torchrun agents (--nnodes=2, 1 gloo worker each), the rank-1 worker SIGKILLed; "
+                "restart_s = kill -> the last new worker's first line, ready_s = kill -> the new group's first "
+                "all-reduce; median (min, max) over the trials, variants interleaved"
             )
-        ees.lease.revoke() if ees.lease else None
-        notes.append(
-            "store ops: one client in this process; EtcdStore talks HTTP/JSON to etcd's v3 gateway "
-            "(each write is a raft commit), TCPStore is torch's C++ client and server"
-        )
+        if args.ops > 0:
+            from torch.distributed import TCPStore
+
+            from gpuguard.recovery.rendezvous.etcd_store import EtcdStore
+
+            ees = EtcdStore.connect(endpoint, f"bench-ops-{uuid.uuid4().hex[:8]}", key_prefix=PREFIX, lease_ttl=30)
+            tcp = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+            lat_e, lat_t = _latencies(ees, args.ops), _latencies(tcp, args.ops)
+            for op in lat_e:
+                rows.append(
+                    {
+                        "bench": "store_op",
+                        "op": op,
+                        "etcd_p50_ms": round(lat_e[op][0], 3),
+                        "etcd_p99_ms": round(lat_e[op][1], 3),
+                        "tcpstore_p50_ms": round(lat_t[op][0], 3),
+                        "tcpstore_p99_ms": round(lat_t[op][1], 3),
+                        "ratio_p50": round(lat_e[op][0] / lat_t[op][0], 1),
+                    }
+                )
+            ees.lease.revoke() if ees.lease else None
+            notes.append(
+                "store ops: one client in this process; EtcdStore talks HTTP/JSON to etcd's v3 gateway "
+                "(each write is a raft commit), TCPStore is torch's C++ client and server"
+            )
         notes.append(
             f"median gpuguard/c10d ratio: {statistics.median([r['ratio'] for r in rows if r.get('ratio')] or [0])}"
         )

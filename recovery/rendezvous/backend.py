@@ -20,6 +20,21 @@ the agents': `rounds/<R>` (the generation activated in round R, written by the r
 coordinator) and `trigger` (the lease of `gpu-recover rendezvous`), both through the torch-free
 `recovery.rendezvous.etcd_keys`.
 
+Waiting on the state (issue 23): torch's join loop (`_DistributedRendezvousOpExecutor.run`)
+sleeps 1 s between two state polls whenever it waits for other nodes (its SYNC action), and its
+state holder serves a read younger than 1 s from a cache; on a re-rendezvous that costs up to 1 s per
+wait. This handler runs torch's loop with that pause replaced (`_WatchingOpExecutor`): the agent
+blocks on a watch of `<prefix>/<run id>/state` (etcd's `/v3/watch`, `EtcdClient.watch`) from the
+revision after the state it holds (the store revision of its last read, so a write between the
+read and the watch counts), and re-reads as soon as the key changes, or after the same 1 s when
+nothing changed. The wait is never longer than torch's pause (the join loop's deadlines and
+keep-alives fall as before), ends early only on a real change (a re-read moves past it: no busy
+loop), opens one connection that it closes before returning (no thread), and a failed or ended
+watch is torch's plain pause. Nothing in etcd changes: the same key, the same sealed value
+(`signed_state`), the same compare-and-set; agents with and without the watch interoperate. Cost:
+a waiting agent reads the state once per write of it (every participant's heartbeat while it waits,
+N / keep_alive_interval a second) where torch reads it once a second.
+
 The workers' store: torch 2.13 by default has the rank-0 agent host a TCPStore for the workers
 (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE` unset), which dies with that agent, and the other agents keep
 pointing their workers at it in later rounds (their bootstrap info is cached). This handler never
