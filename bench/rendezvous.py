@@ -20,10 +20,13 @@ after its agents shut down and `closed_ttl` (2 s here) later. The machine may be
 gloo worker each, all-reducing every 50 ms), the rank-1 worker SIGKILLed; measured per trial: kill
 -> the last new worker's first line (`restart_s`: detection, the agents' re-rendezvous, the spawn)
 and kill -> the new group's first all-reduce done by both (`ready_s`). Variants, interleaved trial
-by trial so that load hits them alike: `c10d` (torch's, the first agent hosts the store),
-`gpuguard` (this tree), and with `--baseline DIR` `gpuguard@baseline` (the same torchrun with DIR,
-a folder holding a `gpuguard` package, first on PYTHONPATH: e.g. a checkout of main). `--agents ""
---ops 0 --restarts 5` runs only this part. Each row: median, min and max over the trials, and the
+by trial so that load hits them alike: `c10d-noshare` (torch's c10d, the first agent hosts the
+store, with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: a fresh workers' store per round, as the
+gpuguard handler does; with torch's default shared store the new workers race on the old group's
+keys and fail, docs/torchrun-hazards.md: `--variants c10d,...` runs that too), `gpuguard` (this
+tree), and with `--baseline DIR` `gpuguard@baseline` (the same torchrun with DIR, a folder holding
+a `gpuguard` package, first on PYTHONPATH: e.g. a checkout of main). `--agents "" --ops 0
+--restarts 5` runs only this part. Each row: median, min and max over the trials, and the
 load average when the variant's trials ended.
 """
 
@@ -190,8 +193,10 @@ def _restart_trial(variant: str, endpoint: str, secret: str, baseline: str | Non
     run_id = f"bench-restart-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GPUGUARD_"))}
     env["PYTHONWARNINGS"] = "ignore"
-    if variant == "c10d":
+    if variant.startswith("c10d"):
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
+        if variant == "c10d-noshare":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         conf = f"key_prefix={PREFIX},read_timeout=5,join_timeout=60,lease_ttl=60,closed_ttl=2,secret_file={secret}"
         rdzv = ["--rdzv-backend=gpuguard", f"--rdzv-endpoint={endpoint}", f"--rdzv-conf={conf}"]
@@ -310,6 +315,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--restarts", type=int, default=0, help="trials of the 2-agent kill-and-restart job (0: none)")
     ap.add_argument("--baseline", default=None, help="a folder holding another `gpuguard` package to compare")
+    ap.add_argument("--variants", default=None, help="restart variants (default c10d-noshare,gpuguard[,@baseline])")
     args = ap.parse_args()
 
     import torch.distributed  # noqa: F401 - imported once, before the agents are forked
@@ -361,10 +367,16 @@ def main() -> None:
         notes.append(f"etcd keys left by all gpuguard runs {CLOSED_TTL + 2.5:g} s after the last one: {later}")
 
         if args.restarts > 0:
-            variants = ["c10d", "gpuguard", *(["gpuguard@baseline"] if args.baseline else [])]
+            variants = ["c10d-noshare", "gpuguard", *(["gpuguard@baseline"] if args.baseline else [])]
+            if args.variants:
+                variants = [v for v in args.variants.split(",") if v]
+            known = {"c10d", "c10d-noshare", "gpuguard", "gpuguard@baseline"}
+            if not set(variants) <= known or ("gpuguard@baseline" in variants and not args.baseline):
+                sys.exit(f"--variants: some of {sorted(known)} (gpuguard@baseline needs --baseline)")
             rows += _restart_rows(variants, args.restarts, endpoint, secret, args.baseline, tmp)
             notes.append(
                 "restart: 2 torchrun agents (--nnodes=2, 1 gloo worker each), the rank-1 worker SIGKILLed; "
+                "c10d-noshare = torch's c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; "
                 "restart_s = kill -> the last new worker's first line, ready_s = kill -> the new group's first "
                 "all-reduce; median (min, max) over the trials, variants interleaved"
             )

@@ -372,16 +372,12 @@ class _WatchingOpExecutor(_DistributedRendezvousOpExecutor):
         self._watching_holder = state_holder
         self._torch_run = _with_delay(_DistributedRendezvousOpExecutor.run, self._sync_wait)
 
-    def run(
-        self,
-        state_handler: Callable[[Any, float], Any],
-        deadline: float,
-        update_deadline: Callable[[timedelta], float] | None = None,
-    ) -> None:
+    def run(self, *args: Any, **kwargs: Any) -> None:
+        """torch's `run`, whatever its signature in this torch version."""
         if self._torch_run is None:
-            super().run(state_handler, deadline, update_deadline)
+            super().run(*args, **kwargs)
         else:
-            self._torch_run(self, state_handler, deadline, update_deadline)
+            self._torch_run(self, *args, **kwargs)
 
     def _sync_wait(self, seconds: float | tuple[float, float]) -> None:
         if isinstance(seconds, tuple):  # a random skew, not a poll: torch's own delay
