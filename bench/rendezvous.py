@@ -273,6 +273,7 @@ def _restart_rows(
             row[key] = round(statistics.median(vals), 3) if vals else None
             row[key.replace("_s", "_min_s")] = vals[0] if vals else None
             row[key.replace("_s", "_max_s")] = vals[-1] if vals else None
+        row["restart_trials_s"] = [t["restart_s"] for t in got[v]]  # in trial order (None: failed): paired by index
         row["load1"] = round(load[v], 2)
         row["errors"] = "; ".join(t["error"][:300] for t in got[v] if t["error"]) or None
         rows.append(row)
