@@ -19,6 +19,7 @@ from gpuguard.foundation.boundedread import open_regular
 from gpuguard.foundation.errors import GpuguardError, NoInputError
 from gpuguard.foundation.jobdir import ranks_dir
 from gpuguard.foundation.observations import RankSeries
+from gpuguard.foundation.step_columns import computes_of, periods_of
 from gpuguard.foundation.step_summary import StepSummary
 from gpuguard.foundation.steplog import MAX_STEPS, SUFFIX, decode_lines, parse_segment_name
 
@@ -209,8 +210,9 @@ def _summarised(series: RankSeries, history: int, keep: int) -> RankSeries:
     """The series with its last `history` steps as a bounded summary and only its last `keep` samples: the
     full series of this one rank is the only transient buffer, so the summary is exact in what it covers."""
     summary = StepSummary()
-    for step in series.steps[-history:]:
-        summary.add(step.interval_s, step.compute_s)
+    steps = series.steps[-history:]
+    summary.periods.extend([v for v in periods_of(steps) if v > 0])  # as `StepSummary.add`, without a call a step
+    summary.computes.extend(computes_of(steps))
     return replace(series, steps=series.steps[-keep:], summary=summary)
 
 

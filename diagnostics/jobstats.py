@@ -22,6 +22,7 @@ from gpuguard.foundation.observations import (
     RankSeries,
     StepSample,
 )
+from gpuguard.foundation.step_columns import CollectiveEntries, computes_of, periods_of
 from gpuguard.foundation.step_summary import OrderedView
 
 UNKNOWN_PROCESS = ProcessState("unknown")
@@ -89,8 +90,8 @@ def observe(
     steps = series.steps[-history:]
     periods, computes, n_steps = _learned(series, steps)
     recent = steps[-window:]
-    recent_compute = median([s.compute_s for s in recent]) if recent else 0.0
-    recent_periods = [s.interval_s for s in recent if s.interval_s]
+    recent_compute = median(computes_of(recent)) if recent else 0.0
+    recent_periods = periods_of(recent)
     if now_mono is not None:
         phase_age = now_mono - series.phase.since_mono
         progress_age = now_mono - series.last_mono
@@ -123,7 +124,9 @@ def observe(
         errors=series.errors,
         hardware=hardware,
         comm_errors=comm_errors or comm_errors_from_text(series.rank, series.errors),
-        entries=tuple((seq, wall, wait) for seq, wall, _, wait in series.entries),
+        entries=series.entries.times()  # the reader's columns, shared
+        if isinstance(series.entries, CollectiveEntries)
+        else tuple((seq, wall, wait) for seq, wall, _, wait in series.entries),
         notes=tuple(
             n
             for n in (

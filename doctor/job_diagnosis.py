@@ -22,6 +22,7 @@ from gpuguard.diagnostics.vote import JobVerdict, load_config, to_json, vote
 from gpuguard.diagnostics.watchdog import judge_timeouts
 from gpuguard.doctor.job_observation import RECENT_STEPS, observe_job_generations
 from gpuguard.foundation.errors import DataError, NoInputError
+from gpuguard.foundation.step_columns import periods_of
 from gpuguard.foundation.step_summary import RELATIVE_ERROR, QuantileSketch
 
 NODE_SCHEMA = "gpuguard.node/1"
@@ -106,7 +107,7 @@ def assess(
     for rank_doc in doc["ranks"]:
         series = records.ranks.get(rank_doc["rank"])
         recent = series.steps[-RECENT_STEPS:] if series else ()
-        rank_doc["recent_periods_s"] = [round(s.interval_s, 4) for s in recent if s.interval_s]
+        rank_doc["recent_periods_s"] = [round(v, 4) for v in periods_of(recent)]
     if records.skipped_files:
         doc["skipped_files"] = list(records.skipped_files)
     doc["post_mortem"] = None if log_job is None else post_mortem_json(log_job)

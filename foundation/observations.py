@@ -6,8 +6,10 @@ other doctors' findings; the vote and the simulator consume them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gpuguard.foundation.step_columns import StepSample as StepSample  # re-exported: its home before step_columns
 from gpuguard.foundation.step_summary import StepSummary
 
 # phase kinds
@@ -19,23 +21,6 @@ CLOSED = "closed"  # the rank closed its log cleanly
 
 
 @dataclass(frozen=True, slots=True)
-class StepSample:
-    """One finished step of one rank: its own compute time separated from its collective wait."""
-
-    step: int
-    end_wall: float
-    end_mono: float
-    compute_s: float
-    wait_s: float
-    nbytes: int = 0
-    interval_s: float | None = None  # time since the previous step's end (the rank's step period)
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.wait_s
-
-
-@dataclass(frozen=True)
 class Phase:
     """What the rank was doing at its last record, and since when."""
 
@@ -48,7 +33,7 @@ class Phase:
     since_mono: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankSeries:
     """Everything one rank's (current) incarnation wrote."""
 
@@ -62,7 +47,7 @@ class RankSeries:
     start_time: float | None = None  # the process's create time (foundation.identity), if recorded
     start_wall: float = 0.0
     start_mono: float = 0.0
-    steps: tuple[StepSample, ...] = ()
+    steps: Sequence[StepSample] = ()  # the reader's are `foundation.step_columns.StepSamples`
     phase: Phase = Phase(STARTING)
     last_wall: float = 0.0  # last record of any kind (heartbeat included)
     last_mono: float = 0.0
@@ -73,13 +58,13 @@ class RankSeries:
     files: tuple[str, ...] = ()
     # the most recent collective entries (C records) as (seq, wall, mono, wait_s), oldest first: the arrival
     # order; wait_s is what the X record measured, -1.0 while the rank is still in that collective
-    entries: tuple[tuple[int, float, float, float], ...] = ()
+    entries: Sequence[tuple[int, float, float, float]] = ()  # the reader's: `step_columns.CollectiveEntries`
     # the step-time distribution over the last `history` steps in bounded memory, when the reader built one
     # (`collectors.step_records.read_job(history=...)`): then `steps` holds only the most recent ones
     summary: StepSummary | None = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcessState:
     """The rank's process as the OS sees it (psutil), or `unknown` when it cannot be seen."""
 
@@ -88,7 +73,7 @@ class ProcessState:
     exit_code: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HardwareEvidence:
     """A node doctor's finding about the GPU a rank runs on (input, not computed here)."""
 
@@ -98,7 +83,7 @@ class HardwareEvidence:
     text: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CommError:
     """A communication error from some log, naming the rank that saw it and, if known, its peer."""
 
@@ -107,7 +92,7 @@ class CommError:
     text: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RankObservation:
     """The vote's input for one rank at one check: features, not raw history (fast at 10,000 ranks)."""
 
@@ -134,6 +119,6 @@ class RankObservation:
     comm_errors: tuple[CommError, ...] = ()
     notes: tuple[str, ...] = field(default=())
     # recent collective entries (seq, wall time, wait_s or -1.0 while in it), oldest first: arrival order
-    entries: tuple[tuple[int, float, float], ...] = ()
+    entries: Sequence[tuple[int, float, float]] = ()  # from a reader: a view of its series' entries
     recent_period_max_s: float = 0.0  # the longest own step period of the recent window (not capped)
     cpu_s: float | None = None  # the process's CPU time (user + system) at this check, when visible here

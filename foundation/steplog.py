@@ -38,6 +38,8 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from math import isfinite
+from sys import intern
 from typing import Any
 
 from gpuguard.foundation.boundedread import parse_json, read_bytes
@@ -52,8 +54,8 @@ from gpuguard.foundation.observations import (
     STARTING,
     Phase,
     RankSeries,
-    StepSample,
 )
+from gpuguard.foundation.step_columns import CollectiveEntries, StepSamples
 
 FORMAT_VERSION = 1
 SUFFIX = ".steplog"
@@ -287,18 +289,24 @@ def _f(tok: str) -> float:
 
 
 def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps: int = MAX_STEPS) -> RankSeries:
-    """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises."""
+    """Fold one incarnation's record lines (segments in order) into a `RankSeries`. Never raises.
+
+    A line is applied whole or not at all (a bad one is counted in `bad_lines`). The samples and entries
+    are kept as columns (`foundation.step_columns`), the phase as plain values until the end: at 100,000
+    ranks this fold is most of `diagnose job`'s time and its result most of its memory."""
     header: dict[str, Any] = {}
-    steps: list[StepSample] = []
-    phase = Phase(STARTING)
+    steps = StepSamples()
+    entries = CollectiveEntries()
+    # the phase, field by field (one `Phase` at the end): kind, step, seq, op, nbytes, since wall/mono
+    kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = STARTING, -1, -1, "", 0, 0.0, 0.0
     errors: list[str] = []
     bad = jumps = 0
     last_wall = last_mono = 0.0
     prev_wall: float | None = None
     prev_mono: float | None = None
     prev_end_mono: float | None = None
-    entries: list[tuple[int, float, float, float]] = []
     last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
+    keep_steps = 2 * max_steps
     for line in lines:
         if not line:
             continue
@@ -313,44 +321,57 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                 elif isinstance(h.get("generation"), int):  # an in-place switch reopens the log: the newest counts
                     header = {**header, "generation": h["generation"]}
                 w, m = _f(str(h.get("wall", 0))), _f(str(h.get("mono", 0)))
-                if phase.kind in (STARTING, CLOSED):  # after a close, a new header opens the next generation's log
-                    phase = Phase(STARTING, since_wall=w, since_mono=m)
+                if kind_p in (STARTING, CLOSED):  # after a close, a new header opens the next generation's log
+                    kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = STARTING, -1, -1, "", 0, w, m
             else:
                 t = line[2:].split(" ")
                 if kind == "S":
                     if len(t) != 3:
                         raise ValueError
-                    step, w, m = int(t[0]), _f(t[1]), _f(t[2])
-                    phase = Phase(COMPUTING, step=step, seq=last_seq, since_wall=w, since_mono=m)
+                    step, w, m = int(t[0]), float(t[1]), float(t[2])
+                    if not (isfinite(w) and isfinite(m)):
+                        raise ValueError
+                    kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = COMPUTING, step, last_seq, "", 0, w, m
                 elif kind == "C":
                     if len(t) != 6:
                         raise ValueError
-                    seq, step, w, m, nb = int(t[0]), int(t[1]), _f(t[2]), _f(t[3]), int(t[4])
-                    phase = Phase(COLLECTIVE, step=step, seq=seq, op=t[5], nbytes=nb, since_wall=w, since_mono=m)
-                    entries.append((seq, w, m, -1.0))
+                    seq, step, w, m, nb = int(t[0]), int(t[1]), float(t[2]), float(t[3]), int(t[4])
+                    if not (isfinite(w) and isfinite(m)):
+                        raise ValueError
+                    kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = COLLECTIVE, step, seq, t[5], nb, w, m
+                    entries.append(seq, w, m, -1.0)
                     if len(entries) > 2 * MAX_ENTRIES:
-                        del entries[: len(entries) - MAX_ENTRIES]
+                        entries.keep_last(MAX_ENTRIES)
                 elif kind == "X":
                     if len(t) != 4:
                         raise ValueError
-                    seq, w, m = int(t[0]), _f(t[1]), _f(t[2])
-                    waited = _f(t[3])
-                    if entries and entries[-1][0] == seq and entries[-1][3] < 0:
-                        entries[-1] = (*entries[-1][:3], max(0.0, waited))
+                    seq, w, m, waited = int(t[0]), float(t[1]), float(t[2]), float(t[3])
+                    if not (isfinite(w) and isfinite(m) and isfinite(waited)):
+                        raise ValueError
+                    entries.exited(seq, waited)
                     last_seq = max(last_seq, seq)
-                    phase = Phase(COMPUTING, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
+                    kind_p, seq_p, op_p, nb_p, w_p, m_p = COMPUTING, last_seq, "", 0, w, m
                 elif kind == "E":
                     if len(t) != 6:
                         raise ValueError
-                    step, w, m, comp, wait, nb = int(t[0]), _f(t[1]), _f(t[2]), _f(t[3]), _f(t[4]), int(t[5])
+                    step, w, m, comp, wait, nb = (
+                        int(t[0]),
+                        float(t[1]),
+                        float(t[2]),
+                        float(t[3]),
+                        float(t[4]),
+                        int(t[5]),
+                    )
+                    if not (isfinite(w) and isfinite(m) and isfinite(comp) and isfinite(wait)):
+                        raise ValueError
                     if comp < 0 or wait < 0:
                         raise ValueError
                     interval = (m - prev_end_mono) if prev_end_mono is not None and m > prev_end_mono else None
-                    steps.append(StepSample(step, w, m, comp, wait, nb, interval))
-                    if len(steps) > 2 * max_steps:
-                        del steps[: len(steps) - max_steps]
+                    steps.append(step, w, m, comp, wait, nb, interval)
+                    if len(steps) > keep_steps:
+                        steps.keep_last(max_steps)
                     prev_end_mono = m
-                    phase = Phase(BETWEEN, step=step, seq=last_seq, since_wall=w, since_mono=m)
+                    kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = BETWEEN, step, last_seq, "", 0, w, m
                 elif kind == "B":
                     if len(t) != 2:
                         raise ValueError
@@ -365,7 +386,7 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                     if len(t) != 2:
                         raise ValueError
                     w, m = _f(t[0]), _f(t[1])
-                    phase = Phase(CLOSED, step=phase.step, seq=last_seq, since_wall=w, since_mono=m)
+                    kind_p, seq_p, op_p, nb_p, w_p, m_p = CLOSED, last_seq, "", 0, w, m
                 else:
                     raise ValueError
                 if (
@@ -378,28 +399,31 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                 last_wall, last_mono = w, m
         except (ValueError, IndexError, TypeError, OverflowError):
             bad += 1
+    phase = Phase(kind_p, step=step_p, seq=seq_p, op=intern(op_p), nbytes=nb_p, since_wall=w_p, since_mono=m_p)
     pid = header.get("pid")
     lr = header.get("local_rank")
     ws = header.get("world_size")
+    steps.keep_last(max_steps)
+    entries.keep_last(MAX_ENTRIES)
     return RankSeries(
         rank=rank,
-        incarnation=incarnation,
+        incarnation=intern(incarnation),
         generation=int(header.get("generation", 0)) if isinstance(header.get("generation", 0), int) else 0,
         pid=pid if isinstance(pid, int) and pid > 0 else None,
-        host=str(header.get("host", "")),
+        host=intern(str(header.get("host", ""))),  # one string per host, not per rank
         local_rank=lr if isinstance(lr, int) and not isinstance(lr, bool) and lr >= 0 else None,
         world_size=ws if isinstance(ws, int) and not isinstance(ws, bool) and 0 < ws <= 10_000_000 else None,
         start_time=_start_time(header.get("start_time")),
         start_wall=float(header.get("wall", 0) or 0) if isinstance(header.get("wall", 0), (int, float)) else 0.0,
         start_mono=float(header.get("mono", 0) or 0) if isinstance(header.get("mono", 0), (int, float)) else 0.0,
-        steps=tuple(steps[-max_steps:]),
+        steps=steps,
         phase=phase,
         last_wall=last_wall or (phase.since_wall if phase.kind == STARTING else 0.0),
         last_mono=last_mono or (phase.since_mono if phase.kind == STARTING else 0.0),
         errors=tuple(errors),
         bad_lines=bad,
         clock_jumps=jumps,
-        entries=tuple(entries[-MAX_ENTRIES:]),
+        entries=entries,
     )
 
 
