@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from gpuguard.foundation.boundedread import open_regular
 from gpuguard.foundation.errors import GpuguardError, NoInputError
@@ -181,19 +182,19 @@ def read_job(
         if not files:
             continue
         series = decode_lines(lines, rank=rank, incarnation=inc, max_steps=max(max_steps, history or 0))
-        if history is not None:
-            series = _summarised(series, history, max_steps)
         if not series.start_wall and not series.last_wall:  # not one record: its age would be "since 1970"
             got = f"{series.bad_lines} line(s), none a step record" if series.bad_lines else "no complete record yet"
             why = f"{files[-1]}: {got}"
             bad.setdefault(rank, []).append((_mtime(root, names_in), why, files))
             continue
-        per_rank.setdefault(rank, []).append(replace(series, files=tuple(files)))
+        # one copy of the series, not one per change (a frozen dataclass: `replace` builds it whole)
+        kept = {} if history is None else _summarised(series, history, max_steps)
+        per_rank.setdefault(rank, []).append(replace(series, files=tuple(files), **kept))
     ranks: dict[int, RankSeries] = {}
     unusable: dict[int, str] = {}
     for rank, all_series in per_rank.items():
         newest = max(all_series, key=lambda s: (s.generation, s.start_wall, s.last_wall, s.incarnation))
-        ranks[rank] = replace(newest, incarnations_seen=len(all_series))
+        ranks[rank] = newest if len(all_series) == 1 else replace(newest, incarnations_seen=len(all_series))
     for rank, groups_bad in bad.items():
         mtime, why, files = max(groups_bad)
         usable = ranks.get(rank)
@@ -206,14 +207,15 @@ def read_job(
     return JobRecords(str(job_dir), dict(sorted(ranks.items())), tuple(sorted(skipped)), dict(sorted(unusable.items())))
 
 
-def _summarised(series: RankSeries, history: int, keep: int) -> RankSeries:
-    """The series with its last `history` steps as a bounded summary and only its last `keep` samples: the
-    full series of this one rank is the only transient buffer, so the summary is exact in what it covers."""
+def _summarised(series: RankSeries, history: int, keep: int) -> dict[str, Any]:
+    """The series' new `steps` and `summary` (for `replace`): its last `history` steps as a bounded summary and
+    only its last `keep` samples. The full series of this one rank is the only transient buffer, so the
+    summary is exact in what it covers."""
     summary = StepSummary()
     steps = series.steps[-history:]
     summary.periods.extend([v for v in periods_of(steps) if v > 0])  # as `StepSummary.add`, without a call a step
     summary.computes.extend(computes_of(steps))
-    return replace(series, steps=series.steps[-keep:], summary=summary)
+    return {"steps": series.steps[-keep:], "summary": summary}
 
 
 def read_history(job_dir: str | os.PathLike[str], *, max_steps: int = MAX_STEPS) -> tuple[RankSeries, ...]:

@@ -23,7 +23,6 @@ from typing import TypeVar, overload
 
 _T = TypeVar("_T")
 _NAN = float("nan")
-_I64 = 1 << 63
 _FLOATS = 5  # end_wall, end_mono, compute_s, wait_s, interval_s (NaN: None)
 _INTS = 2  # step, nbytes
 
@@ -45,8 +44,21 @@ class StepSample:
         return self.compute_s + self.wait_s
 
 
-def _fits(*values: int) -> bool:
-    return all(-_I64 <= v < _I64 for v in values)
+def _int_column(values: list[int]) -> array[int] | list[int]:
+    """64-bit integers, or the list itself when one does not fit (a hostile log: kept, not refused)."""
+    try:
+        return array("q", values)
+    except OverflowError:
+        return values
+
+
+def _period(interval_s: float | None) -> float:
+    """A step period as stored: NaN for none (so a NaN period itself cannot be stored)."""
+    if interval_s is None:
+        return _NAN
+    if math.isnan(interval_s):
+        raise ValueError("a NaN step period cannot be stored (NaN stands for none)")
+    return interval_s
 
 
 class _Rows(Sequence[_T]):
@@ -103,35 +115,23 @@ class StepSamples(_Rows[StepSample]):
     __slots__ = ("_f", "_i")
 
     def __init__(self, samples: Iterable[StepSample] = ()) -> None:
-        self._f: array[float] = array("d")
-        self._i: array[int] | list[int] = array("q")
-        for s in samples:
-            self.append(s.step, s.end_wall, s.end_mono, s.compute_s, s.wait_s, s.nbytes, s.interval_s)
+        floats: list[float] = []
+        ints: list[int] = []
+        for x in samples:
+            ints.extend((x.step, x.nbytes))
+            floats.extend((x.end_wall, x.end_mono, x.compute_s, x.wait_s, _period(x.interval_s)))
+        self._f: array[float] = array("d", floats)
+        self._i = _int_column(ints)
 
-    def append(
-        self,
-        step: int,
-        end_wall: float,
-        end_mono: float,
-        compute_s: float,
-        wait_s: float,
-        nbytes: int,
-        interval_s: float | None,
-    ) -> None:
-        """One more sample (the reader's builder; a finished series is not changed)."""
-        if interval_s is not None and math.isnan(interval_s):
-            raise ValueError("a NaN step period cannot be stored (NaN stands for none)")
-        if isinstance(self._i, array) and not _fits(step, nbytes):
-            self._i = list(self._i)
-        self._i.extend((step, nbytes))
-        self._f.extend((end_wall, end_mono, compute_s, wait_s, _NAN if interval_s is None else interval_s))
-
-    def keep_last(self, n: int) -> None:
-        """Drop all but the last `n` samples (the reader's bound while it folds a long log)."""
-        drop = len(self) - n
-        if drop > 0:
-            del self._f[: drop * _FLOATS]
-            del self._i[: drop * _INTS]
+    @classmethod
+    def from_columns(cls, floats: list[float], ints: list[int]) -> StepSamples:
+        """From the reader's row-major lists: 5 floats a sample (end_wall, end_mono, compute_s, wait_s, and
+        interval_s or NaN for none) and 2 integers (step, nbytes)."""
+        if len(floats) != _FLOATS * len(ints) // _INTS:
+            raise ValueError("the float and integer columns hold different numbers of samples")
+        out = cls()
+        out._f, out._i = array("d", floats), _int_column(ints)
+        return out
 
     def __len__(self) -> int:
         return len(self._i) // _INTS
@@ -174,27 +174,22 @@ class CollectiveEntries(_Rows[Entry]):
     __slots__ = ("_seq", "_f")
 
     def __init__(self, entries: Iterable[Entry] = ()) -> None:
-        self._seq: array[int] | list[int] = array("q")
-        self._f: array[float] = array("d")
+        seqs: list[int] = []
+        floats: list[float] = []
         for seq, wall, mono, wait in entries:
-            self.append(seq, wall, mono, wait)
+            seqs.append(seq)
+            floats.extend((wall, mono, wait))
+        self._seq = _int_column(seqs)
+        self._f: array[float] = array("d", floats)
 
-    def append(self, seq: int, wall: float, mono: float, wait_s: float) -> None:
-        if isinstance(self._seq, array) and not _fits(seq):
-            self._seq = list(self._seq)
-        self._seq.append(seq)
-        self._f.extend((wall, mono, wait_s))
-
-    def exited(self, seq: int, wait_s: float) -> None:
-        """An X record: the wait of the newest entry, when that is collective `seq` and still open."""
-        if self._seq and self._seq[-1] == seq and self._f[-1] < 0:
-            self._f[-1] = max(0.0, wait_s)
-
-    def keep_last(self, n: int) -> None:
-        drop = len(self._seq) - n
-        if drop > 0:
-            del self._seq[:drop]
-            del self._f[: 3 * drop]
+    @classmethod
+    def from_columns(cls, seqs: list[int], floats: list[float]) -> CollectiveEntries:
+        """From the reader's lists: the sequence numbers, and 3 floats an entry (wall, mono, wait_s)."""
+        if len(floats) != 3 * len(seqs):
+            raise ValueError("the float and integer columns hold different numbers of entries")
+        out = cls()
+        out._seq, out._f = _int_column(seqs), array("d", floats)
+        return out
 
     def __len__(self) -> int:
         return len(self._seq)

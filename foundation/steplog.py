@@ -265,6 +265,7 @@ class _Collective:
 
 # -- the reader side: segment names and records back into a RankSeries -----------------------------
 SEGMENT_NAME = re.compile(r"^(\d{1,7})\.([A-Za-z0-9_-]{1,64})\.(\d{6,})" + re.escape(SUFFIX) + r"$")
+_NAN = float("nan")
 CLOCK_JUMP_S = 1.0  # wall vs monotonic disagreement that counts as a clock jump
 MAX_STEPS = 4096  # most recent step samples kept per rank
 MAX_ERRORS = 8
@@ -295,8 +296,11 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
     are kept as columns (`foundation.step_columns`), the phase as plain values until the end: at 100,000
     ranks this fold is most of `diagnose job`'s time and its result most of its memory."""
     header: dict[str, Any] = {}
-    steps = StepSamples()
-    entries = CollectiveEntries()
+    # the samples and the entries as row-major lists of numbers (`StepSamples.from_columns`)
+    step_f: list[float] = []  # end_wall, end_mono, compute_s, wait_s, interval_s (NaN: none) a step
+    step_i: list[int] = []  # step, nbytes a step
+    entry_seq: list[int] = []
+    entry_f: list[float] = []  # wall, mono, wait_s (-1.0 while in it) an entry
     # the phase, field by field (one `Phase` at the end): kind, step, seq, op, nbytes, since wall/mono
     kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = STARTING, -1, -1, "", 0, 0.0, 0.0
     errors: list[str] = []
@@ -306,7 +310,6 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
     prev_mono: float | None = None
     prev_end_mono: float | None = None
     last_seq = -1  # the last collective this rank left: tells "already past collective N" apart
-    keep_steps = 2 * max_steps
     for line in lines:
         if not line:
             continue
@@ -339,16 +342,19 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                     if not (isfinite(w) and isfinite(m)):
                         raise ValueError
                     kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = COLLECTIVE, step, seq, t[5], nb, w, m
-                    entries.append(seq, w, m, -1.0)
-                    if len(entries) > 2 * MAX_ENTRIES:
-                        entries.keep_last(MAX_ENTRIES)
+                    entry_seq.append(seq)
+                    entry_f.extend((w, m, -1.0))
+                    if len(entry_seq) > 2 * MAX_ENTRIES:
+                        del entry_seq[: len(entry_seq) - MAX_ENTRIES]
+                        del entry_f[: len(entry_f) - 3 * MAX_ENTRIES]
                 elif kind == "X":
                     if len(t) != 4:
                         raise ValueError
                     seq, w, m, waited = int(t[0]), float(t[1]), float(t[2]), float(t[3])
                     if not (isfinite(w) and isfinite(m) and isfinite(waited)):
                         raise ValueError
-                    entries.exited(seq, waited)
+                    if entry_seq and entry_seq[-1] == seq and entry_f[-1] < 0:
+                        entry_f[-1] = max(0.0, waited)
                     last_seq = max(last_seq, seq)
                     kind_p, seq_p, op_p, nb_p, w_p, m_p = COMPUTING, last_seq, "", 0, w, m
                 elif kind == "E":
@@ -367,9 +373,11 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
                     if comp < 0 or wait < 0:
                         raise ValueError
                     interval = (m - prev_end_mono) if prev_end_mono is not None and m > prev_end_mono else None
-                    steps.append(step, w, m, comp, wait, nb, interval)
-                    if len(steps) > keep_steps:
-                        steps.keep_last(max_steps)
+                    step_i.extend((step, nb))
+                    step_f.extend((w, m, comp, wait, _NAN if interval is None else interval))
+                    if len(step_i) > 4 * max_steps:
+                        del step_i[: len(step_i) - 2 * max_steps]
+                        del step_f[: len(step_f) - 5 * max_steps]
                     prev_end_mono = m
                     kind_p, step_p, seq_p, op_p, nb_p, w_p, m_p = BETWEEN, step, last_seq, "", 0, w, m
                 elif kind == "B":
@@ -403,8 +411,12 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
     pid = header.get("pid")
     lr = header.get("local_rank")
     ws = header.get("world_size")
-    steps.keep_last(max_steps)
-    entries.keep_last(MAX_ENTRIES)
+    drop = len(step_i) // 2 - max_steps
+    if drop > 0:
+        del step_i[: 2 * drop], step_f[: 5 * drop]
+    drop = len(entry_seq) - MAX_ENTRIES
+    if drop > 0:
+        del entry_seq[:drop], entry_f[: 3 * drop]
     return RankSeries(
         rank=rank,
         incarnation=intern(incarnation),
@@ -416,14 +428,14 @@ def decode_lines(lines: Iterable[str], *, rank: int, incarnation: str, max_steps
         start_time=_start_time(header.get("start_time")),
         start_wall=float(header.get("wall", 0) or 0) if isinstance(header.get("wall", 0), (int, float)) else 0.0,
         start_mono=float(header.get("mono", 0) or 0) if isinstance(header.get("mono", 0), (int, float)) else 0.0,
-        steps=steps,
+        steps=StepSamples.from_columns(step_f, step_i),
         phase=phase,
         last_wall=last_wall or (phase.since_wall if phase.kind == STARTING else 0.0),
         last_mono=last_mono or (phase.since_mono if phase.kind == STARTING else 0.0),
         errors=tuple(errors),
         bad_lines=bad,
         clock_jumps=jumps,
-        entries=entries,
+        entries=CollectiveEntries.from_columns(entry_seq, entry_f),
     )
 
 
