@@ -68,6 +68,11 @@ def _cpu_seconds(pid: int | None) -> float | None:
     return float(t.user + t.system)
 
 
+def _elsewhere(host: str, probe: bool) -> ProcessState:
+    """The process state of a rank that is not probed here: it runs on `host`, or probing is off."""
+    return ProcessState("unknown", f"rank runs on {host or 'an unknown host'}, not here" if probe else "not probed")
+
+
 def observe_job(
     job_dir: str | os.PathLike[str],
     **kw: Any,
@@ -139,6 +144,7 @@ def observe_job_generations(
     certified = active_world(job_dir, active) if active > 0 else None
     world = claimed if certified is None else certified
     superseded: list[tuple[int, RankObservation]] = []
+    elsewhere: dict[str, ProcessState] = {}  # one (frozen) state per remote host, not one per rank
     for series in records.ranks.values():
         from_log = series.rank not in stepped
         local = series.host == here and now_wall is None
@@ -147,8 +153,7 @@ def observe_job_generations(
         elif probe and local:
             proc = probe_process(series.pid, series.start_time, series.start_wall)
         else:
-            where = f"rank runs on {series.host or 'an unknown host'}, not here"
-            proc = ProcessState("unknown", where if probe else "not probed")
+            proc = elsewhere.get(series.host) or elsewhere.setdefault(series.host, _elsewhere(series.host, probe))
         proc = with_exit_code(proc, series.pid, codes)
         ce = comm_errors_from_text(series.rank, (*series.errors, *comm.get(series.rank, ())))
         cpu = _cpu_seconds(series.pid) if probe and local and proc.state in _ALIVE else None
