@@ -8,9 +8,10 @@ so that is what goes there, once per snapshot for the whole job:
   member) every member meets once on the generation's control group (a gloo group of its own,
   never interleaved with the training's collectives) right after its commit. When the meeting
   completes, every member has committed the step, and rank 0 raises the generation's frontier
-  record to it (`Ledger.record_frontier`, evidence `barrier`) in a background thread: the training
-  thread never waits for etcd. Cost: one 8-byte all-reduce every k steps, and one ledger write every
-  k steps for the whole job.
+  record to it (`Ledger.record_frontier`, evidence `barrier`) in a background thread. The meeting
+  is started without waiting (`recovery.runtime.meeting`): the training thread waits neither for
+  the slowest member nor for etcd, and nothing is recorded before the collective's result proves
+  it. Cost: one 8-byte all-reduce every k steps, and one ledger write every k steps for the whole job.
 - Sharded state: the collective snapshot is the meeting (each member submits step S after committing
   it, and rank 0 publishes only once every member's part is in), so rank 0's snapshot writer raises
   the record after each published snapshot (evidence `snapshot`): no extra collective at all.
@@ -29,12 +30,14 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from gpuguard.foundation.errors import GpuguardError, one_line
 from gpuguard.generation.ledger_open import open_ledger
 from gpuguard.recovery.runtime.context import Context
 from gpuguard.recovery.runtime.latest_slot import LatestSlot
+from gpuguard.recovery.runtime.meeting import Meeting
 
 DEFAULT_WATCH_INTERVAL_S = 2.0
 
@@ -52,12 +55,18 @@ class FrontierAgreement:
         # (generation, step, evidence): the newest wins, written in a thread with its own ledger handle
         self._slot: LatestSlot[tuple[int, int, str]] = LatestSlot("gpuguard-frontier", self._write)
         self._ledger: Any = None
+        self._meeting: Meeting | None = None  # this generation's meetings on the control group
 
     def form(self, opened: Any) -> None:
         """Collective, once per generation after its world group formed: the control group."""
         import torch.distributed as dist
 
         self.group = opened.track(lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s)))
+        # what a meeting on this group proves is of this generation, recorded by its rank 0
+        if self.ctx.rank == 0 and self.ctx.generation is not None:
+            self._meeting = Meeting(self.group, partial(self._agreed, self.ctx.generation), self.ctx.log)
+        else:
+            self._meeting = Meeting(self.group, lambda _step: None, self.ctx.log)
 
     def record(self, generation: int, step: int, evidence: str = "snapshot") -> None:
         """Rank 0, from any thread: raise the frontier record (in this agreement's writer thread)."""
@@ -65,21 +74,30 @@ class FrontierAgreement:
             self._submit(generation, step, evidence)
 
     def meet(self, step: int) -> None:
-        """Collective on the control group, right after this member's commit of `step`; raises the
-        group's error when a member is gone (the step's failure, as any collective's)."""
-        import torch
-        import torch.distributed as dist
+        """Collective on the control group, right after this member's commit of `step`, started
+        without waiting (`recovery.runtime.meeting`): rank 0 records the frontier once its result
+        proves every member committed `step`. Raises the previous meeting's error (a member gone:
+        the step's failure, as any collective's)."""
+        if self._meeting is not None:
+            self._meeting.start(step)
+            self.meetings += 1
 
-        if self.group is None:
+    def _agreed(self, generation: int, step: int) -> None:
+        """Rank 0: a meeting's result proved every member of `generation` committed `step` (the
+        completing thread: no I/O here, the record is queued)."""
+        self._submit(generation, step, "barrier")
+
+    def settle(self) -> None:
+        """Wait for the meeting in flight (bounded by the group's timeout) and queue what it proved;
+        its error (a member gone) is logged, not raised: the steps are committed, only the record
+        of the last meeting is missing (close)."""
+        if self._meeting is None:
             return
-        mine = torch.tensor([step], dtype=torch.int64)
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
-        self.meetings += 1
-        if int(mine.item()) != step:  # a member at another step: not the lockstep this proof needs
-            self.ctx.log(f"frontier meeting at step {step}: a member is at step {int(mine.item())}; not recorded")
-            return
-        if self.ctx.rank == 0 and self.ctx.generation is not None:
-            self._submit(self.ctx.generation, step, "barrier")
+        try:
+            self._meeting.settle()
+        except RuntimeError as exc:
+            self.errors += 1
+            self.ctx.log(f"frontier meeting not completed: {one_line(exc)}")
 
     def _submit(self, generation: int, step: int, evidence: str) -> None:
         self._slot.offer((generation, step, evidence))
@@ -104,8 +122,11 @@ class FrontierAgreement:
         return self._slot.flush(timeout)
 
     def leave(self) -> None:
-        """The generation's groups are gone: drop the control group (the writer thread stays)."""
-        self.group = None
+        """The generation's groups are gone: drop the control group and a meeting in flight on it
+        (the writer thread stays)."""
+        if self._meeting is not None:
+            self._meeting.drop()
+        self.group, self._meeting = None, None
 
 
 class GenerationWatch:

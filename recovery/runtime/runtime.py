@@ -649,6 +649,7 @@ class Runtime:
         import torch.distributed as dist
 
         self.state.close_writer(self.context, timeout)
+        self.frontier.settle()  # the last meeting (started without waiting): what it proved is queued
         self.frontier.flush(min(timeout, 10.0))
         self.watch.stop()
         if self._steplog is not None:
