@@ -11,9 +11,25 @@ proposals, the keys (`etcd_debugging_mvcc_keys_total`) and the database size.
 Rows:
 - `commit_path` / gpuguard: the job under the runtime (no ledger write per rank-step: one frontier
   record per snapshot for the whole job): etcd writes and new keys per training step, and the
-  step-time overhead against the same job without the runtime (`--mode plain`), interleaved
-  `--reps` times (the median of each mode's medians; each pair's own overhead too: the noise),
-  and each rank's time in `Runtime.commit` per step (its counters), which the load disturbs less.
+  step-time overhead against the same job without the runtime (`--mode plain`). The two run in
+  `--reps` pairs, one after the other, the order alternating (plain first, then gpuguard first:
+  a load that drifts within a pair favours neither), each job's step time the median of rank 0's
+  steady-state steps. Two independent figures of the overhead:
+  - side by side: `step_overhead_per_pair` (each pair's gpuguard / plain - 1: the noise),
+    `step_overhead_median_pair` (their median) and `step_overhead_ci95` ([low, high]: the
+    distribution-free confidence interval of that median from the pairs' order statistics, at
+    least 95 % (`step_overhead_ci_level`, the exact coverage); null below 6 pairs, where none
+    reaches 95 %). `step_overhead_vs_plain` is the older figure: the median of each mode's steps.
+  - in process: `runtime_ms_per_step` (each rank, each run: the runtime's own wall time on the
+    training thread per step, from its counters: `commit()` with the frontier meeting and the
+    snapshot copy, plus `begin_step()` and the collective marks; `commit_ms_per_step` is the
+    `commit()` part alone) and `runtime_overhead_direct` (the median over runs of the slowest
+    rank's `runtime_ms_per_step`, over the plain step time; `runtime_overhead_direct_max`: the
+    largest run's). The load disturbs it far less than the side-by-side step times. What it does
+    not see: the background threads' CPU (`snapshot_cpu_ms_per_step`: rank 0's snapshot writer),
+    which costs the step only when the cores are saturated.
+  `overhead_le_1pct`: "shown" when the side-by-side interval's high end is at most 1 %, "refuted"
+  when its low end is above 1 %, else "not shown" (the pairs are too noisy to tell).
 - `commit_path` / baseline: the design before issue 29 in the same run, on the same etcd: every
   rank's `Ledger.record_commit` each step (a read of the active chain, then a transaction), by
   `--workers` simulated ranks for the same steps: writes and keys per step, commit latency.
@@ -33,6 +49,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from math import comb
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +118,34 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
     times = [r["time"] for r in read_jsonl(job / "demo-out" / "steps-0.jsonl")] if rc == 0 else []
     deltas = [b - a for a, b in zip(times, times[1:])][5:]
     finals = [r for f in sorted((job / "demo-out").glob("final-*.jsonl")) for r in read_jsonl(f)]
-    counters = [r["counters"] for r in finals if r.get("counters", {}).get("commits")]
+    counters = [r["counters"] for r in sorted(finals, key=lambda r: r["rank"]) if r.get("counters", {}).get("commits")]
     return {
         "ok": rc == 0 and len(times) == steps,
         "step_s": statistics.median(deltas) if deltas else None,
         # the runtime's own time on the training thread in commit() (meeting and snapshot copy included)
         "commit_ms_per_step": [round(1e3 * c["commit_s"] / c["commits"], 3) for c in counters],
+        # ... and in begin_step() and the collective marks too (`marks_s`: 0 where the runtime has no such counter)
+        "runtime_ms_per_step": [
+            round(1e3 * (c["commit_s"] + c.get("marks_s", 0.0)) / c["commits"], 3) for c in counters
+        ],
+        "snapshot_cpu_ms_per_step": [round(1e3 * c["snapshot_cpu_s"] / c["commits"], 3) for c in counters],
         "etcd": _delta(before, after),
         "log": str(job / "torchrun.log"),
     }
+
+
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """(low, high, coverage): the narrowest interval of order statistics [x(k), x(n-k+1)] that holds
+    the median with probability at least `level` whatever the distribution (each value is above the
+    median with probability 1/2: the coverage is 1 - 2 P(Binomial(n, 1/2) < k)); None if none does."""
+    xs, n = sorted(values), len(values)
+    found = None
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
+        if coverage < level:
+            break
+        found = (xs[k - 1], xs[n - k], coverage)
+    return found
 
 
 def baseline(url: str, steps: int, workers: int) -> dict[str, Any]:
@@ -181,8 +217,9 @@ def main() -> None:
     with etcd_server() as url, tempfile.TemporaryDirectory(prefix="bench-commit-") as tmp:
         work = Path(tmp)
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "gpuguard": []}
-        for mode in ("plain", "gpuguard") * reps:  # interleaved: the machine's load drifts
-            runs[mode].append(run_job(url, work, mode, steps, every, burn, workers))
+        for rep in range(reps):  # interleaved pairs, the order alternating: the machine's load drifts
+            for mode in ("plain", "gpuguard") if rep % 2 == 0 else ("gpuguard", "plain"):
+                runs[mode].append(run_job(url, work, mode, steps, every, burn, workers))
         ok = all(r["ok"] for rs in runs.values() for r in rs)
         gg = runs["gpuguard"]
         writes = statistics.mean((r["etcd"]["puts"] + r["etcd"]["deletes"]) / steps for r in gg)
@@ -193,6 +230,15 @@ def main() -> None:
         pairs = [
             round(g["step_s"] / p["step_s"] - 1, 4) for p, g in zip(runs["plain"], gg) if p["step_s"] and g["step_s"]
         ]
+        ci = median_ci(pairs)
+        plain_med = statistics.median(plain_s) if plain_s else None
+        slowest = [max(r["runtime_ms_per_step"]) for r in gg if r["runtime_ms_per_step"]]
+        direct = [1e-3 * ms / plain_med for ms in slowest] if plain_med else []
+        verdict = "not shown"
+        if ci is not None and ci[1] <= 0.01:
+            verdict = "shown"
+        elif ci is not None and ci[0] > 0.01:
+            verdict = "refuted"
         step_s = statistics.median(gg_s) if gg_s else burn
         results.append(
             {
@@ -212,6 +258,14 @@ def main() -> None:
                 "step_overhead_per_pair": pairs,  # each interleaved (plain, gpuguard) pair: the spread
                 # less noisy than the step time: what commit() itself costs each rank (rank order, per run)
                 "commit_ms_per_step": [r["commit_ms_per_step"] for r in gg],
+                "step_overhead_median_pair": round(statistics.median(pairs), 4) if pairs else None,
+                "step_overhead_ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
+                "step_overhead_ci_level": None if ci is None else round(ci[2], 4),
+                "runtime_ms_per_step": [r["runtime_ms_per_step"] for r in gg],
+                "runtime_overhead_direct": round(statistics.median(direct), 5) if direct else None,
+                "runtime_overhead_direct_max": round(max(direct), 5) if direct else None,
+                "snapshot_cpu_ms_per_step": [r["snapshot_cpu_ms_per_step"] for r in gg],
+                "overhead_le_1pct": verdict,
             }
         )
         base = baseline(url, steps, workers)

@@ -75,6 +75,7 @@ class Counters:
     snapshot_errors: int = 0
     skipped_snapshots: int = 0
     commit_s: float = 0.0  # wall time spent in commit() (main thread)
+    marks_s: float = 0.0  # wall time in begin_step() and the collective marks' enter/exit (main thread)
     snapshot_cpu_s: float = 0.0  # CPU time of the snapshot writer thread
 
 

@@ -556,9 +556,10 @@ class Runtime:
     # ------------------------------------------------------------------ the loop
     def begin_step(self, step: int) -> None:
         """Mark the start of `step` (its step record and its duration): `steps()` and `run()` call it."""
-        self._step_t0 = time.perf_counter()
+        self._step_t0 = t0 = time.perf_counter()
         if self._steplog is not None:
             self._steplog.begin_step(step)
+        self.counters.marks_s += time.perf_counter() - t0
 
     def steps(self, state: TrainState, until: int | None = None) -> Iterator[int]:
         """Step numbers from the certified start (inclusive) to `until` (inclusive; None: forever)."""
@@ -587,7 +588,7 @@ class Runtime:
         self._collective_seq += 1
         if self._steplog is None:
             return contextlib.nullcontext()
-        return self._steplog.collective(self._collective_seq, op, nbytes)
+        return _Timed(self._steplog.collective(self._collective_seq, op, nbytes), self.counters)
 
     def commit(self, step: int) -> None:
         """After the optimizer update of `step`: step record, commit record, snapshot every k."""
@@ -677,6 +678,26 @@ class Runtime:
         if not isinstance(doc, dict):
             raise ActivationRefused(f"activation: {key!r} is not a JSON object")
         return doc
+
+
+class _Timed:
+    """A collective mark whose own enter and exit (not the collective inside) count in `marks_s`:
+    the runtime's time on the training thread outside commit(), for the overhead figures."""
+
+    __slots__ = ("mark", "counters")
+
+    def __init__(self, mark: Any, counters: Counters) -> None:
+        self.mark, self.counters = mark, counters
+
+    def __enter__(self) -> None:
+        t0 = time.perf_counter()
+        self.mark.__enter__()
+        self.counters.marks_s += time.perf_counter() - t0
+
+    def __exit__(self, *exc: object) -> None:
+        t0 = time.perf_counter()
+        self.mark.__exit__(*exc)
+        self.counters.marks_s += time.perf_counter() - t0
 
 
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
