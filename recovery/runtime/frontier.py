@@ -27,6 +27,7 @@ Lazy imports (start-up time): torch.distributed, only where the control group is
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from datetime import timedelta
@@ -56,6 +57,7 @@ class FrontierAgreement:
         self._slot: LatestSlot[tuple[int, int, str]] = LatestSlot("gpuguard-frontier", self._write)
         self._ledger: Any = None
         self._meeting: Meeting | None = None  # this generation's meetings on the control group
+        atexit.register(self._quiesce)
 
     def form(self, opened: Any) -> None:
         """Collective, once per generation after its world group formed: the control group."""
@@ -98,6 +100,12 @@ class FrontierAgreement:
         except RuntimeError as exc:
             self.errors += 1
             self.ctx.log(f"frontier meeting not completed: {one_line(exc)}")
+
+    def _quiesce(self) -> None:
+        """At exit (a worker leaving on an exception, without close): let a meeting in flight finish
+        its completion first, bounded (its callback runs in gloo's thread and needs the interpreter)."""
+        if self._meeting is not None:
+            self._meeting.quiesce(2.0)
 
     def _submit(self, generation: int, step: int, evidence: str) -> None:
         self._slot.offer((generation, step, evidence))
