@@ -17,6 +17,7 @@ RDZV_ENDPOINT_ENV = "GPUGUARD_RDZV_ENDPOINT"  # where the rendezvous round is re
 STATE_DIR_ENV = "GPUGUARD_STATE_DIR"  # the sweep's state directory (cursor, recent events, lock)
 PEER_HEARTBEAT_ENV = "GPUGUARD_PEER_HEARTBEAT"  # <s>[:<misses>]: in-place peer heartbeat (off by default)
 WATCH_INTERVAL_ENV = "GPUGUARD_WATCH_INTERVAL"  # seconds between reads of the active generation (default 2)
+FAST_EXIT_ENV = "GPUGUARD_FAST_EXIT"  # 0: a worker dying of an uncaught exception finalizes as Python does
 LEASE_TTL_ENV = "GPUGUARD_LEASE_TTL"  # seconds: the etcd lease each host's ranks share (docs/formats/leases.md)
 HOST_LEASE_DIR_ENV = "GPUGUARD_HOST_LEASE_DIR"  # host-local dir of the host lease's files (default /dev/shm)
 SNAPSHOT_ROOT_ENV = (

@@ -20,6 +20,9 @@ Why each piece (measured on torch 2.13 + gloo: docs/torchrun-hazards.md; protoco
   first collective, or refuses to start;
 - snapshots every k steps in a background thread (DCP); a SIGTERM from the agent lets an in-flight
   snapshot finish first (bounded), so a survivor's last snapshot is not lost: RPO one step;
+- a worker that dies of an uncaught exception (a survivor's collective error) leaves once its exit
+  handlers ran (the snapshot flush among them), without Python's seconds of finalization, so the
+  agent restarts sooner (`foundation.fastexit`; `GPUGUARD_FAST_EXIT=0` keeps Python's exit);
 - fencing: commits and snapshot writes stamped with an older generation are dropped and counted;
 - across hosts (an etcd ledger): each incarnation's key rides on its host's etcd lease (one per host,
   `recovery.runtime.host_lease`) and it fences itself (exit 4)
@@ -57,7 +60,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpuguard.foundation import jobdir
+from gpuguard.foundation import fastexit, jobdir
 from gpuguard.foundation.env import (
     BACKEND_ENV,
     CHECKPOINT_EVERY_ENV,
@@ -175,6 +178,7 @@ class Runtime:
         nccl_fails_fast(self.backend)
         launch = Launch(rank, world_size, local_rank, master_addr, master_port, run_id, restart_count, use_agent_store)
         import_heavy_modules()  # before the lease's threads need the GIL (recovery.runtime.warmup)
+        fastexit.install()  # a worker whose collective failed is gone in ms, not seconds (foundation/fastexit.py)
         self.context = Context(
             job_dir,
             launch,
@@ -188,7 +192,7 @@ class Runtime:
         # The training script's model (FSDP2's, through its device mesh) keeps the process group alive
         # past close(); freed during interpreter finalization, gloo can abort a finished worker
         # (SIGABRT). At exit, after the script's frames are gone, free it while the interpreter is whole.
-        atexit.register(gc.collect)
+        atexit.register(_collect_unless_leaving)
         self.objects = TrainObjects()
         # soundness: what a state must be to be certified (recovery.snapshots.soundness; default: Policy())
         self.state: RankState = (
@@ -698,6 +702,13 @@ class _Timed:
         t0 = time.perf_counter()
         self.mark.__exit__(*exc)
         self.counters.marks_s += time.perf_counter() - t0
+
+
+def _collect_unless_leaving() -> None:
+    """The exit handler that frees the groups before finalization; moot when finalization is skipped
+    (`foundation.fastexit`: a worker dying of an uncaught exception), where it would cost seconds under load."""
+    if not fastexit.leaving():
+        gc.collect()
 
 
 BACKENDS = ("gloo", "nccl", "ucc", "mpi", "xccl")
