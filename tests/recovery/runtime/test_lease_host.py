@@ -21,10 +21,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import requests
 
 from gpuguard.foundation.env import HOST_LEASE_DIR_ENV
 from gpuguard.recovery.runtime.coordination_etcd import EtcdCoordination
 from gpuguard.recovery.runtime.host_lease import HostState
+from tests.support.etcd_cluster import SingleEtcd
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -101,7 +103,7 @@ class Host:
         self.coord.close()
 
     def renewed(self) -> float:
-        """etcd's own count of lease renewals (this etcd serves only this test now)."""
+        """etcd's own count of lease renewals, server-wide: exact only on an etcd of this test's own."""
         with urllib.request.urlopen(self.etcd_url + "/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
                 if line.startswith("etcd_debugging_lease_renewed_total "):
@@ -109,21 +111,41 @@ class Host:
         raise AssertionError("etcd /metrics has no etcd_debugging_lease_renewed_total")
 
 
-@pytest.fixture
-def host(etcd_url, tmp_path):
+def _hosts(etcd_url: str, base: Path):
     made: list[Host] = []
 
     def make(ranks: int) -> Host:
-        made.append(Host(etcd_url, tmp_path, ranks))
+        made.append(Host(etcd_url, base, ranks))
         return made[-1]
 
-    yield make
-    for h in made:
-        h.close()
+    try:
+        yield make
+    finally:
+        for h in made:
+            h.close()
 
 
-def test_one_lease_one_renewer_and_the_hosts_keepalives_are_one_renewers(host):
-    h = host(0)
+@pytest.fixture
+def host(etcd_url, tmp_path):
+    yield from _hosts(etcd_url, tmp_path)
+
+
+@pytest.fixture
+def alone_host(tmp_path):
+    """A host on an etcd of its own: etcd's renewal count is server-wide, and a lease some earlier
+    test's process still keeps alive on the shared server would be counted as this host's (seen in CI)."""
+    server = SingleEtcd(tmp_path / "etcd").wait(
+        lambda ep: requests.post(f"http://{ep}/v3/kv/range", json={"key": "eA=="}, timeout=1).raise_for_status()
+    )
+    try:
+        (tmp_path / "host").mkdir()
+        yield from _hosts(f"http://{server.endpoint}", tmp_path / "host")
+    finally:
+        server.stop()
+
+
+def test_one_lease_one_renewer_and_the_hosts_keepalives_are_one_renewers(alone_host):
+    h = alone_host(0)
     before, t_before = h.renewed(), time.monotonic()
     h.start("inc0")  # grants the lease
     t0 = time.monotonic()
