@@ -61,6 +61,8 @@ heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt):
   lease_ttl      seconds the run's keys outlive the last live agent (default 600, >= 3 x
                  keep_alive_interval: live agents refresh the lease on their heartbeats)
   closed_ttl     seconds the closed state stays after a clean end (default 60; 0 removes it too)
+  last_call_early  1 (default): a re-rendezvous completes as soon as every agent known to be alive
+                 has joined, not at the end of last_call_timeout (`last_call`); 0: torch's last call
   protocol       http or https (default http)
   ca_cert, ssl_cert, ssl_cert_key   TLS files (https): the CA bundle, the client certificate and key
   secret_file    the rendezvous secret (`signed_state`; default: $GPUGUARD_JOB_DIR/generation.key).
@@ -123,6 +125,7 @@ from gpuguard.foundation.etcd import (
 )
 from gpuguard.recovery.rendezvous.etcd_keys import RunLease, run_prefix, tls_from_conf
 from gpuguard.recovery.rendezvous.etcd_store import EtcdConnection, EtcdStore
+from gpuguard.recovery.rendezvous.last_call import EarlyLastCall
 from gpuguard.recovery.rendezvous.signed_state import (
     SECRET_FILE_CONF,
     ForeignState,
@@ -367,17 +370,21 @@ class _WatchingOpExecutor(_DistributedRendezvousOpExecutor):
     `_delay`, torch's own loop runs unchanged (the plain poll; `WATCHES_SYNC` says which).
     """
 
-    def __init__(self, node: Any, state_holder: _WatchingStateHolder, settings: RendezvousSettings) -> None:
+    def __init__(
+        self, node: Any, state_holder: _WatchingStateHolder, settings: RendezvousSettings, last_call: EarlyLastCall
+    ) -> None:
         super().__init__(node, state_holder, settings)
         self._watching_holder = state_holder
         self._torch_run = _with_delay(_DistributedRendezvousOpExecutor.run, self._sync_wait)
+        self.last_call = last_call
 
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        """torch's `run`, whatever its signature in this torch version."""
+    def run(self, state_handler: Any, *args: Any, **kwargs: Any) -> None:
+        """torch's `run`, whatever its signature in this torch version, its op seen by `last_call`."""
+        op = self.last_call.wrap(state_handler)
         if self._torch_run is None:
-            super().run(*args, **kwargs)
+            super().run(op, *args, **kwargs)
         else:
-            self._torch_run(self, *args, **kwargs)
+            self._torch_run(self, op, *args, **kwargs)
 
     def _sync_wait(self, seconds: float | tuple[float, float]) -> None:
         if isinstance(seconds, tuple):  # a random skew, not a poll: torch's own delay
@@ -405,18 +412,22 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     _gpuguard_backend: EtcdRendezvousBackend
     _gpuguard_closed_ttl: int = 60
+    last_call: EarlyLastCall
 
-    def attach(self, backend: EtcdRendezvousBackend, closed_ttl: int) -> None:
+    def attach(self, backend: EtcdRendezvousBackend, closed_ttl: int, last_call_early: bool = True) -> None:
         """The backend this handler prunes and departs through, and the TTL of a closed round's keys.
 
-        Also swaps torch's state holder and loop for the watching ones (`_WatchingOpExecutor`):
-        called right after `from_backend`, before any rendezvous, so the holder replaced held nothing.
+        Also swaps torch's state holder and loop for the watching ones (`_WatchingOpExecutor`, its
+        join op ending a re-rendezvous's last call early unless `last_call_early` is off:
+        `last_call`): called right after `from_backend`, before any rendezvous, so the holder
+        replaced held nothing.
         """
         self._gpuguard_backend = backend
         self._gpuguard_closed_ttl = closed_ttl
         holder = _WatchingStateHolder(backend, self._settings)
         self._state_holder = holder
-        self._op_executor = _WatchingOpExecutor(self._this_node, holder, self._settings)
+        self.last_call = EarlyLastCall(self._settings, last_call_early)
+        self._op_executor = _WatchingOpExecutor(self._this_node, holder, self._settings, self.last_call)
 
     @property
     def use_agent_store(self) -> bool:
@@ -425,6 +436,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         with _no_shared_store():
             info = super().next_rendezvous()
+        self.last_call.rounds_done += 1
         state = getattr(getattr(self, "_state_holder", None), "state", None)
         if info.rank == 0 and state is not None:  # one agent per round prunes what all have moved past
             try:
@@ -484,6 +496,13 @@ def _conf_int(params: RendezvousParameters, key: str, default: int, minimum: int
     return value
 
 
+def _conf_flag(params: RendezvousParameters, key: str, default: bool) -> bool:
+    raw = str(params.get(key, int(default))).strip().lower()
+    if raw not in ("0", "1", "true", "false"):
+        raise ValueError(f"--rdzv-conf {key}={raw!r}: 0 or 1 is needed")
+    return raw in ("1", "true")
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
     """The backend and the agents' store for `params`, like torch's own `create_backend` functions.
 
@@ -540,5 +559,9 @@ def create_handler(params: RendezvousParameters | None = None) -> Any:
         keep_alive_interval=_conf_int(params, "keep_alive_interval", 5, 1),
         keep_alive_max_attempt=_conf_int(params, "keep_alive_max_attempt", 3, 1),
     )
-    handler.attach(backend, _conf_int(params, "closed_ttl", DEFAULTS["closed_ttl"], 0))
+    handler.attach(
+        backend,
+        _conf_int(params, "closed_ttl", DEFAULTS["closed_ttl"], 0),
+        _conf_flag(params, "last_call_early", True),
+    )
     return handler
