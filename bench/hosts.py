@@ -36,7 +36,12 @@ frozen host comes back once the survivors have moved on). Rows:
 certified chain that `gpu-generation verify` accepts); `semantic_failures`: trials that finished
 with other parameters or an invalid chain; `zombie_writes_fenced`: commit records the ledger
 refused (stale generation), read before the zombie oracle runs; `steps_lost`: committed steps redone
-after recovery (mean).
+after recovery (mean). Trials are interleaved: for each fault, trial i of every path runs before
+trial i + 1 of any, so the paths share the machine's drift. `times_s`: each recovered trial's time;
+`loadavg_1m`: the 1-minute load average when the fault's first trial started and when its last
+ended. The restart row, when restart-baseline ran too: `ratio_to_baseline_p50` (the median of its
+times over the median of the baseline's, trials where both recovered), `ratio_per_pair` (trial i
+over baseline trial i) and `faster_pairs`.
 `zombie_attempts` / `zombie_visible` (in-place and restart rows; summed over the trials): once the
 survivors are done and the next generation is active, the zombie oracle (`examples.zombie`, the one
 `tests/recovery/runtime/test_zombie_oracle.py` runs) runs as a process with the lost member's
@@ -547,12 +552,32 @@ def row(fault: str, path: str, trials: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_lost": round(statistics.mean(lost), 2) if lost else None,
         "p50_s": round(statistics.median(secs), 3) if secs else None,
         "p90_s": round(_quantile(secs, 0.9) or 0.0, 3) if secs else None,
+        "times_s": [round(x, 3) for x in secs],
         **(
             {"why_not": [t.get("why") or "see logs" for t in trials if not t.get("recovered")]}
             if not all(t.get("recovered") for t in trials)
             else {}
         ),
         **({"breakdown_s": trials[-1]["breakdown"]} if trials and trials[-1].get("breakdown") else {}),
+    }
+
+
+def vs_baseline(ours: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """The restart row against restart-baseline in the same run: the ratio of the medians (the
+    done-when's figure), and trial by trial (trial i of each ran back to back)."""
+    pairs = [
+        (a["seconds"], b["seconds"])
+        for a, b in zip(ours, base, strict=False)
+        if a.get("recovered") and b.get("recovered") and a.get("seconds") and b.get("seconds")
+    ]
+    if not pairs:
+        return {"ratio_to_baseline_p50": None}
+    return {
+        "ratio_to_baseline_p50": round(
+            statistics.median(a for a, _ in pairs) / statistics.median(b for _, b in pairs), 3
+        ),
+        "ratio_per_pair": [round(a / b, 3) for a, b in pairs],
+        "faster_pairs": sum(1 for a, b in pairs if a < b),
     }
 
 
@@ -594,16 +619,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown path(s) in {args.paths!r}: choose from {', '.join(trial)}", file=sys.stderr)
         return 64
     for fault in faults:
-        for path in paths:
-            if fault == "store-host" and path not in ("restart", "seed-recipe"):
-                continue  # in place and in the baseline, rank 0's host is the power-off row's victim already
-            runs = []
-            for _ in range(max(1, args.trials)):
+        # in place and in the baseline, rank 0's host is the power-off row's victim already
+        here = [p for p in paths if fault != "store-host" or p in ("restart", "seed-recipe")]
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in here}
+        loadavg = {p: [os.getloadavg()[0], 0.0] for p in here}
+        for _ in range(max(1, args.trials)):
+            for path in here:  # interleaved: trial i of every path before trial i + 1 of any
                 with CpuHog(default_processes(), HOG_SECONDS) if args.load else contextlib.nullcontext():
-                    runs.append(trial[path](fault, logs))
-            results.append({**row(fault, path, runs), "load": args.load})
+                    runs[path].append(trial[path](fault, logs))
+        for path in here:
+            loadavg[path][1] = os.getloadavg()[0]
+            results.append({**row(fault, path, runs[path]), "load": args.load, "loadavg_1m": loadavg[path]})
             if path == "in-place":
                 results[-1].update(peer_heartbeat_s=args.heartbeat or None, pg_timeout_s=args.pg_timeout)
+        if "restart" in runs and "restart-baseline" in runs:
+            results[-len(here) + here.index("restart")].update(vs_baseline(runs["restart"], runs["restart-baseline"]))
     if args.stores:
         results += store_rows(args.stores)
     notes = [

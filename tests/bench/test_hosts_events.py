@@ -43,3 +43,15 @@ def test_a_stamp_that_is_no_date_is_skipped():
 @given(st.text(max_size=400), st.floats(min_value=0, max_value=4e9))
 def test_any_text_is_read_without_an_exception(text, since):
     assert set(agent_events(text, since)) <= {"worker_failed", "rendezvous_done"}
+
+
+def test_the_restart_row_against_the_baseline_pairs_trial_by_trial_and_skips_unrecovered_pairs():
+    from hosts import vs_baseline  # noqa: PLC0415 - beside the reader it tests
+
+    ours = [{"recovered": True, "seconds": s} for s in (5.0, 6.0, 9.0)] + [{"recovered": False, "seconds": 1.0}]
+    base = [{"recovered": True, "seconds": s} for s in (6.0, 5.0, 6.0, 6.0)]
+    got = vs_baseline(ours, base)
+    assert got["ratio_per_pair"] == [round(5 / 6, 3), 1.2, 1.5]  # the unrecovered 4th pair is left out
+    assert got["ratio_to_baseline_p50"] == 1.0  # median 6.0 over median 6.0
+    assert got["faster_pairs"] == 1
+    assert vs_baseline([{"recovered": False}], base) == {"ratio_to_baseline_p50": None}
