@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gpuguard.foundation.etcd import EtcdClient, EtcdRequestFailed, b64, parse_endpoints, prefix_end, range_kvs
 from gpuguard.foundation.etcd_mirror import PrefixMirror
-from tests.support.etcd_cluster import SingleEtcd
+from tests.support.etcd_cluster import start_plain_etcd
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(300)]
 
@@ -116,18 +116,7 @@ def test_a_later_refresh_reads_only_what_changed(client):
 def own_etcd(tmp_path_factory):
     """An etcd of this module's own: a compaction is server-wide, and the shared test etcd's other
     users (watches, pinned reads) would find their revisions gone."""
-    srv = SingleEtcd(tmp_path_factory.mktemp("etcd-compact"))
-    clients: list[EtcdClient] = []
-
-    def ready(endpoint: str) -> None:
-        clients.append(EtcdClient(parse_endpoints(endpoint), timeout=2.0))
-        clients[-1].get(b"/ready")
-
-    try:
-        srv.wait(ready)
-    finally:
-        for c in clients:
-            c.close()
+    srv = start_plain_etcd(tmp_path_factory.mktemp("etcd-compact"))
     yield srv
     srv.stop()
 
