@@ -11,10 +11,11 @@ proposals, the keys (`etcd_debugging_mvcc_keys_total`) and the database size.
 Rows:
 - `commit_path` / gpuguard: the job under the runtime (no ledger write per rank-step: one frontier
   record per snapshot for the whole job): etcd writes and new keys per training step, and the
-  step-time overhead against the same job without the runtime (`--mode plain`). The two run in
-  `--reps` pairs, one after the other, the order alternating (plain first, then gpuguard first:
-  a load that drifts within a pair favours neither), each job's step time the median of rank 0's
-  steady-state steps. Two independent figures of the overhead:
+  step-time overhead against the same job without the runtime (`--mode plain`; the new keys per
+  step are etcd's key count over the whole job, its set-up keys included: see `etcd_growth`). The
+  two run in `--reps` pairs, one after the other, the order alternating (plain first, then gpuguard
+  first: a load that drifts within a pair favours neither), each job's step time the median of
+  rank 0's steady-state steps. Two independent figures of the overhead:
   - side by side: `step_overhead_per_pair` (each pair's gpuguard / plain - 1: the noise),
     `step_overhead_median_pair` (their median) and `step_overhead_ci95` ([low, high]: the
     distribution-free confidence interval of that median from the pairs' order statistics, at
@@ -37,8 +38,17 @@ Rows:
 - `commit_path` / baseline: the design before issue 29 in the same run, on the same etcd: every
   rank's `Ledger.record_commit` each step (a read of the active chain, then a transaction), by
   `--workers` simulated ranks for the same steps: writes and keys per step, commit latency.
-- `etcd_growth`: bytes and keys per hour at the job's step rate, both designs, extrapolated to
-  10,240 ranks (the baseline grows with ranks x steps; gpuguard with snapshots only).
+- `etcd_growth`: what each design adds to etcd per step beyond the keys it writes once at set-up,
+  per hour at the job's step rate, extrapolated to 10,240 ranks. Counted under the job's own key
+  prefix (not etcd's server-wide key count, which other clients of a shared etcd move too):
+  `setup_keys` (the keys a job holds however long it runs, at `setup_ranks` ranks),
+  `new_keys_per_step` (beyond those, at `setup_ranks` ranks), `new_keys_per_hour` and
+  `bytes_per_hour` (10,240 ranks: the baseline grows with ranks x steps; gpuguard's growth, if
+  any, is taken as not growing with ranks). gpuguard: two job lengths in the same run, the
+  `--steps` jobs above and one more of `--steps / 2` (at least `--every`): growth = the difference
+  of their final key counts over the difference of their steps, set-up = the rest (a job's
+  certificate, chain and frontier keys, written once; its lease keys are gone at its end).
+  Baseline: its keys after the ledger's set-up and after the steps, in process.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from ledger import etcd_server  # noqa: E402  (bench/ledger.py)
 
 from gpuguard.examples import demo  # noqa: E402
 from gpuguard.foundation.env import LEDGER_ENV  # noqa: E402
+from gpuguard.foundation.etcd import EtcdClient  # noqa: E402
 from gpuguard.generation.certificate import issue  # noqa: E402
 from gpuguard.generation.ledger_open import open_ledger  # noqa: E402
 from gpuguard.generation.records import Frontier, Incarnation, Member  # noqa: E402
@@ -97,6 +108,12 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: after[k] - before[k] for k in before}
 
 
+def prefix_keys(url: str, prefix: str) -> int:
+    """The keys under one ledger's prefix now (a count-only range: etcd's index, not the values)."""
+    with EtcdClient.from_url(url) as client:
+        return int(client.range(f"/{prefix}/", "bench prefix keys", prefix=True, count_only=True).get("count", 0))
+
+
 def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float, workers: int) -> dict[str, Any]:
     """One job; etcd's counters around it and rank 0's median steady-state step time."""
     job = work / f"{mode}-{uuid.uuid4().hex[:6]}"
@@ -119,6 +136,7 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
         finally:
             demo.stop_job(proc, job)
     after = metrics(url)
+    keys = prefix_keys(url, prefix) if mode == "gpuguard" else 0
     records = read_jsonl(job / "demo-out" / "steps-0.jsonl") if rc == 0 else []
     times = [r["time"] for r in records]
     deltas = [b - a for a, b in zip(times, times[1:])][5:]
@@ -138,6 +156,7 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
         ],
         "snapshot_cpu_ms_per_step": [round(1e3 * c["snapshot_cpu_s"] / c["commits"], 3) for c in counters],
         "etcd": _delta(before, after),
+        "prefix_keys": keys,  # the job's keys under its ledger prefix once it has ended
         "log": str(job / "torchrun.log"),
     }
 
@@ -172,7 +191,8 @@ def baseline(url: str, steps: int, workers: int) -> dict[str, Any]:
     """The commit path before issue 29: every rank commits every step in the ledger."""
     key = os.urandom(32)
     job = Path(tempfile.mkdtemp(prefix="bench-commit-base-"))
-    ledger_url = url.replace("http://", "etcd://", 1) + f"/bench-base-{uuid.uuid4().hex[:8]}"
+    prefix = f"bench-base-{uuid.uuid4().hex[:8]}"
+    ledger_url = url.replace("http://", "etcd://", 1) + f"/{prefix}"
     led = open_ledger(job, ledger_url, key=key)
     led.initialize(
         issue(
@@ -201,6 +221,7 @@ def baseline(url: str, steps: int, workers: int) -> dict[str, Any]:
     )
     lat: list[float] = []
     lock = threading.Lock()
+    setup_keys = prefix_keys(url, prefix)
     before = metrics(url)
 
     def rank(r: int) -> None:
@@ -220,6 +241,8 @@ def baseline(url: str, steps: int, workers: int) -> dict[str, Any]:
     s = sorted(lat)
     return {
         "etcd": _delta(before, after),
+        "setup_keys": setup_keys,
+        "end_keys": prefix_keys(url, prefix),
         "commit_p50_ms": round(1e3 * s[len(s) // 2], 2),
         "commit_p99_ms": round(1e3 * s[min(len(s) - 1, int(0.99 * len(s)))], 2),
     }
@@ -240,7 +263,12 @@ def main() -> None:
         for rep in range(reps):  # interleaved pairs, the order alternating: the machine's load drifts
             for mode in ("plain", "gpuguard") if rep % 2 == 0 else ("gpuguard", "plain"):
                 runs[mode].append(run_job(url, work, mode, steps, every, burn, workers))
-        ok = all(r["ok"] for rs in runs.values() for r in rs)
+        # a second job length: what does not grow with the steps is set-up (past the first snapshot)
+        short_steps = max(every, steps // 2)
+        if short_steps >= steps:
+            raise SystemExit(f"--steps {steps}: want at least 2 x --every ({every}) for two job lengths")
+        short = run_job(url, work, "gpuguard", short_steps, every, burn, workers)
+        ok = all(r["ok"] for rs in runs.values() for r in rs) and short["ok"]
         gg = runs["gpuguard"]
         writes = statistics.mean((r["etcd"]["puts"] + r["etcd"]["deletes"]) / steps for r in gg)
         keys = statistics.mean(r["etcd"]["keys"] / steps for r in gg)
@@ -317,25 +345,42 @@ def main() -> None:
             }
         )
         per_hour = 3600 / step_s
-        for design, keys_per_step, ranks_factor in (
-            ("gpuguard", keys, 1),  # one frontier key per generation, raised in place: no new keys
-            ("baseline (record_commit per rank-step)", base["etcd"]["keys"] / steps, 10_240 / workers),
-        ):
+        long_keys = statistics.median(r["prefix_keys"] for r in gg)
+        gg_growth = (long_keys - short["prefix_keys"]) / (steps - short_steps)
+        base_growth = (base["end_keys"] - base["setup_keys"]) / steps
+        designs: tuple[tuple[str, float, float, float, bool, dict[str, Any]], ...] = (
+            # one frontier key per generation, raised in place: no new key per step
+            (
+                "gpuguard",
+                long_keys - gg_growth * steps,
+                gg_growth,
+                1,
+                ok,
+                {"job_keys": {short_steps: short["prefix_keys"], steps: long_keys}},
+            ),
+            ("baseline (record_commit per rank-step)", base["setup_keys"], base_growth, 10_240 / workers, True, {}),
+        )
+        for design, setup, keys_per_step, ranks_factor, measured, extra in designs:
             results.append(
                 {
                     "metric": "etcd_growth",
                     "design": design,
                     "ranks": 10_240,
-                    "ok": True,
+                    "ok": measured,
                     "seconds": round(step_s, 4),
+                    "setup_keys": round(setup, 2),
+                    "setup_ranks": workers,
+                    "new_keys_per_step": round(keys_per_step, 4),
                     "new_keys_per_hour": round(keys_per_step * ranks_factor * per_hour),
                     "bytes_per_hour": round(keys_per_step * ranks_factor * per_hour * 243),
+                    **extra,  # gpuguard: the final keys of each job length, by steps
                 }
             )
         notes.append(
             f"{workers} ranks, {steps} steps of ~{burn * 1e3:.0f} ms stand-in compute, snapshot every {every}; "
-            "writes = etcd_mvcc_put_total + etcd_mvcc_delete_total deltas around each job; etcd_growth extrapolates "
-            "keys per step to 10,240 ranks at the measured step rate (243 bytes a commit record, measured before)"
+            "writes = etcd_mvcc_put_total + etcd_mvcc_delete_total deltas around each job; etcd_growth: the keys under "
+            f"each job's prefix, gpuguard's growth from two job lengths ({short_steps} and {steps} steps), set-up keys "
+            "apart, extrapolated to 10,240 ranks at the measured step rate (243 bytes a commit record, measured before)"
         )
     emit("commit_path", results, wants_json(), notes)
 

@@ -169,6 +169,18 @@ class SingleEtcd:
                 self.proc.wait(timeout=10)
 
 
+def start_plain_etcd(root: Path) -> SingleEtcd:
+    """A single etcd on loopback (http), serving: for a test that changes the server for everyone
+    on it (a compaction) or reads a server-wide count, never done on the shared test etcd."""
+    from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
+
+    def ready(endpoint: str) -> None:
+        with EtcdClient(parse_endpoints(endpoint), timeout=2.0) as client:
+            client.get(b"/ready")
+
+    return SingleEtcd(root).wait(ready)
+
+
 def start_tls_etcd(root: Path):
     """A single etcd serving https only to clients with a certificate of a throw-away CA
     (`--client-cert-auth`): (the server, its `tls_certs.Certs`, the client's `TlsFiles`)."""

@@ -2,7 +2,9 @@
 
 - `wait_for_change` returns at the first change of the state key (also one made between the read
   and the wait), and otherwise after its bound, never later: with nothing changing, with a refused
-  and with a silent etcd (no busy loop, no thread left behind);
+  and with a silent etcd (no busy loop, no thread left behind); a watch etcd ends because the held
+  state's revision was compacted away (on an etcd of its own: compaction is server-wide) is the
+  same pause, one watch, then the next read works;
 - the handler's join loop reacts to the other agent's join at once: two real handlers, the first
   parked in torch's SYNC wait; with torch's poll it returns up to 1 s after the second;
 - the hook is this handler's alone: torch's module and its other handlers keep their `_delay`.
@@ -11,9 +13,11 @@
 from __future__ import annotations
 
 import pickle
+import re
 import socket
 import threading
 import time
+import urllib.request
 import uuid
 from urllib.parse import urlsplit
 
@@ -27,6 +31,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from gpuguard.foundation.etcd import EtcdClient, parse_endpoints
 from gpuguard.recovery.rendezvous import backend as rdzv_etcd
 from gpuguard.recovery.rendezvous.signed_state import create_secret_file
+from tests.support.etcd_cluster import start_plain_etcd
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -62,6 +67,17 @@ def _timed(fn, *args):
     return out, time.monotonic() - t0
 
 
+def _woken(mine, other, token: int, round_: int):
+    """(changed, seconds) of `mine` waiting (5 s at most) on the state `token` while `other`
+    writes round `round_` over it 0.3 s in."""
+    writer = threading.Timer(0.3, lambda: other.set_state(_state(round_), token))
+    writer.start()
+    try:
+        return _timed(mine.wait_for_change, token, 5.0)
+    finally:
+        writer.join(timeout=10)
+
+
 def test_wait_ends_at_the_first_change_and_never_past_its_bound(endpoint):
     run = uuid.uuid4().hex
     mine, _ = rdzv_etcd.create_backend(_params(endpoint, run))
@@ -69,12 +85,7 @@ def test_wait_ends_at_the_first_change_and_never_past_its_bound(endpoint):
     _, token, _ = mine.set_state(_state(0))
     changed, took = _timed(mine.wait_for_change, token, 0.6)
     assert changed is False and 0.55 < took < 1.2  # nothing changed: the whole bound, as torch's sleep
-    writer = threading.Timer(0.3, lambda: other.set_state(_state(1), token))
-    writer.start()
-    try:
-        changed, took = _timed(mine.wait_for_change, token, 5.0)
-    finally:
-        writer.join(timeout=10)
+    changed, took = _woken(mine, other, token, 1)
     assert changed is True and 0.25 < took < 2.0, took  # woken by the write, long before 5 s
     # a change between the read and the wait is not missed: the watch starts after the state held
     assert mine.get_state() is not None
@@ -110,6 +121,52 @@ def test_a_refused_or_silent_etcd_costs_the_bound_not_more_and_not_a_spin(endpoi
             assert threading.active_count() == before
     finally:
         srv.close()
+
+
+@pytest.fixture(scope="module")
+def own_endpoint(tmp_path_factory):
+    """An etcd of this module's own: a compaction is server-wide (and so is the watch counter)."""
+    srv = start_plain_etcd(tmp_path_factory.mktemp("etcd-compact"))
+    yield srv.endpoint
+    srv.stop()
+
+
+def _watches_started(endpoint: str) -> int:
+    """The watch streams etcd has opened (one per `/v3/watch` request of the gateway)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:  # noqa: S310 - our own etcd
+        text = r.read().decode()
+    m = re.search(
+        r'^grpc_server_started_total\{grpc_method="Watch",grpc_service="etcdserverpb.Watch"[^}]*\} (\d+)', text, re.M
+    )
+    assert m, "etcd exports no watch counter"
+    return int(m.group(1))
+
+
+def test_a_watch_ended_by_compaction_is_the_plain_pause_then_a_normal_read(own_endpoint):
+    run = uuid.uuid4().hex
+    mine, _ = rdzv_etcd.create_backend(_params(own_endpoint, run))
+    other, _ = rdzv_etcd.create_backend(_params(own_endpoint, run))
+    _, token, _ = mine.set_state(_state(0))
+    _, newer, ok = other.set_state(_state(1), token)  # a change after the held state...
+    assert ok
+    with EtcdClient(parse_endpoints(own_endpoint), timeout=5) as admin:
+        for i in range(3):  # ... then more writes, and etcd compacted past the held state's next revision
+            admin.put(f"/elsewhere/{i}", b"x")
+        now = int(admin.range(b"/", "test revision")["header"]["revision"])
+        admin.call("kv/compaction", {"revision": str(now), "physical": True}, "test compaction")
+        assert now > token + 1 and admin.watch(mine.key, token + 1, 2.0) == "ended"  # etcd ends such a watch
+    watches, threads = _watches_started(own_endpoint), threading.active_count()
+    changed, took = _timed(mine.wait_for_change, token, 1.0)
+    # not a change (no event came: the next read finds it), not at once, not in a loop, not past the bound
+    assert changed is False and 0.95 < took < 1.6, took
+    assert _watches_started(own_endpoint) - watches == 1  # one watch for the whole pause
+    assert threading.active_count() == threads  # no thread left behind
+    state, read = mine.get_state()  # and the next read is a normal one
+    assert pickle.loads(state).round == 1 and read == newer
+    changed, took = _timed(mine.wait_for_change, read, 0.3)  # and from there the watch works again
+    assert changed is False and 0.25 < took < 1.0
+    changed, took = _woken(mine, other, read, 2)
+    assert changed is True and took < 2.0, took
 
 
 def test_the_join_loop_reacts_to_the_other_agents_join_at_once(endpoint):
