@@ -30,6 +30,7 @@ last_call_early=0` keeps torch's full last call.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -42,6 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 Op = Callable[[_RendezvousContext, float], _Action]
+log = logging.getLogger(__name__)
 
 
 class HeartbeatMemory:
@@ -101,6 +103,12 @@ class EarlyLastCall:
                 and may_end_last_call(ctx.state, self.settings, self._alive())
             ):
                 self.ended_early += 1
+                log.info(
+                    "rendezvous %s: marking round %s complete before its last call ends: all %d live agents joined",
+                    self.settings.run_id,
+                    ctx.state.round,
+                    len(ctx.state.participants),
+                )
                 return _Action.MARK_RENDEZVOUS_COMPLETE
             return action
 
