@@ -30,7 +30,6 @@ last_call_early=0` keeps torch's full last call.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -41,9 +40,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousContext,
     _RendezvousJoinOp,
 )
+from torch.distributed.elastic.utils.logging import get_logger
 
 Op = Callable[[_RendezvousContext, float], _Action]
-log = logging.getLogger(__name__)
+# in torch's rendezvous logger tree, at torchrun's LOGLEVEL: the line lands in the agent's log
+# beside torch's own "Rendezvous complete" (a logger of our own has no handler in the agent)
+log = get_logger("torch.distributed.elastic.rendezvous.gpuguard_last_call")
 
 
 class HeartbeatMemory:
