@@ -79,3 +79,67 @@ def test_meetings_prove_before_they_record_and_never_hold_the_training_thread() 
     # came out of the next meeting on the training thread
     assert any("a member is at step 30" in line for line in r0["logged"]), r0
     assert any(line.startswith("raised: ") for line in r0["logged"]), r0
+
+
+# --- a worker that dies with a meeting in flight (foundation/fastexit.py) ---------------------
+
+GROUP_TIMEOUT_S = 20.0  # the in-flight meeting could only fail after this: the exit must not wait for it
+
+MEMBER = """
+import atexit, sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+group = dist.new_group(backend="gloo", timeout=timedelta(seconds={timeout}))
+dist.barrier()
+if rank == 1:
+    (out / "peer-ready").write_text("1")
+    time.sleep(60)  # alive and silent: never joins the meeting (killed by the test)
+    sys.exit(0)
+from gpuguard.foundation import fastexit
+from gpuguard.recovery.runtime.meeting import Meeting
+
+fastexit.install()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+meeting = Meeting(group, lambda step: (out / "agreed").write_text(str(step)), lambda line: None)
+meeting.start(10)  # in flight: the peer never joins
+(out / "raised").write_text(repr(time.monotonic()))
+raise RuntimeError("the step failed")
+"""
+
+
+def test_a_worker_dying_with_a_meeting_in_flight_leaves_at_once_and_proves_nothing(tmp_path):
+    """The uncaught exception's exit does not wait for the meeting's collective (it could only end
+    at the group's timeout), runs the exit handlers, and the meeting records nothing. An exit handler
+    that settles the meeting (as `Runtime.close` does) holds the exit for the whole timeout: shown by
+    hand, this test then fails at 20.06 s."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    script = MEMBER.format(timeout=GROUP_TIMEOUT_S)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUGUARD_")}
+    peer = subprocess.Popen([sys.executable, "-c", script, "1", str(port), str(tmp_path)], env=env)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, "0", str(port), str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=GROUP_TIMEOUT_S + 40,
+        )
+        ended = time.monotonic()
+    finally:
+        peer.kill()
+        peer.wait(10)
+    assert proc.returncode == 1, proc.stderr
+    assert "RuntimeError: the step failed" in proc.stderr
+    assert (tmp_path / "peer-ready").exists()
+    left_after = ended - float((tmp_path / "raised").read_text())
+    assert left_after < GROUP_TIMEOUT_S / 4, left_after  # not held until the collective times out
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "agreed").exists()  # a meeting that never completed proves nothing
