@@ -13,7 +13,9 @@ Rows:
   record per snapshot for the whole job): etcd writes per training step, new keys per job
   (`etcd_new_keys_per_job`: etcd's key count across the whole job, its set-up keys included; what
   grows per step is the `etcd_growth` row), and the
-  step-time overhead against the same job without the runtime (`--mode plain`). The
+  step-time overhead against the same job without the runtime (`--mode plain`). `ok`: every job
+  (both modes, both lengths) exited 0 with all its steps; `failed_runs`: for each job that did not,
+  its mode, exit status, steps recorded and its log's last lines. The
   two run in `--reps` pairs, one after the other, the order alternating (plain first, then gpuguard
   first: a load that drifts within a pair favours neither), each job's step time the median of
   rank 0's steady-state steps. Two independent figures of the overhead:
@@ -159,7 +161,17 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
         "etcd": _delta(before, after),
         "prefix_keys": keys,  # the job's keys under its ledger prefix once it has ended
         "log": str(job / "torchrun.log"),
+        **({} if rc == 0 and len(times) == steps else {"failure": failure(mode, rc, len(times), job / "torchrun.log")}),
     }
+
+
+def failure(mode: str, rc: int | None, recorded: int, log: Path) -> dict[str, Any]:
+    """Why a job is not ok, kept in the row (the job's directory is gone after the run)."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-12:]
+    except OSError as exc:
+        tail = [f"(no log: {exc})"]
+    return {"mode": mode, "rc": rc, "steps_recorded": recorded, "log_tail": tail}
 
 
 def cycle_step(by_step: list[tuple[int, float]], every: int) -> float | None:
@@ -301,6 +313,7 @@ def main() -> None:
                 "design": "gpuguard",
                 "ranks": workers,
                 "ok": ok,
+                "failed_runs": [r["failure"] for rs in (*runs.values(), [short]) for r in rs if "failure" in r],
                 "seconds": round(step_s, 4),
                 "steps": steps,
                 "snapshot_every": every,
