@@ -147,8 +147,9 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
     by_step = [(s, ended[s] - ended[s - 1]) for s in sorted(ended) if s - 1 in ended and s > 6]
     finals = [r for f in sorted((job / "demo-out").glob("final-*.jsonl")) for r in read_jsonl(f)]
     counters = [r["counters"] for r in sorted(finals, key=lambda r: r["rank"]) if r.get("counters", {}).get("commits")]
+    ok = rc == 0 and len(times) == steps
     return {
-        "ok": rc == 0 and len(times) == steps,
+        "ok": ok,
         "step_s": statistics.median(deltas) if deltas else None,
         "cycle_step_s": cycle_step(by_step, every),
         # the runtime's own time on the training thread in commit() (meeting and snapshot copy included)
@@ -161,7 +162,7 @@ def run_job(url: str, work: Path, mode: str, steps: int, every: int, burn: float
         "etcd": _delta(before, after),
         "prefix_keys": keys,  # the job's keys under its ledger prefix once it has ended
         "log": str(job / "torchrun.log"),
-        **({} if rc == 0 and len(times) == steps else {"failure": failure(mode, rc, len(times), job / "torchrun.log")}),
+        **({} if ok else {"failure": failure(mode, rc, len(times), job / "torchrun.log")}),
     }
 
 
@@ -281,7 +282,8 @@ def main() -> None:
         if short_steps >= steps:
             raise SystemExit(f"--steps {steps}: want at least 2 x --every ({every}) for two job lengths")
         short = run_job(url, work, "gpuguard", short_steps, every, burn, workers)
-        ok = all(r["ok"] for rs in runs.values() for r in rs) and short["ok"]
+        failed = [r["failure"] for rs in (*runs.values(), [short]) for r in rs if "failure" in r]
+        ok = not failed
         gg = runs["gpuguard"]
         writes = statistics.mean((r["etcd"]["puts"] + r["etcd"]["deletes"]) / steps for r in gg)
         keys = statistics.mean(r["etcd"]["keys"] for r in gg)
@@ -313,7 +315,7 @@ def main() -> None:
                 "design": "gpuguard",
                 "ranks": workers,
                 "ok": ok,
-                "failed_runs": [r["failure"] for rs in (*runs.values(), [short]) for r in rs if "failure" in r],
+                "failed_runs": failed,
                 "seconds": round(step_s, 4),
                 "steps": steps,
                 "snapshot_every": every,

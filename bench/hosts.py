@@ -622,18 +622,18 @@ def main(argv: list[str] | None = None) -> int:
         # in place and in the baseline, rank 0's host is the power-off row's victim already
         here = [p for p in paths if fault != "store-host" or p in ("restart", "seed-recipe")]
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in here}
-        loadavg = {p: [os.getloadavg()[0], 0.0] for p in here}
+        load_start = os.getloadavg()[0]
         for _ in range(max(1, args.trials)):
             for path in here:  # interleaved: trial i of every path before trial i + 1 of any
                 with CpuHog(default_processes(), HOG_SECONDS) if args.load else contextlib.nullcontext():
                     runs[path].append(trial[path](fault, logs))
-        for path in here:
-            loadavg[path][1] = os.getloadavg()[0]
-            results.append({**row(fault, path, runs[path]), "load": args.load, "loadavg_1m": loadavg[path]})
-            if path == "in-place":
-                results[-1].update(peer_heartbeat_s=args.heartbeat or None, pg_timeout_s=args.pg_timeout)
-        if "restart" in runs and "restart-baseline" in runs:
-            results[-len(here) + here.index("restart")].update(vs_baseline(runs["restart"], runs["restart-baseline"]))
+        loadavg = [load_start, os.getloadavg()[0]]
+        rows = {path: {**row(fault, path, runs[path]), "load": args.load, "loadavg_1m": loadavg} for path in here}
+        if "in-place" in rows:
+            rows["in-place"].update(peer_heartbeat_s=args.heartbeat or None, pg_timeout_s=args.pg_timeout)
+        if "restart" in rows and "restart-baseline" in rows:
+            rows["restart"].update(vs_baseline(runs["restart"], runs["restart-baseline"]))
+        results.extend(rows.values())
     if args.stores:
         results += store_rows(args.stores)
     notes = [

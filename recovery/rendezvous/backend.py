@@ -497,10 +497,12 @@ def _conf_int(params: RendezvousParameters, key: str, default: int, minimum: int
 
 
 def _conf_flag(params: RendezvousParameters, key: str, default: bool) -> bool:
-    raw = str(params.get(key, int(default))).strip().lower()
-    if raw not in ("0", "1", "true", "false"):
-        raise ValueError(f"--rdzv-conf {key}={raw!r}: 0 or 1 is needed")
-    return raw in ("1", "true")
+    """torch's own reading of a yes/no option (`get_as_bool`), with this backend's one-line error."""
+    try:
+        value = params.get_as_bool(key, default)
+    except ValueError:
+        raise ValueError(f"--rdzv-conf {key}={params.get(key)!r}: 0 or 1 is needed") from None
+    return bool(value)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, Store]:
